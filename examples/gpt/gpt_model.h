@@ -1,0 +1,147 @@
+#pragma once
+// The GPT of DESIGN section 6: byte-level, pre-LayerNorm blocks, untied lm_head.
+// Blocks are wrap points (fsdp::FullyShardedModule<Block>): unsharded they are plain
+// calls, and fsdp::fully_shard can make each one a unit. FQNs are
+// wte.weight, wpe.weight, blocks.{i}.ln1.weight, blocks.{i}.attn.qkv.weight, ...,
+// ln_f.weight, lm_head.weight, so other frameworks can load the weights.
+
+#include <fsdp/fully_sharded_module.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <vector>
+
+namespace gpt {
+
+struct Config {
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t d_model = 128;
+  int64_t block_size = 64;
+  int64_t vocab_size = 256;
+  double dropout = 0.0;
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const Config& c)
+      : n_head_(c.n_head),
+        qkv(register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model))),
+        proj(register_module("proj", torch::nn::Linear(c.d_model, c.d_model))),
+        attn_drop(register_module("attn_drop", torch::nn::Dropout(c.dropout))),
+        resid_drop(register_module("resid_drop", torch::nn::Dropout(c.dropout))) {}
+
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head_;
+    auto parts = qkv(x).split(C, /*dim=*/2);
+    auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hd}).transpose(1, 2); };
+    auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).tril();
+    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    att = attn_drop(torch::softmax(att, -1));
+    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    return resid_drop(proj(y));
+  }
+
+ private:
+  int64_t n_head_;
+
+ public:
+  torch::nn::Linear qkv, proj;
+  torch::nn::Dropout attn_drop, resid_drop;
+};
+TORCH_MODULE(Attention);
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const Config& c)
+      : fc(register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model))),
+        proj(register_module("proj", torch::nn::Linear(4 * c.d_model, c.d_model))),
+        drop(register_module("drop", torch::nn::Dropout(c.dropout))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return drop(proj(torch::gelu(fc(x))));  // exact (erf) GELU
+  }
+  torch::nn::Linear fc, proj;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(Mlp);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const Config& c)
+      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
+        attn(register_module("attn", Attention(c))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
+        mlp(register_module("mlp", Mlp(c))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln1(x));
+    return x + mlp(ln2(x));
+  }
+  torch::nn::LayerNorm ln1;
+  Attention attn;
+  torch::nn::LayerNorm ln2;
+  Mlp mlp;
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  explicit GPTImpl(const Config& c)
+      : config(c),
+        wte(register_module("wte", torch::nn::Embedding(c.vocab_size, c.d_model))),
+        wpe(register_module("wpe", torch::nn::Embedding(c.block_size, c.d_model))) {
+    auto list = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.n_layer; ++i) {
+      blocks.emplace_back(Block(c));
+      list->push_back(blocks.back());
+    }
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)));
+    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+    init_weights();
+  }
+
+  /// idx: (B, T) int64 tokens -> (B, T, vocab) logits.
+  torch::Tensor forward(const torch::Tensor& idx) {
+    const auto T = idx.size(1);
+    TORCH_CHECK(T <= config.block_size, "sequence length ", T, " exceeds block_size ", config.block_size);
+    auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    auto x = wte(idx) + wpe(pos);
+    for (auto& b : blocks) x = b(x);
+    return lm_head(ln_f(x));
+  }
+
+  Config config;
+  torch::nn::Embedding wte, wpe;
+  std::vector<fsdp::FullyShardedModule<Block>> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+
+ private:
+  // GPT-2 style: N(0, 0.02) weights, zero biases, unit LayerNorms.
+  void init_weights() {
+    torch::NoGradGuard g;
+    for (auto& p : named_parameters()) {
+      const auto& n = p.key();
+      if (n.find("ln") != std::string::npos) continue;
+      if (n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0) {
+        p.value().zero_();
+      } else {
+        p.value().normal_(0.0, 0.02);
+      }
+    }
+  }
+};
+TORCH_MODULE(GPT);
+
+/// Mean next-token cross-entropy of `model` on (B, T+1) token rows.
+template <class Model>
+torch::Tensor loss_on(Model& model, const torch::Tensor& rows) {
+  auto x = rows.narrow(1, 0, rows.size(1) - 1);
+  auto y = rows.narrow(1, 1, rows.size(1) - 1);
+  auto logits = model->forward(x);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+}
+
+}  // namespace gpt

@@ -1,0 +1,9 @@
+#pragma once
+// Fully Sharded Data Parallel for LibTorch: the whole public API.
+
+#include <fsdp/full_params.h>
+#include <fsdp/fully_sharded_module.h>
+#include <fsdp/options.h>
+#include <fsdp/process_group.h>
+#include <fsdp/stats.h>
+#include <fsdp/wrap_policy.h>

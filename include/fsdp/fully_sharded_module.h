@@ -1,0 +1,207 @@
+#pragma once
+// Wrap points and fully_shard.
+//
+// LibTorch modules have no forward hooks (DESIGN section 2), so a unit cannot attach
+// itself to a module from the outside. The model calls a submodule *through* a wrap
+// point, FullyShardedModule<M>, which forwards the call with M's own signature. A wrap
+// point that the auto-wrap policy turns into a unit gathers its parameters before the
+// call and frees them after; any other wrap point is a plain pass-through.
+
+#include <fsdp/options.h>
+#include <fsdp/stats.h>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+class Unit;
+class Runtime;
+}  // namespace detail
+
+/// Where one original parameter lives inside its unit's flat parameter.
+struct ParamInfo {
+  std::string fqn;              ///< clean name, e.g. "blocks.0.attn.qkv.weight"
+  std::string unit_fqn;         ///< the owning unit ("" for the root)
+  bool requires_grad = true;    ///< trainable params and frozen ones sit in separate flat params
+  int64_t offset = 0;           ///< first element in the unpadded flat parameter, in elements
+  int64_t numel = 0;            ///< elements
+  std::vector<int64_t> shape;   ///< original shape
+};
+
+/// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
+struct FlatParamInfo {
+  std::string unit_fqn;       ///< the owning unit ("" for the root)
+  bool requires_grad = true;  ///< trainable (true) or frozen (false)
+  int64_t numel = 0;          ///< elements before padding
+  int64_t padded_numel = 0;   ///< numel rounded up to a multiple of the shard group size
+  int64_t shard_numel = 0;    ///< padded_numel / shard group size: elements each rank keeps
+};
+
+/// Base of every wrap point; not a template, so the engine can walk the module tree.
+class WrapPointImpl : public torch::nn::Module {
+ public:
+  /// The wrapped module (the M in FullyShardedModule<M>).
+  virtual std::shared_ptr<torch::nn::Module> wrapped() const = 0;
+
+  /// True once fully_shard made this wrap point a unit.
+  bool is_unit() const { return unit_ != nullptr; }
+  /// True on the wrap point fully_shard returned.
+  bool is_root() const { return runtime_ != nullptr; }
+
+  // The rest is valid on the root only.
+
+  /// The fp32 trainable shards, one per unit: give these to any torch::optim optimizer.
+  std::vector<torch::Tensor> sharded_parameters() const;
+  /// Engine-held bytes by class, this rank.
+  MemoryStats memory_stats() const;
+  /// Resets every memory counter's peak to its current value.
+  void reset_peak_memory();
+  /// Bytes moved by collectives, this step and in total.
+  CommCounters comm_stats() const;
+  /// Every original parameter: FQN, owning unit, offset, numel, shape; in unit order.
+  std::vector<ParamInfo> param_table() const;
+  /// Every flat parameter, in unit order (root first, then units in module order).
+  std::vector<FlatParamInfo> flat_params() const;
+  /// The options the model was sharded with.
+  const ShardingOptions& sharding_options() const;
+  /// The internal runtime; for the engine and checkpoint code.
+  detail::Runtime& runtime() const;
+
+ protected:
+  explicit WrapPointImpl(const std::string& name) : torch::nn::Module(name) {}
+  void pre_forward();
+  void post_forward(std::vector<torch::Tensor> outputs);
+
+ private:
+  friend class detail::Runtime;
+  std::shared_ptr<detail::Unit> unit_;        ///< set when this wrap point is a unit
+  std::shared_ptr<detail::Runtime> runtime_;  ///< set on the root only
+};
+
+namespace detail {
+// Collects the tensors in a forward's output so that pre-backward hooks can be set on
+// them. Unknown types contribute nothing.
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  if (t.defined()) out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts,
+                            std::vector<torch::Tensor>& out) {
+  for (const auto& t : ts) collect_tensors(t, out);
+}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out);
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out);
+template <class T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+}  // namespace detail
+
+/// A wrap point around module holder `M` (e.g. torch::nn::Linear or a TORCH_MODULE).
+template <class M>
+class FullyShardedModuleImpl : public WrapPointImpl {
+ public:
+  explicit FullyShardedModuleImpl(M module)
+      : WrapPointImpl("fsdp::FullyShardedModule"),
+        module_(register_module(kWrappedName, std::move(module))) {}
+
+  /// Calls M's forward; gathers and frees the unit's parameters around it.
+  template <typename... Args>
+  auto forward(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
+    if (!is_unit()) return module_->forward(std::forward<Args>(args)...);
+    pre_forward();
+    auto out = module_->forward(std::forward<Args>(args)...);
+    std::vector<torch::Tensor> tensors;
+    detail::collect_tensors(out, tensors);
+    post_forward(std::move(tensors));
+    return out;
+  }
+
+  /// The wrapped module holder.
+  M& module() { return module_; }
+  const M& module() const { return module_; }
+  std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
+
+  /// Name under which the wrapped module is registered; FQNs skip it.
+  static constexpr const char* kWrappedName = "module";
+
+ private:
+  M module_;
+};
+
+/// Holder for FullyShardedModuleImpl<M>, used like any TORCH_MODULE: fc(x), fc->forward(x).
+template <class M>
+class FullyShardedModule : public torch::nn::ModuleHolder<FullyShardedModuleImpl<M>> {
+ public:
+  using torch::nn::ModuleHolder<FullyShardedModuleImpl<M>>::ModuleHolder;
+
+  /// Calls the wrapped module's forward (ModuleHolder's own operator() cannot see a
+  /// templated forward).
+  template <typename... Args>
+  auto operator()(Args&&... args)
+      -> decltype(std::declval<FullyShardedModuleImpl<M>&>().forward(std::forward<Args>(args)...)) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+/// Wrap point for an entry of a torch::nn::Sequential (Tensor -> Tensor).
+class SequentialEntryImpl : public WrapPointImpl {
+ public:
+  explicit SequentialEntryImpl(torch::nn::AnyModule module);
+  torch::Tensor forward(torch::Tensor x);
+  std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
+
+ private:
+  torch::nn::AnyModule module_;
+};
+
+namespace detail {
+/// Turns the tree under `root` into units; `root` becomes the root unit.
+void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
+/// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.
+torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
+}  // namespace detail
+
+/// Shards `module` and every wrap point inside it that the policy picks. Returns the
+/// root wrap point; call the model through it.
+template <class M>
+FullyShardedModule<M> fully_shard(M module, const ShardingOptions& options = {}) {
+  FullyShardedModule<M> root(std::move(module));
+  detail::shard_module_tree(root.ptr(), options);
+  return root;
+}
+
+/// Shards a model whose root already is a wrap point.
+template <class M>
+FullyShardedModule<M> fully_shard(FullyShardedModule<M> root, const ShardingOptions& options = {}) {
+  detail::shard_module_tree(root.ptr(), options);
+  return root;
+}
+
+/// Shards a torch::nn::Sequential with no change to its code: each entry becomes a wrap
+/// point (subject to the policy), keeping its name, so FQNs stay "0.weight", "1.bias", ...
+inline FullyShardedModule<torch::nn::Sequential> shard_sequential(
+    const torch::nn::Sequential& seq, const ShardingOptions& options = {}) {
+  return fully_shard(detail::wrap_sequential_entries(seq), options);
+}
+
+/// Clean FQNs of the module tree under `module`: wrap-point segments removed, so the
+/// names equal those of the same model without wrap points.
+std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(
+    const torch::nn::Module& module);
+
+}  // namespace fsdp

@@ -1,0 +1,51 @@
+#pragma once
+// Options for fully_shard, as plain structs with their defaults.
+
+#include <fsdp/process_group.h>
+#include <fsdp/wrap_policy.h>
+
+#include <torch/torch.h>
+
+namespace fsdp {
+
+/// How parameters, gradients and optimizer state are split over ranks.
+enum class ShardingStrategy {
+  kFullShard,    ///< ZeRO-3: parameters gathered for forward, freed, gathered again for backward
+  kShardGradOp,  ///< ZeRO-2: parameters stay gathered from forward through backward
+  kNoShard,      ///< data parallel: parameters replicated, gradients all-reduced
+  kHybridShard,  ///< FULL_SHARD inside groups of `hybrid_group_size`, replicated across groups
+};
+
+/// Mixed precision over fp32 master weights. The shards, and the optimizer, stay fp32.
+struct MixedPrecision {
+  /// dtype of the gathered parameters: compute and all-gather.
+  torch::Dtype param_dtype = torch::kFloat32;
+  /// dtype in which gradients are reduced across ranks.
+  torch::Dtype reduce_dtype = torch::kFloat32;
+};
+
+/// Everything fully_shard needs to know.
+struct ShardingOptions {
+  /// Which wrap points become units; the root is always a unit.
+  WrapPolicy auto_wrap_policy = always_wrap_policy();
+  /// See ShardingStrategy.
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  /// Group size for kHybridShard (ranks that share one full copy); 0 = whole world.
+  int hybrid_group_size = 0;
+  /// The ranks to shard over; defaults to a single process.
+  ProcessGroup process_group = ProcessGroup();
+  /// Device on which gathered parameters live and compute runs.
+  torch::Device device = torch::kCPU;
+  /// Compute and communication dtypes.
+  MixedPrecision mixed_precision = {};
+  /// Gather the next unit while the current one computes (forward and backward).
+  bool prefetch = true;
+  /// Prefetching stops while this many non-root units are gathered (the computing one
+  /// included). The root stays gathered from forward through backward; see
+  /// Note [Prefetch bound] in src/runtime.cpp.
+  int max_gathered_units = 2;
+  /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
+  bool sync_module_states = true;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,83 @@
+#pragma once
+// The process group: who this process is, and the collectives the engine uses.
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+namespace detail {
+class Backend;
+}
+
+/// Where this process sits in the job, read from the launcher's environment.
+struct LaunchEnv {
+  int rank = 0;                            ///< global rank, 0-based
+  int world_size = 1;                      ///< number of processes in the job
+  int local_rank = 0;                      ///< rank within this node
+  std::string master_addr = "127.0.0.1";   ///< rendezvous host (rank 0 serves it)
+  int master_port = 29500;                 ///< rendezvous TCP port
+  std::string source = "single-process";   ///< "torchrun", "slurm", "openmpi" or "single-process"
+};
+
+/// Reads the launch environment. torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
+/// MASTER_PORT come first, then Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, then
+/// Open MPI's OMPI_COMM_WORLD_*; with none of them, a single process. Throws a
+/// c10::Error naming the variable and the fix when the environment is incomplete or
+/// inconsistent.
+LaunchEnv read_launch_env();
+
+/// How to build the process group.
+struct ProcessGroupOptions {
+  /// Seconds to wait for all ranks at rendezvous and for any one collective.
+  /// The environment variable FSDP_TIMEOUT_S overrides the default.
+  double timeout_s = 300.0;
+  /// "gloo" (CPU), "nccl" (CUDA) or "auto": nccl when LibTorch has CUDA and a GPU is
+  /// visible, else gloo.
+  std::string backend = "auto";
+};
+
+/// A group of ranks and the collectives over it. Cheap to copy (shared handle).
+/// A default-constructed group is a single process (rank 0 of 1).
+class ProcessGroup {
+ public:
+  ProcessGroup();
+  explicit ProcessGroup(std::shared_ptr<detail::Backend> impl);
+
+  int rank() const;
+  int size() const;
+  /// "gloo", "nccl" or "single".
+  std::string backend_name() const;
+
+  /// Gathers every rank's `shard` into `full` (size() * shard.numel() elements, rank
+  /// order). Both tensors are contiguous and of the same dtype.
+  void all_gather(const torch::Tensor& full, const torch::Tensor& shard) const;
+  /// Sums `full` over ranks and writes this rank's chunk of the sum into `shard`.
+  void reduce_scatter_sum(const torch::Tensor& full, const torch::Tensor& shard) const;
+  /// Sums `tensor` over ranks, in place.
+  void all_reduce_sum(const torch::Tensor& tensor) const;
+  /// Elementwise maximum over ranks, in place.
+  void all_reduce_max(const torch::Tensor& tensor) const;
+  /// Copies `root`'s `tensor` to every rank, in place.
+  void broadcast(const torch::Tensor& tensor, int root = 0) const;
+  void barrier() const;
+
+  /// Splits into subgroups. `groups` lists disjoint rank lists that cover the world;
+  /// every rank must call this with the same lists, and gets the group it belongs to.
+  ProcessGroup split(const std::vector<std::vector<int>>& groups) const;
+
+  /// The engine's handle; internal.
+  const std::shared_ptr<detail::Backend>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<detail::Backend> impl_;
+};
+
+/// Builds the global process group from the launch environment (see LaunchEnv) and
+/// waits until every rank has arrived. Errors name the missing ranks, a busy port or
+/// a bad variable, and say how to fix it.
+ProcessGroup init_process_group(const ProcessGroupOptions& options = {});
+
+}  // namespace fsdp

@@ -1,0 +1,48 @@
+#pragma once
+// Memory and communication accounting. All figures are bytes, per rank.
+
+#include <cstdint>
+#include <string>
+
+namespace fsdp {
+
+/// One tracked allocation class.
+struct MemoryCounter {
+  int64_t current = 0;  ///< bytes held now
+  int64_t peak = 0;     ///< most bytes held at once since the last reset_peaks()
+};
+
+/// Bytes the engine itself holds, by class.
+struct MemoryStats {
+  MemoryCounter sharded_params;   ///< fp32 master shards (trainable and frozen)
+  MemoryCounter grad_shards;      ///< fp32 gradient shards
+  MemoryCounter gathered_params;  ///< full parameters of gathered units, in param_dtype
+  MemoryCounter comm_buffers;     ///< flat gradient buffers awaiting reduction, and staging
+};
+
+/// Bytes moved by collectives. A collective is counted by the size of its full
+/// (unsharded) buffer: an all-gather by its output, a reduce-scatter by its input, an
+/// all-reduce and a broadcast by their tensor. This is what NCCL reads or writes per
+/// rank and does not depend on the algorithm a backend picks.
+struct CommStats {
+  int64_t all_gather_bytes = 0;
+  int64_t reduce_scatter_bytes = 0;
+  int64_t all_reduce_bytes = 0;
+  int64_t broadcast_bytes = 0;
+  int64_t all_gather_calls = 0;
+  int64_t reduce_scatter_calls = 0;
+  int64_t all_reduce_calls = 0;
+
+  int64_t total_bytes() const {
+    return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
+  }
+};
+
+/// Communication in the current training step (since the last training forward began)
+/// and since sharding.
+struct CommCounters {
+  CommStats step;
+  CommStats total;
+};
+
+}  // namespace fsdp

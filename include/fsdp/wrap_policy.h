@@ -1,0 +1,65 @@
+#pragma once
+// Auto-wrap policies: which wrap points (FullyShardedModule<M>) become sharded units.
+// A wrap point the policy rejects merges its parameters into the nearest enclosing unit.
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace fsdp {
+
+/// What a policy sees about one wrap point. Policies are asked bottom-up, so `numel`
+/// already excludes parameters claimed by inner units.
+struct WrapContext {
+  const std::string& fqn;            ///< e.g. "blocks.3" (clean: no wrapper segments)
+  const torch::nn::Module& module;   ///< the wrapped module (the M inside the wrap point)
+  int64_t numel;                     ///< parameters it would own, not claimed by inner units
+};
+
+/// Returns true when the wrap point should become its own unit.
+using WrapPolicy = std::function<bool(const WrapContext&)>;
+
+/// Every wrap point becomes a unit.
+WrapPolicy always_wrap_policy();
+/// No wrap point becomes a unit: the root unit owns everything.
+WrapPolicy never_wrap_policy();
+/// A unit when it would own at least `min_numel` parameters (as FSDP's
+/// size_based_auto_wrap_policy). Throws if min_numel < 0.
+WrapPolicy size_based_policy(int64_t min_numel);
+/// A unit when the wrapped module's type name (Module::name(), e.g.
+/// "torch::nn::LinearImpl" or "BlockImpl") is one of `type_names`.
+WrapPolicy module_type_policy(std::vector<std::string> type_names);
+/// A unit when `predicate(fqn, module, numel)` says so.
+WrapPolicy predicate_policy(
+    std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> predicate);
+/// A unit when any of `policies` says so (false for an empty list).
+WrapPolicy any_policy(std::vector<WrapPolicy> policies);
+/// A unit when all of `policies` say so (true for an empty list).
+WrapPolicy all_policy(std::vector<WrapPolicy> policies);
+
+namespace detail {
+template <class T, class = void>
+struct contained_type {
+  using type = T;
+};
+template <class T>
+struct contained_type<T, std::void_t<typename T::ContainedType>> {
+  using type = typename T::ContainedType;
+};
+}  // namespace detail
+
+/// A unit when the wrapped module is one of the classes `Ms` (or a subclass). Accepts
+/// module classes (BlockImpl) and their holders (Block).
+template <class... Ms>
+WrapPolicy module_type_policy() {
+  static_assert(sizeof...(Ms) > 0, "module_type_policy<...>() needs at least one module class");
+  return [](const WrapContext& ctx) {
+    return (... || (dynamic_cast<const typename detail::contained_type<Ms>::type*>(&ctx.module) !=
+                    nullptr));
+  };
+}
+
+}  // namespace fsdp

@@ -1,0 +1,46 @@
+#pragma once
+// The engine's byte counters (public figures in fsdp/stats.h).
+
+#include <fsdp/stats.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fsdp::detail {
+
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kBroadcast };
+
+struct Accounting {
+  MemoryStats mem;
+  CommCounters comm;
+
+  static void alloc(MemoryCounter& c, int64_t bytes) {
+    c.current += bytes;
+    c.peak = std::max(c.peak, c.current);
+  }
+  static void release(MemoryCounter& c, int64_t bytes) { c.current -= bytes; }
+
+  void count(Collective kind, int64_t bytes) {
+    for (CommStats* s : {&comm.step, &comm.total}) {
+      switch (kind) {
+        case Collective::kAllGather:
+          s->all_gather_bytes += bytes;
+          s->all_gather_calls += 1;
+          break;
+        case Collective::kReduceScatter:
+          s->reduce_scatter_bytes += bytes;
+          s->reduce_scatter_calls += 1;
+          break;
+        case Collective::kAllReduce:
+          s->all_reduce_bytes += bytes;
+          s->all_reduce_calls += 1;
+          break;
+        case Collective::kBroadcast:
+          s->broadcast_bytes += bytes;
+          break;
+      }
+    }
+  }
+};
+
+}  // namespace fsdp::detail

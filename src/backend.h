@@ -1,0 +1,94 @@
+#pragma once
+// Note [Backend adaptor]
+// The one place that knows c10d. ProcessGroupGloo and ProcessGroupNCCL derive from
+// c10d::ProcessGroup in LibTorch 1.13 and from c10d::Backend in 2.x, and Gloo lacks
+// _allgather_base and reduce_scatter in 1.13 (DESIGN section 2). Each backend below
+// holds its concrete c10d class, whose collective signatures are the same in both
+// versions, and exposes the few collectives the engine needs. Gloo and NCCL live in
+// their own files; CMake swaps in a stand-in that throws when one is not built.
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+/// An issued collective. wait() blocks until its result is in place.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+};
+
+/// A finished collective.
+class DoneWork : public Work {
+ public:
+  void wait() override {}
+};
+
+/// Runs `then` once, after `work` completes (e.g. to free a staging buffer).
+class ThenWork : public Work {
+ public:
+  ThenWork(std::shared_ptr<Work> work, std::function<void()> then)
+      : work_(std::move(work)), then_(std::move(then)) {}
+  void wait() override {
+    work_->wait();
+    if (then_) {
+      auto f = std::move(then_);
+      then_ = {};
+      f();
+    }
+  }
+
+ private:
+  std::shared_ptr<Work> work_;
+  std::function<void()> then_;
+};
+
+enum class ReduceKind { kSum, kMax };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;
+  /// full (size()*shard.numel()) <- every rank's shard, in rank order. Asynchronous.
+  virtual std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) = 0;
+  /// shard <- this rank's chunk of the sum of `full` over ranks. `full` may be clobbered.
+  virtual std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
+                                                   const at::Tensor& shard) = 0;
+  virtual std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) = 0;
+  virtual void broadcast(const at::Tensor& tensor, int root) = 0;
+  virtual void barrier() = 0;
+  /// The subgroup this rank belongs to, from disjoint rank lists covering the world.
+  virtual std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) = 0;
+};
+
+/// Rank 0 of 1: collectives are local copies.
+std::shared_ptr<Backend> make_single_backend();
+
+/// What a c10d backend needs to start: a connected store and this rank's place.
+struct BackendInit {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{300000};
+  std::string master_addr;  ///< used to pick the Gloo interface (loopback or not)
+  int device_index = 0;     ///< CUDA device for NCCL
+};
+
+std::shared_ptr<Backend> make_gloo_backend(const BackendInit& init);
+std::shared_ptr<Backend> make_nccl_backend(const BackendInit& init);
+bool nccl_available();
+
+/// Validates `groups` (disjoint, covering 0..world-1) and returns the list holding `rank`.
+/// Throws with the offending value otherwise.
+std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int world, int rank);
+
+}  // namespace fsdp::detail

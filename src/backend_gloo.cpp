@@ -1,0 +1,126 @@
+// Gloo backend: CPU collectives through c10d::ProcessGroupGloo (see Note [Backend adaptor]).
+#include "backend.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cstdlib>
+
+namespace fsdp::detail {
+namespace {
+
+class C10dWork : public Work {
+ public:
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, std::function<void()> then = {})
+      : work_(std::move(work)), then_(std::move(then)) {}
+  void wait() override {
+    work_->wait();
+    if (then_) {
+      then_();
+      then_ = {};
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> then_;  ///< finishes the emulated collective (e.g. takes a chunk)
+};
+
+// Gloo reduces only some dtypes in 1.13 (no bfloat16); such tensors are reduced in fp32.
+bool gloo_reduces(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt || t == at::kLong;
+}
+
+class GlooBackend : public Backend {
+ public:
+  GlooBackend(const BackendInit& init, std::string prefix) : init_(init), prefix_(std::move(prefix)) {
+    auto opts = c10d::ProcessGroupGloo::Options::create(init.timeout);
+    const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
+    if (iface != nullptr && *iface != '\0') {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+    } else if (init.master_addr == "127.0.0.1" || init.master_addr == "localhost" ||
+               init.master_addr == "::1") {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    opts->threads = 2;
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix_, init.store);
+    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, init.rank, init.size, opts);
+  }
+
+  int rank() const override { return init_.rank; }
+  int size() const override { return init_.size; }
+  std::string name() const override { return "gloo"; }
+
+  std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
+    // Gathering moves bytes, so any dtype travels as bytes; 1.13 Gloo has no
+    // _allgather_base, so the list form writes into chunks of the flat output.
+    auto in = shard.view(at::kByte);
+    auto out = full.view(at::kByte);
+    std::vector<at::Tensor> inputs{in};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    outputs[0] = out.chunk(init_.size);
+    return std::make_shared<C10dWork>(pg_->allgather(outputs, inputs));
+  }
+
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+    // 1.13 Gloo has no reduce_scatter: a SUM all-reduce, then this rank's chunk.
+    auto buf = gloo_reduces(full.scalar_type()) ? full : full.to(at::kFloat);
+    std::vector<at::Tensor> ts{buf};
+    auto work = pg_->allreduce(ts);
+    int64_t n = shard.numel();
+    int64_t r = init_.rank;
+    return std::make_shared<C10dWork>(work, [buf, shard, n, r]() {
+      at::NoGradGuard g;
+      shard.copy_(buf.narrow(0, r * n, n));
+    });
+  }
+
+  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) override {
+    auto buf = gloo_reduces(tensor.scalar_type()) ? tensor : tensor.to(at::kFloat);
+    std::vector<at::Tensor> ts{buf};
+    c10d::AllreduceOptions o;
+    o.reduceOp = kind == ReduceKind::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    auto work = pg_->allreduce(ts, o);
+    if (buf.is_same(tensor)) return std::make_shared<C10dWork>(work);
+    return std::make_shared<C10dWork>(work, [buf, tensor]() {
+      at::NoGradGuard g;
+      tensor.copy_(buf);
+    });
+  }
+
+  void broadcast(const at::Tensor& tensor, int root) override {
+    std::vector<at::Tensor> ts{tensor.view(at::kByte)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    pg_->broadcast(ts, o)->wait();
+  }
+
+  void barrier() override { pg_->barrier()->wait(); }
+
+  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
+    auto mine = find_group(groups, init_.size, init_.rank);
+    BackendInit sub = init_;
+    sub.size = static_cast<int>(mine.size());
+    sub.rank = static_cast<int>(std::find(mine.begin(), mine.end(), init_.rank) - mine.begin());
+    std::string tag = prefix_ + "/split" + std::to_string(split_count_++) + "/";
+    for (int r : mine) tag += std::to_string(r) + ",";
+    if (sub.size == 1) return make_single_backend();
+    return std::make_shared<GlooBackend>(sub, tag);
+  }
+
+ private:
+  BackendInit init_;
+  std::string prefix_;
+  int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> make_gloo_backend(const BackendInit& init) {
+  return std::make_shared<GlooBackend>(init, "fsdp/gloo");
+}
+
+}  // namespace fsdp::detail

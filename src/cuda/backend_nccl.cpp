@@ -1,0 +1,93 @@
+// NCCL backend: GPU collectives through c10d::ProcessGroupNCCL (see Note [Backend adaptor]).
+// Built only against a CUDA LibTorch (1.13 or 2.x).
+#include "../backend.h"
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+namespace fsdp::detail {
+namespace {
+
+class NcclWork : public Work {
+ public:
+  explicit NcclWork(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+  // wait() makes the current stream wait on the collective's stream; it does not
+  // block the host, which is what lets prefetched gathers overlap compute.
+  void wait() override { work_->wait(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+};
+
+class NcclBackend : public Backend {
+ public:
+  NcclBackend(const BackendInit& init, std::string prefix) : init_(init), prefix_(std::move(prefix)) {
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(init.device_index));
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = init.timeout;
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix_, init.store);
+    pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, init.rank, init.size, opts);
+  }
+
+  int rank() const override { return init_.rank; }
+  int size() const override { return init_.size; }
+  std::string name() const override { return "nccl"; }
+
+  std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
+    at::Tensor out = full;
+    at::Tensor in = shard;
+    return std::make_shared<NcclWork>(pg_->_allgather_base(out, in));
+  }
+
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+    at::Tensor out = shard;
+    at::Tensor in = full;
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    return std::make_shared<NcclWork>(pg_->_reduce_scatter_base(out, in, o));
+  }
+
+  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) override {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = kind == ReduceKind::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    return std::make_shared<NcclWork>(pg_->allreduce(ts, o));
+  }
+
+  void broadcast(const at::Tensor& tensor, int root) override {
+    std::vector<at::Tensor> ts{tensor};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    pg_->broadcast(ts, o)->wait();
+  }
+
+  void barrier() override { pg_->barrier()->wait(); }
+
+  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
+    auto mine = find_group(groups, init_.size, init_.rank);
+    BackendInit sub = init_;
+    sub.size = static_cast<int>(mine.size());
+    sub.rank = static_cast<int>(std::find(mine.begin(), mine.end(), init_.rank) - mine.begin());
+    std::string tag = prefix_ + "/split" + std::to_string(split_count_++) + "/";
+    for (int r : mine) tag += std::to_string(r) + ",";
+    if (sub.size == 1) return make_single_backend();
+    return std::make_shared<NcclBackend>(sub, tag);
+  }
+
+ private:
+  BackendInit init_;
+  std::string prefix_;
+  int split_count_ = 0;
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
+};
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+std::shared_ptr<Backend> make_nccl_backend(const BackendInit& init) {
+  return std::make_shared<NcclBackend>(init, "fsdp/nccl");
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,141 @@
+#include "flat_param.h"
+
+#include <c10/core/StorageImpl.h>
+
+namespace fsdp::detail {
+namespace {
+
+// Note [Freeing storage in place]
+// Gathered parameters are views into one full buffer. To free and restore the bytes
+// without touching the views, resize the buffer's StorageImpl itself: tensors that
+// autograd saved in forward share that StorageImpl and see the restored data in
+// backward (DESIGN section 2). The storage's own allocator serves CPU and CUDA alike.
+void free_storage(const at::Tensor& t) { t.storage().unsafeGetStorageImpl()->reset(); }
+
+void alloc_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+int64_t bytes_of(int64_t numel, at::ScalarType t) {
+  return numel * static_cast<int64_t>(c10::elementSize(t));
+}
+
+}  // namespace
+
+FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatConfig& cfg,
+                     Backend* broadcast_group)
+    : slots_(std::move(slots)), trainable_(trainable), cfg_(cfg) {
+  at::NoGradGuard no_grad;
+  for (auto& s : slots_) {
+    s.offset = numel_;
+    s.numel = s.param.numel();
+    s.shape = s.param.sizes().vec();
+    numel_ += s.numel;
+  }
+  const int64_t g = cfg_.shard_group->size();
+  padded_ = (numel_ + g - 1) / g * g;
+  shard_numel_ = padded_ / g;
+
+  auto fp32 = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
+  at::Tensor flat = at::zeros({padded_}, fp32);
+  for (const auto& s : slots_) flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
+  if (broadcast_group != nullptr && broadcast_group->size() > 1) {
+    broadcast_group->broadcast(flat, 0);
+    cfg_.acct->count(Collective::kBroadcast, bytes_of(padded_, at::kFloat));
+  }
+  shard_ = flat.narrow(0, cfg_.shard_group->rank() * shard_numel_, shard_numel_).clone();
+  shard_.set_requires_grad(trainable_);
+  Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
+
+  // Point every original parameter at its view of the full buffer, then free the
+  // buffer: the originals' own storage goes with the old data.
+  full_ = at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
+  for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
+  free_storage(full_);
+}
+
+FlatParam::~FlatParam() {
+  release();
+  Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
+}
+
+std::shared_ptr<Work> FlatParam::gather() {
+  if (!full_allocated_) {
+    alloc_storage(full_, static_cast<size_t>(full_bytes()));
+    full_allocated_ = true;
+    Accounting::alloc(cfg_.acct->mem.gathered_params, full_bytes());
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor input = shard_.detach();
+  if (cfg_.param_dtype != at::kFloat) {
+    staging_ = input.to(cfg_.param_dtype);
+    input = staging_;
+    Accounting::alloc(cfg_.acct->mem.comm_buffers, bytes_of(shard_numel_, cfg_.param_dtype));
+  }
+  if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
+  auto work = cfg_.shard_group->all_gather(full_, input);
+  if (!staging_.defined()) return work;
+  return std::make_shared<ThenWork>(work, [this]() {
+    staging_ = at::Tensor();
+    Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(shard_numel_, cfg_.param_dtype));
+  });
+}
+
+void FlatParam::release() {
+  if (!full_allocated_) return;
+  free_storage(full_);
+  full_allocated_ = false;
+  Accounting::release(cfg_.acct->mem.gathered_params, full_bytes());
+}
+
+bool FlatParam::take_grad(size_t slot) {
+  TORCH_INTERNAL_ASSERT(trainable_ && slot < slots_.size());
+  at::NoGradGuard no_grad;
+  auto& p = slots_[slot].param;
+  if (!grad_full_.defined()) {
+    grad_full_ = at::zeros({padded_}, shard_.options().dtype(cfg_.reduce_dtype));
+    Accounting::alloc(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
+  }
+  if (p.grad().defined()) {
+    grad_full_.narrow(0, slots_[slot].offset, slots_[slot].numel).view(slots_[slot].shape).add_(p.grad());
+    p.mutable_grad() = at::Tensor();
+  }
+  ++grads_taken_;
+  return grads_taken_ == static_cast<int>(slots_.size());
+}
+
+void FlatParam::reduce_grad() {
+  if (!grad_full_.defined()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor out = at::empty({shard_numel_}, grad_full_.options());
+  if (cfg_.shard_group->size() > 1) {
+    cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
+  }
+  cfg_.shard_group->reduce_scatter_sum(grad_full_, out)->wait();
+  if (cfg_.replicate_group->size() > 1) {
+    cfg_.acct->count(Collective::kAllReduce, bytes_of(shard_numel_, cfg_.reduce_dtype));
+    cfg_.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
+  }
+  grad_full_ = at::Tensor();
+  grads_taken_ = 0;
+  Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
+
+  at::Tensor g = out.to(at::kFloat).div_(static_cast<double>(cfg_.world_size));
+  if (!shard_.grad().defined()) {
+    shard_.mutable_grad() = g;
+  } else {
+    shard_.mutable_grad().add_(g);
+  }
+}
+
+at::Tensor FlatParam::gather_fp32() const {
+  at::NoGradGuard no_grad;
+  at::Tensor out = at::empty({padded_}, shard_.options().requires_grad(false));
+  if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
+  cfg_.shard_group->all_gather(out, shard_.detach())->wait();
+  return out;
+}
+
+}  // namespace fsdp::detail

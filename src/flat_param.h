@@ -1,0 +1,95 @@
+#pragma once
+// One flat parameter: a unit's parameters (trainable or frozen ones) concatenated in
+// registration order, padded to a multiple of the shard group size, and split so that
+// each rank keeps one fp32 shard (DESIGN section 4).
+
+#include "accounting.h"
+#include "backend.h"
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+/// One original parameter inside the flat parameter.
+struct ParamSlot {
+  std::string fqn;                   ///< clean FQN of its first occurrence
+  std::vector<std::string> aliases;  ///< further FQNs of the same tensor (tied in one unit)
+  at::Tensor param;                  ///< the original parameter; keeps its identity
+  int64_t offset = 0;                ///< elements from the start of the flat parameter
+  int64_t numel = 0;                 ///< elements
+  std::vector<int64_t> shape;        ///< original shape
+};
+
+/// What a flat parameter needs from its runtime.
+struct FlatConfig {
+  std::shared_ptr<Backend> shard_group;      ///< ranks the parameter is split over
+  std::shared_ptr<Backend> replicate_group;  ///< ranks holding the same shard (hybrid, no-shard)
+  int world_size = 1;                        ///< gradients are averaged over this many ranks
+  at::Device device = at::kCPU;              ///< where the shard and gathered params live
+  at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
+  at::ScalarType reduce_dtype = at::kFloat;  ///< gradient reduction dtype
+  Accounting* acct = nullptr;
+};
+
+class FlatParam {
+ public:
+  /// Flattens `slots` (offsets assigned here) and keeps this rank's shard. With
+  /// `source_rank0`, rank 0's values are broadcast over `world` first.
+  FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatConfig& cfg,
+            Backend* broadcast_group);
+  ~FlatParam();
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  bool trainable() const { return trainable_; }
+  int64_t numel() const { return numel_; }
+  int64_t padded_numel() const { return padded_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  /// The fp32 shard: a leaf the optimizer steps on; its .grad() is the gradient shard.
+  const at::Tensor& shard() const { return shard_; }
+  /// The gathered buffer (param_dtype); its storage is empty while sharded.
+  const at::Tensor& full() const { return full_; }
+  bool gathered() const { return full_allocated_; }
+  int64_t full_bytes() const { return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype)); }
+
+  /// Restores the full buffer's storage and issues the all-gather into it.
+  std::shared_ptr<Work> gather();
+  /// Frees the full buffer's storage; the parameter views stay, the bytes go.
+  void release();
+
+  /// Adds one original parameter's gradient into the flat gradient buffer and frees it.
+  /// Returns true once every trainable slot has reported in this backward.
+  bool take_grad(size_t slot);
+  /// True when some slot has reported since the last reduce.
+  bool has_pending_grad() const { return grad_full_.defined(); }
+  /// Reduce-scatters the flat gradient (sum / world size) into the fp32 gradient shard.
+  void reduce_grad();
+
+  /// Keeps the accumulators that fire take_grad() (AutogradMeta keeps weak refs only).
+  std::vector<std::shared_ptr<torch::autograd::Node>>& grad_accumulators() { return grad_accs_; }
+
+  /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
+  at::Tensor gather_fp32() const;
+
+ private:
+  std::vector<ParamSlot> slots_;
+  bool trainable_;
+  FlatConfig cfg_;
+  int64_t numel_ = 0;        ///< elements before padding
+  int64_t padded_ = 0;       ///< elements after padding to a multiple of the group size
+  int64_t shard_numel_ = 0;  ///< padded_ / group size
+  at::Tensor shard_;         ///< fp32 leaf, shard_numel_ elements
+  at::Tensor full_;          ///< param_dtype, padded_ elements; storage freed when sharded
+  bool full_allocated_ = false;
+  at::Tensor staging_;       ///< shard cast to param_dtype while a gather is in flight
+  at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
+  int grads_taken_ = 0;      ///< slots reported since the last reduce
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
+};
+
+}  // namespace fsdp::detail

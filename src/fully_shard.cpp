@@ -1,0 +1,189 @@
+// fully_shard: walks the module tree, lets the policy pick units, assigns parameters.
+#include <fsdp/fully_sharded_module.h>
+
+#include "runtime.h"
+
+#include <map>
+#include <sstream>
+
+namespace fsdp::detail {
+namespace {
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+/// A wrap point in the tree, before units are decided.
+struct WrapNode {
+  WrapPointImpl* wp = nullptr;
+  std::string fqn;
+  std::vector<std::pair<std::string, at::Tensor>> params;  ///< directly owned, registration order
+  std::vector<std::unique_ptr<WrapNode>> children;
+  bool is_unit = false;
+  // Parameters (by clean FQN, in registration order) mixing own params and children's,
+  // so that merged wrap points keep their place in the order.
+  std::vector<std::pair<std::string, at::Tensor>> ordered;
+};
+
+void walk(torch::nn::Module& m, const std::string& prefix, WrapNode& node) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    node.ordered.emplace_back(join(prefix, p.key()), p.value());
+  }
+  for (const auto& c : m.named_children()) {
+    const std::string fqn = join(prefix, c.key());
+    if (auto* wp = dynamic_cast<WrapPointImpl*>(c.value().get())) {
+      TORCH_CHECK(!wp->is_unit(), "fully_shard: the wrap point '", fqn,
+                  "' is already part of a sharded model; shard each model once, from its root");
+      auto child = std::make_unique<WrapNode>();
+      child->wp = wp;
+      child->fqn = fqn;
+      walk(*wp->wrapped(), fqn, *child);
+      // Marker: the child's parameters go here in order unless it becomes a unit.
+      node.ordered.emplace_back("\x01" + std::to_string(node.children.size()), at::Tensor());
+      node.children.push_back(std::move(child));
+    } else {
+      walk(*c.value(), fqn, node);
+    }
+  }
+}
+
+// Bottom-up: decide units, and return the parameters this node passes to its parent.
+std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const WrapPolicy& policy,
+                                                       bool is_root) {
+  std::vector<std::pair<std::string, at::Tensor>> owned;
+  for (auto& e : node.ordered) {
+    if (!e.second.defined() && !e.first.empty() && e.first[0] == '\x01') {
+      auto& child = *node.children[std::stoul(e.first.substr(1))];
+      auto up = decide(child, policy, false);
+      owned.insert(owned.end(), up.begin(), up.end());
+    } else {
+      owned.push_back(e);
+    }
+  }
+  int64_t numel = 0;
+  for (const auto& p : owned) numel += p.second.numel();
+  node.is_unit = is_root || policy(WrapContext{node.fqn, *node.wp->wrapped(), numel});
+  node.params = std::move(owned);
+  if (node.is_unit) return {};
+  return std::move(node.params);
+}
+
+void collect_units(WrapNode& node, std::vector<WrapNode*>& out) {
+  if (node.is_unit) out.push_back(&node);
+  for (auto& c : node.children) collect_units(*c, out);
+}
+
+void validate(const ShardingOptions& o) {
+  TORCH_CHECK(o.auto_wrap_policy != nullptr,
+              "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
+              "shard everything as one unit");
+  TORCH_CHECK(o.max_gathered_units >= 1, "ShardingOptions::max_gathered_units=",
+              o.max_gathered_units, " must be at least 1 (the unit that computes)");
+  const int world = o.process_group.size();
+  if (o.strategy == ShardingStrategy::kHybridShard) {
+    const int g = o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
+    TORCH_CHECK(g >= 1 && world % g == 0, "ShardingOptions::hybrid_group_size=",
+                o.hybrid_group_size, " must divide the world size ", world,
+                " (e.g. the number of ranks per node)");
+  }
+  auto ok_dtype = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  };
+  TORCH_CHECK(ok_dtype(o.mixed_precision.param_dtype), "MixedPrecision::param_dtype=",
+              o.mixed_precision.param_dtype, " is unsupported; use Float, BFloat16 or Half");
+  TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype), "MixedPrecision::reduce_dtype=",
+              o.mixed_precision.reduce_dtype,
+              " is unsupported; gradients reduce in Float, BFloat16 or Half");
+}
+
+}  // namespace
+
+void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
+  TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
+  TORCH_CHECK(!root->is_unit(), "fully_shard: this model is already sharded; call fully_shard once");
+  validate(options);
+
+  WrapNode tree;
+  tree.wp = root.get();
+  walk(*root->wrapped(), "", tree);
+  decide(tree, options.auto_wrap_policy, /*is_root=*/true);
+  std::vector<WrapNode*> nodes;
+  collect_units(tree, nodes);
+
+  // Tied parameters must land in one unit (DESIGN section 4).
+  std::map<c10::TensorImpl*, std::pair<std::string, std::string>> owner;  // impl -> (fqn, unit)
+  for (WrapNode* n : nodes) {
+    for (const auto& p : n->params) {
+      auto [it, fresh] = owner.emplace(p.second.unsafeGetTensorImpl(), std::make_pair(p.first, n->fqn));
+      if (fresh || it->second.second == n->fqn) continue;
+      auto unit_name = [](const std::string& f) { return f.empty() ? std::string("the root unit") : "unit '" + f + "'"; };
+      TORCH_CHECK(false, "fully_shard: parameters '", it->second.first, "' and '", p.first,
+                  "' are the same tensor (tied) but fall in different units (",
+                  unit_name(it->second.second), " and ", unit_name(n->fqn),
+                  "). Tied parameters must live in one unit: change the wrap policy so that the "
+                  "wrap points holding them are not units, or wrap their common parent.");
+    }
+  }
+
+  auto rt = std::make_shared<Runtime>(options);
+  // Groups: FULL_SHARD shards over the world; HYBRID within groups; NO_SHARD not at all.
+  const ProcessGroup& world = options.process_group;
+  FlatConfig cfg;
+  cfg.world_size = world.size();
+  cfg.device = options.device;
+  cfg.param_dtype = options.mixed_precision.param_dtype;
+  cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
+  cfg.acct = &rt->acct();
+  cfg.shard_group = world.impl();
+  cfg.replicate_group = make_single_backend();
+  if (options.strategy == ShardingStrategy::kNoShard) {
+    cfg.shard_group = make_single_backend();
+    cfg.replicate_group = world.impl();
+  } else if (options.strategy == ShardingStrategy::kHybridShard) {
+    const int n = world.size();
+    const int g = options.hybrid_group_size == 0 ? n : options.hybrid_group_size;
+    std::vector<std::vector<int>> shard_groups(n / g), rep_groups(g);
+    for (int r = 0; r < n; ++r) {
+      shard_groups[r / g].push_back(r);
+      rep_groups[r % g].push_back(r);
+    }
+    cfg.shard_group = world.impl()->split(shard_groups);
+    cfg.replicate_group = world.impl()->split(rep_groups);
+  }
+  Backend* bcast = options.sync_module_states ? world.impl().get() : nullptr;
+
+  for (WrapNode* n : nodes) {
+    Unit& unit = rt->add_unit(*n->wp, n->fqn);
+    std::vector<ParamSlot> trainable, frozen;
+    std::map<c10::TensorImpl*, ParamSlot*> seen;
+    for (auto& p : n->params) {
+      auto* impl = p.second.unsafeGetTensorImpl();
+      if (seen.count(impl)) continue;
+      seen[impl] = nullptr;
+      ParamSlot s;
+      s.fqn = p.first;
+      s.param = p.second;
+      (p.second.requires_grad() ? trainable : frozen).push_back(std::move(s));
+    }
+    // Aliases: later FQNs of a tensor already placed.
+    for (auto* v : {&trainable, &frozen}) {
+      for (auto& s : *v) seen[s.param.unsafeGetTensorImpl()] = &s;
+    }
+    std::map<c10::TensorImpl*, bool> first;
+    for (auto& p : n->params) {
+      auto* impl = p.second.unsafeGetTensorImpl();
+      if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
+    }
+    if (!trainable.empty()) {
+      unit.flats().push_back(std::make_unique<FlatParam>(std::move(trainable), true, cfg, bcast));
+    }
+    if (!frozen.empty()) {
+      unit.flats().push_back(std::make_unique<FlatParam>(std::move(frozen), false, cfg, bcast));
+    }
+    unit.register_grad_hooks();
+  }
+  rt->set_flat_config(cfg);
+  for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,110 @@
+// ProcessGroup: the public handle over a Backend, and the single-process backend.
+#include <fsdp/process_group.h>
+
+#include "backend.h"
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+class SingleBackend : public Backend {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string name() const override { return "single"; }
+  std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
+    at::NoGradGuard g;
+    if (!full.is_same(shard)) full.copy_(shard);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+    at::NoGradGuard g;
+    if (!full.is_same(shard)) shard.copy_(full);
+    return std::make_shared<DoneWork>();
+  }
+  std::shared_ptr<Work> all_reduce(const at::Tensor&, ReduceKind) override {
+    return std::make_shared<DoneWork>();
+  }
+  void broadcast(const at::Tensor&, int root) override {
+    TORCH_CHECK(root == 0, "broadcast root=", root, " is invalid for a group of size 1");
+  }
+  void barrier() override {}
+  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
+    find_group(groups, 1, 0);
+    return make_single_backend();
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Backend> make_single_backend() { return std::make_shared<SingleBackend>(); }
+
+std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int world, int rank) {
+  std::set<int> seen;
+  std::vector<int> mine;
+  for (const auto& g : groups) {
+    TORCH_CHECK(!g.empty(), "ProcessGroup::split: an empty rank list was given; every group needs ranks");
+    for (int r : g) {
+      TORCH_CHECK(r >= 0 && r < world, "ProcessGroup::split: rank ", r,
+                  " is outside the world of size ", world, "; ranks run from 0 to ", world - 1);
+      TORCH_CHECK(seen.insert(r).second, "ProcessGroup::split: rank ", r,
+                  " is listed in two groups; the groups must be disjoint");
+    }
+    if (std::find(g.begin(), g.end(), rank) != g.end()) mine = g;
+  }
+  TORCH_CHECK(static_cast<int>(seen.size()) == world, "ProcessGroup::split: the groups cover ",
+              seen.size(), " of ", world, " ranks; every rank must be in exactly one group");
+  return mine;
+}
+
+}  // namespace detail
+
+ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}
+ProcessGroup::ProcessGroup(std::shared_ptr<detail::Backend> impl) : impl_(std::move(impl)) {
+  TORCH_CHECK(impl_ != nullptr, "ProcessGroup needs a backend; use fsdp::init_process_group()");
+}
+
+int ProcessGroup::rank() const { return impl_->rank(); }
+int ProcessGroup::size() const { return impl_->size(); }
+std::string ProcessGroup::backend_name() const { return impl_->name(); }
+
+void ProcessGroup::all_gather(const torch::Tensor& full, const torch::Tensor& shard) const {
+  TORCH_CHECK(full.is_contiguous() && shard.is_contiguous(), "all_gather needs contiguous tensors");
+  TORCH_CHECK(full.scalar_type() == shard.scalar_type(), "all_gather: full is ", full.scalar_type(),
+              " but shard is ", shard.scalar_type(), "; they must match");
+  TORCH_CHECK(full.numel() == shard.numel() * size(), "all_gather: full has ", full.numel(),
+              " elements but needs ", shard.numel() * size(), " (shard ", shard.numel(), " x ",
+              size(), " ranks)");
+  impl_->all_gather(full, shard)->wait();
+}
+
+void ProcessGroup::reduce_scatter_sum(const torch::Tensor& full, const torch::Tensor& shard) const {
+  TORCH_CHECK(full.is_contiguous() && shard.is_contiguous(),
+              "reduce_scatter_sum needs contiguous tensors");
+  TORCH_CHECK(full.numel() == shard.numel() * size(), "reduce_scatter_sum: full has ",
+              full.numel(), " elements but needs ", shard.numel() * size());
+  impl_->reduce_scatter_sum(full, shard)->wait();
+}
+
+void ProcessGroup::all_reduce_sum(const torch::Tensor& t) const {
+  impl_->all_reduce(t, detail::ReduceKind::kSum)->wait();
+}
+void ProcessGroup::all_reduce_max(const torch::Tensor& t) const {
+  impl_->all_reduce(t, detail::ReduceKind::kMax)->wait();
+}
+void ProcessGroup::broadcast(const torch::Tensor& t, int root) const {
+  TORCH_CHECK(root >= 0 && root < size(), "broadcast: invalid root=", root, " for a group of size ",
+              size());
+  impl_->broadcast(t, root);
+}
+void ProcessGroup::barrier() const { impl_->barrier(); }
+
+ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& groups) const {
+  return ProcessGroup(impl_->split(groups));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,189 @@
+// Launch environment and rendezvous: how a process finds its peers.
+#include <fsdp/process_group.h>
+
+#include "backend.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+namespace fsdp {
+namespace {
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+int parse_int(const char* name, const char* value, const char* fix) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value, &end, 10);
+  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= INT32_MIN && v <= INT32_MAX,
+              name, "='", value, "' is not an integer. ", fix);
+  return static_cast<int>(v);
+}
+
+int require_int(const char* name, const char* family, const char* fix) {
+  const char* v = env(name);
+  TORCH_CHECK(v != nullptr, name, " is not set, but other ", family,
+              " variables are. Set it, or launch with fsdp-run / torchrun, which set them all. ",
+              fix);
+  return parse_int(name, v, fix);
+}
+
+// First host of a Slurm node list: "gpu[01-04,07],cpu3" -> "gpu01".
+std::string first_slurm_host(const std::string& list) {
+  std::string host;
+  size_t i = 0;
+  while (i < list.size() && list[i] != ',' && list[i] != '[') host += list[i++];
+  if (i < list.size() && list[i] == '[') {
+    ++i;
+    while (i < list.size() && std::isdigit(static_cast<unsigned char>(list[i]))) host += list[i++];
+  }
+  return host;
+}
+
+}  // namespace
+
+LaunchEnv read_launch_env() {
+  LaunchEnv e;
+  const char* fix = "";
+  if (env("RANK") || env("WORLD_SIZE")) {
+    fix = "torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.";
+    e.source = "torchrun";
+    e.rank = require_int("RANK", "torchrun", fix);
+    e.world_size = require_int("WORLD_SIZE", "torchrun", fix);
+    e.local_rank = env("LOCAL_RANK") ? parse_int("LOCAL_RANK", env("LOCAL_RANK"), fix) : e.rank;
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    fix = "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID.";
+    e.source = "slurm";
+    e.rank = require_int("SLURM_PROCID", "Slurm", fix);
+    e.world_size = require_int("SLURM_NTASKS", "Slurm", fix);
+    e.local_rank = env("SLURM_LOCALID") ? parse_int("SLURM_LOCALID", env("SLURM_LOCALID"), fix) : 0;
+    if (!env("MASTER_ADDR") && env("SLURM_JOB_NODELIST")) {
+      e.master_addr = first_slurm_host(env("SLURM_JOB_NODELIST"));
+    }
+  } else if (env("OMPI_COMM_WORLD_RANK") || env("OMPI_COMM_WORLD_SIZE")) {
+    fix = "mpirun sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_RANK.";
+    e.source = "openmpi";
+    e.rank = require_int("OMPI_COMM_WORLD_RANK", "Open MPI", fix);
+    e.world_size = require_int("OMPI_COMM_WORLD_SIZE", "Open MPI", fix);
+    e.local_rank = env("OMPI_COMM_WORLD_LOCAL_RANK")
+                       ? parse_int("OMPI_COMM_WORLD_LOCAL_RANK", env("OMPI_COMM_WORLD_LOCAL_RANK"), fix)
+                       : 0;
+  } else {
+    return e;  // a single process
+  }
+  TORCH_CHECK(e.world_size >= 1, "world size ", e.world_size, " (from ", e.source,
+              ") must be at least 1. ", fix);
+  TORCH_CHECK(e.rank >= 0 && e.rank < e.world_size, "rank ", e.rank, " is not below world size ",
+              e.world_size, " (from ", e.source, "); ranks run from 0 to ", e.world_size - 1, ". ",
+              fix);
+  TORCH_CHECK(e.local_rank >= 0, "local rank ", e.local_rank, " must not be negative. ", fix);
+  if (e.world_size > 1) {
+    if (env("MASTER_ADDR")) {
+      e.master_addr = env("MASTER_ADDR");
+    } else {
+      TORCH_CHECK(e.source != "torchrun",
+                  "MASTER_ADDR is not set: ranks need the rendezvous host (rank 0's address). "
+                  "Set it, e.g. MASTER_ADDR=127.0.0.1 for one machine. ", fix);
+    }
+    if (env("MASTER_PORT")) {
+      e.master_port = parse_int("MASTER_PORT", env("MASTER_PORT"), "Use a free TCP port.");
+    } else {
+      TORCH_CHECK(e.source != "torchrun",
+                  "MASTER_PORT is not set: ranks need the rendezvous port. Set it to a free TCP "
+                  "port, e.g. MASTER_PORT=29500. ", fix);
+    }
+    TORCH_CHECK(e.master_port > 0 && e.master_port < 65536, "MASTER_PORT=", e.master_port,
+                " is not a TCP port; use one between 1 and 65535");
+  }
+  return e;
+}
+
+ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+  LaunchEnv e = read_launch_env();
+  double timeout_s = options.timeout_s;
+  if (const char* t = env("FSDP_TIMEOUT_S")) {
+    char* end = nullptr;
+    timeout_s = std::strtod(t, &end);
+    TORCH_CHECK(end != t && *end == '\0' && timeout_s > 0, "FSDP_TIMEOUT_S='", t,
+                "' is not a positive number of seconds");
+  }
+  TORCH_CHECK(timeout_s > 0, "ProcessGroupOptions::timeout_s=", timeout_s, " must be positive");
+  std::string backend = options.backend;
+  TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl",
+              "ProcessGroupOptions::backend='", backend, "' is unknown; use auto, gloo or nccl");
+  if (backend == "auto") {
+    backend = (detail::nccl_available() && torch::cuda::is_available()) ? "nccl" : "gloo";
+  }
+  if (e.world_size == 1) return ProcessGroup();
+
+  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(e.master_port);
+  so.isServer = e.rank == 0;
+  so.numWorkers = c10::nullopt;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+  } catch (const std::exception& ex) {
+    std::string what = ex.what();
+    if (e.rank == 0) {
+      bool busy = what.find("in use") != std::string::npos || what.find("errno: 98") != std::string::npos;
+      TORCH_CHECK(!busy, "rank 0 cannot serve the rendezvous: port ", e.master_port, " on ",
+                  e.master_addr, " is already in use. Pick a free port (MASTER_PORT, or "
+                  "fsdp-run --master-port) or stop the process holding it.");
+      TORCH_CHECK(false, "rank 0 cannot serve the rendezvous at ", where, ": ",
+                  what.substr(0, what.find('\n')));
+    }
+    TORCH_CHECK(false, "rank ", e.rank, " could not reach the rendezvous at ", where, " within ",
+                timeout_s, " s; missing ranks: [0]. Rank 0 serves the rendezvous: check that it "
+                "is running and that MASTER_ADDR/MASTER_PORT point at it, or raise the timeout "
+                "(FSDP_TIMEOUT_S).");
+  }
+
+  // Note [Rendezvous arrival]
+  // Each rank announces itself under its own key and waits for all the others, so a
+  // timeout can name exactly the ranks that never came (c10d's own waits cannot).
+  store->set("fsdp/arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::vector<int> missing;
+  for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
+  while (true) {
+    std::vector<int> still;
+    for (int r : missing) {
+      if (!store->check({"fsdp/arrived/" + std::to_string(r)})) still.push_back(r);
+    }
+    missing.swap(still);
+    if (missing.empty()) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::ostringstream list;
+      for (size_t i = 0; i < missing.size(); ++i) list << (i ? ", " : "") << missing[i];
+      TORCH_CHECK(false, "rendezvous at ", where, " timed out after ", timeout_s, " s: ",
+                  missing.size(), " of ", e.world_size, " ranks never arrived; missing ranks: [",
+                  list.str(), "]. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
+                  "WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+
+  detail::BackendInit init;
+  init.store = store;
+  init.rank = e.rank;
+  init.size = e.world_size;
+  init.timeout = timeout;
+  init.master_addr = e.master_addr;
+  init.device_index = e.local_rank;
+  return ProcessGroup(backend == "nccl" ? detail::make_nccl_backend(init)
+                                        : detail::make_gloo_backend(init));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,126 @@
+#include "runtime.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+
+namespace fsdp::detail {
+
+Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {}
+
+Unit& Runtime::add_unit(WrapPointImpl& /*wp*/, const std::string& fqn) {
+  units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), this));
+  return *units_.back();
+}
+
+void Runtime::attach(WrapPointImpl& wp, Unit& u) {
+  wp.unit_ = units_.at(static_cast<size_t>(u.index()));
+  if (u.is_root()) wp.runtime_ = shared_from_this();
+}
+
+int Runtime::gathered_non_root() const {
+  int n = 0;
+  for (const auto& u : units_) {
+    if (!u->is_root() && u->state() != UnitState::kSharded) ++n;
+  }
+  return n;
+}
+
+bool Runtime::reshard_after_forward(const Unit& u) const {
+  if (!at::GradMode::is_enabled()) return true;  // no backward will need them
+  if (u.is_root()) return false;                 // needed again at once by backward
+  return options_.strategy == ShardingStrategy::kFullShard ||
+         options_.strategy == ShardingStrategy::kHybridShard;
+}
+
+Unit* Runtime::neighbour(const Unit& u, int step) const {
+  auto it = std::find(forward_order_.begin(), forward_order_.end(), &u);
+  if (it == forward_order_.end()) return nullptr;
+  auto pos = (it - forward_order_.begin()) + step;
+  if (pos < 0 || pos >= static_cast<long>(forward_order_.size())) return nullptr;
+  return forward_order_[pos];
+}
+
+// Note [Prefetch bound]
+// Prefetching gathers the next unit while the current one computes. It is issued only
+// while fewer than max_gathered_units non-root units are gathered (the computing one
+// included), so prefetching never holds more than that many units' full parameters.
+// The root is gathered from its forward through backward, as in PyTorch FSDP, and units
+// nested inside each other must be gathered together: those needs are met regardless.
+void Runtime::prefetch(Unit* next) {
+  if (next == nullptr || !options_.prefetch || next->is_root()) return;
+  if (next->state() != UnitState::kSharded || next->grads_reduced) return;
+  if (gathered_non_root() >= options_.max_gathered_units) return;
+  next->start_gather();
+  next->prefetched = true;
+}
+
+void Runtime::pre_forward(Unit& u) {
+  if (u.is_root() && at::GradMode::is_enabled() && !iteration_open_) {
+    iteration_open_ = true;
+    acct_.comm.step = CommStats();
+  }
+  if (!order_frozen_ && std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
+    forward_order_.push_back(&u);
+  }
+  u.unshard();
+  u.prefetched = false;
+  if (order_frozen_) prefetch(neighbour(u, +1));
+}
+
+void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
+  if (at::GradMode::is_enabled()) {
+    auto self = shared_from_this();
+    Unit* unit = &u;
+    for (auto& t : outputs) {
+      if (!t.requires_grad()) continue;
+      t.register_hook([self, unit](const at::Tensor&) { self->pre_backward(*unit); });
+    }
+  }
+  if (reshard_after_forward(u)) u.reshard();
+  if (u.is_root() && !at::GradMode::is_enabled()) {
+    // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
+    for (auto& x : units_) x->reshard();
+    order_frozen_ = true;
+  }
+}
+
+void Runtime::pre_backward(Unit& u) {
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    auto self = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
+  }
+  if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
+  u.unshard();
+  u.prefetched = false;
+  prefetch(neighbour(u, -1));
+}
+
+void Runtime::end_of_backward() {
+  // Reduce in unit order so that every rank issues the same collectives.
+  for (auto& u : units_) u->flush_grads();
+  for (auto& u : units_) {
+    u->reshard();
+    u->grads_reduced = false;
+  }
+  callback_queued_ = false;
+  iteration_open_ = false;
+  order_frozen_ = true;
+  sync_grad_counter();
+}
+
+void Runtime::sync_grad_counter() {
+  int64_t bytes = 0;
+  for (const auto& u : units_) {
+    for (const auto& f : u->flats()) {
+      const auto& g = f->shard().grad();
+      if (g.defined()) bytes += g.numel() * static_cast<int64_t>(g.element_size());
+    }
+  }
+  auto& c = acct_.mem.grad_shards;
+  c.current = bytes;
+  c.peak = std::max(c.peak, bytes);
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,57 @@
+#pragma once
+// The runtime shared by all units of one sharded model: options, groups, counters,
+// the recorded forward order, and the per-iteration state machine.
+
+#include <fsdp/fully_sharded_module.h>
+
+#include "accounting.h"
+#include "unit.h"
+
+#include <memory>
+#include <vector>
+
+namespace fsdp::detail {
+
+class Runtime : public std::enable_shared_from_this<Runtime> {
+ public:
+  explicit Runtime(ShardingOptions options);
+
+  const ShardingOptions& options() const { return options_; }
+  Accounting& acct() { return acct_; }
+  const FlatConfig& flat_config() const { return flat_cfg_; }
+  std::vector<std::shared_ptr<Unit>>& units() { return units_; }
+  const std::vector<std::shared_ptr<Unit>>& units() const { return units_; }
+
+  /// Points `wp` at its unit (and, for the root, at this runtime).
+  void attach(WrapPointImpl& wp, Unit& u);
+  void set_flat_config(const FlatConfig& cfg) { flat_cfg_ = cfg; }
+  /// Makes `wp` a unit of this runtime (the first call makes the root).
+  Unit& add_unit(WrapPointImpl& wp, const std::string& fqn);
+
+  // Hooks, in the order an iteration calls them.
+  void pre_forward(Unit& u);
+  void post_forward(Unit& u, std::vector<at::Tensor>& outputs);
+  void pre_backward(Unit& u);
+  void end_of_backward();
+
+  /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
+  void sync_grad_counter();
+  /// Non-root units not in the sharded state.
+  int gathered_non_root() const;
+
+ private:
+  void prefetch(Unit* next);
+  Unit* neighbour(const Unit& u, int step) const;
+  bool reshard_after_forward(const Unit& u) const;
+
+  ShardingOptions options_;
+  FlatConfig flat_cfg_;
+  Accounting acct_;
+  std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
+  std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
+  bool order_frozen_ = false;                 ///< forward order recorded
+  bool iteration_open_ = false;               ///< a training forward began, backward not done
+  bool callback_queued_ = false;              ///< end-of-backward callback queued
+};
+
+}  // namespace fsdp::detail

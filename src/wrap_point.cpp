@@ -1,0 +1,171 @@
+// WrapPointImpl: the calls a wrap point makes into the engine, and the root's queries.
+#include <fsdp/full_params.h>
+#include <fsdp/fully_sharded_module.h>
+
+#include "runtime.h"
+
+namespace fsdp {
+
+void WrapPointImpl::pre_forward() { unit_->runtime().pre_forward(*unit_); }
+
+void WrapPointImpl::post_forward(std::vector<torch::Tensor> outputs) {
+  unit_->runtime().post_forward(*unit_, outputs);
+}
+
+detail::Runtime& WrapPointImpl::runtime() const {
+  TORCH_CHECK(runtime_ != nullptr,
+              "this call needs the root of a sharded model: use the module that fsdp::fully_shard "
+              "returned", is_unit() ? " (this wrap point is an inner unit)" : " (this wrap point is not sharded)");
+  return *runtime_;
+}
+
+std::vector<torch::Tensor> WrapPointImpl::sharded_parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& u : runtime().units()) {
+    for (const auto& f : u->flats()) {
+      if (f->trainable()) out.push_back(f->shard());
+    }
+  }
+  return out;
+}
+
+MemoryStats WrapPointImpl::memory_stats() const {
+  runtime().sync_grad_counter();
+  return runtime().acct().mem;
+}
+
+void WrapPointImpl::reset_peak_memory() {
+  auto& m = runtime().acct().mem;
+  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers}) {
+    c->peak = c->current;
+  }
+}
+
+CommCounters WrapPointImpl::comm_stats() const { return runtime().acct().comm; }
+
+std::vector<ParamInfo> WrapPointImpl::param_table() const {
+  std::vector<ParamInfo> out;
+  for (const auto& u : runtime().units()) {
+    for (const auto& f : u->flats()) {
+      for (const auto& s : f->slots()) {
+        for (size_t k = 0; k <= s.aliases.size(); ++k) {
+          out.push_back(ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u->fqn(), f->trainable(),
+                                  s.offset, s.numel, s.shape});
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<FlatParamInfo> WrapPointImpl::flat_params() const {
+  std::vector<FlatParamInfo> out;
+  for (const auto& u : runtime().units()) {
+    for (const auto& f : u->flats()) {
+      out.push_back(FlatParamInfo{u->fqn(), f->trainable(), f->numel(), f->padded_numel(), f->shard_numel()});
+    }
+  }
+  return out;
+}
+
+const ShardingOptions& WrapPointImpl::sharding_options() const { return runtime().options(); }
+
+SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
+    : WrapPointImpl("fsdp::SequentialEntry"), module_(std::move(module)) {
+  register_module("module", module_.ptr());
+}
+
+torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
+  if (!is_unit()) return module_.forward(std::move(x));
+  pre_forward();
+  torch::Tensor out = module_.forward(std::move(x));
+  post_forward({out});
+  return out;
+}
+
+namespace detail {
+torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq) {
+  TORCH_CHECK(!seq.is_empty(), "shard_sequential: the Sequential is empty (nullptr holder)");
+  torch::OrderedDict<std::string, torch::nn::AnyModule> entries;
+  const auto children = seq->named_children();
+  size_t i = 0;
+  for (const auto& any : *seq.get()) {
+    auto entry = std::make_shared<SequentialEntryImpl>(any);
+    entries.insert(children[i++].key(), torch::nn::AnyModule(entry));
+  }
+  return torch::nn::Sequential(std::move(entries));
+}
+}  // namespace detail
+
+namespace {
+void clean_params(const torch::nn::Module& m, const std::string& prefix,
+                  std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
+  for (const auto& p : m.named_parameters(false)) out.emplace_back(join(p.key()), p.value());
+  for (const auto& c : m.named_children()) {
+    if (auto* wp = dynamic_cast<const WrapPointImpl*>(c.value().get())) {
+      clean_params(*wp->wrapped(), join(c.key()), out);
+    } else {
+      clean_params(*c.value(), join(c.key()), out);
+    }
+  }
+}
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  if (auto* wp = dynamic_cast<const WrapPointImpl*>(&module)) {
+    clean_params(*wp->wrapped(), "", out);
+  } else {
+    clean_params(module, "", out);
+  }
+  return out;
+}
+
+FullParamsScope::FullParamsScope(WrapPointImpl& root, FullParamsOptions options)
+    : root_(root), options_(options) {
+  auto& rt = root_.runtime();
+  const bool keep = !options_.rank0_only || rt.options().process_group.rank() == 0;
+  for (auto& u : rt.units()) {
+    u->unshard();
+    if (!keep) u->reshard();
+  }
+}
+
+FullParamsScope::~FullParamsScope() {
+  auto& rt = root_.runtime();
+  const bool kept = !options_.rank0_only || rt.options().process_group.rank() == 0;
+  const bool writeback = options_.writeback && kept && rt.options().mixed_precision.param_dtype == at::kFloat;
+  at::NoGradGuard no_grad;
+  for (auto& u : rt.units()) {
+    if (writeback && u->state() == detail::UnitState::kUnsharded) {
+      for (auto& f : u->flats()) {
+        const int64_t r = rt.flat_config().shard_group->rank();
+        f->shard().copy_(f->full().narrow(0, r * f->shard_numel(), f->shard_numel()));
+      }
+    }
+    u->reshard();
+  }
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(WrapPointImpl& root,
+                                                                   FullParamsOptions options) {
+  auto& rt = root.runtime();
+  const bool keep = !options.rank0_only || rt.options().process_group.rank() == 0;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (auto& u : rt.units()) {
+    for (auto& f : u->flats()) {
+      at::Tensor full = f->gather_fp32();
+      if (!keep) continue;
+      if (options.offload_to_cpu) full = full.to(at::kCPU);
+      for (const auto& s : f->slots()) {
+        at::Tensor v = full.narrow(0, s.offset, s.numel).view(s.shape).clone();
+        out.emplace_back(s.fqn, v);
+        for (const auto& a : s.aliases) out.emplace_back(a, v);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace fsdp

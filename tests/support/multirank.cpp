@@ -1,0 +1,195 @@
+#include "multirank.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace fsdp::testing {
+namespace {
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  buf[n] = '\0';
+  return buf;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Starts argv with `extra` added to this environment; output goes to `out_path`.
+pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& extra,
+            const std::string& out_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    bool overridden = false;
+    for (const auto& x : extra) {
+      if (kv.compare(0, x.find('=') + 1, x, 0, x.find('=') + 1) == 0) overridden = true;
+    }
+    if (!overridden) env_strings.push_back(kv);
+  }
+  env_strings.insert(env_strings.end(), extra.begin(), extra.end());
+  std::vector<char*> envp, args;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_copy = argv;
+  for (auto& s : argv_copy) args.push_back(s.data());
+  args.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execve(args[0], args.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+int decode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+}  // namespace
+
+bool is_rank_process() { return std::getenv("FSDP_TEST_RANK_PROCESS") != nullptr; }
+
+std::string bin_dir() {
+  std::string exe = self_exe();
+  return exe.substr(0, exe.rfind('/'));
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+CommandResult run_command(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                          int timeout_s) {
+  char tmpl[] = "/tmp/fsdp_cmd_XXXXXX";
+  int fd = mkstemp(tmpl);
+  close(fd);
+  CommandResult r;
+  pid_t pid = spawn(argv, env, tmpl);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  int status = 0;
+  while (true) {
+    pid_t w = waitpid(pid, &status, WNOHANG);
+    if (w == pid) {
+      r.exit_code = decode(status);
+      break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      r.timed_out = true;
+      r.exit_code = decode(status);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  r.output = read_file(tmpl);
+  unlink(tmpl);
+  return r;
+}
+
+void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s) {
+  if (is_rank_process()) {
+    at::set_num_threads(1);
+    ProcessGroup pg = init_process_group();
+    ASSERT_EQ(pg.size(), world);
+    body(pg);
+    return;
+  }
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string filter = std::string(info->test_suite_name()) + "." + info->name();
+  const int port = free_port();
+  std::vector<pid_t> pids;
+  std::vector<std::string> outs;
+  for (int r = 0; r < world; ++r) {
+    char tmpl[] = "/tmp/fsdp_rank_XXXXXX";
+    int fd = mkstemp(tmpl);
+    close(fd);
+    outs.emplace_back(tmpl);
+    pids.push_back(spawn({self_exe(), "--gtest_filter=" + filter},
+                         {"FSDP_TEST_RANK_PROCESS=1", "RANK=" + std::to_string(r),
+                          "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                          "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                          "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1"},
+                         tmpl));
+  }
+  std::vector<int> codes(world, -1);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  std::chrono::steady_clock::time_point first_failure{};
+  int alive = world;
+  while (alive > 0) {
+    for (int r = 0; r < world; ++r) {
+      if (codes[r] != -1) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) == pids[r]) {
+        codes[r] = decode(status);
+        --alive;
+        if (codes[r] != 0 && first_failure == std::chrono::steady_clock::time_point{}) {
+          first_failure = std::chrono::steady_clock::now();
+        }
+      }
+    }
+    auto now = std::chrono::steady_clock::now();
+    bool failed_long_ago = first_failure != std::chrono::steady_clock::time_point{} &&
+                           now - first_failure > std::chrono::seconds(5);
+    if (alive > 0 && (now > deadline || failed_long_ago)) {
+      for (int r = 0; r < world; ++r) {
+        if (codes[r] == -1) kill(-pids[r], SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int r = 0; r < world; ++r) {
+    std::string out = read_file(outs[r]);
+    unlink(outs[r].c_str());
+    EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << world << " failed (exit " << codes[r]
+                           << "); its output:\n" << out;
+    if (codes[r] == 0 && out.find("[  PASSED  ] 1 test") == std::string::npos) {
+      ADD_FAILURE() << "rank " << r << " ran no test (filter " << filter << "); output:\n" << out;
+    }
+  }
+}
+
+}  // namespace fsdp::testing
