@@ -42,17 +42,21 @@ Unit* Runtime::neighbour(const Unit& u, int step) const {
 }
 
 // Note [Prefetch bound]
-// Prefetching gathers the next unit while the current one computes. It is issued only
-// while fewer than max_gathered_units non-root units are gathered (the computing one
-// included), so prefetching never holds more than that many units' full parameters.
+// Prefetching gathers the next units (in forward order, or reverse order in backward)
+// while the current one computes. It goes ahead only while fewer than
+// max_gathered_units non-root units are gathered (the computing one included), so
+// prefetching never holds more than that many units' full parameters.
 // The root is gathered from its forward through backward, as in PyTorch FSDP, and units
 // nested inside each other must be gathered together: those needs are met regardless.
-void Runtime::prefetch(Unit* next) {
-  if (next == nullptr || !options_.prefetch || next->is_root()) return;
-  if (next->state() != UnitState::kSharded || next->grads_reduced) return;
-  if (gathered_non_root() >= options_.max_gathered_units) return;
-  next->start_gather();
-  next->prefetched = true;
+void Runtime::prefetch_from(const Unit& u, int direction) {
+  if (!options_.prefetch) return;
+  for (int k = 1; gathered_non_root() < options_.max_gathered_units; ++k) {
+    Unit* next = neighbour(u, direction * k);
+    if (next == nullptr) return;
+    if (next->is_root() || next->state() != UnitState::kSharded || next->grads_reduced) continue;
+    next->start_gather();
+    next->prefetched = true;
+  }
 }
 
 void Runtime::pre_forward(Unit& u) {
@@ -65,7 +69,7 @@ void Runtime::pre_forward(Unit& u) {
   }
   u.unshard();
   u.prefetched = false;
-  if (order_frozen_) prefetch(neighbour(u, +1));
+  if (order_frozen_) prefetch_from(u, +1);
 }
 
 void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
@@ -94,7 +98,7 @@ void Runtime::pre_backward(Unit& u) {
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
   u.unshard();
   u.prefetched = false;
-  prefetch(neighbour(u, -1));
+  prefetch_from(u, -1);
 }
 
 void Runtime::end_of_backward() {

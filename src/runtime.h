@@ -40,7 +40,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   int gathered_non_root() const;
 
  private:
-  void prefetch(Unit* next);
+  void prefetch_from(const Unit& u, int direction);
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
 

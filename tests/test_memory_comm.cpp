@@ -1,0 +1,137 @@
+// Accounting: the engine's byte counters against DESIGN section 5, and communication
+// bytes per step against the theory for FULL_SHARD.
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+struct Sizes {
+  int64_t root = 0;     ///< root unit's padded numel
+  int64_t block = 0;    ///< one block unit's padded numel (all blocks are equal)
+  int64_t blocks = 0;   ///< number of block units
+  int64_t shards = 0;   ///< sum of shard numels
+  int64_t numel = 0;    ///< sum of unpadded numels
+  int64_t padded = 0;   ///< sum of padded numels
+};
+
+Sizes sizes_of(WrapPointImpl& root) {
+  Sizes s;
+  for (const auto& f : root.flat_params()) {
+    if (f.unit_fqn.empty()) {
+      s.root = f.padded_numel;
+    } else {
+      s.block = f.padded_numel;
+      ++s.blocks;
+    }
+    s.shards += f.shard_numel;
+    s.numel += f.numel;
+    s.padded += f.padded_numel;
+  }
+  return s;
+}
+
+void train_steps(gpt::GPT& reference_cfg_holder, FullyShardedModule<gpt::GPT>& model,
+                 const ProcessGroup& pg, int steps) {
+  auto cfg = reference_cfg_holder->config;
+  torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  for (int step = 0; step < steps; ++step) {
+    gpt::loss_on(model, my_rows(gpt_batch(step, 4 * pg.size(), cfg.block_size), pg)).backward();
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
+class AccountingAtWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(AccountingAtWorld, ShardedStateIsOneNthOfTheModelPlusPaddingExactly) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    gpt::GPT plain(cfg);
+    int64_t model_numel = 0;
+    for (const auto& p : plain->parameters()) model_numel += p.numel();
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    Sizes s = sizes_of(*model.ptr());
+    const int64_t n = pg.size();
+    EXPECT_EQ(s.numel, model_numel);
+    for (const auto& f : model->flat_params()) {
+      EXPECT_EQ(f.padded_numel % n, 0) << f.unit_fqn;
+      EXPECT_LT(f.padded_numel - f.numel, n) << f.unit_fqn;  // padding is under one element per rank
+      EXPECT_EQ(f.shard_numel * n, f.padded_numel) << f.unit_fqn;
+    }
+    auto mem = model->memory_stats();
+    // fp32 shards: exactly (model + padding) / N elements of 4 bytes.
+    EXPECT_EQ(mem.sharded_params.current, 4 * s.padded / n);
+    EXPECT_EQ(mem.gathered_params.current, 0);
+    EXPECT_EQ(mem.grad_shards.current, 0);
+    gpt::loss_on(model, gpt_batch(0, 2, cfg.block_size)).backward();
+    mem = model->memory_stats();
+    // fp32 gradient shards: the same size as the parameter shards (all trainable).
+    EXPECT_EQ(mem.grad_shards.current, 4 * s.padded / n);
+    EXPECT_EQ(mem.gathered_params.current, 0);  // nothing left gathered after backward
+    EXPECT_EQ(mem.comm_buffers.current, 0);     // flat gradient buffers freed
+  });
+}
+
+TEST_P(AccountingAtWorld, FullShardStepMovesTheTheoreticalBytes) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    gpt::GPT holder(cfg);
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    train_steps(holder, model, pg, 3);
+    Sizes s = sizes_of(*model.ptr());
+    const auto& step = model->comm_stats().step;
+    if (pg.size() == 1) {
+      // A group of one moves nothing: gathers and reductions are local copies.
+      EXPECT_EQ(step.total_bytes(), 0);
+      return;
+    }
+    // Forward: every unit gathered once. Backward: every non-root unit gathered again
+    // (the root stays gathered). Reduce-scatter: every unit's flat gradient. fp32 = 4 bytes.
+    EXPECT_EQ(step.all_gather_bytes, 4 * (s.padded + s.blocks * s.block));
+    EXPECT_EQ(step.all_gather_calls, 1 + 2 * s.blocks);
+    EXPECT_EQ(step.reduce_scatter_bytes, 4 * s.padded);
+    EXPECT_EQ(step.reduce_scatter_calls, 1 + s.blocks);
+    EXPECT_EQ(step.all_reduce_bytes, 0);
+    EXPECT_EQ(model->comm_stats().total.all_gather_bytes, 3 * step.all_gather_bytes);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(World, AccountingAtWorld, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "w" + std::to_string(info.param); });
+
+class PrefetchBound : public ::testing::TestWithParam<int> {};
+
+TEST_P(PrefetchBound, GatheredPeakIsRootPlusBoundTimesLargestUnit) {
+  const int bound = GetParam();
+  run_ranks(2, [bound](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    cfg.n_layer = 4;
+    gpt::GPT holder(cfg);
+    ShardingOptions o;
+    o.process_group = pg;
+    o.max_gathered_units = bound;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    train_steps(holder, model, pg, 1);  // the first step records the order
+    model->reset_peak_memory();
+    train_steps(holder, model, pg, 2);
+    Sizes s = sizes_of(*model.ptr());
+    // The root stays gathered through forward and backward (Note [Prefetch bound]);
+    // prefetching adds blocks up to the bound, and all blocks are the same size, so the
+    // peak is reached exactly.
+    EXPECT_EQ(model->memory_stats().gathered_params.peak, 4 * (s.root + bound * s.block));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Units, PrefetchBound, ::testing::Values(1, 2, 3),
+                         [](const auto& info) { return "max" + std::to_string(info.param); });
+
+}  // namespace
