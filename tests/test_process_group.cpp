@@ -1,0 +1,217 @@
+// Process group: launch environment, rendezvous errors, and the collectives.
+#include "support/multirank.h"
+
+#include <fsdp/process_group.h>
+
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+const char* kLaunchVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                             "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
+                             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK", "FSDP_TIMEOUT_S"};
+
+// Sets exactly `vars` among the launch variables for the test's lifetime.
+class ScopedLaunchEnv {
+ public:
+  explicit ScopedLaunchEnv(const std::map<std::string, std::string>& vars) {
+    for (const char* k : kLaunchVars) {
+      if (const char* v = std::getenv(k)) saved_[k] = v;
+      unsetenv(k);
+    }
+    for (const auto& [k, v] : vars) setenv(k.c_str(), v.c_str(), 1);
+  }
+  ~ScopedLaunchEnv() {
+    for (const char* k : kLaunchVars) unsetenv(k);
+    for (const auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
+  }
+
+ private:
+  std::map<std::string, std::string> saved_;
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+
+TEST(LaunchEnv, NoVariablesMeansOneProcess) {
+  ScopedLaunchEnv env({});
+  auto e = read_launch_env();
+  EXPECT_EQ(e.world_size, 1);
+  EXPECT_EQ(e.rank, 0);
+  EXPECT_EQ(e.source, "single-process");
+  EXPECT_EQ(init_process_group().size(), 1);
+}
+
+TEST(LaunchEnv, TorchrunVariablesAreRead) {
+  ScopedLaunchEnv env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
+                       {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "29511"}});
+  auto e = read_launch_env();
+  EXPECT_EQ(e.source, "torchrun");
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 0);
+  EXPECT_EQ(e.master_addr, "10.0.0.7");
+  EXPECT_EQ(e.master_port, 29511);
+}
+
+TEST(LaunchEnv, SlurmVariablesAreReadAndTheFirstNodeIsTheMaster) {
+  ScopedLaunchEnv env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                       {"SLURM_JOB_NODELIST", "gpu[07-08],cpu1"}, {"MASTER_PORT", "29600"}});
+  auto e = read_launch_env();
+  EXPECT_EQ(e.source, "slurm");
+  EXPECT_EQ(e.rank, 5);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.master_addr, "gpu07");
+  EXPECT_EQ(e.master_port, 29600);
+}
+
+TEST(LaunchEnv, OpenMpiVariablesAreRead) {
+  ScopedLaunchEnv env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"MASTER_ADDR", "127.0.0.1"}});
+  auto e = read_launch_env();
+  EXPECT_EQ(e.source, "openmpi");
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.world_size, 2);
+  EXPECT_EQ(e.local_rank, 1);
+}
+
+TEST(LaunchEnv, MissingWorldSizeNamesTheVariable) {
+  ScopedLaunchEnv env(std::map<std::string, std::string>{{"RANK", "0"}});
+  EXPECT_EQ(error_of([] { read_launch_env(); }),
+            "WORLD_SIZE is not set, but other torchrun variables are. Set it, or launch with "
+            "fsdp-run / torchrun, which set them all. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT.");
+}
+
+TEST(LaunchEnv, MissingMasterAddrNamesTheVariable) {
+  ScopedLaunchEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(error_of([] { read_launch_env(); }),
+            "MASTER_ADDR is not set: ranks need the rendezvous host (rank 0's address). Set it, "
+            "e.g. MASTER_ADDR=127.0.0.1 for one machine. torchrun sets RANK, WORLD_SIZE, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT.");
+}
+
+TEST(LaunchEnv, RankAtWorldSizeIsRejected) {
+  ScopedLaunchEnv env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(error_of([] { read_launch_env(); }),
+            "rank 4 is not below world size 4 (from torchrun); ranks run from 0 to 3. torchrun "
+            "sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.");
+}
+
+TEST(LaunchEnv, NonIntegerRankIsRejected) {
+  ScopedLaunchEnv env({{"RANK", "one"}, {"WORLD_SIZE", "4"}});
+  EXPECT_EQ(error_of([] { read_launch_env(); }),
+            "RANK='one' is not an integer. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT.");
+}
+
+TEST(Rendezvous, PortAlreadyInUseIsReportedWithTheFix) {
+  // Hold a listening socket on a port, then ask rank 0 to serve on it.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  ScopedLaunchEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "5"}});
+  EXPECT_EQ(error_of([] { init_process_group(); }),
+            "rank 0 cannot serve the rendezvous: port " + port +
+                " on 127.0.0.1 is already in use. Pick a free port (MASTER_PORT, or fsdp-run "
+                "--master-port) or stop the process holding it.");
+  close(fd);
+}
+
+TEST(Rendezvous, PeersThatNeverArriveAreNamedAfterTheTimeout) {
+  const std::string port = std::to_string(free_port());
+  ScopedLaunchEnv env({{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "1"}});
+  EXPECT_EQ(error_of([] { init_process_group(); }),
+            "rendezvous at 127.0.0.1:" + port +
+                " timed out after 1 s: 2 of 3 ranks never arrived; missing ranks: [1, 2]. Start "
+                "every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise the "
+                "timeout (FSDP_TIMEOUT_S).");
+}
+
+TEST(Rendezvous, AMissingMasterIsNamedAfterTheTimeout) {
+  const std::string port = std::to_string(free_port());
+  ScopedLaunchEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "1"}});
+  EXPECT_EQ(error_of([] { init_process_group(); }),
+            "rank 1 could not reach the rendezvous at 127.0.0.1:" + port +
+                " within 1 s; missing ranks: [0]. Rank 0 serves the rendezvous: check that it is "
+                "running and that MASTER_ADDR/MASTER_PORT point at it, or raise the timeout "
+                "(FSDP_TIMEOUT_S).");
+}
+
+TEST(Rendezvous, BadTimeoutValueIsRejected) {
+  ScopedLaunchEnv env(std::map<std::string, std::string>{{"FSDP_TIMEOUT_S", "soon"}});
+  EXPECT_EQ(error_of([] { init_process_group(); }),
+            "FSDP_TIMEOUT_S='soon' is not a positive number of seconds");
+}
+
+TEST(Collectives, GatherReduceScatterAllReduceBroadcastAtWorldThree) {
+  run_ranks(3, [](const ProcessGroup& pg) {
+    const int r = pg.rank();
+    auto shard = torch::full({2}, static_cast<float>(r + 1));
+    auto full = torch::empty({6});
+    pg.all_gather(full, shard);
+    EXPECT_TRUE(torch::equal(full, torch::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f})));
+
+    auto grads = torch::arange(6, torch::kFloat) * (r + 1);  // sum over ranks: 6 * arange
+    auto mine = torch::empty({2});
+    pg.reduce_scatter_sum(grads, mine);
+    EXPECT_TRUE(torch::equal(mine, torch::tensor({6.f * (2 * r), 6.f * (2 * r + 1)})));
+
+    auto t = torch::tensor({static_cast<double>(r)});
+    pg.all_reduce_sum(t);
+    EXPECT_EQ(t.item<double>(), 3.0);
+    auto m = torch::tensor({static_cast<float>(r)});
+    pg.all_reduce_max(m);
+    EXPECT_EQ(m.item<float>(), 2.f);
+
+    auto b = torch::full({3}, static_cast<float>(r)).to(torch::kBFloat16);
+    pg.broadcast(b, 2);
+    EXPECT_TRUE(torch::equal(b.to(torch::kFloat), torch::full({3}, 2.f)));
+    pg.barrier();
+  });
+}
+
+TEST(Collectives, SplitMakesDisjointSubgroups) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    auto sub = pg.split({{0, 2}, {1, 3}});
+    EXPECT_EQ(sub.size(), 2);
+    EXPECT_EQ(sub.rank(), pg.rank() / 2);
+    auto t = torch::tensor({static_cast<float>(pg.rank())});
+    sub.all_reduce_sum(t);
+    EXPECT_EQ(t.item<float>(), pg.rank() % 2 == 0 ? 2.f : 4.f);
+    EXPECT_EQ(error_of([&] { pg.split({{0, 1}, {1, 2, 3}}); }),
+              "ProcessGroup::split: rank 1 is listed in two groups; the groups must be disjoint");
+  });
+}
+
+}  // namespace
