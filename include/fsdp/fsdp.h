@@ -1,6 +1,7 @@
 #pragma once
 // Fully Sharded Data Parallel for LibTorch: the whole public API.
 
+#include <fsdp/clip_grad.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/options.h>

@@ -1,0 +1,44 @@
+#include <fsdp/clip_grad.h>
+
+#include "runtime.h"
+
+#include <cmath>
+#include <limits>
+
+namespace fsdp {
+
+double clip_grad_norm_(WrapPointImpl& root, double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type) && norm_type > 0;
+  TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
+              " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");
+  TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
+  auto& rt = root.runtime();
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (auto& u : rt.units()) {
+    for (auto& f : u->flats()) {
+      if (f->trainable() && f->shard().grad().defined()) grads.push_back(f->shard().grad());
+    }
+  }
+  // Each shard group holds the model once (padding is zero), and replicas across
+  // groups hold the same values, so reducing over the shard group gives the global norm.
+  auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(rt.options().device));
+  for (const auto& g : grads) {
+    if (inf) {
+      local = at::maximum(local, g.abs().max().to(at::kDouble).reshape({1}));
+    } else {
+      local += g.to(at::kDouble).pow(2).sum();
+    }
+  }
+  auto& group = *rt.flat_config().shard_group;
+  group.all_reduce(local, inf ? detail::ReduceKind::kMax : detail::ReduceKind::kSum)->wait();
+  const double total = inf ? local.item<double>() : std::sqrt(local.item<double>());
+  // As torch::nn::utils::clip_grad_norm_: scale by min(1, max_norm / (total + 1e-6)).
+  const double coef = std::min(1.0, max_norm / (total + 1e-6));
+  if (coef < 1.0) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return total;
+}
+
+}  // namespace fsdp
