@@ -7,6 +7,8 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 PACKAGES=(
   build-essential cmake ninja-build ccache
   libtorch-dev libgloo-dev          # LibTorch 1.13.1 (CPU) and the Gloo headers c10d needs
+  libopenblas0-pthread              # LibTorch links libblas.so.3; without OpenBLAS it is the
+                                    # reference BLAS, about 40x slower (see docs/benchmarks.md)
   libhdf5-dev                       # checkpoints
   libcxxopts-dev nlohmann-json3-dev # command-line flags and JSON config
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -51,9 +51,21 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
 
   // Point every original parameter at its view of the full buffer, then free the
   // buffer: the originals' own storage goes with the old data.
-  full_ = at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
+  // Note [Group of one]
+  // With nobody to gather from (world size 1, or NO_SHARD) and fp32 compute, the shard
+  // is the full parameter: the views point into the shard itself, gathers and frees are
+  // no-ops, and the optimizer's in-place updates are what the model computes with.
+  // At world size 1 the gradient needs no reduction either, so the originals' .grad()
+  // are views into the fp32 gradient shard and autograd accumulates into it in place.
+  alias_ = g == 1 && cfg_.param_dtype == at::kFloat;
+  direct_ = alias_ && cfg_.world_size == 1 && cfg_.reduce_dtype == at::kFloat && trainable_;
+  full_ = alias_ ? shard_.detach() : at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
-  free_storage(full_);
+  if (alias_) {
+    full_allocated_ = true;
+  } else {
+    free_storage(full_);
+  }
 }
 
 FlatParam::~FlatParam() {
@@ -62,6 +74,7 @@ FlatParam::~FlatParam() {
 }
 
 std::shared_ptr<Work> FlatParam::gather() {
+  if (alias_) return std::make_shared<DoneWork>();
   if (!full_allocated_) {
     alloc_storage(full_, static_cast<size_t>(full_bytes()));
     full_allocated_ = true;
@@ -84,22 +97,58 @@ std::shared_ptr<Work> FlatParam::gather() {
 }
 
 void FlatParam::release() {
-  if (!full_allocated_) return;
+  if (alias_ || !full_allocated_) return;
   free_storage(full_);
   full_allocated_ = false;
   Accounting::release(cfg_.acct->mem.gathered_params, full_bytes());
 }
 
+void FlatParam::link_grads() {
+  if (!direct_) return;
+  at::NoGradGuard no_grad;
+  if (!shard_.grad().defined()) {
+    shard_.mutable_grad() = at::zeros_like(shard_);
+  }
+  const auto& g = shard_.grad();
+  for (auto& s : slots_) {
+    const auto& pg = s.param.grad();
+    if (pg.defined() && pg.data_ptr() == g.data_ptr<float>() + s.offset) continue;
+    s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
+  }
+}
+
 bool FlatParam::take_grad(size_t slot) {
   TORCH_INTERNAL_ASSERT(trainable_ && slot < slots_.size());
   at::NoGradGuard no_grad;
+  if (direct_) {
+    // Normally already accumulated in place into the gradient shard (link_grads()); a
+    // gradient that arrived elsewhere (no pre-backward hook ran) is added here.
+    auto& s = slots_[slot];
+    const auto& pg = s.param.grad();
+    if (!shard_.grad().defined()) shard_.mutable_grad() = at::zeros_like(shard_);
+    const auto& g = shard_.grad();
+    if (pg.defined() && pg.data_ptr() != g.data_ptr<float>() + s.offset) {
+      g.narrow(0, s.offset, s.numel).view(s.shape).add_(pg);
+      s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
+    }
+    return ++grads_taken_ == static_cast<int>(slots_.size());
+  }
   auto& p = slots_[slot].param;
   if (!grad_full_.defined()) {
-    grad_full_ = at::zeros({padded_}, shard_.options().dtype(cfg_.reduce_dtype));
+    // Not zero-filled: each slot is written once below, and reduce_grad() zeroes the
+    // slots that never reported and the padding.
+    grad_full_ = at::empty({padded_}, shard_.options().dtype(cfg_.reduce_dtype));
+    written_.assign(slots_.size(), false);
     Accounting::alloc(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
   }
+  auto dst = grad_full_.narrow(0, slots_[slot].offset, slots_[slot].numel).view(slots_[slot].shape);
   if (p.grad().defined()) {
-    grad_full_.narrow(0, slots_[slot].offset, slots_[slot].numel).view(slots_[slot].shape).add_(p.grad());
+    if (written_[slot]) {
+      dst.add_(p.grad());
+    } else {
+      dst.copy_(p.grad());
+    }
+    written_[slot] = true;
     p.mutable_grad() = at::Tensor();
   }
   ++grads_taken_;
@@ -107,13 +156,22 @@ bool FlatParam::take_grad(size_t slot) {
 }
 
 void FlatParam::reduce_grad() {
+  if (direct_) {
+    grads_taken_ = 0;
+    return;
+  }
   if (!grad_full_.defined()) return;
   at::NoGradGuard no_grad;
-  at::Tensor out = at::empty({shard_numel_}, grad_full_.options());
-  if (cfg_.shard_group->size() > 1) {
-    cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (!written_[i]) grad_full_.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
   }
-  cfg_.shard_group->reduce_scatter_sum(grad_full_, out)->wait();
+  if (padded_ > numel_) grad_full_.narrow(0, numel_, padded_ - numel_).zero_();
+  at::Tensor out = grad_full_;
+  if (cfg_.shard_group->size() > 1) {
+    out = at::empty({shard_numel_}, grad_full_.options());
+    cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
+    cfg_.shard_group->reduce_scatter_sum(grad_full_, out)->wait();
+  }
   if (cfg_.replicate_group->size() > 1) {
     cfg_.acct->count(Collective::kAllReduce, bytes_of(shard_numel_, cfg_.reduce_dtype));
     cfg_.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
@@ -122,7 +180,8 @@ void FlatParam::reduce_grad() {
   grads_taken_ = 0;
   Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
 
-  at::Tensor g = out.to(at::kFloat).div_(static_cast<double>(cfg_.world_size));
+  at::Tensor g = out.to(at::kFloat);
+  if (cfg_.world_size > 1) g.div_(static_cast<double>(cfg_.world_size));
   if (!shard_.grad().defined()) {
     shard_.mutable_grad() = g;
   } else {

@@ -66,7 +66,10 @@ class FlatParam {
   /// Returns true once every trainable slot has reported in this backward.
   bool take_grad(size_t slot);
   /// True when some slot has reported since the last reduce.
-  bool has_pending_grad() const { return grad_full_.defined(); }
+  bool has_pending_grad() const { return grads_taken_ > 0; }
+  /// Points each original parameter's .grad() into the gradient shard (world size 1,
+  /// see Note [Group of one]); called before backward. No-op otherwise.
+  void link_grads();
   /// Reduce-scatters the flat gradient (sum / world size) into the fp32 gradient shard.
   void reduce_grad();
 
@@ -86,6 +89,9 @@ class FlatParam {
   at::Tensor shard_;         ///< fp32 leaf, shard_numel_ elements
   at::Tensor full_;          ///< param_dtype, padded_ elements; storage freed when sharded
   bool full_allocated_ = false;
+  bool alias_ = false;       ///< group of one in fp32: full_ is the shard's own storage
+  bool direct_ = false;      ///< world size 1 in fp32: grads accumulate straight into the shard's
+  std::vector<bool> written_;  ///< slots whose gradient arrived since the last reduce
   at::Tensor staging_;       ///< shard cast to param_dtype while a gather is in flight
   at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
   int grads_taken_ = 0;      ///< slots reported since the last reduce

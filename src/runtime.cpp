@@ -96,6 +96,7 @@ void Runtime::pre_backward(Unit& u) {
     torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
   }
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
+  for (auto& f : u.flats()) f->link_grads();
   u.unshard();
   u.prefetched = false;
   prefetch_from(u, -1);

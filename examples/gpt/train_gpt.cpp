@@ -1,0 +1,386 @@
+// train_gpt: trains the GPT of DESIGN section 6, sharded over every rank of the job.
+//
+//   build/bin/train_gpt --steps 200                      # one process
+//   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine
+//
+// Without --data it learns a synthetic byte-level task generated from --seed: text from
+// a random Markov chain over 32 characters in which each character has two likely
+// successors. A model that ignores context cannot beat the unigram entropy printed at
+// the start; a GPT that learns the chain approaches the conditional entropy.
+#include <fsdp/fsdp.h>
+
+#include "gpt_model.h"
+
+#include <cxxopts.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+
+namespace {
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ---- data -------------------------------------------------------------------
+
+const std::string kAlphabet = "abcdefghijklmnopqrstuvwxyz .,;!?";
+
+/// Byte-level batches, identical on every rank and world size for a given step.
+class Data {
+ public:
+  Data(uint64_t seed, const std::string& path) : seed_(seed) {
+    if (!path.empty()) {
+      std::ifstream f(path, std::ios::binary);
+      if (!f) throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
+      std::stringstream ss;
+      ss << f.rdbuf();
+      text_ = ss.str();
+      return;
+    }
+    std::mt19937_64 g(seed ^ 0x5eedULL);
+    std::uniform_int_distribution<int> pick(0, static_cast<int>(kAlphabet.size()) - 1);
+    for (size_t i = 0; i < kAlphabet.size(); ++i) next_.push_back({pick(g), pick(g)});
+  }
+
+  bool synthetic() const { return text_.empty(); }
+
+  void check(int64_t block) const {
+    if (!synthetic() && static_cast<int64_t>(text_.size()) < block + 2) {
+      throw UsageError("--data holds " + std::to_string(text_.size()) + " bytes, fewer than --block-size + 2 = " +
+                       std::to_string(block + 2) + "; use a longer file or a smaller --block-size");
+    }
+  }
+
+  /// (rows, block + 1) tokens for `step`.
+  torch::Tensor batch(int64_t step, int64_t rows, int64_t block) const {
+    std::mt19937_64 g(seed_ * 1000003ULL + static_cast<uint64_t>(step));
+    auto out = torch::empty({rows, block + 1}, torch::kLong);
+    auto a = out.accessor<int64_t, 2>();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (synthetic()) {
+        int s = static_cast<int>(g() % kAlphabet.size());
+        for (int64_t t = 0; t <= block; ++t) {
+          a[r][t] = static_cast<unsigned char>(kAlphabet[s]);
+          s = (g() % 10 < 7) ? next_[s].first : next_[s].second;
+        }
+      } else {
+        uint64_t start = g() % (text_.size() - block - 1);
+        for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
+      }
+    }
+    return out;
+  }
+
+  /// Entropy in nats of the byte distribution (the loss of a context-free model).
+  double unigram_entropy(int64_t block) const {
+    auto b = batch(-1, 256, block);
+    auto counts = torch::bincount(b.reshape({-1}), {}, 256).to(torch::kDouble);
+    auto p = counts / counts.sum();
+    p = p.masked_select(p > 0);
+    return -(p * p.log()).sum().item<double>();
+  }
+
+  /// Entropy in nats of the next character given the current one (the synthetic task's floor).
+  double conditional_entropy() const { return -(0.7 * std::log(0.7) + 0.3 * std::log(0.3)); }
+
+ private:
+  uint64_t seed_;
+  std::string text_;
+  std::vector<std::pair<int, int>> next_;  ///< per character: likely (p=0.7) and other (0.3) successor
+};
+
+// ---- options ----------------------------------------------------------------
+
+cxxopts::Options make_options() {
+  cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
+  o.add_options("model")
+    ("n-layer", "transformer blocks", cxxopts::value<int64_t>()->default_value("2"))
+    ("n-head", "attention heads", cxxopts::value<int64_t>()->default_value("4"))
+    ("d-model", "model width", cxxopts::value<int64_t>()->default_value("64"))
+    ("block-size", "context length in bytes", cxxopts::value<int64_t>()->default_value("32"))
+    ("dropout", "dropout probability", cxxopts::value<double>()->default_value("0"));
+  o.add_options("training")
+    ("batch-size", "global batch in sequences, split across ranks", cxxopts::value<int64_t>()->default_value("16"))
+    ("grad-accum", "micro-batches per step", cxxopts::value<int64_t>()->default_value("1"))
+    ("steps", "optimizer steps", cxxopts::value<int64_t>()->default_value("200"))
+    ("lr", "peak learning rate", cxxopts::value<double>()->default_value("3e-3"))
+    ("weight-decay", "AdamW weight decay", cxxopts::value<double>()->default_value("0.01"))
+    ("warmup-steps", "linear warm-up steps", cxxopts::value<int64_t>()->default_value("10"))
+    ("lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))
+    ("clip-grad", "clip the global gradient norm to this (0: off)", cxxopts::value<double>()->default_value("1.0"))
+    ("seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))
+    ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""));
+  o.add_options("sharding")
+    ("precision", "fp32 (bf16 and fp16 are not built yet)", cxxopts::value<std::string>()->default_value("fp32"))
+    ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
+    ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
+    ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"));
+  o.add_options("output")
+    ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
+    ("log-every", "progress line every K steps (0: about 20 lines per run)", cxxopts::value<int64_t>()->default_value("0"))
+    ("config", "JSON file with any of these options; flags given here override it", cxxopts::value<std::string>()->default_value(""))
+    ("h,help", "show this help");
+  return o;
+}
+
+// Turns {"n_layer": 4, "lr-schedule": "cosine"} into "--n-layer=4 --lr-schedule=cosine".
+std::vector<std::string> config_args(const std::string& path, const cxxopts::Options& options) {
+  std::ifstream f(path);
+  if (!f) throw UsageError("--config " + path + ": cannot open the file");
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const std::exception& e) {
+    throw UsageError("--config " + path + ": not valid JSON (" + std::string(e.what()) + ")");
+  }
+  if (!j.is_object()) throw UsageError("--config " + path + ": the top level must be a JSON object");
+  std::vector<std::string> out;
+  for (auto& [key, value] : j.items()) {
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (flag == "config" || flag == "help") throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
+    std::string v = value.is_string() ? value.get<std::string>() : value.dump();
+    if (value.is_boolean() || value.is_object() || value.is_array() || value.is_null()) {
+      throw UsageError("--config " + path + ": key '" + key + "' must be a number or a string");
+    }
+    out.push_back("--" + flag + "=" + v);
+  }
+  (void)options;
+  return out;
+}
+
+fsdp::ShardingStrategy parse_sharding(const std::string& s) {
+  if (s == "full") return fsdp::ShardingStrategy::kFullShard;
+  if (s == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
+  if (s == "none") return fsdp::ShardingStrategy::kNoShard;
+  if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
+  throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
+}
+
+fsdp::WrapPolicy parse_wrap(const std::string& s) {
+  if (s == "block") return fsdp::module_type_policy<gpt::Block>();
+  if (s == "none") return fsdp::never_wrap_policy();
+  if (s.rfind("size:", 0) == 0) {
+    try {
+      size_t used = 0;
+      long long n = std::stoll(s.substr(5), &used);
+      if (used == s.size() - 5 && n >= 0) return fsdp::size_based_policy(n);
+    } catch (const std::exception&) {
+    }
+  }
+  throw UsageError("--wrap " + s + " is unknown; use block, none or size:N (N = least parameters per unit)");
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int i = 0;
+  while (b >= 1024 && i < 4) {
+    b /= 1024;
+    ++i;
+  }
+  std::ostringstream os;
+  os.precision(i == 0 ? 0 : 1);
+  os << std::fixed << b << " " << units[i];
+  return os.str();
+}
+
+std::string human_seconds(double s) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed;
+  if (s < 60) {
+    os << s << "s";
+  } else {
+    os << static_cast<int>(s / 60) << "m" << static_cast<int>(std::fmod(s, 60)) << "s";
+  }
+  return os.str();
+}
+
+int run(int argc, char** argv) {
+  auto options = make_options();
+  std::vector<std::string> args{argv[0]};
+  // A first pass finds --config; its values go first so that flags override them.
+  {
+    auto first = make_options();
+    first.allow_unrecognised_options();
+    auto r = first.parse(argc, argv);
+    if (r.count("help")) {
+      std::cout << options.help() << std::endl;
+      return 0;
+    }
+    if (!r["config"].as<std::string>().empty()) {
+      auto extra = config_args(r["config"].as<std::string>(), options);
+      args.insert(args.end(), extra.begin(), extra.end());
+    }
+  }
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  auto r = options.parse(static_cast<int>(cargs.size()), cargs.data());
+  if (!r.unmatched().empty()) throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+
+  gpt::Config cfg;
+  cfg.n_layer = r["n-layer"].as<int64_t>();
+  cfg.n_head = r["n-head"].as<int64_t>();
+  cfg.d_model = r["d-model"].as<int64_t>();
+  cfg.block_size = r["block-size"].as<int64_t>();
+  cfg.dropout = r["dropout"].as<double>();
+  const int64_t batch = r["batch-size"].as<int64_t>();
+  const int64_t accum = r["grad-accum"].as<int64_t>();
+  const int64_t steps = r["steps"].as<int64_t>();
+  const double lr = r["lr"].as<double>();
+  const int64_t warmup = r["warmup-steps"].as<int64_t>();
+  const std::string schedule = r["lr-schedule"].as<std::string>();
+  const double clip = r["clip-grad"].as<double>();
+  const uint64_t seed = r["seed"].as<uint64_t>();
+
+  auto positive = [](const char* flag, double v) {
+    if (!(v > 0)) throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
+  };
+  positive("n-layer", cfg.n_layer);
+  positive("n-head", cfg.n_head);
+  positive("d-model", cfg.d_model);
+  positive("block-size", cfg.block_size);
+  positive("batch-size", batch);
+  positive("grad-accum", accum);
+  positive("steps", steps);
+  positive("lr", lr);
+  if (cfg.d_model % cfg.n_head != 0) {
+    throw UsageError("--d-model " + std::to_string(cfg.d_model) + " must be divisible by --n-head " +
+                     std::to_string(cfg.n_head));
+  }
+  if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
+  if (warmup < 0) throw UsageError("--warmup-steps must not be negative");
+  if (clip < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
+  if (schedule != "constant" && schedule != "cosine") {
+    throw UsageError("--lr-schedule " + schedule + " is unknown; use constant or cosine");
+  }
+  const std::string precision = r["precision"].as<std::string>();
+  if (precision != "fp32") {
+    if (precision == "bf16" || precision == "fp16") {
+      throw UsageError("--precision " + precision + " is not available yet: mixed precision is not built in this version; use fp32");
+    }
+    throw UsageError("--precision " + precision + " is unknown; use fp32");
+  }
+
+  fsdp::ShardingOptions so;
+  so.strategy = parse_sharding(r["sharding"].as<std::string>());
+  so.hybrid_group_size = r["hybrid-group-size"].as<int>();
+  so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());
+
+  Data data(seed, r["data"].as<std::string>());
+  data.check(cfg.block_size);
+
+  fsdp::ProcessGroup pg = fsdp::init_process_group();
+  so.process_group = pg;
+  const int world = pg.size();
+  const bool main_rank = pg.rank() == 0;
+  if (batch % (world * accum) != 0) {
+    throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +
+                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) + "; try --batch-size " +
+                     std::to_string((batch / (world * accum) + 1) * world * accum));
+  }
+
+  torch::manual_seed(seed);
+  auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
+  torch::optim::AdamW opt(model->sharded_parameters(),
+                          torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>()));
+
+  std::ofstream jsonl;
+  if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
+    jsonl.open(r["log-jsonl"].as<std::string>());
+    if (!jsonl) throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() + ": cannot write the file");
+  }
+  int64_t n_params = 0;
+  for (const auto& f : model->flat_params()) n_params += f.numel;
+  if (main_rank) {
+    std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model " << cfg.d_model
+              << ", world size " << world << ", " << model->flat_params().size() << " flat parameters\n";
+    if (data.synthetic()) {
+      std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
+                << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
+                << data.conditional_entropy() << " nats (the floor)\n";
+    }
+    std::cout << std::flush;
+  }
+
+  const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>() : std::max<int64_t>(1, steps / 20);
+  const int64_t micro = batch / accum;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < steps; ++step) {
+    double step_lr = lr;
+    if (step < warmup) {
+      step_lr = lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+    } else if (schedule == "cosine") {
+      double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, steps - warmup);
+      step_lr = lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+    }
+    for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(step_lr);
+
+    const auto ts = std::chrono::steady_clock::now();
+    auto global = data.batch(step, batch, cfg.block_size);
+    double loss_sum = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      auto rows = global.narrow(0, m * micro, micro);
+      auto mine = rows.narrow(0, pg.rank() * (micro / world), micro / world);
+      auto loss = gpt::loss_on(model, mine) / static_cast<double>(accum);
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    if (clip > 0) fsdp::clip_grad_norm_(*model.ptr(), clip);
+    opt.step();
+    opt.zero_grad();
+    auto l = torch::tensor({loss_sum}, torch::kDouble);
+    pg.all_reduce_sum(l);
+    const double loss = l.item<double>() / world;
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
+    const double tok_s = static_cast<double>(batch * cfg.block_size) / dt;
+    auto mem = model->memory_stats();
+    const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak + mem.comm_buffers.peak;
+    const int64_t comm = model->comm_stats().step.total_bytes();
+    if (main_rank) {
+      if (jsonl.is_open()) {
+        nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
+                            {"peak_bytes", peak}, {"comm_bytes", comm}};
+        jsonl << j.dump() << "\n" << std::flush;
+      }
+      if ((step + 1) % log_every == 0 || step + 1 == steps) {
+        double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(steps - step - 1);
+        std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed << std::setprecision(4) << loss
+                  << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed << " | "
+                  << std::setprecision(0) << tok_s << " tok/s | engine peak " << human_bytes(static_cast<double>(peak))
+                  << " | comm " << human_bytes(static_cast<double>(comm)) << "/step | elapsed " << human_seconds(elapsed)
+                  << " | eta " << human_seconds(eta) << std::endl;
+      }
+    }
+  }
+  if (main_rank) std::cout << "train_gpt: done" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "train_gpt: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "train_gpt: error: " << e.what() << "; see --help" << std::endl;
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "train_gpt: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "train_gpt: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
