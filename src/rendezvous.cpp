@@ -3,6 +3,7 @@
 
 #include "backend.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -127,7 +128,11 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   std::string where = e.master_addr + ":" + std::to_string(e.master_port);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
-  so.isServer = e.rank == 0;
+  // Under torchrun the elastic agent already serves a store on MASTER_PORT and tells
+  // workers so; every rank is then a client.
+  const char* agent_store = env("TORCHELASTIC_USE_AGENT_STORE");
+  const bool use_agent_store = agent_store != nullptr && std::string(agent_store) == "True";
+  so.isServer = e.rank == 0 && !use_agent_store;
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
@@ -136,7 +141,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
     store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
   } catch (const std::exception& ex) {
     std::string what = ex.what();
-    if (e.rank == 0) {
+    if (so.isServer) {
       bool busy = what.find("in use") != std::string::npos || what.find("errno: 98") != std::string::npos;
       TORCH_CHECK(!busy, "rank 0 cannot serve the rendezvous: port ", e.master_port, " on ",
                   e.master_addr, " is already in use. Pick a free port (MASTER_PORT, or "
@@ -153,14 +158,16 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   // Note [Rendezvous arrival]
   // Each rank announces itself under its own key and waits for all the others, so a
   // timeout can name exactly the ranks that never came (c10d's own waits cannot).
-  store->set("fsdp/arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
+  const std::string tag = std::string("fsdp/") +
+                          (env("TORCHELASTIC_RESTART_COUNT") ? env("TORCHELASTIC_RESTART_COUNT") : "0") + "/";
+  store->set(tag + "arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int> missing;
   for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
   while (true) {
     std::vector<int> still;
     for (int r : missing) {
-      if (!store->check({"fsdp/arrived/" + std::to_string(r)})) still.push_back(r);
+      if (!store->check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
     }
     missing.swap(still);
     if (missing.empty()) break;
@@ -176,7 +183,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   }
 
   detail::BackendInit init;
-  init.store = store;
+  init.store = c10::make_intrusive<c10d::PrefixStore>(tag, store);
   init.rank = e.rank;
   init.size = e.world_size;
   init.timeout = timeout;
