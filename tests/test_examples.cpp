@@ -1,0 +1,187 @@
+// The example programs as a user runs them: train_gpt under fsdp-run and torchrun,
+// fsdp-run's failure handling, and train_gpt's errors for bad input.
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+
+using namespace fsdp::testing;
+
+namespace {
+
+std::string bin(const std::string& name) { return bin_dir() + "/" + name; }
+
+std::string temp_path(const std::string& stem) {
+  char tmpl[256];
+  std::snprintf(tmpl, sizeof(tmpl), "/tmp/fsdp_%s_XXXXXX", stem.c_str());
+  int fd = mkstemp(tmpl);
+  close(fd);
+  return tmpl;
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+// A small, fast configuration shared by the runs that are compared.
+std::vector<std::string> small_run(const std::string& log, int steps = 8) {
+  return {bin("train_gpt"), "--steps", std::to_string(steps), "--batch-size", "12", "--n-layer", "2",
+          "--d-model", "32", "--n-head", "2", "--block-size", "16", "--log-jsonl", log, "--seed", "7"};
+}
+
+std::vector<double> losses(const std::string& log) {
+  std::vector<double> out;
+  for (const auto& j : read_jsonl(log)) out.push_back(j.at("loss").get<double>());
+  return out;
+}
+
+TEST(TrainGpt, WorldOneAndWorldThreeGiveTheSameLosses) {
+  auto log1 = temp_path("w1"), log3 = temp_path("w3");
+  auto r1 = run_command(small_run(log1));
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  std::vector<std::string> launch = {bin("fsdp-run"), "--nproc", "3", "--"};
+  auto args3 = small_run(log3);
+  launch.insert(launch.end(), args3.begin(), args3.end());
+  auto r3 = run_command(launch);
+  ASSERT_EQ(r3.exit_code, 0) << r3.output;
+  auto a = losses(log1), b = losses(log3);
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * a[i]) << "step " << i + 1;
+  auto first = read_jsonl(log3)[0];
+  for (const char* key : {"step", "loss", "lr", "tokens_per_s", "peak_bytes", "comm_bytes"}) {
+    EXPECT_TRUE(first.contains(key)) << key;
+  }
+  EXPECT_GT(first.at("comm_bytes").get<int64_t>(), 0);
+  std::remove(log1.c_str());
+  std::remove(log3.c_str());
+}
+
+TEST(TrainGpt, TorchrunGivesTheSameLossesAsFsdpRun) {
+  auto log_a = temp_path("fr"), log_b = temp_path("tr");
+  std::vector<std::string> a = {bin("fsdp-run"), "--nproc", "2", "--"};
+  auto args = small_run(log_a);
+  a.insert(a.end(), args.begin(), args.end());
+  auto ra = run_command(a);
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  // Debian's torchrun (1.13 on Python 3.11) cannot parse --redirects 0 (its default);
+  // --redirects 1 --tee 1 keeps stdout on the console.
+  std::vector<std::string> b = {"/usr/bin/python3", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", std::to_string(free_port()), "--redirects", "1", "--tee", "1",
+                                "--no_python"};
+  args = small_run(log_b);
+  b.insert(b.end(), args.begin(), args.end());
+  auto rb = run_command(b);
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  auto la = losses(log_a), lb = losses(log_b);
+  ASSERT_EQ(la.size(), 8u);
+  ASSERT_EQ(la, lb);  // same world size, same seed: bit-identical
+}
+
+TEST(TrainGpt, SyntheticTaskLossFallsBelowItsUnigramEntropy) {
+  auto log = temp_path("learn");
+  std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--", bin("train_gpt"), "--steps", "150",
+                                  "--log-jsonl", log};
+  auto r = run_command(cmd, {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto pos = r.output.find("unigram entropy ");
+  ASSERT_NE(pos, std::string::npos) << r.output;
+  double entropy = std::stod(r.output.substr(pos + 16));
+  auto l = losses(log);
+  ASSERT_EQ(l.size(), 150u);
+  EXPECT_GT(l.front(), entropy);          // starts above: the model knows nothing
+  EXPECT_LT(l.back(), 0.5 * entropy);     // ends well below what no context can reach
+}
+
+TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", "sh", "-c",
+                        "if [ \"$RANK\" = 1 ]; then sleep 0.5; kill -9 $$; else sleep 60; fi"},
+                       {}, 30);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 137);
+  EXPECT_NE(r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 2 rank(s)"),
+            std::string::npos) << r.output;
+  EXPECT_LT(secs, 10.0);
+}
+
+TEST(FsdpRun, ARankExitingNonZeroIsNamedWithItsCode) {
+  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c",
+                        "if [ \"$RANK\" = 0 ]; then exit 3; else sleep 60; fi"}, {}, 30);
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_NE(r.output.find("fsdp-run: rank 0 exited with code 3"), std::string::npos) << r.output;
+}
+
+TEST(FsdpRun, BadArgumentsAreUsageErrors) {
+  auto r = run_command({bin("fsdp-run"), "--nproc", "zero", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: --nproc 'zero' must be a positive integer"), std::string::npos);
+  r = run_command({bin("fsdp-run"), "--nproc", "2"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: no command given after --"), std::string::npos);
+}
+
+struct BadInput {
+  std::vector<std::string> args;
+  std::string message;
+};
+
+class TrainGptBadInput : public ::testing::TestWithParam<BadInput> {};
+
+TEST_P(TrainGptBadInput, ExitsNonZeroWithAMessageAndNoStackDump) {
+  std::vector<std::string> cmd = {bin("train_gpt")};
+  cmd.insert(cmd.end(), GetParam().args.begin(), GetParam().args.end());
+  auto r = run_command(cmd);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(GetParam().message), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;  // no backtrace
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TrainGptBadInput,
+    ::testing::Values(
+        BadInput{{"--sharding", "zero3"}, "train_gpt: error: --sharding zero3 is unknown; use full, grad_op, none or hybrid"},
+        BadInput{{"--wrap", "size:many"}, "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
+        BadInput{{"--lr-schedule", "linear"}, "train_gpt: error: --lr-schedule linear is unknown; use constant or cosine"},
+        BadInput{{"--d-model", "30", "--n-head", "4"}, "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
+        BadInput{{"--data", "/nonexistent/input.txt"}, "train_gpt: error: --data /nonexistent/input.txt: cannot open the file"},
+        BadInput{{"--steps", "abc"}, "train_gpt: error: "},
+        BadInput{{"--no-such-flag"}, "train_gpt: error: "},
+        BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32"},
+        BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
+    [](const auto& info) { return "case" + std::to_string(info.index); });
+
+TEST(TrainGpt, BatchNotDivisibleByTheWorldSaysWhatToUse) {
+  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", bin("train_gpt"), "--batch-size", "10", "--steps", "1"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("train_gpt: error: --batch-size 10 must be divisible by world size 3 x --grad-accum 1; try --batch-size 12"),
+            std::string::npos) << r.output;
+}
+
+TEST(TrainGpt, ConfigFileSetsOptionsAndFlagsOverrideIt) {
+  auto cfg = temp_path("cfg");
+  {
+    std::ofstream f(cfg);
+    f << R"({"n_layer": 1, "d-model": 32, "n_head": 2, "block_size": 16, "steps": 3, "batch_size": 4})";
+  }
+  auto log = temp_path("cfglog");
+  auto r = run_command({bin("train_gpt"), "--config", cfg, "--steps", "2", "--log-jsonl", log});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("1 layers, d_model 32"), std::string::npos) << r.output;
+  EXPECT_EQ(read_jsonl(log).size(), 2u);  // --steps 2 on the command line wins over the file's 3
+  std::remove(cfg.c_str());
+  std::remove(log.c_str());
+}
+
+}  // namespace
