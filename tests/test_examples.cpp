@@ -185,3 +185,13 @@ TEST(TrainGpt, ConfigFileSetsOptionsAndFlagsOverrideIt) {
 }
 
 }  // namespace
+
+namespace {
+TEST(SmallExamples, MlpAndSequentialTrainOnTwoRanks) {
+  for (const char* name : {"train_mlp", "train_sequential"}) {
+    auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", bin(name)}, {}, 120);
+    EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+    EXPECT_NE(r.output.find("step 80 loss"), std::string::npos) << name << ":\n" << r.output;
+  }
+}
+}  // namespace
