@@ -103,6 +103,23 @@ TEST(TrainGpt, SyntheticTaskLossFallsBelowItsUnigramEntropy) {
   EXPECT_LT(l.back(), 0.5 * entropy);     // ends well below what no context can reach
 }
 
+TEST(TrainGpt, Bf16RunHalvesTheBytesPerStepAndStillLearns) {
+  auto log32 = temp_path("p32"), log16 = temp_path("p16");
+  for (auto [log, precision] : {std::pair{log32, "fp32"}, std::pair{log16, "bf16"}}) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+    auto args = small_run(log, 30);
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), {"--precision", precision});
+    auto r = run_command(cmd);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  auto a = read_jsonl(log32), b = read_jsonl(log16);
+  ASSERT_EQ(a.size(), 30u);
+  ASSERT_EQ(b.size(), 30u);
+  EXPECT_EQ(2 * b.back().at("comm_bytes").get<int64_t>(), a.back().at("comm_bytes").get<int64_t>());
+  EXPECT_LT(b.back().at("loss").get<double>(), b.front().at("loss").get<double>() - 1.0);
+}
+
 TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", "sh", "-c",
@@ -158,7 +175,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--data", "/nonexistent/input.txt"}, "train_gpt: error: --data /nonexistent/input.txt: cannot open the file"},
         BadInput{{"--steps", "abc"}, "train_gpt: error: "},
         BadInput{{"--no-such-flag"}, "train_gpt: error: "},
-        BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32"},
+        BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32 or bf16"},
         BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 

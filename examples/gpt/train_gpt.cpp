@@ -117,7 +117,7 @@ cxxopts::Options make_options() {
     ("seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))
     ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("sharding")
-    ("precision", "fp32 (bf16 and fp16 are not built yet)", cxxopts::value<std::string>()->default_value("fp32"))
+    ("precision", "fp32|bf16 (bf16: compute and communication in bf16 over fp32 masters)", cxxopts::value<std::string>()->default_value("fp32"))
     ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
     ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
     ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"));
@@ -262,14 +262,17 @@ int run(int argc, char** argv) {
     throw UsageError("--lr-schedule " + schedule + " is unknown; use constant or cosine");
   }
   const std::string precision = r["precision"].as<std::string>();
-  if (precision != "fp32") {
-    if (precision == "bf16" || precision == "fp16") {
-      throw UsageError("--precision " + precision + " is not available yet: mixed precision is not built in this version; use fp32");
-    }
-    throw UsageError("--precision " + precision + " is unknown; use fp32");
+  fsdp::ShardingOptions so;
+  if (precision == "bf16") {
+    so.mixed_precision.param_dtype = torch::kBFloat16;
+    so.mixed_precision.reduce_dtype = torch::kBFloat16;
+    so.mixed_precision.output_dtype = torch::kFloat32;
+  } else if (precision == "fp16") {
+    throw UsageError("--precision fp16 needs dynamic loss scaling, which is not built yet; use bf16 or fp32");
+  } else if (precision != "fp32") {
+    throw UsageError("--precision " + precision + " is unknown; use fp32 or bf16");
   }
 
-  fsdp::ShardingOptions so;
   so.strategy = parse_sharding(r["sharding"].as<std::string>());
   so.hybrid_group_size = r["hybrid-group-size"].as<int>();
   so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());

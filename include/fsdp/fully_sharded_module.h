@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -77,6 +78,10 @@ class WrapPointImpl : public torch::nn::Module {
   explicit WrapPointImpl(const std::string& name) : torch::nn::Module(name) {}
   void pre_forward();
   void post_forward(std::vector<torch::Tensor> outputs);
+  /// Set by fully_shard under mixed precision: floating inputs are cast to this dtype.
+  std::optional<torch::Dtype> cast_inputs_;
+  /// Set on the root when MixedPrecision::output_dtype is given.
+  std::optional<torch::Dtype> cast_outputs_;
 
  private:
   friend class detail::Runtime;
@@ -85,6 +90,22 @@ class WrapPointImpl : public torch::nn::Module {
 };
 
 namespace detail {
+// Mixed precision: floating-point tensor arguments are cast to the unit's compute dtype;
+// everything else passes through untouched.
+template <class T>
+decltype(auto) cast_floating(T&& v, torch::Dtype) {
+  return std::forward<T>(v);
+}
+inline torch::Tensor cast_floating(const torch::Tensor& t, torch::Dtype d) {
+  return t.defined() && t.is_floating_point() ? t.to(d) : t;
+}
+inline torch::Tensor cast_floating(torch::Tensor& t, torch::Dtype d) {
+  return cast_floating(static_cast<const torch::Tensor&>(t), d);
+}
+inline torch::Tensor cast_floating(torch::Tensor&& t, torch::Dtype d) {
+  return cast_floating(static_cast<const torch::Tensor&>(t), d);
+}
+
 // Collects the tensors in a forward's output so that pre-backward hooks can be set on
 // them. Unknown types contribute nothing.
 inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
@@ -124,7 +145,11 @@ class FullyShardedModuleImpl : public WrapPointImpl {
   auto forward(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
     if (!is_unit()) return module_->forward(std::forward<Args>(args)...);
     pre_forward();
-    auto out = module_->forward(std::forward<Args>(args)...);
+    auto out = cast_inputs_ ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...)
+                            : module_->forward(std::forward<Args>(args)...);
+    if constexpr (std::is_same_v<std::decay_t<decltype(out)>, torch::Tensor>) {
+      if (cast_outputs_ && out.is_floating_point()) out = out.to(*cast_outputs_);
+    }
     std::vector<torch::Tensor> tensors;
     detail::collect_tensors(out, tensors);
     post_forward(std::move(tensors));

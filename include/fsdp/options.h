@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace fsdp {
 
 /// How parameters, gradients and optimizer state are split over ranks.
@@ -20,8 +22,12 @@ enum class ShardingStrategy {
 struct MixedPrecision {
   /// dtype of the gathered parameters: compute and all-gather.
   torch::Dtype param_dtype = torch::kFloat32;
-  /// dtype in which gradients are reduced across ranks.
+  /// dtype in which gradients are reduced across ranks; gradients land in fp32 shards.
   torch::Dtype reduce_dtype = torch::kFloat32;
+  /// Cast floating-point forward inputs of each unit to param_dtype.
+  bool cast_forward_inputs = true;
+  /// If set, the root's floating-point output is cast to this dtype (e.g. fp32 logits).
+  std::optional<torch::Dtype> output_dtype = std::nullopt;
 };
 
 /// Everything fully_shard needs to know.

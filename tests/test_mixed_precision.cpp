@@ -1,0 +1,145 @@
+// Mixed precision over fp32 master weights: bf16 compute and communication.
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+constexpr int64_t kRows = 8;  // divisible by 2 and 4
+
+// The reference applies the same casts without the library: fp32 masters, a bf16 copy
+// of them for compute, per-share bf16 gradients summed in fp32 and divided by the
+// number of shares, AdamW on the masters.
+void bf16_parity(const ProcessGroup& pg) {
+  auto cfg = small_gpt_config();
+  torch::manual_seed(21);
+  gpt::GPT masters(cfg);
+  torch::manual_seed(21);
+  gpt::GPT compute(cfg);
+  compute->to(torch::kBFloat16);
+  torch::manual_seed(21);
+  ShardingOptions o;
+  o.process_group = pg;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  o.mixed_precision.reduce_dtype = torch::kFloat32;
+  o.mixed_precision.output_dtype = torch::kFloat32;
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6);
+  torch::optim::AdamW opt(model->sharded_parameters(), adamw);
+  torch::optim::AdamW ref_opt(masters->parameters(), adamw);
+  auto master_params = masters->parameters();
+  auto compute_params = compute->parameters();
+  for (int step = 0; step < 10; ++step) {
+    auto batch = gpt_batch(step, kRows, cfg.block_size);
+    auto loss = gpt::loss_on(model, my_rows(batch, pg));
+    EXPECT_EQ(loss.scalar_type(), torch::kFloat32);
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    double global = global_mean(loss, pg);
+
+    {
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < master_params.size(); ++i) compute_params[i].copy_(master_params[i]);
+    }
+    std::vector<torch::Tensor> sums;
+    for (auto& p : master_params) sums.push_back(torch::zeros_like(p));
+    double ref = 0;
+    for (int s = 0; s < pg.size(); ++s) {
+      auto rows = share_rows(batch, s, pg.size());
+      auto x = rows.narrow(1, 0, cfg.block_size), y = rows.narrow(1, 1, cfg.block_size);
+      auto logits = compute->forward(x).to(torch::kFloat32);
+      auto l = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), y.reshape({-1}));
+      l.backward();
+      ref += l.item<double>() / pg.size();
+      torch::NoGradGuard g;
+      for (size_t i = 0; i < sums.size(); ++i) {
+        sums[i] += compute_params[i].grad().to(torch::kFloat32);
+        compute_params[i].mutable_grad() = torch::Tensor();
+      }
+    }
+    for (size_t i = 0; i < sums.size(); ++i) master_params[i].mutable_grad() = sums[i] / pg.size();
+    ref_opt.step();
+    ref_opt.zero_grad();
+    // Same casts, same bf16 arithmetic per share; only the fp32 order of summing shares
+    // may differ, and bf16 rounding can turn that into one-ulp (2^-8) differences.
+    EXPECT_NEAR(global, ref, 1e-3 * ref) << "step " << step;
+  }
+  expect_params_match(full_state_dict(*model.ptr()), *masters, 1e-3);
+}
+
+TEST(MixedPrecision, Bf16MatchesAReferenceWithTheSameCastsAtWorld2) { run_ranks(2, bf16_parity); }
+TEST(MixedPrecision, Bf16MatchesAReferenceWithTheSameCastsAtWorld4) { run_ranks(4, bf16_parity); }
+
+int64_t step_bytes(const ProcessGroup& pg, torch::Dtype param, torch::Dtype reduce) {
+  auto cfg = small_gpt_config();
+  ShardingOptions o;
+  o.process_group = pg;
+  o.mixed_precision.param_dtype = param;
+  o.mixed_precision.reduce_dtype = reduce;
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  gpt::loss_on(model, my_rows(gpt_batch(0, kRows, cfg.block_size), pg)).backward();
+  auto s = model->comm_stats().step;
+  EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
+  return s.total_bytes();
+}
+
+TEST(MixedPrecision, Bf16MovesHalfTheBytesOfFp32) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    const int64_t fp32 = step_bytes(pg, torch::kFloat32, torch::kFloat32);
+    const int64_t bf16 = step_bytes(pg, torch::kBFloat16, torch::kBFloat16);
+    EXPECT_GT(fp32, 0);
+    EXPECT_EQ(2 * bf16, fp32);
+  });
+}
+
+TEST(MixedPrecision, Bf16GatheredParametersTakeHalfTheBytes) {
+  auto cfg = small_gpt_config();
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  model->reset_peak_memory();
+  gpt::loss_on(model, gpt_batch(0, 2, cfg.block_size)).backward();
+  int64_t padded = 0, largest_block = 0, root = 0;
+  for (const auto& f : model->flat_params()) {
+    padded += f.padded_numel;
+    if (f.unit_fqn.empty()) root = f.padded_numel; else largest_block = std::max(largest_block, f.padded_numel);
+  }
+  auto mem = model->memory_stats();
+  EXPECT_EQ(mem.sharded_params.current, 4 * padded);            // fp32 masters
+  EXPECT_EQ(mem.gathered_params.peak, 2 * (root + 2 * largest_block));  // bf16: 2 bytes
+  EXPECT_EQ(mem.grad_shards.current, 4 * padded);               // fp32 gradient shards
+}
+
+TEST(MixedPrecision, Fp16OnCpuNamesTheUnsupportedOp) {
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = torch::kHalf;
+  try {
+    fully_shard(MlpNet(), o);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "MixedPrecision::param_dtype=Half cannot run on CPU with this LibTorch: "
+              "\"addmm_impl_cpu_\" not implemented for 'Half'. Use BFloat16 on CPU, or run on a "
+              "CUDA device.");
+  }
+}
+
+TEST(MixedPrecision, ReduceDtypeBelowFp16IsRejected) {
+  ShardingOptions o;
+  o.mixed_precision.reduce_dtype = torch::kChar;
+  try {
+    fully_shard(MlpNet(), o);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "MixedPrecision::reduce_dtype=Char is unsupported; gradients reduce in Float, "
+              "BFloat16 or Half");
+  }
+}
+
+}  // namespace
