@@ -65,8 +65,13 @@ class FlatParam {
   /// Adds one original parameter's gradient into the flat gradient buffer and frees it.
   /// Returns true once every trainable slot has reported in this backward.
   bool take_grad(size_t slot);
-  /// True when some slot has reported since the last reduce.
+  /// True when some slot has reported in the current backward pass.
   bool has_pending_grad() const { return grads_taken_ > 0; }
+  /// True when gradients are held unreduced (pending, or kept across passes by no_sync).
+  bool has_unreduced_grad() const { return grads_taken_ > 0 || grad_full_.defined(); }
+  /// Ends a backward pass without reducing: the flat gradient stays and later passes add
+  /// to it (no_sync).
+  void end_pass() { grads_taken_ = 0; }
   /// Points each original parameter's .grad() into the gradient shard (world size 1,
   /// see Note [Group of one]); called before backward. No-op otherwise.
   void link_grads();

@@ -36,6 +36,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
   /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
   void sync_grad_counter();
+  /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
+  bool no_sync() const { return no_sync_; }
+  void set_no_sync(bool on) { no_sync_ = on; }
   /// Non-root units not in the sharded state.
   int gathered_non_root() const;
 
@@ -52,6 +55,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   bool order_frozen_ = false;                 ///< forward order recorded
   bool iteration_open_ = false;               ///< a training forward began, backward not done
   bool callback_queued_ = false;              ///< end-of-backward callback queued
+  bool no_sync_ = false;                      ///< see NoSyncScope
 };
 
 }  // namespace fsdp::detail

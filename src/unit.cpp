@@ -94,12 +94,13 @@ void Unit::on_param_grad(FlatParam& flat, size_t slot) {
               ". Its parameters were used outside a call through its wrap point; call the "
               "wrapped module only through FullyShardedModule.");
   if (!flat.take_grad(slot)) return;
-  for (auto& f : flats_) {
-    if (f->trainable() && f->has_pending_grad() && f.get() != &flat) return;  // others pending
+  if (rt_->no_sync()) {
+    flat.end_pass();  // keep the unsharded gradient; a later backward reduces it
+  } else {
+    flat.reduce_grad();
+    rt_->sync_grad_counter();
   }
-  flat.reduce_grad();
   grads_reduced = true;
-  rt_->sync_grad_counter();
   // Note [Frozen parameters and reshard]
   // Frozen parameters have no accumulator to tell us when backward is done with them:
   // an op computing an input gradient may still read them after the trainable ones
@@ -110,7 +111,12 @@ void Unit::on_param_grad(FlatParam& flat, size_t slot) {
 void Unit::flush_grads() {
   bool any = false;
   for (auto& f : flats_) {
-    if (f->trainable() && f->has_pending_grad()) {
+    if (!f->trainable()) continue;
+    if (rt_->no_sync()) {
+      f->end_pass();
+      continue;
+    }
+    if (f->has_unreduced_grad()) {
       f->reduce_grad();
       any = true;
     }

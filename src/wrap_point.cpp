@@ -122,6 +122,12 @@ std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const 
   return out;
 }
 
+NoSyncScope::NoSyncScope(WrapPointImpl& root) : root_(root), previous_(root.runtime().no_sync()) {
+  root_.runtime().set_no_sync(true);
+}
+
+NoSyncScope::~NoSyncScope() { root_.runtime().set_no_sync(previous_); }
+
 FullParamsScope::FullParamsScope(WrapPointImpl& root, FullParamsOptions options)
     : root_(root), options_(options) {
   auto& rt = root_.runtime();

@@ -224,6 +224,23 @@ inline FullyShardedModule<torch::nn::Sequential> shard_sequential(
   return fully_shard(detail::wrap_sequential_entries(seq), options);
 }
 
+/// Gradient accumulation without communication: backward passes inside the scope keep
+/// each unit's unsharded flat gradient locally (more memory: the memory counters'
+/// comm_buffers show it) and the first backward after the scope reduces the sum once
+/// (less communication), as PyTorch FSDP's no_sync(). Outside the scope every backward
+/// reduce-scatters into the gradient shards (least memory).
+class NoSyncScope {
+ public:
+  explicit NoSyncScope(WrapPointImpl& root);
+  ~NoSyncScope();
+  NoSyncScope(const NoSyncScope&) = delete;
+  NoSyncScope& operator=(const NoSyncScope&) = delete;
+
+ private:
+  WrapPointImpl& root_;
+  bool previous_;
+};
+
 /// Clean FQNs of the module tree under `module`: wrap-point segments removed, so the
 /// names equal those of the same model without wrap points.
 std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(
