@@ -4,6 +4,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/loss_scaler.h>
 #include <fsdp/options.h>
 #include <fsdp/process_group.h>
 #include <fsdp/stats.h>
