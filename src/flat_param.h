@@ -55,6 +55,7 @@ class FlatParam {
   /// The gathered buffer (param_dtype); its storage is empty while sharded.
   const at::Tensor& full() const { return full_; }
   bool gathered() const { return full_allocated_; }
+  at::ScalarType param_dtype() const { return cfg_.param_dtype; }
   int64_t full_bytes() const { return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype)); }
 
   /// Restores the full buffer's storage and issues the all-gather into it.

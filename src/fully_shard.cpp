@@ -20,6 +20,7 @@ struct WrapNode {
   std::vector<std::pair<std::string, at::Tensor>> params;  ///< directly owned, registration order
   std::vector<std::unique_ptr<WrapNode>> children;
   bool is_unit = false;
+  bool keep_fp32 = false;  ///< MixedPrecision::keep_fp32_policy picked it
   // Parameters (by clean FQN, in registration order) mixing own params and children's,
   // so that merged wrap points keep their place in the order.
   std::vector<std::pair<std::string, at::Tensor>> ordered;
@@ -49,12 +50,12 @@ void walk(torch::nn::Module& m, const std::string& prefix, WrapNode& node) {
 
 // Bottom-up: decide units, and return the parameters this node passes to its parent.
 std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const WrapPolicy& policy,
-                                                       bool is_root) {
+                                                       const WrapPolicy& keep_fp32, bool is_root) {
   std::vector<std::pair<std::string, at::Tensor>> owned;
   for (auto& e : node.ordered) {
     if (!e.second.defined() && !e.first.empty() && e.first[0] == '\x01') {
       auto& child = *node.children[std::stoul(e.first.substr(1))];
-      auto up = decide(child, policy, false);
+      auto up = decide(child, policy, keep_fp32, false);
       owned.insert(owned.end(), up.begin(), up.end());
     } else {
       owned.push_back(e);
@@ -62,7 +63,9 @@ std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const Wra
   }
   int64_t numel = 0;
   for (const auto& p : owned) numel += p.second.numel();
-  node.is_unit = is_root || policy(WrapContext{node.fqn, *node.wp->wrapped(), numel});
+  WrapContext ctx{node.fqn, *node.wp->wrapped(), numel};
+  node.keep_fp32 = !is_root && keep_fp32 && keep_fp32(ctx);
+  node.is_unit = is_root || node.keep_fp32 || policy(ctx);
   node.params = std::move(owned);
   if (node.is_unit) return {};
   return std::move(node.params);
@@ -118,7 +121,9 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   WrapNode tree;
   tree.wp = root.get();
   walk(*root->wrapped(), "", tree);
-  decide(tree, options.auto_wrap_policy, /*is_root=*/true);
+  const bool mixed = options.mixed_precision.param_dtype != at::kFloat;
+  decide(tree, options.auto_wrap_policy, mixed ? options.mixed_precision.keep_fp32_policy : nullptr,
+         /*is_root=*/true);
   std::vector<WrapNode*> nodes;
   collect_units(tree, nodes);
 
@@ -134,6 +139,13 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
                   unit_name(it->second.second), " and ", unit_name(n->fqn),
                   "). Tied parameters must live in one unit: change the wrap policy so that the "
                   "wrap points holding them are not units, or wrap their common parent.");
+    }
+  }
+
+  if (options.mixed_precision.buffer_dtype) {
+    at::NoGradGuard no_grad;
+    for (auto& b : root->buffers(/*recurse=*/true)) {
+      if (b.is_floating_point()) b.set_data(b.to(*options.mixed_precision.buffer_dtype));
     }
   }
 
@@ -166,6 +178,9 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
 
   for (WrapNode* n : nodes) {
     Unit& unit = rt->add_unit(*n->wp, n->fqn);
+    unit.keep_fp32 = n->keep_fp32;
+    FlatConfig unit_cfg = cfg;
+    if (n->keep_fp32) unit_cfg.param_dtype = at::kFloat;
     std::vector<ParamSlot> trainable, frozen;
     std::map<c10::TensorImpl*, ParamSlot*> seen;
     for (auto& p : n->params) {
@@ -187,10 +202,10 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
       if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
     }
     if (!trainable.empty()) {
-      unit.flats().push_back(std::make_unique<FlatParam>(std::move(trainable), true, cfg, bcast));
+      unit.flats().push_back(std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
     }
     if (!frozen.empty()) {
-      unit.flats().push_back(std::make_unique<FlatParam>(std::move(frozen), false, cfg, bcast));
+      unit.flats().push_back(std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
     }
     unit.register_grad_hooks();
   }

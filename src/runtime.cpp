@@ -16,7 +16,14 @@ Unit& Runtime::add_unit(WrapPointImpl& /*wp*/, const std::string& fqn) {
 void Runtime::attach(WrapPointImpl& wp, Unit& u) {
   wp.unit_ = units_.at(static_cast<size_t>(u.index()));
   const auto& mp = options_.mixed_precision;
-  if (mp.cast_forward_inputs && mp.param_dtype != at::kFloat) wp.cast_inputs_ = mp.param_dtype;
+  if (mp.param_dtype != at::kFloat) {
+    if (u.keep_fp32) {
+      wp.cast_inputs_ = at::kFloat;
+      wp.cast_outputs_ = mp.param_dtype;
+    } else if (mp.cast_forward_inputs) {
+      wp.cast_inputs_ = mp.param_dtype;
+    }
+  }
   if (u.is_root()) {
     wp.runtime_ = shared_from_this();
     if (mp.output_dtype) wp.cast_outputs_ = *mp.output_dtype;

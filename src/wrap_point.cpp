@@ -62,7 +62,8 @@ std::vector<FlatParamInfo> WrapPointImpl::flat_params() const {
   std::vector<FlatParamInfo> out;
   for (const auto& u : runtime().units()) {
     for (const auto& f : u->flats()) {
-      out.push_back(FlatParamInfo{u->fqn(), f->trainable(), f->numel(), f->padded_numel(), f->shard_numel()});
+      out.push_back(FlatParamInfo{u->fqn(), f->param_dtype(), f->trainable(), f->numel(), f->padded_numel(),
+                                  f->shard_numel()});
     }
   }
   return out;

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 using namespace fsdp;
 using namespace fsdp::testing;
 
@@ -142,4 +144,74 @@ TEST(MixedPrecision, ReduceDtypeBelowFp16IsRejected) {
   }
 }
 
+}  // namespace
+
+namespace {
+
+class NormNetImpl : public torch::nn::Module {
+ public:
+  NormNetImpl()
+      : a(register_module("a", torch::nn::Linear(8, 8))),
+        norm(register_module("norm", FullyShardedModule<torch::nn::LayerNorm>(
+                                         torch::nn::LayerNorm(torch::nn::LayerNormOptions({8}))))),
+        b(register_module("b", torch::nn::Linear(8, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(norm(a(x))); }
+  torch::nn::Linear a;
+  FullyShardedModule<torch::nn::LayerNorm> norm;
+  torch::nn::Linear b;
+};
+TORCH_MODULE(NormNet);
+
+TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.auto_wrap_policy = never_wrap_policy();  // the policy alone would make no units
+    o.mixed_precision.param_dtype = torch::kBFloat16;
+    o.mixed_precision.keep_fp32_policy = module_type_policy<torch::nn::LayerNorm>();
+    torch::manual_seed(61);
+    auto model = fully_shard(NormNet(), o);
+    std::map<std::string, torch::Dtype> dtypes;
+    for (const auto& f : model->flat_params()) dtypes[f.unit_fqn] = f.param_dtype;
+    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"norm", torch::kFloat32}}));
+
+    auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
+    auto out = model(x);
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    // The same casts by hand: bf16 linear, fp32 LayerNorm, back to bf16, bf16 linear.
+    auto w = std::map<std::string, torch::Tensor>();
+    for (auto& [n, t] : full_state_dict(*model.ptr())) w[n] = t;
+    auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+    auto h = torch::nn::functional::linear(bf(x), bf(w["a.weight"]), bf(w["a.bias"]));
+    h = torch::layer_norm(h.to(torch::kFloat32), {8}, w["norm.weight"], w["norm.bias"], 1e-5).to(torch::kBFloat16);
+    auto expected = torch::nn::functional::linear(h, bf(w["b.weight"]), bf(w["b.bias"]));
+    EXPECT_TRUE(torch::equal(out, expected));
+    out.to(torch::kFloat32).sum().backward();
+    for (const auto& p : model->sharded_parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_TRUE(p.grad().isfinite().all().item<bool>());
+    }
+  });
+}
+
+}  // namespace
+
+namespace {
+TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersOnly) {
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  o.mixed_precision.buffer_dtype = torch::kBFloat16;
+  auto model = shard_sequential(seq, o);
+  int floating = 0;
+  for (const auto& b : model->named_buffers()) {
+    if (b.key().find("num_batches_tracked") != std::string::npos) {
+      EXPECT_EQ(b.value().scalar_type(), torch::kLong);  // integer buffers stay
+    } else {
+      EXPECT_EQ(b.value().scalar_type(), torch::kBFloat16) << b.key();
+      ++floating;
+    }
+  }
+  EXPECT_EQ(floating, 2);  // running_mean, running_var
+}
 }  // namespace

@@ -38,6 +38,7 @@ struct ParamInfo {
 /// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
 struct FlatParamInfo {
   std::string unit_fqn;       ///< the owning unit ("" for the root)
+  torch::Dtype param_dtype = torch::kFloat32;  ///< dtype of its gathered parameters
   bool requires_grad = true;  ///< trainable (true) or frozen (false)
   int64_t numel = 0;          ///< elements before padding
   int64_t padded_numel = 0;   ///< numel rounded up to a multiple of the shard group size
@@ -148,7 +149,7 @@ class FullyShardedModuleImpl : public WrapPointImpl {
     auto out = cast_inputs_ ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...)
                             : module_->forward(std::forward<Args>(args)...);
     if constexpr (std::is_same_v<std::decay_t<decltype(out)>, torch::Tensor>) {
-      if (cast_outputs_ && out.is_floating_point()) out = out.to(*cast_outputs_);
+      if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
     }
     std::vector<torch::Tensor> tensors;
     detail::collect_tensors(out, tensors);

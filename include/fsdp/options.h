@@ -24,10 +24,17 @@ struct MixedPrecision {
   torch::Dtype param_dtype = torch::kFloat32;
   /// dtype in which gradients are reduced across ranks; gradients land in fp32 shards.
   torch::Dtype reduce_dtype = torch::kFloat32;
+  /// If set, floating-point buffers (not sharded; every rank keeps them) are cast to
+  /// this dtype when sharding.
+  std::optional<torch::Dtype> buffer_dtype = std::nullopt;
   /// Cast floating-point forward inputs of each unit to param_dtype.
   bool cast_forward_inputs = true;
   /// If set, the root's floating-point output is cast to this dtype (e.g. fp32 logits).
   std::optional<torch::Dtype> output_dtype = std::nullopt;
+  /// Wrap points this picks (e.g. module_type_policy<torch::nn::LayerNorm>()) become
+  /// their own units kept in fp32: their inputs are cast to fp32 and their floating
+  /// outputs back to param_dtype. Empty: none.
+  WrapPolicy keep_fp32_policy = nullptr;
 };
 
 /// Everything fully_shard needs to know.
