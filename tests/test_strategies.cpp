@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <set>
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -163,4 +164,72 @@ TEST(Strategies, HybridGroupSizeMustDivideTheWorld) {
   });
 }
 
+}  // namespace
+
+namespace {
+// Frozen parameters and two optimizer parameter groups (root unit vs the rest, each
+// with its own learning rate), with clipping, against the same setup unsharded.
+TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto freeze = [](MlpNet& m) { m->inp->weight.set_requires_grad(false); };
+    torch::manual_seed(13);
+    MlpNet reference;
+    freeze(reference);
+    torch::manual_seed(13);
+    MlpNet fresh;
+    freeze(fresh);
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(fresh, o);
+
+    // Sharded groups: the root unit's trainable shard, then every other unit's.
+    std::vector<torch::Tensor> root_shards, other_shards;
+    {
+      auto shards = model->sharded_parameters();
+      size_t k = 0;
+      for (const auto& f : model->flat_params()) {
+        if (!f.requires_grad) continue;
+        (f.unit_fqn.empty() ? root_shards : other_shards).push_back(shards[k++]);
+      }
+    }
+    std::set<std::string> root_fqns;
+    for (const auto& p : model->param_table()) {
+      if (p.unit_fqn.empty()) root_fqns.insert(p.fqn);
+    }
+    std::vector<torch::Tensor> ref_root, ref_other;
+    for (auto& [n, p] : named_parameters_clean(*reference)) {
+      if (!p.requires_grad()) continue;
+      (root_fqns.count(n) ? ref_root : ref_other).push_back(p);
+    }
+    auto groups = [](std::vector<torch::Tensor> a, std::vector<torch::Tensor> b) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      g.emplace_back(a, std::make_unique<torch::optim::SGDOptions>(0.05));
+      g.emplace_back(b, std::make_unique<torch::optim::SGDOptions>(0.2));
+      return g;
+    };
+    torch::optim::SGD opt(groups(root_shards, other_shards), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD ref_opt(groups(ref_root, ref_other), torch::optim::SGDOptions(0.1));
+    auto frozen_before = reference->inp->weight.detach().clone();
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = mlp_batch(step, 12);
+      torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg)).backward();
+      for (int s = 0; s < pg.size(); ++s) {
+        (torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) / pg.size()).backward();
+      }
+      double norm = clip_grad_norm_(*model.ptr(), 0.05);
+      std::vector<torch::Tensor> trainable = ref_root;
+      trainable.insert(trainable.end(), ref_other.begin(), ref_other.end());
+      double ref_norm = torch::nn::utils::clip_grad_norm_(trainable, 0.05);
+      EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "step " << step;
+      opt.step();
+      opt.zero_grad();
+      ref_opt.step();
+      ref_opt.zero_grad();
+    }
+    expect_params_match(full_state_dict(*model.ptr()), *reference, 1e-5);
+    for (auto& [n, t] : full_state_dict(*model.ptr())) {
+      if (n == "inp.weight") EXPECT_TRUE(torch::equal(t, frozen_before));
+    }
+  });
+}
 }  // namespace
