@@ -1,6 +1,7 @@
 #pragma once
 // Fully Sharded Data Parallel for LibTorch: the whole public API.
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>

@@ -1,0 +1,28 @@
+#pragma once
+// Activation checkpointing for LibTorch (pytorch/pytorch#52744): trade recompute for
+// activation memory.
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <vector>
+
+namespace fsdp {
+
+/// A region to checkpoint: tensors in, tensors out. Non-tensor arguments are captured
+/// by the callable.
+using CheckpointFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
+
+/// Runs fn(inputs) without keeping its intermediate activations (only the inputs are
+/// saved). Backward recomputes fn with gradients enabled, under the RNG state that the
+/// forward saw (CPU, and CUDA for CUDA inputs), so dropout draws the same masks, then
+/// back-propagates through the recomputed graph. Gradients reach fn's parameters as
+/// usual. Inputs or outputs that do not require grad, several of each, and nested
+/// checkpoints are supported; a second backward with retain_graph recomputes again.
+/// Double backward (create_graph=true) through a region is rejected with an error.
+std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<torch::Tensor>& inputs);
+
+/// One tensor in, one out.
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input);
+
+}  // namespace fsdp
