@@ -91,4 +91,9 @@ bool nccl_available();
 /// Throws with the offending value otherwise.
 std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int world, int rank);
 
+/// The BackendInit of the subgroup `parent` belongs to, and a store prefix that keeps
+/// this split's keys apart (`count` numbers the parent's splits).
+BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<int>>& groups,
+                       const std::string& prefix, int count, std::string& sub_prefix);
+
 }  // namespace fsdp::detail

@@ -61,6 +61,17 @@ std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int wor
   return mine;
 }
 
+BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<int>>& groups,
+                       const std::string& prefix, int count, std::string& sub_prefix) {
+  auto mine = find_group(groups, parent.size, parent.rank);
+  BackendInit sub = parent;
+  sub.size = static_cast<int>(mine.size());
+  sub.rank = static_cast<int>(std::find(mine.begin(), mine.end(), parent.rank) - mine.begin());
+  sub_prefix = prefix + "/split" + std::to_string(count) + "/";
+  for (int r : mine) sub_prefix += std::to_string(r) + ",";
+  return sub;
+}
+
 }  // namespace detail
 
 ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}

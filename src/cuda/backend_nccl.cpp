@@ -65,12 +65,8 @@ class NcclBackend : public Backend {
   void barrier() override { pg_->barrier()->wait(); }
 
   std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
-    auto mine = find_group(groups, init_.size, init_.rank);
-    BackendInit sub = init_;
-    sub.size = static_cast<int>(mine.size());
-    sub.rank = static_cast<int>(std::find(mine.begin(), mine.end(), init_.rank) - mine.begin());
-    std::string tag = prefix_ + "/split" + std::to_string(split_count_++) + "/";
-    for (int r : mine) tag += std::to_string(r) + ",";
+    std::string tag;
+    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
     if (sub.size == 1) return make_single_backend();
     return std::make_shared<NcclBackend>(sub, tag);
   }
