@@ -71,6 +71,16 @@ std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const Wra
   return std::move(node.params);
 }
 
+// Pre-order, so that every_kth_policy counts wrap points in module order.
+void mark_checkpointed(WrapNode& node, const WrapPolicy& policy, std::vector<WrapPointImpl*>& out) {
+  for (auto& c : node.children) {
+    int64_t numel = 0;
+    for (const auto& p : c->wp->wrapped()->parameters()) numel += p.numel();
+    if (policy(WrapContext{c->fqn, *c->wp->wrapped(), numel})) out.push_back(c->wp);
+    mark_checkpointed(*c, policy, out);
+  }
+}
+
 void collect_units(WrapNode& node, std::vector<WrapNode*>& out) {
   if (node.is_unit) out.push_back(&node);
   for (auto& c : node.children) collect_units(*c, out);
@@ -126,6 +136,8 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
          /*is_root=*/true);
   std::vector<WrapNode*> nodes;
   collect_units(tree, nodes);
+  std::vector<WrapPointImpl*> checkpointed;
+  if (options.checkpoint_policy) mark_checkpointed(tree, options.checkpoint_policy, checkpointed);
 
   // Tied parameters must land in one unit (DESIGN section 4).
   std::map<c10::TensorImpl*, std::pair<std::string, std::string>> owner;  // impl -> (fqn, unit)
@@ -211,6 +223,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   }
   rt->set_flat_config(cfg);
   for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);
+  for (WrapPointImpl* wp : checkpointed) wp->checkpoint_ = true;
 }
 
 }  // namespace fsdp::detail

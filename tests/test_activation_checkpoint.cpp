@@ -135,3 +135,112 @@ TEST(ActivationCheckpoint, DoubleBackwardIsAClearError) {
 }
 
 }  // namespace
+
+#include "support/multirank.h"
+
+namespace {
+
+struct ShardedRun {
+  std::vector<torch::Tensor> grads;
+  CommStats comm;
+};
+
+// One training step of the GPT at dropout 0.1, sharded over `pg`, with or without
+// checkpointing every block; returns the gradient shards and the step's traffic.
+ShardedRun sharded_step(const ProcessGroup& pg, bool ckpt, torch::Dtype dtype) {
+  auto cfg = small_gpt_config();
+  cfg.dropout = 0.1;
+  torch::manual_seed(81);
+  ShardingOptions o;
+  o.process_group = pg;
+  o.mixed_precision.param_dtype = dtype;
+  o.mixed_precision.output_dtype = torch::kFloat32;
+  if (ckpt) o.checkpoint_policy = module_type_policy<gpt::Block>();
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  for (auto& b : model->module()->blocks) EXPECT_EQ(b->checkpointed(), ckpt);
+  torch::manual_seed(500 + pg.rank());  // the same dropout masks in both runs
+  gpt::loss_on(model, my_rows(gpt_batch(0, 4, cfg.block_size), pg)).backward();
+  ShardedRun r;
+  for (auto& p : model->sharded_parameters()) r.grads.push_back(p.grad().clone());
+  r.comm = model->comm_stats().step;
+  return r;
+}
+
+TEST(ShardedCheckpoint, FullShardGradientsAreBitwiseEqualAndNoExtraGather) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto plain = sharded_step(pg, false, torch::kFloat32);
+    auto ckpt = sharded_step(pg, true, torch::kFloat32);
+    expect_same(plain.grads, ckpt.grads);
+    // Recompute runs while the unit is gathered for backward: the same collectives.
+    EXPECT_EQ(ckpt.comm.all_gather_bytes, plain.comm.all_gather_bytes);
+    EXPECT_EQ(ckpt.comm.all_gather_calls, plain.comm.all_gather_calls);
+    EXPECT_EQ(ckpt.comm.reduce_scatter_bytes, plain.comm.reduce_scatter_bytes);
+  });
+}
+
+TEST(ShardedCheckpoint, Bf16GradientsMatchWithinTolerance) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto plain = sharded_step(pg, false, torch::kBFloat16);
+    auto ckpt = sharded_step(pg, true, torch::kBFloat16);
+    ASSERT_EQ(plain.grads.size(), ckpt.grads.size());
+    // The recompute repeats the same bf16 arithmetic, so the results agree to bf16 rounding.
+    for (size_t i = 0; i < plain.grads.size(); ++i) EXPECT_LE(rel_diff(ckpt.grads[i], plain.grads[i], 1e-3), 1e-2) << i;
+  });
+}
+
+TEST(ShardedCheckpoint, EveryKthPolicyPicksEveryKthWrapPoint) {
+  auto cfg = small_gpt_config();
+  cfg.n_layer = 5;
+  ShardingOptions o;
+  o.checkpoint_policy = every_kth_policy(2);
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  std::vector<bool> picked;
+  for (auto& b : model->module()->blocks) picked.push_back(b->checkpointed());
+  EXPECT_EQ(picked, (std::vector<bool>{true, false, true, false, true}));
+  try {
+    every_kth_policy(0);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()), "every_kth_policy: k=0 must be at least 1 (1 picks every wrap point)");
+  }
+}
+
+}  // namespace
+
+namespace {
+class CountingImpl : public torch::nn::Module {
+ public:
+  CountingImpl() : lin(register_module("lin", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++calls;
+    return torch::tanh(lin(x));
+  }
+  torch::nn::Linear lin;
+  int calls = 0;
+};
+TORCH_MODULE(Counting);
+
+class TwoCountingImpl : public torch::nn::Module {
+ public:
+  TwoCountingImpl()
+      : a(register_module("a", FullyShardedModule<Counting>(Counting()))),
+        b(register_module("b", FullyShardedModule<Counting>(Counting()))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(a(x)); }
+  FullyShardedModule<Counting> a, b;
+};
+TORCH_MODULE(TwoCounting);
+
+TEST(ShardedCheckpoint, CheckpointedWrapPointsRecomputeInBackwardAndOthersDoNot) {
+  ShardingOptions o;
+  o.checkpoint_policy = predicate_policy([](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "a"; });
+  auto model = fully_shard(TwoCounting(), o);
+  model(torch::randn({2, 4})).sum().backward();
+  EXPECT_EQ(model->module()->a->module()->calls, 2);  // forward, then recompute in backward
+  EXPECT_EQ(model->module()->b->module()->calls, 1);
+  {
+    torch::NoGradGuard g;  // nothing to recompute without grad
+    model(torch::randn({2, 4}));
+  }
+  EXPECT_EQ(model->module()->a->module()->calls, 3);
+}
+}  // namespace

@@ -120,6 +120,19 @@ TEST(TrainGpt, Bf16RunHalvesTheBytesPerStepAndStillLearns) {
   EXPECT_LT(b.back().at("loss").get<double>(), b.front().at("loss").get<double>() - 1.0);
 }
 
+TEST(TrainGpt, ActivationCheckpointingLeavesTheLossesUnchanged) {
+  auto plain = temp_path("ac0"), ckpt = temp_path("ac1");
+  for (auto [log, mode] : {std::pair{plain, "none"}, std::pair{ckpt, "every:1"}}) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+    auto args = small_run(log, 5);
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), {"--activation-checkpointing", mode, "--dropout", "0.1"});
+    auto r = run_command(cmd);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  EXPECT_EQ(losses(plain), losses(ckpt));  // recompute restores the RNG: bit-identical
+}
+
 TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", "sh", "-c",
@@ -176,6 +189,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--steps", "abc"}, "train_gpt: error: "},
         BadInput{{"--no-such-flag"}, "train_gpt: error: "},
         BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32 or bf16"},
+        BadInput{{"--activation-checkpointing", "every:0"}, "train_gpt: error: --activation-checkpointing every:0 is unknown; use none, all or every:K (K >= 1)"},
         BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 

@@ -120,7 +120,8 @@ cxxopts::Options make_options() {
     ("precision", "fp32|bf16 (bf16: compute and communication in bf16 over fp32 masters)", cxxopts::value<std::string>()->default_value("fp32"))
     ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
     ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
-    ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"));
+    ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))
+    ("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)", cxxopts::value<std::string>()->default_value("none"));
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
     ("log-every", "progress line every K steps (0: about 20 lines per run)", cxxopts::value<int64_t>()->default_value("0"))
@@ -175,6 +176,22 @@ fsdp::WrapPolicy parse_wrap(const std::string& s) {
     }
   }
   throw UsageError("--wrap " + s + " is unknown; use block, none or size:N (N = least parameters per unit)");
+}
+
+fsdp::WrapPolicy parse_checkpointing(const std::string& s) {
+  if (s == "none") return nullptr;
+  if (s == "all") return fsdp::module_type_policy<gpt::Block>();
+  if (s.rfind("every:", 0) == 0) {
+    try {
+      size_t used = 0;
+      int k = std::stoi(s.substr(6), &used);
+      if (used == s.size() - 6 && k >= 1) {
+        return fsdp::all_policy({fsdp::module_type_policy<gpt::Block>(), fsdp::every_kth_policy(k)});
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  throw UsageError("--activation-checkpointing " + s + " is unknown; use none, all or every:K (K >= 1)");
 }
 
 std::string human_bytes(double b) {
@@ -276,6 +293,7 @@ int run(int argc, char** argv) {
   so.strategy = parse_sharding(r["sharding"].as<std::string>());
   so.hybrid_group_size = r["hybrid-group-size"].as<int>();
   so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());
+  so.checkpoint_policy = parse_checkpointing(r["activation-checkpointing"].as<std::string>());
 
   Data data(seed, r["data"].as<std::string>());
   data.check(cfg.block_size);

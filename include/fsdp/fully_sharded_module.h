@@ -7,6 +7,7 @@
 // point that the auto-wrap policy turns into a unit gathers its parameters before the
 // call and frees them after; any other wrap point is a plain pass-through.
 
+#include <fsdp/activation_checkpoint.h>
 #include <fsdp/options.h>
 #include <fsdp/stats.h>
 
@@ -20,9 +21,11 @@
 #include <vector>
 
 namespace fsdp {
+class WrapPointImpl;
 namespace detail {
 class Unit;
 class Runtime;
+void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
 }  // namespace detail
 
 /// Where one original parameter lives inside its unit's flat parameter.
@@ -55,6 +58,8 @@ class WrapPointImpl : public torch::nn::Module {
   bool is_unit() const { return unit_ != nullptr; }
   /// True on the wrap point fully_shard returned.
   bool is_root() const { return runtime_ != nullptr; }
+  /// True when ShardingOptions::checkpoint_policy picked this wrap point.
+  bool checkpointed() const { return checkpoint_; }
 
   // The rest is valid on the root only.
 
@@ -83,9 +88,12 @@ class WrapPointImpl : public torch::nn::Module {
   std::optional<torch::Dtype> cast_inputs_;
   /// Set on the root when MixedPrecision::output_dtype is given.
   std::optional<torch::Dtype> cast_outputs_;
+  /// Set by fully_shard when the checkpoint policy picks this wrap point.
+  bool checkpoint_ = false;
 
  private:
   friend class detail::Runtime;
+  friend void detail::shard_module_tree(const std::shared_ptr<WrapPointImpl>&, const ShardingOptions&);
   std::shared_ptr<detail::Unit> unit_;        ///< set when this wrap point is a unit
   std::shared_ptr<detail::Runtime> runtime_;  ///< set on the root only
 };
@@ -144,20 +152,21 @@ class FullyShardedModuleImpl : public WrapPointImpl {
   /// Calls M's forward; gathers and frees the unit's parameters around it.
   template <typename... Args>
   auto forward(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
-    if (!is_unit()) return module_->forward(std::forward<Args>(args)...);
-    pre_forward();
-    auto out = cast_inputs_ ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...)
-                            : module_->forward(std::forward<Args>(args)...);
+    if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
+    if (is_unit()) pre_forward();
+    auto out = call(std::forward<Args>(args)...);
     if constexpr (std::is_same_v<std::decay_t<decltype(out)>, torch::Tensor>) {
       if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
     }
-    std::vector<torch::Tensor> tensors;
-    detail::collect_tensors(out, tensors);
-    post_forward(std::move(tensors));
+    if (is_unit()) {
+      std::vector<torch::Tensor> tensors;
+      detail::collect_tensors(out, tensors);
+      post_forward(std::move(tensors));
+    }
     return out;
   }
 
-  /// The wrapped module holder.
+  /// The wrapped module holder.  /// The wrapped module holder.
   M& module() { return module_; }
   const M& module() const { return module_; }
   std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
@@ -166,6 +175,23 @@ class FullyShardedModuleImpl : public WrapPointImpl {
   static constexpr const char* kWrappedName = "module";
 
  private:
+  // M's forward, with mixed-precision input casts and, when the checkpoint policy
+  // picked this wrap point, activation checkpointing (Tensor -> Tensor forwards).
+  template <typename... Args>
+  auto call(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
+    using Out = decltype(std::declval<M&>()->forward(std::forward<Args>(args)...));
+    if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, torch::Tensor> &&
+                  (std::is_convertible_v<Args, torch::Tensor> && ...)) {
+      if (checkpointed() && torch::GradMode::is_enabled()) {
+        torch::Tensor in = (torch::Tensor(std::forward<Args>(args)), ...);
+        if (cast_inputs_) in = detail::cast_floating(in, *cast_inputs_);
+        return fsdp::checkpoint([this](const torch::Tensor& t) { return module_->forward(t); }, in);
+      }
+    }
+    if (cast_inputs_) return module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...);
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
   M module_;
 };
 

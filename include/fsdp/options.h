@@ -57,6 +57,10 @@ struct ShardingOptions {
   /// included). The root stays gathered from forward through backward; see
   /// Note [Prefetch bound] in src/runtime.cpp.
   int max_gathered_units = 2;
+  /// Wrap points whose forward runs under activation checkpointing (Tensor -> Tensor
+  /// forwards): e.g. always_wrap_policy(), every_kth_policy(2), module_type_policy<...>().
+  /// Empty: none. A unit's gather for backward happens before its recompute.
+  WrapPolicy checkpoint_policy = nullptr;
   /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
   bool sync_module_states = true;
 };

@@ -35,6 +35,9 @@ WrapPolicy module_type_policy(std::vector<std::string> type_names);
 /// A unit when `predicate(fqn, module, numel)` says so.
 WrapPolicy predicate_policy(
     std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> predicate);
+/// Every k-th wrap point in module order (the 1st, the (k+1)-th, ...) among those it
+/// is asked about; for checkpoint policies. Throws if k < 1.
+WrapPolicy every_kth_policy(int k);
 /// A unit when any of `policies` says so (false for an empty list).
 WrapPolicy any_policy(std::vector<WrapPolicy> policies);
 /// A unit when all of `policies` say so (true for an empty list).
