@@ -54,7 +54,6 @@ class FlatParam {
   const at::Tensor& shard() const { return shard_; }
   /// The gathered buffer (param_dtype); its storage is empty while sharded.
   const at::Tensor& full() const { return full_; }
-  bool gathered() const { return full_allocated_; }
   at::ScalarType param_dtype() const { return cfg_.param_dtype; }
   int64_t full_bytes() const { return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype)); }
 

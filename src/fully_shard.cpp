@@ -189,7 +189,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   Backend* bcast = options.sync_module_states ? world.impl().get() : nullptr;
 
   for (WrapNode* n : nodes) {
-    Unit& unit = rt->add_unit(*n->wp, n->fqn);
+    Unit& unit = rt->add_unit(n->fqn);
     unit.keep_fp32 = n->keep_fp32;
     FlatConfig unit_cfg = cfg;
     if (n->keep_fp32) unit_cfg.param_dtype = at::kFloat;

@@ -8,7 +8,7 @@ namespace fsdp::detail {
 
 Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {}
 
-Unit& Runtime::add_unit(WrapPointImpl& /*wp*/, const std::string& fqn) {
+Unit& Runtime::add_unit(const std::string& fqn) {
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), this));
   return *units_.back();
 }
@@ -67,7 +67,6 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
     if (next == nullptr) return;
     if (next->is_root() || next->state() != UnitState::kSharded || next->grads_reduced) continue;
     next->start_gather();
-    next->prefetched = true;
   }
 }
 
@@ -80,7 +79,6 @@ void Runtime::pre_forward(Unit& u) {
     forward_order_.push_back(&u);
   }
   u.unshard();
-  u.prefetched = false;
   if (order_frozen_) prefetch_from(u, +1);
 }
 
@@ -110,7 +108,6 @@ void Runtime::pre_backward(Unit& u) {
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
   for (auto& f : u.flats()) f->link_grads();
   u.unshard();
-  u.prefetched = false;
   prefetch_from(u, -1);
 }
 

@@ -25,8 +25,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   /// Points `wp` at its unit (and, for the root, at this runtime).
   void attach(WrapPointImpl& wp, Unit& u);
   void set_flat_config(const FlatConfig& cfg) { flat_cfg_ = cfg; }
-  /// Makes `wp` a unit of this runtime (the first call makes the root).
-  Unit& add_unit(WrapPointImpl& wp, const std::string& fqn);
+  /// Adds a unit (the first call makes the root).
+  Unit& add_unit(const std::string& fqn);
 
   // Hooks, in the order an iteration calls them.
   void pre_forward(Unit& u);

@@ -52,7 +52,6 @@ void Unit::reshard() {
   pending_.clear();
   for (auto& f : flats_) f->release();
   state_ = UnitState::kSharded;
-  prefetched = false;
 }
 
 namespace {

@@ -52,7 +52,6 @@ class Unit {
 
   // Per-iteration flags, reset at the end of backward.
   bool grads_reduced = false;  ///< all trainable grads reduced in this backward
-  bool prefetched = false;     ///< gathered ahead of use and not yet used
   bool keep_fp32 = false;      ///< excluded from mixed precision (MixedPrecision::keep_fp32_policy)
 
  private:
