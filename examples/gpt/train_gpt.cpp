@@ -34,8 +34,8 @@ const std::string kAlphabet = "abcdefghijklmnopqrstuvwxyz .,;!?";
 /// Byte-level batches, identical on every rank and world size for a given step.
 class Data {
  public:
-  Data(uint64_t seed, const std::string& path) : seed_(seed) {
-    if (!path.empty()) {
+  Data(uint64_t seed, const std::string& path) : seed_(seed), synthetic_(path.empty()) {
+    if (!synthetic_) {
       std::ifstream f(path, std::ios::binary);
       if (!f) throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
       std::stringstream ss;
@@ -48,7 +48,7 @@ class Data {
     for (size_t i = 0; i < kAlphabet.size(); ++i) next_.push_back({pick(g), pick(g)});
   }
 
-  bool synthetic() const { return text_.empty(); }
+  bool synthetic() const { return synthetic_; }
 
   void check(int64_t block) const {
     if (!synthetic() && static_cast<int64_t>(text_.size()) < block + 2) {
@@ -91,6 +91,7 @@ class Data {
 
  private:
   uint64_t seed_;
+  bool synthetic_;  ///< no --data: the Markov task (an empty file is an error, not this)
   std::string text_;
   std::vector<std::pair<int, int>> next_;  ///< per character: likely (p=0.7) and other (0.3) successor
 };
