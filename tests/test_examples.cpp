@@ -160,6 +160,15 @@ TEST(FsdpRun, BadArgumentsAreUsageErrors) {
   r = run_command({bin("fsdp-run"), "--nproc", "2"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("fsdp-run: error: no command given after --"), std::string::npos);
+  r = run_command({bin("fsdp-run"), "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: --nproc N is required"), std::string::npos);
+  r = run_command({bin("fsdp-run"), "--nproc", "2", "--master-port", "0", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: --master-port '0' must be a TCP port between 1 and 65535"), std::string::npos);
+  r = run_command({bin("fsdp-run"), "--nproc", "2", "--foo", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: unknown option '--foo'; put the command after --"), std::string::npos);
 }
 
 struct BadInput {
@@ -190,6 +199,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--no-such-flag"}, "train_gpt: error: "},
         BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32 or bf16"},
         BadInput{{"--activation-checkpointing", "every:0"}, "train_gpt: error: --activation-checkpointing every:0 is unknown; use none, all or every:K (K >= 1)"},
+        BadInput{{"--data", "/dev/null"}, "train_gpt: error: --data holds 0 bytes, fewer than --block-size + 2 = 34; use a longer file or a smaller --block-size"},
+        BadInput{{"--config", "/etc/os-release"}, "train_gpt: error: --config /etc/os-release: not valid JSON ("},
+        BadInput{{"--dropout", "1"}, "train_gpt: error: --dropout must be in [0, 1)"},
+        BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
+        BadInput{{"--clip-grad", "-1"}, "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
+        BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0.000000 must be positive"},
+        BadInput{{"--precision", "fp16"}, "train_gpt: error: --precision fp16 needs dynamic loss scaling, which is not built yet; use bf16 or fp32"},
         BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
