@@ -189,11 +189,13 @@ void FlatParam::reduce_grad() {
   }
 }
 
-at::Tensor FlatParam::gather_fp32() const {
+at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
+  TORCH_CHECK(shard_like.numel() == shard_numel_, "gather: expected a tensor of ", shard_numel_,
+              " elements laid out like the shard, got ", shard_like.numel());
   at::NoGradGuard no_grad;
   at::Tensor out = at::empty({padded_}, shard_.options().requires_grad(false));
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
-  cfg_.shard_group->all_gather(out, shard_.detach())->wait();
+  cfg_.shard_group->all_gather(out, shard_like.detach().to(shard_.options().requires_grad(false)).contiguous())->wait();
   return out;
 }
 

@@ -82,7 +82,10 @@ class FlatParam {
   std::vector<std::shared_ptr<torch::autograd::Node>>& grad_accumulators() { return grad_accs_; }
 
   /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
-  at::Tensor gather_fp32() const;
+  at::Tensor gather_fp32() const { return gather_like(shard_); }
+  /// `shard_like` (shard_numel fp32 elements: the shard or state laid out like it)
+  /// gathered over the shard group into a new fp32 tensor of padded_numel elements.
+  at::Tensor gather_like(const at::Tensor& shard_like) const;
 
  private:
   std::vector<ParamSlot> slots_;

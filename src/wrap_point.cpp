@@ -36,7 +36,8 @@ MemoryStats WrapPointImpl::memory_stats() const {
 
 void WrapPointImpl::reset_peak_memory() {
   auto& m = runtime().acct().mem;
-  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers}) {
+  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
+                          &m.checkpoint_buffers}) {
     c->peak = c->current;
   }
 }
@@ -67,6 +68,56 @@ std::vector<FlatParamInfo> WrapPointImpl::flat_params() const {
     }
   }
   return out;
+}
+
+std::vector<LocalShard> WrapPointImpl::local_shards() const {
+  const auto& cfg = runtime().flat_config();
+  std::vector<LocalShard> out;
+  for (const auto& u : runtime().units()) {
+    for (const auto& f : u->flats()) {
+      LocalShard ls;
+      ls.info = FlatParamInfo{u->fqn(), f->param_dtype(), f->trainable(), f->numel(), f->padded_numel(),
+                              f->shard_numel()};
+      ls.shard_group_size = cfg.shard_group->size();
+      ls.shard_rank = cfg.shard_group->rank();
+      ls.writer = cfg.replicate_group->rank() == 0;
+      ls.begin = std::min<int64_t>(ls.shard_rank * f->shard_numel(), f->numel());
+      ls.length = std::min<int64_t>(f->numel() - ls.begin, f->shard_numel());
+      ls.shard = f->shard();
+      for (const auto& s : f->slots()) {
+        for (size_t k = 0; k <= s.aliases.size(); ++k) {
+          ls.params.push_back(ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u->fqn(), f->trainable(), s.offset,
+                                        s.numel, s.shape});
+        }
+      }
+      out.push_back(std::move(ls));
+    }
+  }
+  return out;
+}
+
+torch::Tensor WrapPointImpl::gather_flat(size_t index, const torch::Tensor& shard_like) const {
+  auto& rt = runtime();
+  size_t i = 0;
+  for (const auto& u : rt.units()) {
+    for (const auto& f : u->flats()) {
+      if (i++ != index) continue;
+      at::Tensor full = f->gather_like(shard_like);
+      // Counted while the caller holds it: the deleter keeps the storage and releases the bytes.
+      auto* acct = &rt.acct();
+      const int64_t bytes = full.numel() * static_cast<int64_t>(sizeof(float));
+      detail::Accounting::alloc(acct->mem.checkpoint_buffers, bytes);
+      void* data = full.data_ptr();
+      return torch::from_blob(
+          data, {f->numel()},
+          [full, acct, bytes](void*) mutable {
+            detail::Accounting::release(acct->mem.checkpoint_buffers, bytes);
+            full.reset();
+          },
+          full.options());
+    }
+  }
+  TORCH_CHECK(false, "gather_flat: index ", index, " is out of range; the model has ", i, " flat parameters");
 }
 
 const ShardingOptions& WrapPointImpl::sharding_options() const { return runtime().options(); }
@@ -112,6 +163,25 @@ void clean_params(const torch::nn::Module& m, const std::string& prefix,
   }
 }
 }  // namespace
+
+namespace {
+void clean_buffers(const torch::nn::Module& m, const std::string& prefix,
+                   std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
+  for (const auto& b : m.named_buffers(false)) out.emplace_back(join(b.key()), b.value());
+  for (const auto& c : m.named_children()) {
+    auto* wp = dynamic_cast<const WrapPointImpl*>(c.value().get());
+    clean_buffers(wp ? *wp->wrapped() : *c.value(), join(c.key()), out);
+  }
+}
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  auto* wp = dynamic_cast<const WrapPointImpl*>(&module);
+  clean_buffers(wp ? *wp->wrapped() : module, "", out);
+  return out;
+}
 
 std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const torch::nn::Module& module) {
   std::vector<std::pair<std::string, torch::Tensor>> out;

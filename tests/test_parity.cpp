@@ -30,6 +30,9 @@ namespace {
 constexpr int kSteps = 20;
 constexpr int64_t kRows = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTol = 1e-5;
+// Parameters after 20 AdamW steps: the noise is BLAS-dependent; 1.21e-5 was measured for
+// one GPT weight at 3 ranks on an AMD EPYC with OpenBLAS (under 1e-5 on a Xeon).
+constexpr double kParamTol = 2e-5;
 
 torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6); }
 
@@ -62,7 +65,7 @@ void gpt_parity(const ProcessGroup& pg) {
     EXPECT_NEAR(global, ref_loss, kTol * std::abs(ref_loss)) << "step " << step;
   }
   auto full = full_state_dict(*model.ptr());
-  expect_params_match(full, *reference, kTol);
+  expect_params_match(full, *reference, kParamTol);
 }
 
 void mlp_parity(const ProcessGroup& pg) {
@@ -93,7 +96,7 @@ void mlp_parity(const ProcessGroup& pg) {
     ref_opt.zero_grad();
     EXPECT_NEAR(global, ref_loss, kTol * std::abs(ref_loss)) << "step " << step;
   }
-  expect_params_match(full_state_dict(*model.ptr()), *reference, kTol);
+  expect_params_match(full_state_dict(*model.ptr()), *reference, kParamTol);
 }
 
 class ParityAtWorld : public ::testing::TestWithParam<int> {};

@@ -48,6 +48,20 @@ struct FlatParamInfo {
   int64_t shard_numel = 0;    ///< padded_numel / shard group size: elements each rank keeps
 };
 
+/// This rank's piece of one flat parameter, as checkpoint code sees it. The unpadded
+/// flat parameter is split into `shard_group_size` equal chunks (the last ones padded);
+/// ranks of other shard groups (HYBRID_SHARD, NO_SHARD) hold replicas of the same chunks.
+struct LocalShard {
+  FlatParamInfo info;
+  int shard_group_size = 1;  ///< ranks the flat parameter is split over
+  int shard_rank = 0;        ///< this rank's chunk index
+  bool writer = true;        ///< first replica of its chunk: the one that saves it
+  int64_t begin = 0;         ///< first element of the unpadded flat parameter held here
+  int64_t length = 0;        ///< real (unpadded) elements held here; 0 when only padding
+  torch::Tensor shard;       ///< the fp32 shard (shard_numel elements); the optimizer's parameter
+  std::vector<ParamInfo> params;  ///< original parameters inside, aliases included
+};
+
 /// Base of every wrap point; not a template, so the engine can walk the module tree.
 class WrapPointImpl : public torch::nn::Module {
  public:
@@ -75,6 +89,13 @@ class WrapPointImpl : public torch::nn::Module {
   std::vector<ParamInfo> param_table() const;
   /// Every flat parameter, in unit order (root first, then units in module order).
   std::vector<FlatParamInfo> flat_params() const;
+  /// Every flat parameter's piece on this rank, in flat_params() order.
+  std::vector<LocalShard> local_shards() const;
+  /// Collective over the shard group (all its ranks call it): the full fp32 value
+  /// (unpadded numel elements) of flat parameter `index`, built from `shard_like`, this
+  /// rank's shard of it or of any state laid out like it (e.g. Adam's exp_avg). Counted
+  /// in MemoryStats::checkpoint_buffers while the returned tensor lives.
+  torch::Tensor gather_flat(size_t index, const torch::Tensor& shard_like) const;
   /// The options the model was sharded with.
   const ShardingOptions& sharding_options() const;
   /// The internal runtime; for the engine and checkpoint code.
@@ -272,5 +293,7 @@ class NoSyncScope {
 /// names equal those of the same model without wrap points.
 std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(
     const torch::nn::Module& module);
+/// Clean FQNs of the buffers under `module` (LibTorch buffers are all persistent).
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module);
 
 }  // namespace fsdp

@@ -18,6 +18,7 @@ struct MemoryStats {
   MemoryCounter grad_shards;      ///< fp32 gradient shards
   MemoryCounter gathered_params;  ///< full parameters of gathered units, in param_dtype
   MemoryCounter comm_buffers;     ///< flat gradient buffers awaiting reduction, and staging
+  MemoryCounter checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
 };
 
 /// Bytes moved by collectives. A collective is counted by the size of its full

@@ -3,7 +3,7 @@
 //   fsdp-run --nproc N [--master-port P] [--tee] -- CMD ARGS...
 //
 // Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
-// MASTER_PORT. SIGINT and SIGTERM are forwarded to every rank. If a rank fails, the
+// MASTER_PORT (and OMP_NUM_THREADS=1 unless set, as torchrun). SIGINT and SIGTERM are forwarded to every rank. If a rank fails, the
 // others are stopped and fsdp-run exits non-zero, naming the rank and how it ended.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -134,6 +134,10 @@ int main(int argc, char** argv) {
       setenv("GROUP_RANK", "0", 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      // As torchrun does: N ranks on one node share its cores, so each gets one
+      // intra-op thread unless the user chose otherwise. (It also makes runs under
+      // both launchers compute bit for bit alike.)
+      if (nproc > 1) setenv("OMP_NUM_THREADS", "1", 0);
       if (tee) {
         dup2(fds[1], 1);
         dup2(fds[1], 2);

@@ -1,3 +1,4 @@
+#include <iostream>
 #include "multirank.h"
 
 #include <gtest/gtest.h>
@@ -131,15 +132,31 @@ CommandResult run_command(const std::vector<std::string>& argv, const std::vecto
 }
 
 void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s) {
-  if (is_rank_process()) {
-    at::set_num_threads(1);
-    ProcessGroup pg = init_process_group();
-    ASSERT_EQ(pg.size(), world);
-    body(pg);
-    return;
-  }
+  // A test may call run_ranks several times. Calls are numbered within the test; a rank
+  // process runs only the body of the call that started it, then ends (exit status 0
+  // when its checks passed), so test code after that call runs in the test process only.
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::string filter = std::string(info->test_suite_name()) + "." + info->name();
+  static std::string current_test;
+  static int call = 0;
+  if (current_test != filter) {
+    current_test = filter;
+    call = 0;
+  }
+  const int index = call++;
+  if (is_rank_process()) {
+    const char* want = std::getenv("FSDP_TEST_RANK_CALL");
+    if (want != nullptr && std::atoi(want) != index) return;
+    at::set_num_threads(1);
+    ProcessGroup pg = init_process_group();
+    EXPECT_EQ(pg.size(), world);
+    if (pg.size() == world) body(pg);
+    // Rank 0 serves the store: nobody leaves before everyone is done with it.
+    pg.barrier();
+    std::cout << "[fsdp rank body done]" << std::endl;
+    std::fflush(nullptr);
+    std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+  }
   const int port = free_port();
   std::vector<pid_t> pids;
   std::vector<std::string> outs;
@@ -152,7 +169,7 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
                          {"FSDP_TEST_RANK_PROCESS=1", "RANK=" + std::to_string(r),
                           "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
                           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                          "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1"},
+                          "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1", "FSDP_TEST_RANK_CALL=" + std::to_string(index)},
                          tmpl));
   }
   std::vector<int> codes(world, -1);
@@ -186,7 +203,7 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     unlink(outs[r].c_str());
     EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << world << " failed (exit " << codes[r]
                            << "); its output:\n" << out;
-    if (codes[r] == 0 && out.find("[  PASSED  ] 1 test") == std::string::npos) {
+    if (codes[r] == 0 && out.find("[fsdp rank body done]") == std::string::npos) {
       ADD_FAILURE() << "rank " << r << " ran no test (filter " << filter << "); output:\n" << out;
     }
   }

@@ -1,0 +1,506 @@
+// HDF5 helpers for checkpoints (see h5.h).
+#include "h5.h"
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <mutex>
+
+namespace fsdp::h5 {
+namespace {
+
+// HDF5 prints its error stack to stderr by default; the checkpoint code reports errors
+// itself, with HDF5's reason folded into one line.
+void quiet() {
+  static std::once_flag once;
+  std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
+}
+
+herr_t collect(unsigned n, const H5E_error2_t* e, void* data) {
+  auto* out = static_cast<std::string*>(data);
+  if (e->desc && *e->desc) {
+    if (!out->empty()) *out += "; ";
+    *out += e->desc;
+  }
+  return 0;
+}
+
+hid_t make_bf16() {
+  // bfloat16: IEEE single precision with the low 16 mantissa bits dropped.
+  hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+  H5Tset_fields(t, 15, 7, 8, 0, 7);
+  H5Tset_precision(t, 16);
+  H5Tset_size(t, 2);
+  H5Tset_ebias(t, 127);
+  return t;
+}
+
+hid_t bf16_type() {
+  static hid_t t = make_bf16();
+  return t;
+}
+
+Obj dataset(hid_t loc, const std::string& name, const std::string& where) {
+  quiet();
+  hid_t id = H5Dopen2(loc, name.c_str(), H5P_DEFAULT);
+  TORCH_CHECK(id >= 0, where, ": dataset '", name, "' is missing or unreadable (", reason(), ")");
+  return Obj(id, H5Dclose);
+}
+
+Obj space_of(const Obj& ds) { return Obj(H5Dget_space(ds), H5Sclose); }
+
+// Boxes (start, count) covering linear elements [a, b) of a row-major array of `dims`.
+void boxes(const std::vector<hsize_t>& dims, size_t d, std::vector<hsize_t> prefix, hsize_t a, hsize_t b,
+           std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>>& out) {
+  if (a >= b) return;
+  const size_t n = dims.size();
+  hsize_t row = 1;
+  for (size_t i = d + 1; i < n; ++i) row *= dims[i];
+  auto emit = [&](hsize_t first, hsize_t count) {
+    std::vector<hsize_t> start(prefix), cnt(prefix.size(), 1);
+    start.push_back(first);
+    cnt.push_back(count);
+    for (size_t i = d + 1; i < n; ++i) {
+      start.push_back(0);
+      cnt.push_back(dims[i]);
+    }
+    out.emplace_back(std::move(start), std::move(cnt));
+  };
+  if (d + 1 == n) {
+    emit(a, b - a);
+    return;
+  }
+  hsize_t ra = a / row, rb = b / row;
+  if (ra == rb) {  // inside one row
+    prefix.push_back(ra);
+    boxes(dims, d + 1, prefix, a % row, b % row, out);
+    return;
+  }
+  if (a % row != 0) {
+    auto p = prefix;
+    p.push_back(ra);
+    boxes(dims, d + 1, p, a % row, row, out);
+    ++ra;
+  }
+  if (rb > ra) emit(ra, rb - ra);
+  if (b % row != 0) {
+    prefix.push_back(rb);
+    boxes(dims, d + 1, prefix, 0, b % row, out);
+  }
+}
+
+}  // namespace
+
+std::string reason() {
+  std::string out;
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect, &out);
+  H5Eclear2(H5E_DEFAULT);
+  return out.empty() ? "no detail from HDF5" : out;
+}
+
+Obj& Obj::operator=(Obj&& o) noexcept {
+  if (this != &o) {
+    if (id_ >= 0 && close_) close_(id_);
+    id_ = std::exchange(o.id_, -1);
+    close_ = o.close_;
+  }
+  return *this;
+}
+
+Obj::~Obj() {
+  if (id_ >= 0 && close_) close_(id_);
+}
+
+Elem elem_of_name(const std::string& n) {
+  if (n == "float32") return Elem::kF32;
+  if (n == "float16") return Elem::kF16;
+  if (n == "bfloat16") return Elem::kBF16;
+  if (n == "float64") return Elem::kF64;
+  if (n == "int64") return Elem::kI64;
+  if (n == "uint8") return Elem::kU8;
+  TORCH_CHECK(false, "unknown element type '", n, "'");
+}
+
+const char* elem_name(Elem e) {
+  switch (e) {
+    case Elem::kF32: return "float32";
+    case Elem::kF16: return "float16";
+    case Elem::kBF16: return "bfloat16";
+    case Elem::kF64: return "float64";
+    case Elem::kI64: return "int64";
+    case Elem::kU8: return "uint8";
+  }
+  return "?";
+}
+
+hid_t file_type(Elem e) {
+  quiet();
+  switch (e) {
+    case Elem::kF32: return H5T_IEEE_F32LE;
+    case Elem::kF16: {
+      static hid_t t = [] {
+        hid_t h = H5Tcopy(H5T_IEEE_F32LE);  // IEEE half: 1 sign, 5 exponent, 10 mantissa bits
+        H5Tset_fields(h, 15, 10, 5, 0, 10);
+        H5Tset_precision(h, 16);
+        H5Tset_size(h, 2);
+        H5Tset_ebias(h, 15);
+        return h;
+      }();
+      return t;
+    }
+    case Elem::kBF16: return bf16_type();
+    case Elem::kF64: return H5T_IEEE_F64LE;
+    case Elem::kI64: return H5T_STD_I64LE;
+    case Elem::kU8: return H5T_STD_U8LE;
+  }
+  return -1;
+}
+
+hid_t mem_type(Elem e) {
+  switch (e) {
+    case Elem::kF32: return H5T_NATIVE_FLOAT;
+    case Elem::kF64: return H5T_NATIVE_DOUBLE;
+    case Elem::kI64: return H5T_NATIVE_INT64;
+    case Elem::kU8: return H5T_NATIVE_UINT8;
+    default: return file_type(e);  // 16-bit floats: memory layout is the little-endian file layout
+  }
+}
+
+Obj create_file(const std::string& path) {
+  quiet();
+  Obj fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  H5Pset_link_creation_order(fcpl, H5P_CRT_ORDER_TRACKED | H5P_CRT_ORDER_INDEXED);
+  hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, H5P_DEFAULT);
+  TORCH_CHECK(f >= 0, "cannot create checkpoint file ", path, ": ", reason(),
+              ". Check that the directory exists, is writable and has free space.");
+  return Obj(f, H5Fclose);
+}
+
+Obj open_file(const std::string& path, size_t cache_bytes) {
+  quiet();
+  struct stat st {};
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint file ", path, " does not exist");
+  htri_t is = H5Fis_hdf5(path.c_str());
+  TORCH_CHECK(is > 0, "checkpoint file ", path, " (", st.st_size,
+              " bytes) is not an HDF5 file: it is truncated or corrupted (", reason(), ")");
+  Obj fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  // Chunks are 4 MB; a cache of a few lets range reads that share a chunk read it once.
+  H5Pset_cache(fapl, 0, 521, cache_bytes, 1.0);
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl);
+  TORCH_CHECK(f >= 0, "checkpoint file ", path, " (", st.st_size,
+              " bytes) cannot be opened: it is truncated or corrupted (", reason(), ")");
+  return Obj(f, H5Fclose);
+}
+
+void flush_and_sync(const Obj& file, const std::string& path) {
+  TORCH_CHECK(H5Fflush(file, H5F_SCOPE_GLOBAL) >= 0, "cannot flush ", path, ": ", reason());
+  int fd = ::open(path.c_str(), O_RDONLY);
+  TORCH_CHECK(fd >= 0, "cannot open ", path, " to fsync it");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "fsync of ", path, " failed: the disk may be full or failing");
+}
+
+Obj create_group(hid_t loc, const std::string& name, const std::string& where) {
+  quiet();
+  Obj gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
+  H5Pset_link_creation_order(gcpl, H5P_CRT_ORDER_TRACKED | H5P_CRT_ORDER_INDEXED);
+  hid_t g = H5Gcreate2(loc, name.c_str(), H5P_DEFAULT, gcpl, H5P_DEFAULT);
+  TORCH_CHECK(g >= 0, where, ": cannot create group '", name, "': ", reason());
+  return Obj(g, H5Gclose);
+}
+
+Obj open_group(hid_t loc, const std::string& name, const std::string& where) {
+  quiet();
+  hid_t g = H5Gopen2(loc, name.c_str(), H5P_DEFAULT);
+  TORCH_CHECK(g >= 0, where, ": group '", name, "' is missing or unreadable (", reason(), ")");
+  return Obj(g, H5Gclose);
+}
+
+bool exists(hid_t loc, const std::string& name) {
+  quiet();
+  // Check each path component, as H5Lexists requires.
+  size_t pos = 0;
+  while (true) {
+    size_t next = name.find('/', pos);
+    std::string prefix = name.substr(0, next);
+    if (!prefix.empty() && H5Lexists(loc, prefix.c_str(), H5P_DEFAULT) <= 0) {
+      H5Eclear2(H5E_DEFAULT);
+      return false;
+    }
+    if (next == std::string::npos) return true;
+    pos = next + 1;
+  }
+}
+
+std::vector<std::string> children(hid_t group, const std::string& where) {
+  H5G_info_t info{};
+  TORCH_CHECK(H5Gget_info(group, &info) >= 0, where, ": cannot list group: ", reason());
+  std::vector<std::string> out;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    H5_index_t idx = H5_INDEX_CRT_ORDER;
+    ssize_t n = H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    if (n < 0) {  // creation order not tracked (a file from another writer): name order
+      H5Eclear2(H5E_DEFAULT);
+      idx = H5_INDEX_NAME;
+      n = H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    }
+    TORCH_CHECK(n >= 0, where, ": cannot list group: ", reason());
+    std::string s(static_cast<size_t>(n) + 1, '\0');
+    H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, s.data(), s.size(), H5P_DEFAULT);
+    s.resize(static_cast<size_t>(n));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+void set_attr(hid_t obj, const std::string& name, const AttrValue& v) {
+  quiet();
+  if (H5Aexists(obj, name.c_str()) > 0) H5Adelete(obj, name.c_str());
+  Obj space(H5Screate(H5S_SCALAR), H5Sclose);
+  hid_t a = -1;
+  if (const auto* i = std::get_if<int64_t>(&v)) {
+    a = H5Acreate2(obj, name.c_str(), H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+    if (a >= 0) H5Awrite(a, H5T_NATIVE_INT64, i);
+  } else if (const auto* d = std::get_if<double>(&v)) {
+    a = H5Acreate2(obj, name.c_str(), H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+    if (a >= 0) H5Awrite(a, H5T_NATIVE_DOUBLE, d);
+  } else {
+    // Variable-length UTF-8: h5py reads it as str.
+    const char* s = std::get<std::string>(v).c_str();
+    Obj t(H5Tcopy(H5T_C_S1), H5Tclose);
+    H5Tset_size(t, H5T_VARIABLE);
+    H5Tset_cset(t, H5T_CSET_UTF8);
+    a = H5Acreate2(obj, name.c_str(), t, space, H5P_DEFAULT, H5P_DEFAULT);
+    if (a >= 0) H5Awrite(a, t, &s);
+  }
+  TORCH_CHECK(a >= 0, "cannot write attribute '", name, "': ", reason());
+  H5Aclose(a);
+}
+
+bool has_attr(hid_t obj, const std::string& name) {
+  quiet();
+  htri_t r = H5Aexists(obj, name.c_str());
+  if (r < 0) H5Eclear2(H5E_DEFAULT);
+  return r > 0;
+}
+
+AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where) {
+  quiet();
+  TORCH_CHECK(has_attr(obj, name), where, ": attribute '", name, "' is missing");
+  Obj a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
+  TORCH_CHECK(a.valid(), where, ": attribute '", name, "' is unreadable (", reason(), ")");
+  Obj t(H5Aget_type(a), H5Tclose);
+  switch (H5Tget_class(t)) {
+    case H5T_INTEGER: {
+      int64_t v = 0;
+      TORCH_CHECK(H5Aread(a, H5T_NATIVE_INT64, &v) >= 0, where, ": attribute '", name, "': ", reason());
+      return v;
+    }
+    case H5T_FLOAT: {
+      double v = 0;
+      TORCH_CHECK(H5Aread(a, H5T_NATIVE_DOUBLE, &v) >= 0, where, ": attribute '", name, "': ", reason());
+      return v;
+    }
+    case H5T_STRING: {
+      if (H5Tis_variable_str(t) > 0) {  // e.g. written by h5py
+        char* s = nullptr;
+        Obj mt(H5Tcopy(H5T_C_S1), H5Tclose);
+        H5Tset_size(mt, H5T_VARIABLE);
+        H5Tset_cset(mt, H5Tget_cset(t));
+        TORCH_CHECK(H5Aread(a, mt, &s) >= 0, where, ": attribute '", name, "': ", reason());
+        std::string out = s ? s : "";
+        H5free_memory(s);
+        return out;
+      }
+      std::string s(H5Tget_size(t), '\0');
+      TORCH_CHECK(H5Aread(a, t, s.data()) >= 0, where, ": attribute '", name, "': ", reason());
+      s.resize(std::strlen(s.c_str()));
+      return s;
+    }
+    default:
+      TORCH_CHECK(false, where, ": attribute '", name, "' has an unsupported type");
+  }
+}
+
+int64_t get_int(hid_t obj, const std::string& name, const std::string& where) {
+  AttrValue v = get_attr(obj, name, where);
+  TORCH_CHECK(std::holds_alternative<int64_t>(v), where, ": attribute '", name, "' should be an integer");
+  return std::get<int64_t>(v);
+}
+
+double get_double(hid_t obj, const std::string& name, const std::string& where) {
+  AttrValue v = get_attr(obj, name, where);
+  if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+  TORCH_CHECK(std::holds_alternative<double>(v), where, ": attribute '", name, "' should be a number");
+  return std::get<double>(v);
+}
+
+std::string get_string(hid_t obj, const std::string& name, const std::string& where) {
+  AttrValue v = get_attr(obj, name, where);
+  TORCH_CHECK(std::holds_alternative<std::string>(v), where, ": attribute '", name, "' should be a string");
+  return std::get<std::string>(v);
+}
+
+std::vector<std::string> attr_names(hid_t obj, const std::string& where) {
+  H5O_info_t info{};
+  TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_NUM_ATTRS) >= 0, where, ": ", reason());
+  std::vector<std::string> out;
+  for (hsize_t i = 0; i < info.num_attrs; ++i) {
+    ssize_t n = H5Aget_name_by_idx(obj, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
+    TORCH_CHECK(n >= 0, where, ": ", reason());
+    std::string s(static_cast<size_t>(n) + 1, '\0');
+    H5Aget_name_by_idx(obj, ".", H5_INDEX_NAME, H5_ITER_INC, i, s.data(), s.size(), H5P_DEFAULT);
+    s.resize(static_cast<size_t>(n));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
+           const std::vector<int64_t>& shape, const std::string& where) {
+  quiet();
+  std::vector<hsize_t> dims(shape.begin(), shape.end());
+  Obj space = dims.empty() ? Obj(H5Screate(H5S_SCALAR), H5Sclose)
+                           : Obj(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  Obj dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  H5Pset_obj_track_times(dcpl, false);
+  hsize_t numel = 1;
+  for (hsize_t d : dims) numel *= d;
+  if (!dims.empty() && numel > 0) {
+    // Chunks of at most 1M elements, shrinking leading dimensions first so a chunk is a
+    // contiguous run of rows. Fletcher32 checksums each chunk; reads verify it.
+    std::vector<hsize_t> chunk(dims);
+    for (size_t i = 0; i < chunk.size(); ++i) {
+      hsize_t total = 1;
+      for (hsize_t c : chunk) total *= c;
+      while (total > (hsize_t{1} << 20) && chunk[i] > 1) {
+        const hsize_t next = (chunk[i] + 1) / 2;
+        total = total / chunk[i] * next;
+        chunk[i] = next;
+      }
+    }
+    H5Pset_chunk(dcpl, static_cast<int>(chunk.size()), chunk.data());
+    H5Pset_fletcher32(dcpl);
+  }
+  Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT), H5Dclose);
+  TORCH_CHECK(ds.valid(), where, ": cannot create dataset '", name, "': ", reason());
+  if (numel > 0) {
+    TORCH_CHECK(H5Dwrite(ds, mem_type(mem), H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, where,
+                ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
+  }
+}
+
+void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
+                   const std::string& where) {
+  // Names joined by newlines in one uint8 dataset, so the checksum filter covers them
+  // (variable-length strings live in a heap that Fletcher32 does not see).
+  std::string joined;
+  for (const auto& s : v) {
+    TORCH_CHECK(s.find('\n') == std::string::npos, where, ": name '", s, "' contains a newline");
+    joined += s;
+    joined += '\n';
+  }
+  write(loc, name, joined.data(), Elem::kU8, Elem::kU8, {static_cast<int64_t>(joined.size())}, where);
+}
+
+void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v, const std::string& where) {
+  write(loc, name, v.data(), Elem::kI64, Elem::kI64, {static_cast<int64_t>(v.size())}, where);
+}
+
+std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where) {
+  Obj ds = dataset(loc, name, where);
+  Obj space = space_of(ds);
+  int nd = H5Sget_simple_extent_ndims(space);
+  TORCH_CHECK(nd >= 0, where, ": dataset '", name, "' has no readable shape (", reason(), ")");
+  std::vector<hsize_t> dims(static_cast<size_t>(nd));
+  H5Sget_simple_extent_dims(space, dims.data(), nullptr);
+  return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+Elem elem_of(hid_t loc, const std::string& name, const std::string& where) {
+  Obj ds = dataset(loc, name, where);
+  Obj t(H5Dget_type(ds), H5Tclose);
+  const size_t size = H5Tget_size(t);
+  switch (H5Tget_class(t)) {
+    case H5T_FLOAT: {
+      if (size == 4) return Elem::kF32;
+      if (size == 8) return Elem::kF64;
+      if (size == 2) {
+        size_t spos, epos, esize, mpos, msize;
+        H5Tget_fields(t, &spos, &epos, &esize, &mpos, &msize);
+        return esize == 8 ? Elem::kBF16 : Elem::kF16;
+      }
+      break;
+    }
+    case H5T_INTEGER:
+      return size == 1 ? Elem::kU8 : Elem::kI64;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, where, ": dataset '", name, "' has an unsupported element type");
+}
+
+void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
+                const std::string& where) {
+  if (count <= 0) return;
+  Obj ds = dataset(loc, name, where);
+  Obj fspace = space_of(ds);
+  int nd = H5Sget_simple_extent_ndims(fspace);
+  std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
+  if (nd > 0) H5Sget_simple_extent_dims(fspace, dims.data(), nullptr);
+  hsize_t numel = 1;
+  for (hsize_t d : dims) numel *= d;
+  TORCH_CHECK(begin >= 0 && static_cast<hsize_t>(begin + count) <= numel, where, ": dataset '", name,
+              "' holds ", numel, " elements; elements [", begin, ", ", begin + count, ") were asked for");
+  hsize_t n = static_cast<hsize_t>(count);
+  Obj mspace(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  if (nd > 0 && !(begin == 0 && n == numel)) {
+    std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> bx;
+    boxes(dims, 0, {}, static_cast<hsize_t>(begin), static_cast<hsize_t>(begin + count), bx);
+    bool first = true;
+    for (auto& b : bx) {
+      H5Sselect_hyperslab(fspace, first ? H5S_SELECT_SET : H5S_SELECT_OR, b.first.data(), nullptr,
+                          b.second.data(), nullptr);
+      first = false;
+    }
+  }
+  if (H5Dread(ds, mem_type(mem), nd > 0 ? mspace.id() : H5S_ALL, nd > 0 ? fspace.id() : H5S_ALL,
+              H5P_DEFAULT, out) < 0) {
+    const std::string why = reason();
+    const bool checksum = why.find("checksum") != std::string::npos || why.find("filter") != std::string::npos;
+    TORCH_CHECK(false, where, ": cannot read dataset '", name, "': ",
+                checksum ? "checksum mismatch, the file is corrupted" : "the file is truncated or corrupted",
+                " (", why, ")");
+  }
+}
+
+std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where) {
+  auto shape = shape_of(loc, name, where);
+  TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
+  std::string joined(static_cast<size_t>(shape[0]), '\0');
+  read_range(loc, name, 0, shape[0], joined.data(), Elem::kU8, where);
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < joined.size()) {
+    size_t nl = joined.find('\n', pos);
+    TORCH_CHECK(nl != std::string::npos, where, ": dataset '", name, "' is malformed (no final newline)");
+    out.push_back(joined.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  return out;
+}
+
+std::vector<int64_t> read_i64(hid_t loc, const std::string& name, const std::string& where) {
+  auto shape = shape_of(loc, name, where);
+  TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
+  std::vector<int64_t> out(static_cast<size_t>(shape[0]));
+  read_range(loc, name, 0, shape[0], out.data(), Elem::kI64, where);
+  return out;
+}
+
+}  // namespace fsdp::h5

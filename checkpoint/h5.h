@@ -1,0 +1,86 @@
+#pragma once
+// A small RAII layer over HDF5's C API for the checkpoint code: files, groups,
+// attributes, checksummed datasets and range reads. Every failure throws a c10::Error
+// that names the file, the object and HDF5's own reason. No LibTorch here.
+
+#include <fsdp/checkpoint.h>
+
+#include <hdf5.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::h5 {
+
+/// An HDF5 identifier with its close function; move-only.
+class Obj {
+ public:
+  Obj() = default;
+  Obj(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Obj(Obj&& o) noexcept : id_(std::exchange(o.id_, -1)), close_(o.close_) {}
+  Obj& operator=(Obj&& o) noexcept;
+  Obj(const Obj&) = delete;
+  Obj& operator=(const Obj&) = delete;
+  ~Obj();
+  hid_t id() const { return id_; }
+  operator hid_t() const { return id_; }
+  bool valid() const { return id_ >= 0; }
+
+ private:
+  hid_t id_ = -1;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+/// Element types in files.
+enum class Elem { kF32, kF16, kBF16, kF64, kI64, kU8 };
+Elem elem_of_name(const std::string& dtype_name);  ///< "float32", "bfloat16", ...
+const char* elem_name(Elem e);
+hid_t file_type(Elem e);  ///< owned by this module; do not close
+hid_t mem_type(Elem e);   ///< native in-memory type (bf16 uses the file layout)
+
+/// Creates (truncating) a file; HDF5 object times are off so equal content gives equal bytes.
+Obj create_file(const std::string& path);
+/// Opens an existing file read-only; a missing, truncated or non-HDF5 file is an error
+/// naming `path`.
+Obj open_file(const std::string& path, size_t cache_bytes = 16u << 20);
+/// Flushes the file and fsyncs it to disk.
+void flush_and_sync(const Obj& file, const std::string& path);
+
+Obj create_group(hid_t loc, const std::string& name, const std::string& where);
+Obj open_group(hid_t loc, const std::string& name, const std::string& where);
+bool exists(hid_t loc, const std::string& name);
+/// Names of the direct children of a group, in creation order when tracked, else name order.
+std::vector<std::string> children(hid_t group, const std::string& where);
+
+void set_attr(hid_t obj, const std::string& name, const AttrValue& v);
+bool has_attr(hid_t obj, const std::string& name);
+AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where);
+int64_t get_int(hid_t obj, const std::string& name, const std::string& where);
+double get_double(hid_t obj, const std::string& name, const std::string& where);
+std::string get_string(hid_t obj, const std::string& name, const std::string& where);
+std::vector<std::string> attr_names(hid_t obj, const std::string& where);
+
+/// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`. Datasets
+/// with elements are chunked with the Fletcher32 checksum filter.
+void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
+           const std::vector<int64_t>& shape, const std::string& where);
+void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
+                   const std::string& where);
+void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v, const std::string& where);
+
+/// Shape and stored element type of a dataset.
+std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where);
+Elem elem_of(hid_t loc, const std::string& name, const std::string& where);
+/// Reads elements [begin, begin + count) of the dataset in row-major order into `out`
+/// (as `mem`), with hyperslab selections: only those chunks are read and verified.
+void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
+                const std::string& where);
+std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where);
+std::vector<int64_t> read_i64(hid_t loc, const std::string& name, const std::string& where);
+
+/// HDF5's reason for the last failure (its error stack), one line.
+std::string reason();
+
+}  // namespace fsdp::h5

@@ -1,0 +1,118 @@
+#pragma once
+// The sharded checkpoint layout, shared by save, load, offline consolidation and inspect.
+//
+//   <dir>/latest                  text: the name of the newest complete checkpoint
+//   <dir>/step_00000100/          one checkpoint
+//       rank_00000.h5 ...         one file per rank, all written at once
+//
+// Each rank file:
+//   attrs  format="fsdp.sharded", format_version, world_size, rank, step,
+//          shard_group_size, num_flats, optimizer ("none", "adam", "adamw", "sgd")
+//   /flats/<k>                    flat parameter k (root first, then units in module order)
+//       attrs unit_fqn, requires_grad, numel, shard_numel, begin, length, param_dtype
+//       fqns, offsets, numels, ndims, dims   its FQN -> (offset, numel, shape) table
+//       param                     fp32 elements [begin, begin + length) of the flat parameter
+//       optim/<state>             optimizer state over the same elements (attr step)
+//   /optimizer/group_<g>          attrs: that param group's hyperparameters
+//   /state                        attrs step; groups scheduler, extra, loss_scaler (attrs)
+//   /model_attrs                  attrs: model description (n_layer, ...)
+//   /rng/cpu, /rng/cuda_<i>       this rank's generator states (uint8)
+//   /buffers/<fqn>                module buffers (rank 0's file only)
+//
+// The flat parameter is split into shard_group_size chunks of shard_numel elements;
+// rank r < shard_group_size writes chunk r (replicas of HYBRID/NO_SHARD write nothing).
+
+#include "h5.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fsdp::ckpt {
+
+constexpr const char* kShardedFormat = "fsdp.sharded";
+constexpr const char* kConsolidatedFormat = "fsdp.consolidated";
+
+std::string rank_file_name(int rank);
+std::string flat_group(size_t k);
+
+/// One parameter entry of a flat parameter's table.
+struct TableEntry {
+  std::string fqn;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+};
+
+void write_table(hid_t group, const std::vector<TableEntry>& t, const std::string& where);
+std::vector<TableEntry> read_table(hid_t group, const std::string& where);
+
+/// Rejects a file whose format is not `format` or whose version is newer than this build's.
+void check_format(hid_t file, const std::string& format, const std::string& where);
+
+/// One flat parameter as the checkpoint records it.
+struct SourceFlat {
+  std::string unit_fqn;
+  bool trainable = true;
+  int64_t numel = 0;
+  int64_t shard_numel = 0;
+  std::vector<TableEntry> table;
+  std::vector<std::string> optim_states;  ///< names under optim/ (empty when none saved)
+};
+
+/// A sharded checkpoint opened for reading: its index (from rank 0's file) and the rank
+/// files, opened on first use.
+class ShardedReader {
+ public:
+  /// `path`: a checkpoint directory, or a directory with a `latest` marker.
+  explicit ShardedReader(const std::string& path, size_t cache_bytes = 16u << 20);
+
+  const std::string& dir() const { return dir_; }
+  int world_size() const { return world_; }
+  int shard_group_size() const { return group_; }
+  int64_t step() const { return step_; }
+  const std::string& optimizer() const { return optimizer_; }
+  const std::vector<SourceFlat>& flats() const { return flats_; }
+  /// FQN -> (flat, entry) over every table.
+  const std::map<std::string, std::pair<size_t, size_t>>& by_fqn() const { return by_fqn_; }
+
+  std::string file_path(int rank) const;
+  /// The rank file, opened and checked on first use.
+  hid_t file(int rank);
+  /// Reads elements [pos, pos + n) of flat `k`'s dataset `name` ("param", "optim/exp_avg")
+  /// from whichever rank files hold them.
+  void read(size_t k, const std::string& name, int64_t pos, int64_t n, float* out);
+
+ private:
+  std::string dir_;
+  size_t cache_bytes_;
+  int world_ = 1;
+  int group_ = 1;
+  int64_t step_ = 0;
+  std::string optimizer_;
+  std::vector<SourceFlat> flats_;
+  std::map<std::string, std::pair<size_t, size_t>> by_fqn_;
+  std::vector<std::unique_ptr<h5::Obj>> files_;
+};
+
+/// The checkpoint directory `path` names: itself when it holds rank files, else the one
+/// its `latest` marker names. Errors name the path and what is wrong.
+std::string resolve_checkpoint_dir(const std::string& path);
+
+/// Element type of torch dtype for checkpoint files ("float32", "bfloat16", ...).
+h5::Elem elem_of_dtype(c10::ScalarType t);
+std::string dtype_name(c10::ScalarType t);
+
+/// Writes `t` (any device) as dataset `name` with its own shape, stored as `file`
+/// (floating tensors go through fp32/fp64 in memory; HDF5 converts to 16-bit types).
+void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
+                  const std::string& where);
+/// Element type a buffer of dtype `t` is stored as in sharded checkpoints (lossless).
+h5::Elem storage_elem(c10::ScalarType t);
+/// Reads dataset `name` whole into `dst` (any dtype and device; shapes must match).
+void read_into(hid_t loc, const std::string& name, const at::Tensor& dst, const std::string& where);
+
+}  // namespace fsdp::ckpt

@@ -1,0 +1,151 @@
+// Optimizer state adaptor (see optim_state.h).
+#include "optim_state.h"
+
+#include <sstream>
+#include <type_traits>
+
+namespace fsdp::ckpt {
+namespace {
+
+// LibTorch 1.13 keys optimizer state by the TensorImpl address printed as a string;
+// 2.x by the address itself. Pick by the map's key type.
+template <class Map>
+typename Map::key_type key_of(const Map&, const at::Tensor& p) {
+  using K = typename Map::key_type;
+  if constexpr (std::is_same_v<K, std::string>) {
+    std::ostringstream os;
+    os << p.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return static_cast<K>(p.unsafeGetTensorImpl());
+  }
+}
+
+double as_double(const AttrValue& v) {
+  if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+  if (const auto* d = std::get_if<double>(&v)) return *d;
+  TORCH_CHECK(false, "optimizer hyperparameter should be a number, got a string");
+}
+
+template <class Opts>
+std::map<std::string, AttrValue> adam_like(const Opts& o) {
+  return {{"lr", o.lr()},
+          {"beta1", std::get<0>(o.betas())},
+          {"beta2", std::get<1>(o.betas())},
+          {"eps", o.eps()},
+          {"weight_decay", o.weight_decay()},
+          {"amsgrad", int64_t{o.amsgrad() ? 1 : 0}}};
+}
+
+template <class Opts>
+void set_adam_like(Opts& o, const std::map<std::string, AttrValue>& hp) {
+  auto get = [&](const char* k, double dflt) { return hp.count(k) ? as_double(hp.at(k)) : dflt; };
+  o.lr(get("lr", o.lr()));
+  o.betas(std::make_tuple(get("beta1", std::get<0>(o.betas())), get("beta2", std::get<1>(o.betas()))));
+  o.eps(get("eps", o.eps()));
+  o.weight_decay(get("weight_decay", o.weight_decay()));
+  o.amsgrad(get("amsgrad", o.amsgrad() ? 1 : 0) != 0);
+}
+
+template <class State>
+ParamState adam_state(const State& s) {
+  ParamState out;
+  out.step = s.step();
+  out.tensors = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+  if (s.max_exp_avg_sq().defined()) out.tensors.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
+  return out;
+}
+
+template <class State>
+std::unique_ptr<State> make_adam_state(const at::Tensor& p, const ParamState& st) {
+  auto s = std::make_unique<State>();
+  s->step(st.step);
+  s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+  s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+  for (const auto& [name, t] : st.tensors) {
+    if (name == "exp_avg") s->exp_avg(t.clone());
+    else if (name == "exp_avg_sq") s->exp_avg_sq(t.clone());
+    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(t.clone());
+    else TORCH_CHECK(false, "optimizer state '", name, "' does not belong to Adam/AdamW");
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string optimizer_kind(torch::optim::Optimizer& opt) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt)) return "adamw";
+  if (dynamic_cast<torch::optim::Adam*>(&opt)) return "adam";
+  if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
+  TORCH_CHECK(false, "checkpoints hold the state of torch::optim::Adam, AdamW and SGD; this optimizer is none "
+              "of them (pass nullptr to save or load without optimizer state)");
+}
+
+std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& param) {
+  auto& groups = opt.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& ps = groups[g].params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return {static_cast<int>(g), static_cast<int>(i)};
+    }
+  }
+  return {-1, -1};
+}
+
+ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param) {
+  auto& state = opt.state();
+  auto it = state.find(key_of(state, param));
+  if (it == state.end()) return {};
+  const std::string kind = optimizer_kind(opt);
+  if (kind == "adamw") return adam_state(static_cast<const torch::optim::AdamWParamState&>(*it->second));
+  if (kind == "adam") return adam_state(static_cast<const torch::optim::AdamParamState&>(*it->second));
+  const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
+  ParamState out;
+  if (s.momentum_buffer().defined()) out.tensors = {{"momentum_buffer", s.momentum_buffer()}};
+  return out;
+}
+
+void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamState& st) {
+  auto& state = opt.state();
+  const auto key = key_of(state, param);
+  const std::string kind = optimizer_kind(opt);
+  if (kind == "adamw") {
+    state[key] = make_adam_state<torch::optim::AdamWParamState>(param, st);
+  } else if (kind == "adam") {
+    state[key] = make_adam_state<torch::optim::AdamParamState>(param, st);
+  } else {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    for (const auto& [name, t] : st.tensors) {
+      TORCH_CHECK(name == "momentum_buffer", "optimizer state '", name, "' does not belong to SGD");
+      s->momentum_buffer(t.clone());
+    }
+    state[key] = std::move(s);
+  }
+}
+
+std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g) {
+  auto& o = opt.param_groups().at(g).options();
+  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return adam_like(*a);
+  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return adam_like(*a);
+  auto& s = dynamic_cast<torch::optim::SGDOptions&>(o);
+  return {{"lr", s.lr()},
+          {"momentum", s.momentum()},
+          {"dampening", s.dampening()},
+          {"weight_decay", s.weight_decay()},
+          {"nesterov", int64_t{s.nesterov() ? 1 : 0}}};
+}
+
+void set_group_hparams(torch::optim::Optimizer& opt, size_t g, const std::map<std::string, AttrValue>& hp) {
+  auto& o = opt.param_groups().at(g).options();
+  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return set_adam_like(*a, hp);
+  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return set_adam_like(*a, hp);
+  auto& s = dynamic_cast<torch::optim::SGDOptions&>(o);
+  auto get = [&](const char* k, double dflt) { return hp.count(k) ? as_double(hp.at(k)) : dflt; };
+  s.lr(get("lr", s.lr()));
+  s.momentum(get("momentum", s.momentum()));
+  s.dampening(get("dampening", s.dampening()));
+  s.weight_decay(get("weight_decay", s.weight_decay()));
+  s.nesterov(get("nesterov", s.nesterov() ? 1 : 0) != 0);
+}
+
+}  // namespace fsdp::ckpt

@@ -1,0 +1,136 @@
+#pragma once
+// HDF5 checkpoints (DESIGN section 6).
+//
+// Sharded: a directory per checkpoint, one HDF5 file per rank (rank_00000.h5, ...),
+// written by all ranks at once. Each file describes itself (format version, world size,
+// rank, every flat parameter's FQN -> (offset, numel, shape) table), so a checkpoint
+// loads at any world size and under any wrap policy. Saves are atomic: files go to a
+// temporary directory that is renamed into place, then the `latest` marker is updated.
+//
+// Consolidated: one HDF5 file, `/model/<FQN>` datasets with full shapes, readable with
+// h5py and nothing else; optional `/optimizer/<FQN>/<state>`.
+
+#include <fsdp/fully_sharded_module.h>
+#include <fsdp/loss_scaler.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace fsdp {
+
+/// Version of the file formats this build writes, and the newest it reads.
+constexpr int64_t kCheckpointFormatVersion = 1;
+
+/// A scalar attribute: model configuration values and the like.
+using AttrValue = std::variant<int64_t, double, std::string>;
+
+/// Everything besides parameters and optimizer state that a resume needs.
+struct TrainingState {
+  int64_t step = 0;  ///< optimizer steps taken
+  /// Loss-scaler state (fp16 training); saved when set.
+  std::optional<LossScalerState> loss_scaler;
+  /// Learning-rate scheduler state, by name (e.g. {"last_step", 1200}). The optimizer's
+  /// current per-group learning rates are saved and restored with its state anyway.
+  std::map<std::string, double> scheduler;
+  /// The user's own state: data-loader position, seeds, anything (strings).
+  std::map<std::string, std::string> extra;
+  /// Model description (e.g. n_layer, d_model), copied into consolidated exports.
+  std::map<std::string, AttrValue> model_attrs;
+};
+
+struct SaveOptions {
+  /// Keep the newest K complete checkpoints in the directory; 0 keeps all.
+  int keep_last = 0;
+  /// Print progress on rank 0.
+  bool verbose = false;
+};
+
+struct LoadOptions {
+  /// Restore this rank's RNG states (CPU, and CUDA when present). Only when the
+  /// checkpoint was saved at the same world size; otherwise they are left alone.
+  bool restore_rng = true;
+  /// Parameters missing from, or unexpected in, the checkpoint are an error (listed).
+  /// When false they are reported in the result instead and left unchanged.
+  bool strict = true;
+};
+
+/// What a load matched. Shape mismatches are always an error.
+struct LoadReport {
+  std::vector<std::string> missing;     ///< model parameters/buffers the file lacks
+  std::vector<std::string> unexpected;  ///< file entries the model lacks
+  std::string path;                     ///< the checkpoint directory or file actually read
+};
+
+/// Saves a sharded checkpoint of `root` (and of `optimizer`'s state: Adam, AdamW or
+/// SGD over root.sharded_parameters(); may be null) as `dir`/step_<step>. Collective:
+/// every rank calls it. Returns the checkpoint's path. The previous complete checkpoint
+/// is never touched; `dir`/latest names the new one only once every rank's file is on disk.
+std::string save_sharded_checkpoint(const std::string& dir, WrapPointImpl& root,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options = {});
+
+/// Loads a sharded checkpoint saved at any world size and under any wrap policy.
+/// `path` is a checkpoint directory or a directory holding a `latest` marker. Each rank
+/// reads only the slices it keeps. Collective. `state` (may be null) receives the
+/// training state; `optimizer` (may be null) its state and hyperparameters.
+LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
+                                   torch::optim::Optimizer* optimizer, TrainingState* state,
+                                   const LoadOptions& options = {});
+
+/// The newest complete checkpoint under `dir` (from its `latest` marker), or nullopt when
+/// `dir` holds none. Throws when the marker exists but is bad.
+std::optional<std::string> latest_checkpoint(const std::string& dir);
+
+struct ExportOptions {
+  /// Dtype of the exported parameters: kFloat32, kBFloat16 or kFloat16.
+  torch::Dtype dtype = torch::kFloat32;
+  /// Also write /optimizer/<FQN>/<state> (needs the optimizer).
+  bool with_optimizer = false;
+  /// Print progress.
+  bool verbose = false;
+};
+
+/// Writes one consolidated HDF5 file from a live sharded model. Collective; rank 0
+/// writes, gathering one flat parameter at a time, so its extra memory is at most one
+/// unit's full fp32 parameters (MemoryStats::checkpoint_buffers counts it). The file is
+/// written to a temporary name and renamed into place.
+void export_consolidated(const std::string& file, WrapPointImpl& root, torch::optim::Optimizer* optimizer,
+                         const TrainingState& state, const ExportOptions& options = {});
+
+/// Loads a consolidated file into a sharded model: each rank reads only its own slice
+/// (HDF5 hyperslabs), no full copy anywhere, no communication.
+LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, const LoadOptions& options = {});
+
+/// Loads a consolidated file into a plain (unsharded) module, e.g. for inference.
+LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
+                             const LoadOptions& options = {});
+
+/// Reads the root attributes of a consolidated file (format, dtype, step, model attrs).
+std::map<std::string, AttrValue> consolidated_attributes(const std::string& file);
+
+struct ConsolidateOptions {
+  torch::Dtype dtype = torch::kFloat32;
+  bool with_optimizer = false;
+  /// Called after each parameter: (done, total, fqn).
+  std::function<void(size_t, size_t, const std::string&)> progress;
+};
+
+/// Offline: turns a sharded checkpoint into a consolidated file with no process group,
+/// one parameter at a time (peak memory about one parameter). The output equals what
+/// export_consolidated writes from the live model.
+void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
+                            const ConsolidateOptions& options = {});
+
+/// Reads every dataset of a sharded checkpoint (directory or parent with `latest`) or a
+/// consolidated file, verifying checksums and structure, and describes it. Throws a
+/// c10::Error naming the file and the problem.
+std::string inspect_checkpoint(const std::string& path, bool verify = true);
+
+}  // namespace fsdp

@@ -1,0 +1,71 @@
+// fsdp-consolidate: a sharded checkpoint -> one consolidated HDF5 file, offline.
+//
+//   fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]
+//
+// No process group: it reads the rank files one parameter at a time, so its memory
+// stays about one parameter plus a constant whatever the model size.
+#include <fsdp/checkpoint.h>
+
+#include <cxxopts.hpp>
+
+#include <chrono>
+#include <iostream>
+
+int main(int argc, char** argv) {
+  cxxopts::Options opts("fsdp-consolidate", "Turns a sharded fsdp checkpoint into one consolidated HDF5 file");
+  opts.positional_help("SHARDED_DIR OUT.h5");
+  opts.add_options()
+    ("dtype", "dtype of the written parameters: fp32, bf16 or fp16", cxxopts::value<std::string>()->default_value("fp32"))
+    ("with-optimizer", "also write /optimizer/<FQN>/<state>")
+    ("q,quiet", "no progress output")
+    ("h,help", "show this help")
+    ("sharded", "", cxxopts::value<std::string>())
+    ("out", "", cxxopts::value<std::string>());
+  opts.parse_positional({"sharded", "out"});
+  try {
+    auto r = opts.parse(argc, argv);
+    if (r.count("help")) {
+      std::cout << opts.help() << std::endl;
+      return 0;
+    }
+    if (!r.count("sharded") || !r.count("out")) {
+      std::cerr << "fsdp-consolidate: error: expected SHARDED_DIR and OUT.h5\n"
+                << "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n";
+      return 2;
+    }
+    fsdp::ConsolidateOptions o;
+    const std::string d = r["dtype"].as<std::string>();
+    if (d == "fp32") o.dtype = torch::kFloat32;
+    else if (d == "bf16") o.dtype = torch::kBFloat16;
+    else if (d == "fp16") o.dtype = torch::kFloat16;
+    else {
+      std::cerr << "fsdp-consolidate: error: --dtype " << d << " is unknown; use fp32, bf16 or fp16\n";
+      return 2;
+    }
+    o.with_optimizer = r.count("with-optimizer") > 0;
+    const bool quiet = r.count("quiet") > 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    size_t last_pct = 101;
+    o.progress = [&](size_t done, size_t total, const std::string& fqn) {
+      const size_t pct = total ? done * 100 / total : 100;
+      if (quiet || (pct == last_pct && done != total)) return;
+      last_pct = pct;
+      std::cerr << "\r[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn
+                << "\033[K" << std::flush;
+    };
+    const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
+    fsdp::consolidate_checkpoint(in, out, o);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!quiet) std::cerr << "\n[fsdp-consolidate] wrote " << out << " in " << s << " s" << std::endl;
+    return 0;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "fsdp-consolidate: error: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "\nfsdp-consolidate: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "\nfsdp-consolidate: error: " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,1 @@
+// Carries the precompiled LibTorch header that the tools and examples reuse.

@@ -1,0 +1,571 @@
+// HDF5 checkpoints: exact resume, resharding across world sizes and wrap policies,
+// consolidated export/import, offline consolidation, crash safety and bad input.
+#include <fsdp/checkpoint.h>
+#include <fsdp/full_params.h>
+
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <hdf5.h>
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+namespace fs = std::filesystem;
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+constexpr int64_t kRows = 12;  // divisible by 1, 2, 3 and 4 ranks
+
+// A scratch directory shared by the test process and the rank processes it starts
+// (they inherit the environment variable that names it).
+std::string scratch_dir(const std::string& tag) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string var = "FSDP_CKPT_TEST_DIR_" + tag + "_" + info->test_suite_name() + "_" + info->name();
+  for (char& c : var) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  if (const char* d = std::getenv(var.c_str())) return d;
+  std::string tmpl = "/tmp/fsdp_ckpt_" + tag + "_XXXXXX";
+  char* d = mkdtemp(tmpl.data());
+  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
+  setenv(var.c_str(), d, 1);
+  return d;
+}
+
+ShardingOptions options_for(const ProcessGroup& pg, WrapPolicy policy = always_wrap_policy()) {
+  ShardingOptions o;
+  o.process_group = pg;
+  o.auto_wrap_policy = std::move(policy);
+  return o;
+}
+
+torch::optim::AdamW make_adamw(WrapPointImpl& model) {
+  return torch::optim::AdamW(model.sharded_parameters(),
+                             torch::optim::AdamWOptions(3e-3).weight_decay(0.01).eps(1e-6));
+}
+
+template <class Model>
+double train_step(Model& model, torch::optim::Optimizer& opt, int64_t step, const ProcessGroup& pg) {
+  auto batch = gpt_batch(step, kRows, small_gpt_config().block_size);
+  opt.zero_grad();
+  auto loss = gpt::loss_on(model, my_rows(batch, pg));
+  loss.backward();
+  opt.step();
+  return global_mean(loss, pg);
+}
+
+std::map<std::string, torch::Tensor> as_map(const std::vector<std::pair<std::string, torch::Tensor>>& v) {
+  return std::map<std::string, torch::Tensor>(v.begin(), v.end());
+}
+
+void write_losses(const std::string& path, const std::vector<double>& losses) {
+  std::ofstream out(path);
+  out.precision(17);
+  for (double l : losses) out << l << "\n";
+}
+
+std::vector<double> read_losses(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<double> v;
+  for (double l; in >> l;) v.push_back(l);
+  return v;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+TrainingState sample_state(int64_t step) {
+  TrainingState st;
+  st.step = step;
+  st.scheduler = {{"last_step", static_cast<double>(step)}, {"warmup", 10.0}};
+  st.extra = {{"data_position", std::to_string(step * kRows)}, {"note", "resume me"}};
+  LossScalerState ls;
+  ls.scale = 1024;
+  ls.iteration = step;
+  ls.last_overflow_iteration = 1;
+  ls.hysteresis_left = 1;
+  ls.skipped_steps = 2;
+  st.loss_scaler = ls;
+  auto c = small_gpt_config();
+  st.model_attrs = {{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"d_model", c.d_model},
+                    {"block_size", c.block_size}, {"vocab_size", c.vocab_size}};
+  return st;
+}
+
+// ---------------------------------------------------------------------------------
+// Exact resume: the loss trajectory after loading equals the uninterrupted one, bit for bit.
+
+void exact_resume(const ProcessGroup& pg, const std::string& dir) {
+  const auto cfg = small_gpt_config();
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
+  auto opt = make_adamw(*model);
+  for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
+  torch::manual_seed(42 + pg.rank());  // a per-rank RNG stream to restore
+  const std::string path = save_sharded_checkpoint(dir, *model, &opt, sample_state(3));
+  EXPECT_EQ(fs::path(path).filename().string(), "step_00000003");
+  const auto rng_after_save = torch::rand({4});
+  std::vector<double> uninterrupted;
+  for (int64_t s = 3; s < 6; ++s) uninterrupted.push_back(train_step(model, opt, s, pg));
+
+  // A fresh model, differently initialised, with another learning rate: the load
+  // must restore all of it.
+  torch::manual_seed(7);
+  auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
+  torch::optim::AdamW opt2(model2->sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
+  TrainingState st;
+  torch::manual_seed(999);
+  auto report = load_sharded_checkpoint(dir, *model2, &opt2, &st);
+  EXPECT_EQ(report.path, path);
+  EXPECT_TRUE(report.missing.empty() && report.unexpected.empty());
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the CPU RNG state was not restored";
+  EXPECT_EQ(st.step, 3);
+  EXPECT_EQ(st.scheduler, sample_state(3).scheduler);
+  EXPECT_EQ(st.extra, sample_state(3).extra);
+  ASSERT_TRUE(st.loss_scaler.has_value());
+  EXPECT_EQ(st.loss_scaler->scale, 1024);
+  EXPECT_EQ(st.loss_scaler->skipped_steps, 2);
+  EXPECT_EQ(st.loss_scaler->hysteresis_left, 1);
+  EXPECT_EQ(std::get<int64_t>(st.model_attrs.at("d_model")), cfg.d_model);
+  EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(opt2.param_groups()[0].options()).lr(), 3e-3);
+  for (int64_t s = 3; s < 6; ++s) {
+    const double l = train_step(model2, opt2, s, pg);
+    EXPECT_EQ(l, uninterrupted[static_cast<size_t>(s - 3)]) << "step " << s << " differs after resume";
+  }
+}
+
+TEST(ShardedCheckpoint, ExactResumeIsBitwiseAtTwoRanks) {
+  const std::string dir = scratch_dir("resume");
+  run_ranks(2, [&](const ProcessGroup& pg) { exact_resume(pg, dir); });
+}
+TEST(ShardedCheckpoint, ExactResumeIsBitwiseAtOneRank) {
+  const std::string dir = scratch_dir("resume");
+  run_ranks(1, [&](const ProcessGroup& pg) { exact_resume(pg, dir); });
+}
+
+// ---------------------------------------------------------------------------------
+// Resharding: saved at 4 ranks, loaded at 1, 2 and 3, and under another wrap policy.
+
+void save_at_four(const ProcessGroup& pg, const std::string& dir, const ShardingOptions& o) {
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
+  auto opt = make_adamw(*model);
+  for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
+  save_sharded_checkpoint(dir + "/sharded", *model, &opt, sample_state(3));
+  export_consolidated(dir + "/full.h5", *model, nullptr, sample_state(3));
+  std::vector<double> cont;
+  for (int64_t s = 3; s < 6; ++s) cont.push_back(train_step(model, opt, s, pg));
+  if (pg.rank() == 0) write_losses(dir + "/losses.txt", cont);
+}
+
+void load_and_continue(const ProcessGroup& pg, const std::string& dir, const ShardingOptions& o) {
+  torch::manual_seed(5);
+  auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
+  auto opt = make_adamw(*model);
+  TrainingState st;
+  load_sharded_checkpoint(dir + "/sharded", *model, &opt, &st);
+  EXPECT_EQ(st.step, 3);
+  // The parameters are exactly the saved ones (the consolidated export of the same moment).
+  torch::manual_seed(6);
+  gpt::GPT plain(small_gpt_config());
+  load_consolidated(dir + "/full.h5", *plain);
+  auto loaded = full_state_dict(*model);
+  for (const auto& [name, p] : named_parameters_clean(*plain)) {
+    EXPECT_TRUE(torch::equal(as_map(loaded).at(name), p)) << name;
+  }
+  const auto expected = read_losses(dir + "/losses.txt");
+  ASSERT_EQ(expected.size(), 3u);
+  for (int64_t s = 3; s < 6; ++s) {
+    const double l = train_step(model, opt, s, pg), want = expected[static_cast<size_t>(s - 3)];
+    EXPECT_LE(std::abs(l - want) / std::abs(want), 1e-6) << "step " << s << ": " << l << " vs " << want;
+  }
+}
+
+TEST(ShardedCheckpoint, SavedAtFourRanksLoadsAtOneTwoAndThree) {
+  const std::string dir = scratch_dir("reshard");
+  run_ranks(4, [&](const ProcessGroup& pg) { save_at_four(pg, dir, options_for(pg)); });
+  for (int m : {1, 2, 3}) {
+    SCOPED_TRACE("load at " + std::to_string(m) + " ranks");
+    run_ranks(m, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg)); });
+  }
+}
+
+TEST(ShardedCheckpoint, LoadsUnderAnotherWrapPolicyAndStrategy) {
+  const std::string dir = scratch_dir("policy");
+  // Saved with every block its own unit, as HYBRID_SHARD (2 groups of 2: replicas write nothing).
+  run_ranks(4, [&](const ProcessGroup& pg) {
+    auto o = options_for(pg);
+    o.strategy = ShardingStrategy::kHybridShard;
+    o.hybrid_group_size = 2;
+    save_at_four(pg, dir, o);
+  });
+  // Loaded with one unit for the whole model (other flat layout), and with blocks but
+  // only every second one a unit, at other world sizes.
+  run_ranks(3, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg, never_wrap_policy())); });
+  run_ranks(2, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg, every_kth_policy(2))); });
+}
+
+// ---------------------------------------------------------------------------------
+// Consolidated export and import.
+
+TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
+  const std::string dir = scratch_dir("consolidated");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    auto opt = make_adamw(*model);
+    for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
+    model->reset_peak_memory();
+    ASSERT_EQ(model->memory_stats().checkpoint_buffers.current, 0);
+    ExportOptions eo;
+    eo.with_optimizer = true;
+    export_consolidated(dir + "/full.h5", *model, &opt, sample_state(2), eo);
+    const auto mem = model->memory_stats();
+    // One flat parameter gathered at a time: the peak is the largest one, and all is freed.
+    int64_t largest = 0;
+    for (const auto& f : model->flat_params()) largest = std::max(largest, f.padded_numel * 4);
+    EXPECT_EQ(mem.checkpoint_buffers.peak, largest);
+    EXPECT_EQ(mem.checkpoint_buffers.current, 0);
+    eo.with_optimizer = false;
+    eo.dtype = torch::kBFloat16;
+    export_consolidated(dir + "/full_bf16.h5", *model, nullptr, sample_state(2), eo);
+    auto full = full_state_dict(*model);
+    if (pg.rank() == 0) {
+      gpt::GPT plain(small_gpt_config());
+      auto r = load_consolidated(dir + "/full.h5", *plain);
+      EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
+      for (const auto& [name, p] : named_parameters_clean(*plain)) {
+        EXPECT_TRUE(torch::equal(as_map(full).at(name), p)) << name;
+      }
+      gpt::GPT plain16(small_gpt_config());
+      load_consolidated(dir + "/full_bf16.h5", *plain16);
+      for (const auto& [name, p] : named_parameters_clean(*plain16)) {
+        EXPECT_TRUE(torch::equal(as_map(full).at(name).to(torch::kBFloat16).to(torch::kFloat32), p))
+            << name << ": bf16 export differs from torch's rounding";
+      }
+      auto attrs = consolidated_attributes(dir + "/full_bf16.h5");
+      EXPECT_EQ(std::get<std::string>(attrs.at("format")), "fsdp.consolidated");
+      EXPECT_EQ(std::get<std::string>(attrs.at("dtype")), "bfloat16");
+      EXPECT_EQ(std::get<int64_t>(attrs.at("step")), 2);
+      EXPECT_EQ(std::get<int64_t>(attrs.at("n_layer")), small_gpt_config().n_layer);
+    }
+  });
+  // Import into a sharded model at another world size: the same values.
+  run_ranks(3, [&](const ProcessGroup& pg) {
+    torch::manual_seed(11);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, every_kth_policy(2)));
+    const int64_t before = model->comm_stats().total.total_bytes();  // fully_shard's broadcast
+    auto r = import_consolidated(dir + "/full.h5", *model);
+    EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
+    EXPECT_EQ(model->comm_stats().total.total_bytes(), before) << "import must not communicate";
+    auto full = as_map(full_state_dict(*model));
+    gpt::GPT plain(small_gpt_config());
+    load_consolidated(dir + "/full.h5", *plain);
+    for (const auto& [name, p] : named_parameters_clean(*plain)) {
+      EXPECT_TRUE(torch::equal(full.at(name), p)) << name;
+    }
+  });
+}
+
+TEST(ConsolidatedCheckpoint, StrictLoadListsEveryMismatchAndNonStrictReportsThem) {
+  const std::string dir = scratch_dir("strict");
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(small_gpt_config()));
+  export_consolidated(dir + "/gpt.h5", *model, nullptr, sample_state(0));
+  // An MLP has none of the GPT's names.
+  MlpNet mlp;
+  const std::string msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *mlp); });
+  EXPECT_NE(msg.find("does not match this model"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("inp.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("out.bias"), std::string::npos) << msg;  // every name is listed
+  EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("lm_head.weight"), std::string::npos) << msg;
+  LoadOptions lo;
+  lo.strict = false;
+  auto r = load_consolidated(dir + "/gpt.h5", *mlp, lo);
+  EXPECT_EQ(r.missing.size(), named_parameters_clean(*mlp).size());
+  EXPECT_EQ(r.unexpected.size(), named_parameters_clean(*model).size());
+  // Same names, other shapes: always an error, naming the shapes.
+  auto cfg = small_gpt_config();
+  cfg.d_model = 64;
+  gpt::GPT wide(cfg);
+  const std::string shape_msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *wide, lo); });
+  EXPECT_NE(shape_msg.find("has shape [256, 32] in the file but [256, 64]"), std::string::npos) << shape_msg;
+}
+
+// ---------------------------------------------------------------------------------
+// Offline consolidation equals the live export, byte for byte.
+
+TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
+  const std::string dir = scratch_dir("offline");
+  run_ranks(3, [&](const ProcessGroup& pg) {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    auto opt = make_adamw(*model);
+    for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
+    save_sharded_checkpoint(dir, *model, &opt, sample_state(2));
+    ExportOptions eo;
+    export_consolidated(dir + "/live_fp32.h5", *model, &opt, sample_state(2), eo);
+    eo.with_optimizer = true;
+    eo.dtype = torch::kFloat16;
+    export_consolidated(dir + "/live_fp16_opt.h5", *model, &opt, sample_state(2), eo);
+  });
+  const std::string tool = bin_dir() + "/fsdp-consolidate";
+  auto a = run_command({tool, dir, dir + "/off_fp32.h5"});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_NE(a.output.find("parameters (100%)"), std::string::npos) << "no progress shown: " << a.output;
+  auto b = run_command({tool, dir, dir + "/off_fp16_opt.h5", "--dtype", "fp16", "--with-optimizer"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes(dir + "/off_fp32.h5"), bytes(dir + "/live_fp32.h5"));
+  EXPECT_EQ(bytes(dir + "/off_fp16_opt.h5"), bytes(dir + "/live_fp16_opt.h5"));
+  EXPECT_GT(bytes(dir + "/off_fp16_opt.h5").size(), 1000u);
+  auto bad = run_command({tool, dir, dir + "/x.h5", "--dtype", "int8"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("--dtype int8 is unknown; use fp32, bf16 or fp16"), std::string::npos) << bad.output;
+}
+
+// ---------------------------------------------------------------------------------
+// h5py reads the consolidated file: names, shapes and values match the C++ side.
+
+TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
+  const std::string dir = scratch_dir("h5py");
+  torch::manual_seed(3);
+  auto model = fully_shard(gpt::GPT(small_gpt_config()));
+  export_consolidated(dir + "/gpt.h5", *model, nullptr, sample_state(9));
+  // What the C++ side wrote, as text: name, shape, then every value (exact float text).
+  {
+    std::ofstream out(dir + "/expected.txt");
+    out.precision(9);
+    for (const auto& [name, t] : full_state_dict(*model)) {
+      out << name << " " << t.dim();
+      for (auto d : t.sizes()) out << " " << d;
+      auto flat = t.reshape({-1});
+      out << " " << flat.numel();
+      for (int64_t i = 0; i < flat.numel(); ++i) out << " " << flat[i].item<float>();
+      out << "\n";
+    }
+  }
+  auto r = run_command({"/usr/bin/python3", std::string(FSDP_SOURCE_DIR) + "/tests/interop/read_consolidated.py",
+                        dir + "/gpt.h5", dir + "/expected.txt"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ok:"), std::string::npos) << r.output;
+}
+
+// ---------------------------------------------------------------------------------
+// Retention and names.
+
+TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
+  const std::string dir = scratch_dir("keep");
+  auto model = fully_shard(MlpNet());
+  SaveOptions so;
+  so.keep_last = 2;
+  for (int64_t s : {1, 2, 3, 4}) save_sharded_checkpoint(dir, *model, nullptr, sample_state(s), so);
+  const std::string again = save_sharded_checkpoint(dir, *model, nullptr, sample_state(4), so);
+  EXPECT_EQ(fs::path(again).filename().string(), "step_00000004_2");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step_00000004", "step_00000004_2"}));
+  EXPECT_EQ(*latest_checkpoint(dir), again);
+  EXPECT_FALSE(latest_checkpoint(dir + "/step_00000004").has_value());
+  const std::string msg = error_of([&] { save_sharded_checkpoint(dir, *model, nullptr, sample_state(-1)); });
+  EXPECT_NE(msg.find("step -1 is negative"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------------------------
+// Crash safety: a save killed at any moment leaves the previous checkpoint loadable.
+
+// Every shard element of checkpoint `step` holds the value `step`, so a load that mixed
+// files of two checkpoints would show.
+void fill_with(WrapPointImpl& model, int64_t step) {
+  torch::NoGradGuard g;
+  for (auto& p : model.sharded_parameters()) p.fill_(static_cast<float>(step));
+}
+
+// Run in a child process: saves checkpoints step after step until killed.
+TEST(CrashSaver, SavesUntilKilled) {
+  const char* dir = std::getenv("FSDP_CRASH_SAVER_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "helper for CrashSafety (runs only when started by it)";
+  auto model = fully_shard(MlpNet(64, 512, 8, 64));
+  int64_t step = 0;
+  if (latest_checkpoint(dir)) {
+    TrainingState st;
+    load_sharded_checkpoint(dir, *model, nullptr, &st);
+    step = st.step;
+  }
+  const int64_t stop = std::getenv("FSDP_CRASH_SAVER_ONCE") ? step + 1 : INT64_MAX;
+  SaveOptions so;
+  so.keep_last = 2;
+  while (step < stop) {
+    ++step;
+    fill_with(*model, step);
+    save_sharded_checkpoint(dir, *model, nullptr, sample_state(step), so);
+    std::cout << "saved " << step << std::endl;
+  }
+}
+
+pid_t start_saver(const std::string& dir, bool once) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    setenv("FSDP_CRASH_SAVER_DIR", dir.c_str(), 1);
+    if (once) setenv("FSDP_CRASH_SAVER_ONCE", "1", 1);
+    const std::string self = bin_dir() + "/test_checkpoint";
+    int devnull = ::open("/dev/null", O_WRONLY);
+    dup2(devnull, 1);
+    execl(self.c_str(), self.c_str(), "--gtest_filter=CrashSaver.SavesUntilKilled", nullptr);
+    _exit(127);
+  }
+  return pid;
+}
+
+TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
+  const std::string dir = scratch_dir("crash");
+  int status = 0;
+  pid_t first = start_saver(dir, /*once=*/true);
+  waitpid(first, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  std::mt19937 rng(12345);
+  auto model = fully_shard(MlpNet(64, 512, 8, 64));
+  int64_t last_step = 1, kills_mid_run = 0;
+  for (int round = 0; round < 20; ++round) {
+    pid_t pid = start_saver(dir, false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    kills_mid_run += WIFSIGNALED(status) ? 1 : 0;
+    // The previous complete checkpoint loads, whole and consistent.
+    TrainingState st;
+    ASSERT_NO_THROW(load_sharded_checkpoint(dir, *model, nullptr, &st)) << "round " << round;
+    EXPECT_GE(st.step, last_step) << "latest went backwards";
+    last_step = st.step;
+    for (auto& p : model->sharded_parameters()) {
+      ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>()) << "files of two checkpoints mixed";
+    }
+    EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
+  }
+  EXPECT_EQ(kills_mid_run, 20);
+  EXPECT_GT(last_step, 1) << "no save ever completed: the kill times are too short to test anything";
+}
+
+// ---------------------------------------------------------------------------------
+// Bad input: each names the file and what is wrong.
+
+struct BadCheckpoint : ::testing::Test {
+  std::string dir;
+  std::string ckpt;
+  void SetUp() override {
+    dir = scratch_dir(std::string("bad_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    run_ranks(2, [&](const ProcessGroup& pg) {
+      auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+      fill_with(*model, 3);  // 3.0f everywhere: easy to find in the file
+      save_sharded_checkpoint(dir, *model, nullptr, sample_state(5));
+    });
+    ckpt = dir + "/step_00000005";
+  }
+  std::string load_error() {
+    auto model = fully_shard(gpt::GPT(small_gpt_config()));
+    return error_of([&] { load_sharded_checkpoint(dir, *model, nullptr, nullptr); });
+  }
+};
+
+TEST_F(BadCheckpoint, TruncatedFile) {
+  fs::resize_file(ckpt + "/rank_00001.h5", fs::file_size(ckpt + "/rank_00001.h5") / 2);
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find("rank_00001.h5"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("truncated"), std::string::npos) << msg;
+}
+
+TEST_F(BadCheckpoint, CorruptedData) {
+  // Flip a byte inside the parameter data (a run of 3.0f) of rank 1's file.
+  const std::string p = ckpt + "/rank_00001.h5";
+  std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), {});
+  const float three = 3.0f;
+  std::string pattern;
+  for (int i = 0; i < 8; ++i) pattern.append(reinterpret_cast<const char*>(&three), 4);
+  const size_t at = bytes.find(pattern);
+  ASSERT_NE(at, std::string::npos);
+  f.seekp(static_cast<std::streamoff>(at + 13));
+  f.put(static_cast<char>(0x5a));
+  f.close();
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find("rank_00001.h5"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
+  auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("checksum mismatch"), std::string::npos) << r.output;
+}
+
+TEST_F(BadCheckpoint, MissingRankFile) {
+  fs::remove(ckpt + "/rank_00001.h5");
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find("was saved by 2 ranks but rank_00001.h5 is missing"), std::string::npos) << msg;
+}
+
+TEST_F(BadCheckpoint, CheckpointOfAnotherModel) {
+  auto mlp = fully_shard(MlpNet());
+  const std::string msg = error_of([&] { load_sharded_checkpoint(dir, *mlp, nullptr, nullptr); });
+  EXPECT_NE(msg.find(ckpt), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not match this model"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Missing from the checkpoint: inp.weight"), std::string::npos) << msg;
+}
+
+TEST_F(BadCheckpoint, BadLatestMarker) {
+  for (const std::string& content : {"step_99999999\n", "../../etc\n", "\n"}) {
+    std::ofstream(dir + "/latest") << content;
+    const std::string msg = load_error();
+    EXPECT_NE(msg.find("the 'latest' marker " + dir + "/latest is bad"), std::string::npos) << msg;
+  }
+}
+
+TEST_F(BadCheckpoint, FormatVersionFromTheFuture) {
+  const std::string p = ckpt + "/rank_00000.h5";
+  hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  hid_t a = H5Aopen(f, "format_version", H5P_DEFAULT);
+  const int64_t v = 99;
+  H5Awrite(a, H5T_NATIVE_INT64, &v);
+  H5Aclose(a);
+  H5Fclose(f);
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find(p + " has format_version 99; this build reads versions 1 to 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("newer fsdp"), std::string::npos) << msg;
+}
+
+TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
+  auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* want : {"world_size = 2", "step = 5", "blocks.0.attn.qkv.weight [96, 32]", "verified: 2 rank files"}) {
+    EXPECT_NE(r.output.find(want), std::string::npos) << want << " not in:\n" << r.output;
+  }
+  auto missing = run_command({bin_dir() + "/fsdp-inspect", dir + "/nope"});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("does not exist"), std::string::npos) << missing.output;
+}
+
+}  // namespace
