@@ -62,8 +62,8 @@ double get_double(hid_t obj, const std::string& name, const std::string& where);
 std::string get_string(hid_t obj, const std::string& name, const std::string& where);
 std::vector<std::string> attr_names(hid_t obj, const std::string& where);
 
-/// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`. Datasets
-/// with elements are chunked with the Fletcher32 checksum filter.
+/// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`:
+/// contiguous, with block CRC32C checksums (Note [Block checksums] in h5.cpp).
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
            const std::vector<int64_t>& shape, const std::string& where);
 void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
@@ -74,9 +74,12 @@ void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v
 std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where);
 Elem elem_of(hid_t loc, const std::string& name, const std::string& where);
 /// Reads elements [begin, begin + count) of the dataset in row-major order into `out`
-/// (as `mem`), with hyperslab selections: only those chunks are read and verified.
+/// (as `mem`), with hyperslab selections; every checksum block the range touches is read
+/// and verified.
 void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
                 const std::string& where);
+/// Reads the whole dataset and verifies its checksums; false when it has none.
+bool verify(hid_t loc, const std::string& name, const std::string& where);
 std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where);
 std::vector<int64_t> read_i64(hid_t loc, const std::string& name, const std::string& where);
 

@@ -6,6 +6,8 @@
 #include "support/models.h"
 #include "support/multirank.h"
 
+#include "../checkpoint/crc32c.h"
+
 #include <hdf5.h>
 
 #include <gtest/gtest.h>
@@ -111,6 +113,26 @@ TrainingState sample_state(int64_t step) {
   st.model_attrs = {{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"d_model", c.d_model},
                     {"block_size", c.block_size}, {"vocab_size", c.vocab_size}};
   return st;
+}
+
+// ---------------------------------------------------------------------------------
+// The block checksum: table-driven and SSE4.2 versions agree; the CRC32C primitive
+// gives the standard check value.
+
+TEST(BlockChecksum, HardwareAndTableVersionsAgreeAndCrc32cIsStandard) {
+  uint32_t c = 0xFFFFFFFFu;
+  for (char ch : std::string("123456789")) c = h5::crc_detail::sw_u8(c, static_cast<uint8_t>(ch));
+  EXPECT_EQ(c ^ 0xFFFFFFFFu, 0xE3069283u);
+  std::mt19937 rng(1);
+  std::vector<uint8_t> data(100003);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{4096}, data.size()}) {
+    const uint32_t sw = h5::crc_detail::lanes(data.data(), n, h5::crc_detail::sw_u64, h5::crc_detail::sw_u8);
+    EXPECT_EQ(h5::crc_block(data.data(), n), sw) << n << " bytes";
+  }
+  const uint32_t before = h5::crc_block(data.data(), data.size());
+  data[5000] ^= 1;
+  EXPECT_NE(h5::crc_block(data.data(), data.size()), before) << "a flipped bit went unnoticed";
 }
 
 // ---------------------------------------------------------------------------------

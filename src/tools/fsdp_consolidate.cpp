@@ -9,7 +9,19 @@
 #include <cxxopts.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <iostream>
+
+namespace {
+// Peak resident memory of this process (VmHWM), in MiB.
+double peak_rss_mib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return 0;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   cxxopts::Options opts("fsdp-consolidate", "Turns a sharded fsdp checkpoint into one consolidated HDF5 file");
@@ -56,7 +68,8 @@ int main(int argc, char** argv) {
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
     fsdp::consolidate_checkpoint(in, out, o);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!quiet) std::cerr << "\n[fsdp-consolidate] wrote " << out << " in " << s << " s" << std::endl;
+    std::cerr << (quiet ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
+              << peak_rss_mib() << " MiB" << std::endl;
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "fsdp-consolidate: error: " << e.what() << "\n";
