@@ -123,6 +123,13 @@ cxxopts::Options make_options() {
     ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
     ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))
     ("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)", cxxopts::value<std::string>()->default_value("none"));
+  o.add_options("checkpoint")
+    ("save-dir", "save sharded checkpoints here (every rank writes its own file)", cxxopts::value<std::string>()->default_value(""))
+    ("save-every", "save every K steps (0: only at the end)", cxxopts::value<int64_t>()->default_value("0"))
+    ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
+    ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
+    ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
+    ("consolidate-to", "at the end, write one consolidated HDF5 file here (for generate and other tools)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
     ("log-every", "progress line every K steps (0: about 20 lines per run)", cxxopts::value<int64_t>()->default_value("0"))
@@ -309,10 +316,57 @@ int run(int argc, char** argv) {
                      std::to_string((batch / (world * accum) + 1) * world * accum));
   }
 
+  const std::string save_dir = r["save-dir"].as<std::string>();
+  const int64_t save_every = r["save-every"].as<int64_t>();
+  const int64_t keep = r["keep"].as<int64_t>();
+  const bool resume = r.count("resume") > 0;
+  const std::string consolidate_to = r["consolidate-to"].as<std::string>();
+  if (save_every < 0) throw UsageError("--save-every " + std::to_string(save_every) + " must not be negative");
+  const int64_t stop_at = r["stop-at"].as<int64_t>();
+  if (stop_at < 0 || stop_at > steps) {
+    throw UsageError("--stop-at " + std::to_string(stop_at) + " must be between 1 and --steps " +
+                     std::to_string(steps) + " (0: run all steps)");
+  }
+  if (keep < 0) throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
+  if ((resume || save_every > 0) && save_dir.empty()) {
+    throw UsageError(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+  }
+
   torch::manual_seed(seed);
   auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
   torch::optim::AdamW opt(model->sharded_parameters(),
                           torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>()));
+
+  // What a checkpoint carries besides weights and optimizer state: enough for
+  // generate (the architecture) and for an exact resume (the step; batches are a
+  // function of the step and the seed).
+  auto training_state = [&](int64_t step) {
+    fsdp::TrainingState st;
+    st.step = step;
+    st.model_attrs = {{"n_layer", cfg.n_layer}, {"n_head", cfg.n_head}, {"d_model", cfg.d_model},
+                      {"block_size", cfg.block_size}, {"vocab_size", cfg.vocab_size}};
+    st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
+    return st;
+  };
+  int64_t first_step = 0;
+  if (resume) {
+    if (auto latest = fsdp::latest_checkpoint(save_dir)) {
+      fsdp::TrainingState st;
+      fsdp::load_sharded_checkpoint(save_dir, *model, &opt, &st);
+      if (st.extra.count("seed") && st.extra.at("seed") != std::to_string(seed) && main_rank) {
+        std::cout << "train_gpt: warning: the checkpoint was trained with --seed " << st.extra.at("seed")
+                  << ", this run uses " << seed << " (the data stream changes)\n";
+      }
+      first_step = st.step;
+      if (main_rank) std::cout << "train_gpt: resumed from " << *latest << " at step " << first_step << std::endl;
+    } else if (main_rank) {
+      std::cout << "train_gpt: --resume: no checkpoint in " << save_dir << " yet; starting from step 0" << std::endl;
+    }
+  }
+  fsdp::SaveOptions save_opts;
+  save_opts.keep_last = static_cast<int>(keep);
+  save_opts.verbose = true;
+  int64_t last_saved = first_step;
 
   std::ofstream jsonl;
   if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
@@ -335,7 +389,8 @@ int run(int argc, char** argv) {
   const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>() : std::max<int64_t>(1, steps / 20);
   const int64_t micro = batch / accum;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t step = 0; step < steps; ++step) {
+  const int64_t last_step = stop_at > 0 ? std::max(first_step, stop_at) : steps;
+  for (int64_t step = first_step; step < last_step; ++step) {
     double step_lr = lr;
     if (step < warmup) {
       step_lr = lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
@@ -372,9 +427,9 @@ int run(int argc, char** argv) {
                             {"peak_bytes", peak}, {"comm_bytes", comm}};
         jsonl << j.dump() << "\n" << std::flush;
       }
-      if ((step + 1) % log_every == 0 || step + 1 == steps) {
+      if ((step + 1) % log_every == 0 || step + 1 == last_step) {
         double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        double eta = elapsed / static_cast<double>(step + 1) * static_cast<double>(steps - step - 1);
+        double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(last_step - step - 1);
         std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed << std::setprecision(4) << loss
                   << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed << " | "
                   << std::setprecision(0) << tok_s << " tok/s | engine peak " << human_bytes(static_cast<double>(peak))
@@ -382,6 +437,23 @@ int run(int argc, char** argv) {
                   << " | eta " << human_seconds(eta) << std::endl;
       }
     }
+    if (save_every > 0 && (step + 1) % save_every == 0) {
+      fsdp::save_sharded_checkpoint(save_dir, *model, &opt, training_state(step + 1), save_opts);
+      last_saved = step + 1;
+    }
+  }
+  const int64_t final_step = std::max(first_step, last_step);
+  if (!save_dir.empty() && last_saved != final_step) {
+    fsdp::save_sharded_checkpoint(save_dir, *model, &opt, training_state(final_step), save_opts);
+  }
+  if (stop_at > 0 && main_rank) {
+    std::cout << "train_gpt: stopped at step " << final_step << " of " << steps << " (--stop-at)"
+              << (save_dir.empty() ? "" : "; continue with --resume") << std::endl;
+  }
+  if (!consolidate_to.empty()) {
+    fsdp::ExportOptions eo;
+    fsdp::export_consolidated(consolidate_to, *model, nullptr, training_state(final_step), eo);
+    if (main_rank) std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
   }
   if (main_rank) std::cout << "train_gpt: done" << std::endl;
   return 0;

@@ -2,6 +2,7 @@
 // Fully Sharded Data Parallel for LibTorch: the whole public API.
 
 #include <fsdp/activation_checkpoint.h>
+#include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>

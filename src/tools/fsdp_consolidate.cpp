@@ -8,6 +8,8 @@
 
 #include <cxxopts.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <fstream>
 #include <iostream>
@@ -57,18 +59,25 @@ int main(int argc, char** argv) {
     o.with_optimizer = r.count("with-optimizer") > 0;
     const bool quiet = r.count("quiet") > 0;
     const auto t0 = std::chrono::steady_clock::now();
+    // On a terminal one line updates in place; in a log, a line per 10%.
+    const bool tty = ::isatty(2) != 0;
     size_t last_pct = 101;
     o.progress = [&](size_t done, size_t total, const std::string& fqn) {
       const size_t pct = total ? done * 100 / total : 100;
-      if (quiet || (pct == last_pct && done != total)) return;
+      const size_t step = tty ? 1 : 10;
+      if (quiet || (pct / step == last_pct / step && done != total)) return;
       last_pct = pct;
-      std::cerr << "\r[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn
-                << "\033[K" << std::flush;
+      if (tty) {
+        std::cerr << "\r[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn
+                  << "\033[K" << std::flush;
+      } else {
+        std::cerr << "[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn << "\n";
+      }
     };
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
     fsdp::consolidate_checkpoint(in, out, o);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << (quiet ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
+    std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
               << peak_rss_mib() << " MiB" << std::endl;
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {

@@ -1,0 +1,127 @@
+// generate: text from a consolidated GPT checkpoint, on one process, unsharded.
+//
+//   generate --weights FILE.h5 --prompt TEXT --max-new-tokens N
+//            [--greedy | --temperature T --top-k K --seed S]
+//
+// The architecture comes from the file's root attributes (n_layer, n_head, d_model,
+// block_size, vocab_size), so no model flags are needed. Only the generated
+// continuation goes to stdout; errors go to stderr (exit 2: bad flags, 1: bad file).
+#include <fsdp/checkpoint.h>
+
+#include "gpt_model.h"
+
+#include <cxxopts.hpp>
+
+#include <iostream>
+#include <string>
+
+namespace {
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std::string& key,
+                 const std::string& file) {
+  auto it = attrs.find(key);
+  if (it == attrs.end() || !std::holds_alternative<int64_t>(it->second)) {
+    throw std::runtime_error(file + " has no integer root attribute '" + key +
+                             "': it is not a GPT checkpoint from train_gpt (needs n_layer, n_head, d_model, "
+                             "block_size, vocab_size)");
+  }
+  return std::get<int64_t>(it->second);
+}
+
+int run(int argc, char** argv) {
+  cxxopts::Options o("generate", "Generate text from a consolidated GPT checkpoint (train_gpt --consolidate-to).");
+  o.add_options()
+    ("weights", "consolidated HDF5 file", cxxopts::value<std::string>())
+    ("prompt", "text to continue (bytes)", cxxopts::value<std::string>())
+    ("max-new-tokens", "bytes to generate", cxxopts::value<int64_t>())
+    ("greedy", "always take the most likely next byte (deterministic)")
+    ("temperature", "sampling temperature (> 0)", cxxopts::value<double>()->default_value("1.0"))
+    ("top-k", "sample among the K most likely bytes (1..vocab; 0: all)", cxxopts::value<int64_t>()->default_value("0"))
+    ("seed", "sampling seed (same seed, same text)", cxxopts::value<uint64_t>()->default_value("0"))
+    ("h,help", "show this help");
+  auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << std::endl;
+    return 0;
+  }
+  if (!r.unmatched().empty()) throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  for (const char* need : {"weights", "prompt", "max-new-tokens"}) {
+    if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
+  }
+  const bool greedy = r.count("greedy") > 0;
+  if (greedy && (r.count("temperature") || r.count("top-k") || r.count("seed"))) {
+    throw UsageError("--greedy takes no --temperature, --top-k or --seed (it does not sample)");
+  }
+  const std::string prompt = r["prompt"].as<std::string>();
+  const int64_t n_new = r["max-new-tokens"].as<int64_t>();
+  const double temperature = r["temperature"].as<double>();
+  const int64_t top_k = r["top-k"].as<int64_t>();
+  if (prompt.empty()) throw UsageError("--prompt is empty; give at least one byte of text to continue");
+  if (n_new <= 0) throw UsageError("--max-new-tokens " + std::to_string(n_new) + " must be positive");
+  if (!(temperature > 0)) throw UsageError("--temperature " + std::to_string(temperature) + " must be positive");
+
+  const std::string file = r["weights"].as<std::string>();
+  const auto attrs = fsdp::consolidated_attributes(file);
+  gpt::Config cfg;
+  cfg.n_layer = int_attr(attrs, "n_layer", file);
+  cfg.n_head = int_attr(attrs, "n_head", file);
+  cfg.d_model = int_attr(attrs, "d_model", file);
+  cfg.block_size = int_attr(attrs, "block_size", file);
+  cfg.vocab_size = int_attr(attrs, "vocab_size", file);
+  if (top_k < 0 || top_k > cfg.vocab_size) {
+    throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." + std::to_string(cfg.vocab_size) +
+                     " (0: no limit)");
+  }
+  gpt::GPT model(cfg);
+  fsdp::load_consolidated(file, *model);
+  model->eval();
+
+  torch::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(r["seed"].as<uint64_t>());
+  std::vector<int64_t> tokens;
+  for (unsigned char c : prompt) tokens.push_back(c);
+  for (int64_t i = 0; i < n_new; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - cfg.block_size);
+    auto ctx = torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong).unsqueeze(0);
+    auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kFloat);
+    int64_t next;
+    if (greedy) {
+      next = logits.argmax().item<int64_t>();
+    } else {
+      logits = logits / temperature;
+      if (top_k > 0 && top_k < logits.size(0)) {
+        auto kth = std::get<0>(logits.topk(top_k)).min();
+        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+      }
+      next = torch::multinomial(torch::softmax(logits, 0), 1, false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
+    std::cout.put(static_cast<char>(next));
+  }
+  std::cout << std::flush;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "generate: error: " << e.what() << std::endl;
+    return 2;
+  } catch (const cxxopts::exceptions::exception& e) {
+    std::cerr << "generate: error: " << e.what() << "; see --help" << std::endl;
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "generate: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "generate: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
