@@ -1,8 +1,8 @@
 // Consolidated checkpoints: one HDF5 file in the DESIGN layout (section 6), written
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
-#include "layout.h"
 #include "optim_state.h"
+#include "tensor_io.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
@@ -18,7 +18,6 @@ namespace fsdp {
 namespace ckpt {
 void report_mismatch(const std::string& what, const std::vector<std::string>& missing,
                      const std::vector<std::string>& unexpected, bool strict);
-std::string describe_shape(const std::vector<int64_t>& s);
 
 namespace {
 
@@ -27,50 +26,6 @@ h5::Elem export_elem(torch::Dtype d) {
               c10::toString(d), " is not supported; use float32, bfloat16 or float16");
   return elem_of_dtype(d);
 }
-
-// The root of a consolidated file; the same calls in the same order from the live and
-// the offline writer, so both files hold the same content.
-struct Writer {
-  std::string path;
-  std::string tmp;
-  h5::Obj file;
-  h5::Obj model;
-  h5::Obj optim;
-
-  Writer(const std::string& out, h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs,
-         const std::string& optimizer_kind)
-      : path(out), tmp(out + ".tmp") {
-    file = h5::create_file(tmp);
-    h5::set_attr(file, "format", std::string(kConsolidatedFormat));
-    h5::set_attr(file, "format_version", kCheckpointFormatVersion);
-    h5::set_attr(file, "dtype", std::string(h5::elem_name(dtype)));
-    h5::set_attr(file, "step", step);
-    for (const auto& [k, v] : attrs) {
-      TORCH_CHECK(k != "format" && k != "format_version" && k != "dtype" && k != "step", "model attribute '", k,
-                  "' collides with a reserved root attribute");
-      h5::set_attr(file, k, v);
-    }
-    model = h5::create_group(file, "model", tmp);
-    if (!optimizer_kind.empty()) {
-      optim = h5::create_group(file, "optimizer", tmp);
-      h5::set_attr(optim, "kind", optimizer_kind);
-    }
-  }
-
-  void optim_group(const std::string& fqn, int64_t step, const std::map<std::string, AttrValue>& hp) {
-    h5::Obj g = h5::create_group(optim, fqn, tmp + ":/optimizer");
-    h5::set_attr(g, "step", step);
-    for (const auto& [k, v] : hp) h5::set_attr(g, k, v);
-  }
-
-  void finish() {
-    h5::flush_and_sync(file, tmp);
-    optim = h5::Obj();
-    model = h5::Obj();
-    file = h5::Obj();
-    fs::rename(tmp, path);
-  }
-};
 
 h5::Elem buffer_elem(const at::Tensor& b, h5::Elem dtype) {
   return b.is_floating_point() ? dtype : storage_elem(b.scalar_type());
@@ -98,7 +53,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
   const ProcessGroup& pg = root.sharding_options().process_group;
   const bool writer = pg.rank() == 0;
   const std::string kind = options.with_optimizer ? optimizer_kind(*optimizer) : "";
-  std::unique_ptr<Writer> w;
+  std::unique_ptr<ConsolidatedWriter> w;
   std::string error;
   // Rank 0 writes; on a write error it stops writing but keeps taking part in the
   // gathers, so no rank hangs, and everyone throws at the end.
@@ -110,7 +65,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
       error = e.what();
     }
   };
-  guarded([&] { w = std::make_unique<Writer>(file, elem, state.step, state.model_attrs, kind); });
+  guarded([&] { w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind); });
 
   const auto shards = root.local_shards();
   for (size_t k = 0; k < shards.size(); ++k) {
@@ -153,11 +108,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
   at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
   pg.broadcast(failed, 0);
   if (failed.item<float>() > 0) {
-    if (writer) {
-      w.reset();
-      std::error_code ec;
-      fs::remove(file + ".tmp", ec);
-    }
+    if (writer && w) w->abandon();
     TORCH_CHECK(false, "export_consolidated to ", file, " failed",
                 writer ? ": " + error : std::string(" on rank 0 (see its error)"));
   }
@@ -263,75 +214,10 @@ std::map<std::string, AttrValue> consolidated_attributes(const std::string& file
 
 void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
                             const ConsolidateOptions& options) {
-  using namespace ckpt;
-  const h5::Elem elem = export_elem(options.dtype);
-  // A small chunk cache: memory stays about one parameter whatever the model size.
-  ShardedReader src(sharded, 4u << 20);
-  TORCH_CHECK(!options.with_optimizer || src.optimizer() != "none", "checkpoint ", src.dir(),
-              " holds no optimizer state; drop --with-optimizer");
-  hid_t f0 = src.file(0);
-  const std::string p0 = src.file_path(0);
-  std::map<std::string, AttrValue> attrs;
-  {
-    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
-    for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
-  }
-  std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
-  if (options.with_optimizer) {
-    h5::Obj og = h5::open_group(f0, "optimizer", p0);
-    const int64_t groups = h5::get_int(og, "num_groups", p0);
-    for (int64_t g = 0; g < groups; ++g) {
-      h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), p0);
-      for (const auto& n : h5::attr_names(gg, p0)) group_hp[g][n] = h5::get_attr(gg, n, p0);
-    }
-  }
-  size_t total = 0, done = 0;
-  for (const auto& sf : src.flats()) total += sf.table.size();
-
-  Writer w(out_file, elem, src.step(), attrs, options.with_optimizer ? src.optimizer() : "");
-  try {
-    for (size_t k = 0; k < src.flats().size(); ++k) {
-      const SourceFlat& sf = src.flats()[k];
-      for (const auto& e : sf.table) {
-        at::Tensor buf = at::empty({e.numel}, at::kFloat);
-        src.read(k, "param", e.offset, e.numel, buf.data_ptr<float>());
-        write_tensor(w.model, e.fqn, buf.view(e.shape), elem, w.tmp + ":/model");
-        ++done;
-        if (options.progress) options.progress(done, total, e.fqn);
-      }
-      if (!options.with_optimizer || sf.optim_states.empty()) continue;
-      h5::Obj og = h5::open_group(f0, flat_group(k) + "/optim", p0);
-      const int64_t step = h5::get_int(og, "step", p0);
-      const auto& hp = group_hp[h5::get_int(og, "group", p0)];
-      for (const auto& e : sf.table) w.optim_group(e.fqn, step, hp);
-      for (const auto& name : sf.optim_states) {
-        for (const auto& e : sf.table) {
-          at::Tensor buf = at::empty({e.numel}, at::kFloat);
-          src.read(k, "optim/" + name, e.offset, e.numel, buf.data_ptr<float>());
-          write_tensor(w.optim, e.fqn + "/" + name, buf.view(e.shape), h5::Elem::kF32, w.tmp + ":/optimizer");
-        }
-      }
-    }
-    if (h5::exists(f0, "buffers")) {
-      h5::Obj bg = h5::open_group(f0, "buffers", p0);
-      for (const auto& n : h5::children(bg, p0 + ":/buffers")) {
-        const auto shape = h5::shape_of(bg, n, p0);
-        const h5::Elem stored = h5::elem_of(bg, n, p0);
-        const bool floating = stored == h5::Elem::kF32 || stored == h5::Elem::kF64;
-        at::Tensor b = at::empty(shape, floating ? at::kDouble : (stored == h5::Elem::kU8 ? at::kByte : at::kLong));
-        read_into(bg, n, b, p0 + ":/buffers");
-        write_tensor(w.model, n, b, floating ? elem : stored, w.tmp + ":/model");
-      }
-    }
-    w.finish();
-  } catch (...) {
-    w.optim = h5::Obj();
-    w.model = h5::Obj();
-    w.file = h5::Obj();
-    std::error_code ec;
-    fs::remove(w.tmp, ec);
-    throw;
-  }
+  ckpt::consolidate_offline(sharded, out_file, ckpt::export_elem(options.dtype), options.with_optimizer,
+                            options.progress);
 }
+
+std::string inspect_checkpoint(const std::string& path, bool verify) { return ckpt::inspect(path, verify); }
 
 }  // namespace fsdp

@@ -3,7 +3,7 @@
 // attributes, checksummed datasets and range reads. Every failure throws a c10::Error
 // that names the file, the object and HDF5's own reason. No LibTorch here.
 
-#include <fsdp/checkpoint.h>
+#include <fsdp/checkpoint_format.h>
 
 #include <hdf5.h>
 

@@ -1,7 +1,7 @@
 // Describes and verifies a checkpoint (fsdp-inspect).
 #include "layout.h"
 
-#include <fsdp/checkpoint.h>
+#include <c10/util/Exception.h>
 
 #include <filesystem>
 #include <iomanip>
@@ -11,8 +11,9 @@ namespace fs = std::filesystem;
 
 namespace fsdp {
 namespace ckpt {
-std::string describe_shape(const std::vector<int64_t>& s);
 namespace {
+
+
 
 std::string human(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -143,12 +144,12 @@ std::string inspect_sharded(const std::string& path, bool verify) {
 }
 
 }  // namespace
-}  // namespace ckpt
 
-std::string inspect_checkpoint(const std::string& path, bool verify) {
+std::string inspect(const std::string& path, bool verify) {
   TORCH_CHECK(fs::exists(path), "checkpoint path ", path, " does not exist");
-  if (fs::is_directory(path)) return ckpt::inspect_sharded(path, verify);
-  return ckpt::inspect_consolidated(path, verify);
+  if (fs::is_directory(path)) return inspect_sharded(path, verify);
+  return inspect_consolidated(path, verify);
 }
 
+}  // namespace ckpt
 }  // namespace fsdp

@@ -176,55 +176,10 @@ void ShardedReader::read(size_t k, const std::string& name, int64_t pos, int64_t
   }
 }
 
-h5::Elem elem_of_dtype(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return h5::Elem::kF32;
-    case c10::kHalf: return h5::Elem::kF16;
-    case c10::kBFloat16: return h5::Elem::kBF16;
-    case c10::kDouble: return h5::Elem::kF64;
-    case c10::kBool:
-    case c10::kByte: return h5::Elem::kU8;
-    default: return h5::Elem::kI64;
-  }
-}
-
-std::string dtype_name(c10::ScalarType t) { return h5::elem_name(elem_of_dtype(t)); }
-
-h5::Elem storage_elem(c10::ScalarType t) {
-  if (t == c10::kDouble) return h5::Elem::kF64;
-  if (c10::isFloatingType(t)) return h5::Elem::kF32;
-  if (t == c10::kBool || t == c10::kByte) return h5::Elem::kU8;
-  return h5::Elem::kI64;
-}
-
-namespace {
-// The in-memory form HDF5 reads or writes for `file`: floats via fp32 (fp64 for doubles).
-std::pair<at::ScalarType, h5::Elem> mem_form(h5::Elem file) {
-  switch (file) {
-    case h5::Elem::kF64: return {at::kDouble, h5::Elem::kF64};
-    case h5::Elem::kI64: return {at::kLong, h5::Elem::kI64};
-    case h5::Elem::kU8: return {at::kByte, h5::Elem::kU8};
-    default: return {at::kFloat, h5::Elem::kF32};
-  }
-}
-}  // namespace
-
-void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
-                  const std::string& where) {
-  auto [st, mem] = mem_form(file);
-  at::Tensor c = t.detach().to(at::kCPU, st).contiguous();
-  h5::write(loc, name, c.data_ptr(), mem, file, c.sizes().vec(), where);
-}
-
-void read_into(hid_t loc, const std::string& name, const at::Tensor& dst, const std::string& where) {
-  auto shape = h5::shape_of(loc, name, where);
-  TORCH_CHECK(shape == dst.sizes().vec(), where, ": dataset '", name, "' has shape ", c10::IntArrayRef(shape),
-              " but the model's tensor has shape ", dst.sizes());
-  auto [st, mem] = mem_form(h5::elem_of(loc, name, where));
-  at::Tensor buf = at::empty(dst.sizes(), at::TensorOptions().dtype(st));
-  h5::read_range(loc, name, 0, buf.numel(), buf.data_ptr(), mem, where);
-  at::NoGradGuard no_grad;
-  dst.detach().copy_(buf);
+std::string describe_shape(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
 }
 
 }  // namespace fsdp::ckpt

@@ -24,7 +24,7 @@
 
 #include "h5.h"
 
-#include <ATen/ATen.h>
+#include <functional>
 
 #include <map>
 #include <memory>
@@ -102,17 +102,34 @@ class ShardedReader {
 /// its `latest` marker names. Errors name the path and what is wrong.
 std::string resolve_checkpoint_dir(const std::string& path);
 
-/// Element type of torch dtype for checkpoint files ("float32", "bfloat16", ...).
-h5::Elem elem_of_dtype(c10::ScalarType t);
-std::string dtype_name(c10::ScalarType t);
+/// "[2, 3]".
+std::string describe_shape(const std::vector<int64_t>& s);
 
-/// Writes `t` (any device) as dataset `name` with its own shape, stored as `file`
-/// (floating tensors go through fp32/fp64 in memory; HDF5 converts to 16-bit types).
-void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
-                  const std::string& where);
-/// Element type a buffer of dtype `t` is stored as in sharded checkpoints (lossless).
-h5::Elem storage_elem(c10::ScalarType t);
-/// Reads dataset `name` whole into `dst` (any dtype and device; shapes must match).
-void read_into(hid_t loc, const std::string& name, const at::Tensor& dst, const std::string& where);
+/// Writes a consolidated file (DESIGN section 6); the live export and the offline
+/// consolidation make the same calls in the same order, so their files are identical.
+/// The file is written under a temporary name and renamed into place by finish().
+struct ConsolidatedWriter {
+  std::string path;
+  std::string tmp;
+  h5::Obj file;
+  h5::Obj model;
+  h5::Obj optim;
+
+  ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
+                     const std::map<std::string, AttrValue>& attrs, const std::string& optimizer_kind);
+  /// /optimizer/<fqn> with its step and hyperparameters.
+  void optim_group(const std::string& fqn, int64_t step, const std::map<std::string, AttrValue>& hp);
+  void finish();
+  /// Closes and deletes the temporary file (after an error).
+  void abandon();
+};
+
+/// Offline consolidation (fsdp-consolidate): no process group, one parameter at a time.
+void consolidate_offline(const std::string& sharded, const std::string& out_file, h5::Elem dtype,
+                         bool with_optimizer,
+                         const std::function<void(size_t, size_t, const std::string&)>& progress);
+
+/// Describes and verifies a sharded checkpoint directory or a consolidated file.
+std::string inspect(const std::string& path, bool verify);
 
 }  // namespace fsdp::ckpt

@@ -1,7 +1,7 @@
 // Sharded checkpoints: parallel save, exact resume, resharding across world sizes and
 // wrap policies (layout in layout.h).
-#include "layout.h"
 #include "optim_state.h"
+#include "tensor_io.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
@@ -183,11 +183,6 @@ void report_mismatch(const std::string& what, const std::vector<std::string>& mi
   TORCH_CHECK(false, msg);
 }
 
-std::string describe_shape(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
 
 }  // namespace ckpt
 

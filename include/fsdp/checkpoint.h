@@ -10,6 +10,7 @@
 // Consolidated: one HDF5 file, `/model/<FQN>` datasets with full shapes, readable with
 // h5py and nothing else; optional `/optimizer/<FQN>/<state>`.
 
+#include <fsdp/checkpoint_format.h>
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/loss_scaler.h>
 
@@ -24,12 +25,6 @@
 #include <vector>
 
 namespace fsdp {
-
-/// Version of the file formats this build writes, and the newest it reads.
-constexpr int64_t kCheckpointFormatVersion = 1;
-
-/// A scalar attribute: model configuration values and the like.
-using AttrValue = std::variant<int64_t, double, std::string>;
 
 /// Everything besides parameters and optimizer state that a resume needs.
 struct TrainingState {

@@ -4,7 +4,9 @@
 //
 // No process group: it reads the rank files one parameter at a time, so its memory
 // stays about one parameter plus a constant whatever the model size.
-#include <fsdp/checkpoint.h>
+#include "../../checkpoint/layout.h"
+
+#include <c10/util/Exception.h>
 
 #include <cxxopts.hpp>
 
@@ -47,22 +49,22 @@ int main(int argc, char** argv) {
                 << "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n";
       return 2;
     }
-    fsdp::ConsolidateOptions o;
     const std::string d = r["dtype"].as<std::string>();
-    if (d == "fp32") o.dtype = torch::kFloat32;
-    else if (d == "bf16") o.dtype = torch::kBFloat16;
-    else if (d == "fp16") o.dtype = torch::kFloat16;
+    fsdp::h5::Elem dtype;
+    if (d == "fp32") dtype = fsdp::h5::Elem::kF32;
+    else if (d == "bf16") dtype = fsdp::h5::Elem::kBF16;
+    else if (d == "fp16") dtype = fsdp::h5::Elem::kF16;
     else {
       std::cerr << "fsdp-consolidate: error: --dtype " << d << " is unknown; use fp32, bf16 or fp16\n";
       return 2;
     }
-    o.with_optimizer = r.count("with-optimizer") > 0;
+    const bool with_optimizer = r.count("with-optimizer") > 0;
     const bool quiet = r.count("quiet") > 0;
     const auto t0 = std::chrono::steady_clock::now();
     // On a terminal one line updates in place; in a log, a line per 10%.
     const bool tty = ::isatty(2) != 0;
     size_t last_pct = 101;
-    o.progress = [&](size_t done, size_t total, const std::string& fqn) {
+    auto progress = [&](size_t done, size_t total, const std::string& fqn) {
       const size_t pct = total ? done * 100 / total : 100;
       const size_t step = tty ? 1 : 10;
       if (quiet || (pct / step == last_pct / step && done != total)) return;
@@ -75,7 +77,7 @@ int main(int argc, char** argv) {
       }
     };
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
-    fsdp::consolidate_checkpoint(in, out, o);
+    fsdp::ckpt::consolidate_offline(in, out, dtype, with_optimizer, progress);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
               << peak_rss_mib() << " MiB" << std::endl;

@@ -5,7 +5,9 @@
 // CHECKPOINT is a sharded checkpoint directory (or a directory with a `latest` marker)
 // or a consolidated .h5 file. Exits 0 when the checkpoint is complete and every
 // checksum matches, 1 on any problem (named on stderr), 2 on bad usage.
-#include <fsdp/checkpoint.h>
+#include "../../checkpoint/layout.h"
+
+#include <c10/util/Exception.h>
 
 #include <cxxopts.hpp>
 
@@ -29,7 +31,7 @@ int main(int argc, char** argv) {
       std::cerr << "fsdp-inspect: error: expected CHECKPOINT\nusage: fsdp-inspect CHECKPOINT [--no-verify]\n";
       return 2;
     }
-    std::cout << fsdp::inspect_checkpoint(r["path"].as<std::string>(), r.count("no-verify") == 0);
+    std::cout << fsdp::ckpt::inspect(r["path"].as<std::string>(), r.count("no-verify") == 0);
     return 0;
   } catch (const cxxopts::exceptions::exception& e) {
     std::cerr << "fsdp-inspect: error: " << e.what() << "\n";

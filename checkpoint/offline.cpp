@@ -1,0 +1,134 @@
+// The consolidated-file writer and offline consolidation. No LibTorch here: the tools
+// built on this start fast and keep about one parameter in memory (see layout.h).
+#include "layout.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+
+namespace fs = std::filesystem;
+
+namespace fsdp::ckpt {
+
+ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
+                                       const std::map<std::string, AttrValue>& attrs,
+                                       const std::string& optimizer_kind)
+    : path(out), tmp(out + ".tmp") {
+  file = h5::create_file(tmp);
+  h5::set_attr(file, "format", std::string(kConsolidatedFormat));
+  h5::set_attr(file, "format_version", kCheckpointFormatVersion);
+  h5::set_attr(file, "dtype", std::string(h5::elem_name(dtype)));
+  h5::set_attr(file, "step", step);
+  for (const auto& [k, v] : attrs) {
+    TORCH_CHECK(k != "format" && k != "format_version" && k != "dtype" && k != "step", "model attribute '", k,
+                "' collides with a reserved root attribute");
+    h5::set_attr(file, k, v);
+  }
+  model = h5::create_group(file, "model", tmp);
+  if (!optimizer_kind.empty()) {
+    optim = h5::create_group(file, "optimizer", tmp);
+    h5::set_attr(optim, "kind", optimizer_kind);
+  }
+}
+
+void ConsolidatedWriter::optim_group(const std::string& fqn, int64_t step,
+                                     const std::map<std::string, AttrValue>& hp) {
+  h5::Obj g = h5::create_group(optim, fqn, tmp + ":/optimizer");
+  h5::set_attr(g, "step", step);
+  for (const auto& [k, v] : hp) h5::set_attr(g, k, v);
+}
+
+void ConsolidatedWriter::finish() {
+  h5::flush_and_sync(file, tmp);
+  optim = h5::Obj();
+  model = h5::Obj();
+  file = h5::Obj();
+  fs::rename(tmp, path);
+}
+
+void ConsolidatedWriter::abandon() {
+  optim = h5::Obj();
+  model = h5::Obj();
+  file = h5::Obj();
+  std::error_code ec;
+  fs::remove(tmp, ec);
+}
+
+void consolidate_offline(const std::string& sharded, const std::string& out_file, h5::Elem dtype,
+                         bool with_optimizer,
+                         const std::function<void(size_t, size_t, const std::string&)>& progress) {
+  // A small chunk cache: memory stays about one parameter whatever the model size.
+  ShardedReader src(sharded, 4u << 20);
+  TORCH_CHECK(!with_optimizer || src.optimizer() != "none", "checkpoint ", src.dir(),
+              " holds no optimizer state; drop --with-optimizer");
+  hid_t f0 = src.file(0);
+  const std::string p0 = src.file_path(0);
+  std::map<std::string, AttrValue> attrs;
+  {
+    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
+    for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
+  }
+  std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
+  if (with_optimizer) {
+    h5::Obj og = h5::open_group(f0, "optimizer", p0);
+    const int64_t groups = h5::get_int(og, "num_groups", p0);
+    for (int64_t g = 0; g < groups; ++g) {
+      h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), p0);
+      for (const auto& n : h5::attr_names(gg, p0)) group_hp[g][n] = h5::get_attr(gg, n, p0);
+    }
+  }
+  size_t total = 0, done = 0;
+  for (const auto& sf : src.flats()) total += sf.table.size();
+
+  ConsolidatedWriter w(out_file, dtype, src.step(), attrs, with_optimizer ? src.optimizer() : "");
+  std::vector<float> buf;
+  try {
+    for (size_t k = 0; k < src.flats().size(); ++k) {
+      const SourceFlat& sf = src.flats()[k];
+      for (const auto& e : sf.table) {
+        buf.assign(static_cast<size_t>(e.numel), 0.0f);
+        src.read(k, "param", e.offset, e.numel, buf.data());
+        h5::write(w.model, e.fqn, buf.data(), h5::Elem::kF32, dtype, e.shape, w.tmp + ":/model");
+        ++done;
+        if (progress) progress(done, total, e.fqn);
+      }
+      if (!with_optimizer || sf.optim_states.empty()) continue;
+      h5::Obj og = h5::open_group(f0, flat_group(k) + "/optim", p0);
+      const int64_t step = h5::get_int(og, "step", p0);
+      const auto& hp = group_hp[h5::get_int(og, "group", p0)];
+      for (const auto& e : sf.table) w.optim_group(e.fqn, step, hp);
+      for (const auto& name : sf.optim_states) {
+        for (const auto& e : sf.table) {
+          buf.assign(static_cast<size_t>(e.numel), 0.0f);
+          src.read(k, "optim/" + name, e.offset, e.numel, buf.data());
+          h5::write(w.optim, e.fqn + "/" + name, buf.data(), h5::Elem::kF32, h5::Elem::kF32, e.shape,
+                    w.tmp + ":/optimizer");
+        }
+      }
+    }
+    buf = std::vector<float>();
+    // Buffers: floating ones in the export dtype (through fp32, as the live export does),
+    // integer ones as stored.
+    if (h5::exists(f0, "buffers")) {
+      h5::Obj bg = h5::open_group(f0, "buffers", p0);
+      const std::string where = p0 + ":/buffers";
+      for (const auto& n : h5::children(bg, where)) {
+        const auto shape = h5::shape_of(bg, n, where);
+        int64_t numel = 1;
+        for (int64_t d : shape) numel *= d;
+        const h5::Elem stored = h5::elem_of(bg, n, where);
+        const bool floating = stored == h5::Elem::kF32 || stored == h5::Elem::kF64;
+        const h5::Elem mem = floating ? h5::Elem::kF32 : stored;
+        std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
+        h5::read_range(bg, n, 0, numel, raw.data(), mem, where);
+        h5::write(w.model, n, raw.data(), mem, floating ? dtype : stored, shape, w.tmp + ":/model");
+      }
+    }
+    w.finish();
+  } catch (...) {
+    w.abandon();
+    throw;
+  }
+}
+
+}  // namespace fsdp::ckpt

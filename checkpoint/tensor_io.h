@@ -1,0 +1,25 @@
+#pragma once
+// Tensors in and out of checkpoint datasets (the LibTorch side of the checkpoint code).
+
+#include "layout.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace fsdp::ckpt {
+
+/// Element type of torch dtype for checkpoint files ("float32", "bfloat16", ...).
+h5::Elem elem_of_dtype(c10::ScalarType t);
+std::string dtype_name(c10::ScalarType t);
+
+/// Writes `t` (any device) as dataset `name` with its own shape, stored as `file`
+/// (floating tensors go through fp32/fp64 in memory; HDF5 converts to 16-bit types).
+void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
+                  const std::string& where);
+/// Element type a buffer of dtype `t` is stored as in sharded checkpoints (lossless).
+h5::Elem storage_elem(c10::ScalarType t);
+/// Reads dataset `name` whole into `dst` (any dtype and device; shapes must match).
+void read_into(hid_t loc, const std::string& name, const at::Tensor& dst, const std::string& where);
+
+}  // namespace fsdp::ckpt
