@@ -1,24 +1,15 @@
 // Optimizer state adaptor (see optim_state.h).
 #include "optim_state.h"
 
-#include <sstream>
-#include <type_traits>
+#include "optim_key.h"
+
 
 namespace fsdp::ckpt {
 namespace {
 
-// LibTorch 1.13 keys optimizer state by the TensorImpl address printed as a string;
-// 2.x by the address itself. Pick by the map's key type.
 template <class Map>
-typename Map::key_type key_of(const Map&, const at::Tensor& p) {
-  using K = typename Map::key_type;
-  if constexpr (std::is_same_v<K, std::string>) {
-    std::ostringstream os;
-    os << p.unsafeGetTensorImpl();
-    return os.str();
-  } else {
-    return static_cast<K>(p.unsafeGetTensorImpl());
-  }
+typename Map::key_type key_of(const Map& m, const at::Tensor& p) {
+  return detail::optim_state_key(m, p);
 }
 
 double as_double(const AttrValue& v) {

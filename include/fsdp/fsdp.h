@@ -6,6 +6,7 @@
 #include <fsdp/clip_grad.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/fused_adamw.h>
 #include <fsdp/loss_scaler.h>
 #include <fsdp/options.h>
 #include <fsdp/process_group.h>

@@ -1,0 +1,43 @@
+#pragma once
+// Fused CPU AdamW: torch::optim::AdamW's arithmetic in one SIMD pass per parameter
+// (AVX-512, AVX2 or scalar, chosen at run time), threaded over LibTorch's intra-op pool.
+//
+// It is a torch::optim::AdamW: same options (per-group lr, betas, eps, weight_decay),
+// same AdamWParamState, so checkpoints save, load and reshard its state like AdamW's.
+// Optionally it writes a bf16 or fp16 copy of each updated parameter in the same pass
+// (set_copy_out), e.g. the input of the next all-gather.
+
+#include <torch/torch.h>
+
+#include <unordered_map>
+#include <vector>
+
+namespace fsdp {
+
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
+
+  FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults = {});
+  explicit FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// After each step, `out` (a contiguous CPU bf16 or fp16 tensor with param's numel)
+  /// holds the updated `param`, written in the same pass. An undefined `out` removes it.
+  void set_copy_out(const torch::Tensor& param, torch::Tensor out);
+
+  /// Forces an instruction set for every FusedAdamW in the process (kAuto: the best the
+  /// CPU has). Throws when the CPU lacks the one asked for. FSDP_ADAMW_ISA=avx512|avx2|
+  /// scalar in the environment does the same at start-up.
+  static void force_isa(Isa isa);
+  /// The instruction set steps use now.
+  static Isa active_isa();
+  static bool isa_supported(Isa isa);
+  static const char* isa_name(Isa isa);
+
+ private:
+  std::unordered_map<const void*, torch::Tensor> copy_out_;
+};
+
+}  // namespace fsdp

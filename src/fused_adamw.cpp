@@ -1,0 +1,156 @@
+// FusedAdamW (see fused_adamw.h): the optimizer around the kernels in adamw_kernels.cpp.
+#include <fsdp/fused_adamw.h>
+
+#include "adamw_kernels.h"
+#include "optim_key.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace fsdp {
+namespace {
+
+detail::KernelIsa to_kernel(FusedAdamW::Isa isa) {
+  switch (isa) {
+    case FusedAdamW::Isa::kAvx512: return detail::KernelIsa::kAvx512;
+    case FusedAdamW::Isa::kAvx2: return detail::KernelIsa::kAvx2;
+    default: return detail::KernelIsa::kScalar;
+  }
+}
+
+FusedAdamW::Isa best_isa() {
+  for (auto isa : {FusedAdamW::Isa::kAvx512, FusedAdamW::Isa::kAvx2}) {
+    if (detail::isa_available(to_kernel(isa))) return isa;
+  }
+  return FusedAdamW::Isa::kScalar;
+}
+
+FusedAdamW::Isa parse_isa(const char* s) {
+  const std::string v = s;
+  if (v == "avx512") return FusedAdamW::Isa::kAvx512;
+  if (v == "avx2") return FusedAdamW::Isa::kAvx2;
+  if (v == "scalar") return FusedAdamW::Isa::kScalar;
+  if (v == "auto" || v.empty()) return FusedAdamW::Isa::kAuto;
+  TORCH_CHECK(false, "FSDP_ADAMW_ISA=", v, " is unknown; use avx512, avx2, scalar or auto");
+}
+
+std::atomic<int>& forced() {
+  static std::atomic<int> f{[] {
+    const char* env = std::getenv("FSDP_ADAMW_ISA");
+    auto isa = env ? parse_isa(env) : FusedAdamW::Isa::kAuto;
+    TORCH_CHECK(isa == FusedAdamW::Isa::kAuto || FusedAdamW::isa_supported(isa), "FSDP_ADAMW_ISA=", env,
+                ": this CPU does not support it");
+    return static_cast<int>(isa);
+  }()};
+  return f;
+}
+
+}  // namespace
+
+FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(std::move(groups), std::move(defaults)) {}
+
+FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
+
+bool FusedAdamW::isa_supported(Isa isa) { return isa == Isa::kAuto || detail::isa_available(to_kernel(isa)); }
+
+const char* FusedAdamW::isa_name(Isa isa) { return isa == Isa::kAuto ? "auto" : detail::isa_name(to_kernel(isa)); }
+
+void FusedAdamW::force_isa(Isa isa) {
+  TORCH_CHECK(isa_supported(isa), "FusedAdamW::force_isa: this CPU does not support ", isa_name(isa));
+  forced().store(static_cast<int>(isa));
+}
+
+FusedAdamW::Isa FusedAdamW::active_isa() {
+  auto isa = static_cast<Isa>(forced().load());
+  return isa == Isa::kAuto ? best_isa() : isa;
+}
+
+void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out) {
+  if (!out.defined()) {
+    copy_out_.erase(param.unsafeGetTensorImpl());
+    return;
+  }
+  TORCH_CHECK(out.is_cpu() && out.is_contiguous() &&
+                  (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat16),
+              "FusedAdamW::set_copy_out: the copy must be a contiguous CPU bf16 or fp16 tensor, got ",
+              out.toString());
+  TORCH_CHECK(out.numel() == param.numel(), "FusedAdamW::set_copy_out: the copy has ", out.numel(),
+              " elements but the parameter has ", param.numel());
+  copy_out_[param.unsafeGetTensorImpl()] = std::move(out);
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  const auto isa = to_kernel(active_isa());
+  auto& states = state();
+  for (auto& group : param_groups()) {
+    auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
+    TORCH_CHECK(!o.amsgrad(), "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
+                  "FusedAdamW steps contiguous fp32 CPU parameters (e.g. fsdp's shards with cpu_offload); got ",
+                  p.toString(), p.is_contiguous() ? "" : " (not contiguous)", ". Use torch::optim::AdamW for others.");
+      torch::Tensor g = p.grad();
+      TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
+      if (g.scalar_type() != torch::kFloat || !g.is_contiguous() || !g.is_cpu()) {
+        g = g.to(torch::kCPU, torch::kFloat).contiguous();
+      }
+      const auto key = detail::optim_state_key(states, p);
+      auto it = states.find(key);
+      if (it == states.end()) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        it = states.emplace(key, std::move(st)).first;
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      TORCH_CHECK(st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
+                      st.exp_avg().scalar_type() == torch::kFloat,
+                  "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
+      st.step(st.step() + 1);
+      const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+      const double bc1 = 1 - std::pow(beta1, static_cast<double>(st.step()));
+      const double bc2 = 1 - std::pow(beta2, static_cast<double>(st.step()));
+      detail::AdamWConstants c;
+      c.decay = static_cast<float>(o.weight_decay() != 0 ? 1 - o.lr() * o.weight_decay() : 1.0);
+      c.beta1 = static_cast<float>(beta1);
+      c.one_minus_beta1 = static_cast<float>(1 - beta1);
+      c.beta2 = static_cast<float>(beta2);
+      c.one_minus_beta2 = static_cast<float>(1 - beta2);
+      c.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+      c.eps = static_cast<float>(o.eps());
+      c.step_size = static_cast<float>(o.lr() / bc1);
+
+      uint16_t* out = nullptr;
+      detail::CopyOut kind = detail::CopyOut::kNone;
+      if (auto co = copy_out_.find(p.unsafeGetTensorImpl()); co != copy_out_.end()) {
+        out = reinterpret_cast<uint16_t*>(co->second.data_ptr());
+        kind = co->second.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16 : detail::CopyOut::kF16;
+      }
+      float* pp = p.data_ptr<float>();
+      const float* gp = g.data_ptr<float>();
+      float* mp = st.exp_avg().data_ptr<float>();
+      float* vp = st.exp_avg_sq().data_ptr<float>();
+      // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
+      at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
+        detail::adamw_update(isa, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr, kind);
+      });
+    }
+  }
+  return loss;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,174 @@
+// FusedAdamW against torch::optim::AdamW, on every instruction set, with weight decay,
+// several parameter groups and 16-bit copy-out; and as the optimizer of a sharded model
+// whose state checkpoints save and reshard.
+#include <fsdp/checkpoint.h>
+#include <fsdp/fused_adamw.h>
+
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include "../src/optim_key.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+struct IsaGuard {
+  explicit IsaGuard(FusedAdamW::Isa isa) { FusedAdamW::force_isa(isa); }
+  ~IsaGuard() { FusedAdamW::force_isa(FusedAdamW::Isa::kAuto); }
+};
+
+double max_rel(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+class FusedAdamWIsa : public ::testing::TestWithParam<FusedAdamW::Isa> {};
+
+TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut) {
+  if (!FusedAdamW::isa_supported(GetParam())) {
+    GTEST_SKIP() << "this CPU has no " << FusedAdamW::isa_name(GetParam());
+  }
+  IsaGuard isa(GetParam());
+  EXPECT_EQ(FusedAdamW::active_isa(), GetParam());
+  torch::manual_seed(0);
+  // Sizes that leave tails after every vector width and span several threads' chunks.
+  std::vector<torch::Tensor> ref = {torch::randn({1000003}), torch::randn({17}), torch::randn({64, 33}),
+                                    torch::randn({3})};
+  std::vector<torch::Tensor> got;
+  for (auto& t : ref) {
+    t.requires_grad_(true);
+    got.push_back(t.detach().clone().requires_grad_(true));
+  }
+  auto groups = [](std::vector<torch::Tensor> ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1]},
+                   std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
+    g.emplace_back(std::vector<torch::Tensor>{ps[2], ps[3]},
+                   std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
+    return g;
+  };
+  torch::optim::AdamW torch_opt(groups(ref));
+  FusedAdamW fused(groups(got));
+  auto bf16 = torch::empty({ref[0].numel()}, torch::kBFloat16);
+  auto fp16 = torch::empty({ref[2].numel()}, torch::kFloat16);
+  fused.set_copy_out(got[0], bf16);
+  fused.set_copy_out(got[2], fp16);
+  for (int step = 0; step < 100; ++step) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      auto g = torch::randn(ref[i].sizes()) * (1.0 + step % 7);
+      ref[i].mutable_grad() = g.clone();
+      got[i].mutable_grad() = g.clone();
+    }
+    if (step == 50) fused.param_groups()[0].options().set_lr(5e-3);  // per-group lr changes
+    if (step == 50) torch_opt.param_groups()[0].options().set_lr(5e-3);
+    torch_opt.step();
+    fused.step();
+  }
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_LE(max_rel(got[i].detach(), ref[i].detach()), 1e-6) << "parameter " << i;
+  }
+  // The copy-out is the updated parameter, rounded as torch rounds.
+  EXPECT_TRUE(torch::equal(bf16, got[0].detach().reshape({-1}).to(torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(fp16, got[2].detach().reshape({-1}).to(torch::kFloat16)));
+  // The state is AdamW's: same step and moments.
+  for (size_t i = 0; i < ref.size(); ++i) {
+    auto& a = static_cast<torch::optim::AdamWParamState&>(
+        *torch_opt.state().at(fsdp::detail::optim_state_key(torch_opt.state(), ref[i])));
+    auto& b = static_cast<torch::optim::AdamWParamState&>(
+        *fused.state().at(fsdp::detail::optim_state_key(fused.state(), got[i])));
+    EXPECT_EQ(a.step(), b.step());
+    EXPECT_LE(max_rel(b.exp_avg_sq(), a.exp_avg_sq()), 1e-6) << "parameter " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryPath, FusedAdamWIsa,
+                         ::testing::Values(FusedAdamW::Isa::kAvx512, FusedAdamW::Isa::kAvx2, FusedAdamW::Isa::kScalar),
+                         [](const auto& info) { return std::string(FusedAdamW::isa_name(info.param)); });
+
+TEST(FusedAdamW, RejectsWhatItCannotStep) {
+  auto p = torch::randn({4}).requires_grad_(true);
+  FusedAdamW opt({p}, torch::optim::AdamWOptions(1e-3).amsgrad(true));
+  p.mutable_grad() = torch::ones({4});
+  try {
+    opt.step();
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("FusedAdamW does not implement amsgrad"),
+              std::string::npos);
+  }
+  FusedAdamW ok({p});
+  try {
+    ok.set_copy_out(p, torch::empty({3}, torch::kBFloat16));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("the copy has 3 elements but the parameter has 4"),
+              std::string::npos);
+  }
+}
+
+// As the optimizer of a sharded model: the same training as torch's AdamW, and its
+// state goes through a sharded checkpoint saved at 2 ranks and loaded at 1.
+TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
+  std::string tmpl = "/tmp/fsdp_fused_XXXXXX";
+  static const std::string dir = std::getenv("FSDP_FUSED_DIR") ? std::getenv("FSDP_FUSED_DIR") : mkdtemp(tmpl.data());
+  setenv("FSDP_FUSED_DIR", dir.c_str(), 1);
+  auto batch = [](int64_t s) { return gpt_batch(s, 8, small_gpt_config().block_size); };
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    torch::manual_seed(0);
+    auto a = fully_shard(gpt::GPT(small_gpt_config()), o);
+    torch::manual_seed(0);
+    auto b = fully_shard(gpt::GPT(small_gpt_config()), o);
+    torch::optim::AdamW ref(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    FusedAdamW fused(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    for (int64_t s = 0; s < 5; ++s) {
+      auto la = gpt::loss_on(a, my_rows(batch(s), pg)), lb = gpt::loss_on(b, my_rows(batch(s), pg));
+      EXPECT_NEAR(global_mean(lb, pg), global_mean(la, pg), 1e-6 * std::abs(global_mean(la, pg))) << "step " << s;
+      la.backward();
+      lb.backward();
+      ref.step();
+      fused.step();
+      ref.zero_grad();
+      fused.zero_grad();
+    }
+    // One step agrees with torch to about one ulp; over steps, Adam turns that into
+    // lr-sized moves where a gradient is pure rounding noise (the attention key bias),
+    // so parameters are compared with the parity tests' noise floor (Note [Adam and
+    // noise] in test_parity.cpp).
+    auto fa = full_state_dict(*a), fb = full_state_dict(*b);
+    for (size_t i = 0; i < fa.size(); ++i) EXPECT_LE(rel_diff(fb[i].second, fa[i].second), 1e-5) << fa[i].first;
+    TrainingState st;
+    st.step = 5;
+    save_sharded_checkpoint(dir, *b, &fused, st);
+    export_consolidated(dir + "/full.h5", *b, &fused, st, {torch::kFloat32, /*with_optimizer=*/true});
+  });
+  run_ranks(1, [&](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    auto m = fully_shard(gpt::GPT(small_gpt_config()), o);
+    FusedAdamW fused(m->sharded_parameters(), torch::optim::AdamWOptions(1.0));
+    load_sharded_checkpoint(dir, *m, &fused, nullptr);
+    EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(fused.param_groups()[0].options()).lr(), 1e-3);
+    // The resharded state, exported again, equals the 2-rank export.
+    export_consolidated(dir + "/again.h5", *m, &fused, {5}, {torch::kFloat32, true});
+    gpt::GPT x(small_gpt_config()), y(small_gpt_config());
+    load_consolidated(dir + "/full.h5", *x);
+    load_consolidated(dir + "/again.h5", *y);
+    auto px = named_parameters_clean(*x), py = named_parameters_clean(*y);
+    for (size_t i = 0; i < px.size(); ++i) EXPECT_TRUE(torch::equal(px[i].second, py[i].second)) << px[i].first;
+    std::ifstream f1(dir + "/full.h5", std::ios::binary), f2(dir + "/again.h5", std::ios::binary);
+    std::string b1((std::istreambuf_iterator<char>(f1)), {}), b2((std::istreambuf_iterator<char>(f2)), {});
+    EXPECT_EQ(b1, b2) << "parameters and optimizer state must survive resharding exactly";
+  });
+}
+
+}  // namespace
