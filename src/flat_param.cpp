@@ -46,6 +46,12 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
     cfg_.acct->count(Collective::kBroadcast, bytes_of(padded_, at::kFloat));
   }
   shard_ = flat.narrow(0, cfg_.shard_group->rank() * shard_numel_, shard_numel_).clone();
+  if (cfg_.offload) {
+    // Host memory, pinned when the device is a GPU so copies can run asynchronously.
+    at::Tensor host = at::empty({shard_numel_}, fp32.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
+    host.copy_(shard_);
+    shard_ = host;
+  }
   shard_.set_requires_grad(trainable_);
   Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
 
@@ -57,7 +63,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   // no-ops, and the optimizer's in-place updates are what the model computes with.
   // At world size 1 the gradient needs no reduction either, so the originals' .grad()
   // are views into the fp32 gradient shard and autograd accumulates into it in place.
-  alias_ = g == 1 && cfg_.param_dtype == at::kFloat;
+  alias_ = g == 1 && cfg_.param_dtype == at::kFloat && !cfg_.offload;
   direct_ = alias_ && cfg_.world_size == 1 && cfg_.reduce_dtype == at::kFloat && trainable_;
   full_ = alias_ ? shard_.detach() : at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
@@ -82,17 +88,24 @@ std::shared_ptr<Work> FlatParam::gather() {
   }
   at::NoGradGuard no_grad;
   at::Tensor input = shard_.detach();
-  if (cfg_.param_dtype != at::kFloat) {
+  // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
+  // offload, the host-to-device copy (an explicit copy even when host is the device).
+  MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
+  if (cfg_.offload) {
+    staging_ = at::empty({shard_numel_}, full_.options());
+    staging_.copy_(input, /*non_blocking=*/true);
+    input = staging_;
+  } else if (cfg_.param_dtype != at::kFloat) {
     staging_ = input.to(cfg_.param_dtype);
     input = staging_;
-    Accounting::alloc(cfg_.acct->mem.comm_buffers, bytes_of(shard_numel_, cfg_.param_dtype));
   }
+  if (staging_.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
   auto work = cfg_.shard_group->all_gather(full_, input);
   if (!staging_.defined()) return work;
-  return std::make_shared<ThenWork>(work, [this]() {
+  return std::make_shared<ThenWork>(work, [this, counter]() {
     staging_ = at::Tensor();
-    Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(shard_numel_, cfg_.param_dtype));
+    Accounting::release(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   });
 }
 
@@ -182,6 +195,15 @@ void FlatParam::reduce_grad() {
 
   at::Tensor g = out.to(at::kFloat);
   if (cfg_.world_size > 1) g.div_(static_cast<double>(cfg_.world_size));
+  if (cfg_.offload) {
+    // The fp32 gradient shard goes back to the host (an explicit copy on a CPU device).
+    const int64_t bytes = bytes_of(shard_numel_, at::kFloat);
+    Accounting::alloc(cfg_.acct->mem.offload_buffers, bytes);
+    at::Tensor host = at::empty({shard_numel_}, shard_.options().requires_grad(false));
+    host.copy_(g);
+    g = host;
+    Accounting::release(cfg_.acct->mem.offload_buffers, bytes);
+  }
   if (!shard_.grad().defined()) {
     shard_.mutable_grad() = g;
   } else {

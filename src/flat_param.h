@@ -32,6 +32,7 @@ struct FlatConfig {
   at::Device device = at::kCPU;              ///< where the shard and gathered params live
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
   at::ScalarType reduce_dtype = at::kFloat;  ///< gradient reduction dtype
+  bool offload = false;                      ///< shards and their grads live on the host
   Accounting* acct = nullptr;
 };
 

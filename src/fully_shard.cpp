@@ -3,7 +3,10 @@
 
 #include "runtime.h"
 
+#include <cstdlib>
+#include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace fsdp::detail {
@@ -123,10 +126,59 @@ void validate(const ShardingOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// Bytes the OS says it can still give (MemAvailable), or -1 when unknown.
+int64_t host_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;
+  }
+  return -1;
+}
+
+std::string gib(double bytes) {
+  std::ostringstream os;
+  os.precision(3);
+  os << bytes / (1024.0 * 1024 * 1024) << " GiB";
+  return os.str();
+}
+
+// Refuses, before any allocation, a sharding whose host-resident state cannot fit:
+// per rank 4 bytes of fp32 shard + 4 of gradient + 8 of Adam state per sharded element,
+// times the ranks on this node (LOCAL_WORLD_SIZE), against MemAvailable. DeepSpeed
+// users meet this as a silent SIGKILL from the OOM killer partway into training.
+void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
+  if (!o.check_host_memory || !(o.cpu_offload || o.device.is_cpu())) return;
+  int64_t numel = 0;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : root.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
+  }
+  int group = o.process_group.size();
+  if (o.strategy == ShardingStrategy::kNoShard) group = 1;
+  if (o.strategy == ShardingStrategy::kHybridShard && o.hybrid_group_size > 0) group = o.hybrid_group_size;
+  int local = 1;
+  if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
+  const double per_rank = 16.0 * static_cast<double>((numel + group - 1) / group);
+  const double need = per_rank * local;
+  const int64_t avail = host_available_bytes();
+  if (avail < 0) return;
+  TORCH_CHECK(need <= static_cast<double>(avail), "fully_shard: not enough host memory. ", numel,
+              " parameters sharded over ", group, " ranks need ", gib(per_rank), " per rank in host RAM (fp32 shard, "
+              "gradient and Adam state: 16 bytes per element)", local > 1 ? ", times " + std::to_string(local) +
+              " ranks on this node = " + gib(need) : std::string(), ", but only ", gib(static_cast<double>(avail)),
+              " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller model, or set "
+              "ShardingOptions::check_host_memory = false to try anyway.");
+}
+
+}  // namespace
+
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
   TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
   TORCH_CHECK(!root->is_unit(), "fully_shard: this model is already sharded; call fully_shard once");
   validate(options);
+  check_host_memory(*root, options);
 
   WrapNode tree;
   tree.wp = root.get();
@@ -169,6 +221,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   cfg.device = options.device;
   cfg.param_dtype = options.mixed_precision.param_dtype;
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
+  cfg.offload = options.cpu_offload;
   cfg.acct = &rt->acct();
   cfg.shard_group = world.impl();
   cfg.replicate_group = make_single_backend();

@@ -37,7 +37,7 @@ MemoryStats WrapPointImpl::memory_stats() const {
 void WrapPointImpl::reset_peak_memory() {
   auto& m = runtime().acct().mem;
   for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
-                          &m.checkpoint_buffers}) {
+                          &m.checkpoint_buffers, &m.offload_buffers}) {
     c->peak = c->current;
   }
 }

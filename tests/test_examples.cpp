@@ -133,6 +133,24 @@ TEST(TrainGpt, ActivationCheckpointingLeavesTheLossesUnchanged) {
   EXPECT_EQ(losses(plain), losses(ckpt));  // recompute restores the RNG: bit-identical
 }
 
+TEST(TrainGpt, CpuOffloadGivesTheSameLossesAtTwoRanks) {
+  auto a = temp_path("nooff"), b = temp_path("off");
+  std::vector<std::string> launch = {bin("fsdp-run"), "--nproc", "2", "--"};
+  auto run = [&](const std::string& log, bool offload) {
+    auto args = launch;
+    auto rest = small_run(log);
+    args.insert(args.end(), rest.begin(), rest.end());
+    if (offload) args.push_back("--cpu-offload");
+    return run_command(args);
+  };
+  auto ra = run(a, false), rb = run(b, true);
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  auto la = losses(a), lb = losses(b);
+  ASSERT_EQ(la.size(), 8u);
+  EXPECT_EQ(la, lb);
+}
+
 TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
   auto t0 = std::chrono::steady_clock::now();
   auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", "sh", "-c",

@@ -122,7 +122,8 @@ cxxopts::Options make_options() {
     ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
     ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
     ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))
-    ("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)", cxxopts::value<std::string>()->default_value("none"));
+    ("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)", cxxopts::value<std::string>()->default_value("none"))
+    ("cpu-offload", "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
   o.add_options("checkpoint")
     ("save-dir", "save sharded checkpoints here (every rank writes its own file)", cxxopts::value<std::string>()->default_value(""))
     ("save-every", "save every K steps (0: only at the end)", cxxopts::value<int64_t>()->default_value("0"))
@@ -332,10 +333,20 @@ int run(int argc, char** argv) {
     throw UsageError(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
   }
 
+  so.cpu_offload = r.count("cpu-offload") > 0;
+
   torch::manual_seed(seed);
   auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
-  torch::optim::AdamW opt(model->sharded_parameters(),
-                          torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>()));
+  // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
+  // shards on a GPU with LibTorch's.
+  const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>());
+  std::unique_ptr<torch::optim::AdamW> opt_ptr;
+  if (so.cpu_offload || so.device.is_cpu()) {
+    opt_ptr = std::make_unique<fsdp::FusedAdamW>(model->sharded_parameters(), adamw);
+  } else {
+    opt_ptr = std::make_unique<torch::optim::AdamW>(model->sharded_parameters(), adamw);
+  }
+  torch::optim::AdamW& opt = *opt_ptr;
 
   // What a checkpoint carries besides weights and optimizer state: enough for
   // generate (the architecture) and for an exact resume (the step; batches are a

@@ -63,6 +63,17 @@ struct ShardingOptions {
   WrapPolicy checkpoint_policy = nullptr;
   /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
   bool sync_module_states = true;
+  /// ZeRO-Offload: the fp32 shards, their gradients (and so the optimizer state built on
+  /// them) live in host memory (pinned on CUDA); parameters travel to `device` in
+  /// param_dtype before each all-gather and gradient shards come back after each
+  /// reduce-scatter. Step them with fsdp::FusedAdamW. On a CPU device the same path runs
+  /// with host copies, so its bookkeeping (MemoryStats::offload_buffers) is exercised.
+  bool cpu_offload = false;
+  /// Before sharding, refuse (with the figures) when the host RAM the shards, gradients
+  /// and Adam state will need on this node exceeds what the OS reports available
+  /// (MemAvailable), instead of being killed by the OOM killer later. Applies when the
+  /// shards live in host memory (cpu_offload, or a CPU device).
+  bool check_host_memory = true;
 };
 
 }  // namespace fsdp

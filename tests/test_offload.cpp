@@ -1,0 +1,111 @@
+// CPU offload: training with cpu_offload equals training without it (world 1 and 2,
+// fp32 and bf16), its transit buffers are counted and returned, and the host-memory
+// check refuses a model larger than the machine before allocating anything.
+#include <fsdp/fused_adamw.h>
+
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+void offload_parity(const ProcessGroup& pg, bool bf16) {
+  auto options = [&](bool offload) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.cpu_offload = offload;
+    if (bf16) {
+      o.mixed_precision.param_dtype = torch::kBFloat16;
+      o.mixed_precision.reduce_dtype = torch::kBFloat16;
+    }
+    return o;
+  };
+  torch::manual_seed(0);
+  auto plain = fully_shard(gpt::GPT(small_gpt_config()), options(false));
+  torch::manual_seed(0);
+  auto off = fully_shard(gpt::GPT(small_gpt_config()), options(true));
+  FusedAdamW opt_plain(plain->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  FusedAdamW opt_off(off->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  for (auto& p : off->sharded_parameters()) EXPECT_TRUE(p.is_cpu());
+  int64_t largest_shard = 0;
+  for (const auto& f : off->flat_params()) largest_shard = std::max(largest_shard, f.shard_numel);
+  for (int64_t s = 0; s < 5; ++s) {
+    auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
+    auto lp = gpt::loss_on(plain, rows), lo = gpt::loss_on(off, rows);
+    EXPECT_EQ(lp.item<double>(), lo.item<double>()) << "step " << s;
+    lp.backward();
+    lo.backward();
+    opt_plain.step();
+    opt_off.step();
+    opt_plain.zero_grad();
+    opt_off.zero_grad();
+    auto m = off->memory_stats();
+    EXPECT_EQ(m.offload_buffers.current, 0) << "transit buffers must be returned";
+    // A shard in transit to the gather (param_dtype) and a gradient shard back (fp32);
+    // prefetch may have two gathers in flight.
+    const int64_t elem = bf16 ? 2 : 4;
+    EXPECT_GE(m.offload_buffers.peak, largest_shard * elem);
+    EXPECT_LE(m.offload_buffers.peak, 2 * largest_shard * elem + largest_shard * 4);
+    EXPECT_EQ(plain->memory_stats().offload_buffers.peak, 0);
+    EXPECT_EQ(m.sharded_params.current, plain->memory_stats().sharded_params.current);
+  }
+  auto a = full_state_dict(*plain), b = full_state_dict(*off);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+}
+
+class OffloadAtWorld : public ::testing::TestWithParam<int> {};
+TEST_P(OffloadAtWorld, TrainsExactlyLikeWithoutOffloadFp32) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) { offload_parity(pg, false); });
+}
+TEST_P(OffloadAtWorld, TrainsExactlyLikeWithoutOffloadBf16) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) { offload_parity(pg, true); });
+}
+INSTANTIATE_TEST_SUITE_P(World, OffloadAtWorld, ::testing::Values(1, 2),
+                         [](const auto& info) { return "w" + std::to_string(info.param); });
+
+// A parameter whose memory is reserved but never touched (torch::empty of many GB costs
+// address space, not RAM), so the test can ask for more than the machine has.
+struct HugeImpl : torch::nn::Module {
+  explicit HugeImpl(int64_t n) { register_parameter("w", torch::empty({n})); }
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(Huge);
+
+int64_t mem_available() {
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoll(line.substr(13)) * 1024;
+  }
+  return -1;
+}
+
+TEST(HostMemoryCheck, RefusesAModelThatNeedsMoreThanTheMachineHas) {
+  const int64_t avail = mem_available();
+  ASSERT_GT(avail, 0);
+  // Needs 16 bytes per element: twice what is available.
+  const int64_t n = avail / 8;
+  ShardingOptions o;
+  o.cpu_offload = true;
+  try {
+    fully_shard(Huge(n), o);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("fully_shard: not enough host memory. " + std::to_string(n) +
+                       " parameters sharded over 1 ranks need"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("is available (MemAvailable)"), std::string::npos) << msg;
+  }
+  // A model that fits passes the same check.
+  o.cpu_offload = true;
+  EXPECT_NO_THROW(fully_shard(gpt::GPT(small_gpt_config()), o));
+}
+
+}  // namespace
