@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Builds and runs every benchmark; prints a table and appends JSON lines to
-# build/bench/results.jsonl.
+# Builds and runs every benchmark; prints their tables and appends one JSON line per
+# metric ({"metric", "value", "unit", "baseline", "machine"}) to build/bench/results.jsonl.
+# Every figure is a ratio against a baseline measured in the same run (these machines
+# are shared and noisy). Takes a few minutes on 2 cores and needs ~3 GB of disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BENCHES=(bench_adamw bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j2 --target bench_world1_overhead bench_activation_checkpoint bench_checkpoint
+cmake --build build -j2 --target "${BENCHES[@]}" fsdp-run fsdp-consolidate
 mkdir -p build/bench
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
-for b in bench_world1_overhead bench_activation_checkpoint bench_checkpoint; do
-  out=$(./build/bin/$b)
+results=build/bench/results.jsonl
+run() {
+  echo "== $*"
+  out=$("$@")
   echo "$out" | grep -v '^{'
-  echo "$out" | grep '^{' | sed "s/}\$/, \"machine\": \"$machine\"}/" | tee -a build/bench/results.jsonl
+  echo "$out" | grep '^{' | sed "s/}\$/, \"machine\": \"$machine\"}/" | tee -a "$results"
   echo
-done
+}
+run ./build/bin/bench_adamw
+run ./build/bin/bench_world1_overhead
+run ./build/bin/bench_activation_checkpoint
+run ./build/bin/bench_checkpoint --gb 1.0 --dir build/bench/ckpt
+for n in 1 2 4; do run ./build/bin/fsdp-run --nproc "$n" -- ./build/bin/bench_model_state; done
+echo "== summary (this run)"
+tail -n 14 "$results" | sed 's/, "machine".*//' | awk -F'"' '{printf "  %-48s %s\n", $4, $7}' | sed 's/: //; s/, $//'
