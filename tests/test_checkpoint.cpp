@@ -248,6 +248,42 @@ TEST(ShardedCheckpoint, LoadsUnderAnotherWrapPolicyAndStrategy) {
   run_ranks(2, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg, every_kth_policy(2))); });
 }
 
+TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
+  const std::string dir = scratch_dir("sgd");
+  auto make_sgd = [](WrapPointImpl& m) {
+    return torch::optim::SGD(m.sharded_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+  };
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    auto opt = make_sgd(*model);
+    for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
+    save_sharded_checkpoint(dir, *model, &opt, sample_state(3));
+    std::vector<double> cont;
+    for (int64_t s = 3; s < 6; ++s) cont.push_back(train_step(model, opt, s, pg));
+    if (pg.rank() == 0) write_losses(dir + "/losses.txt", cont);
+  });
+  run_ranks(3, [&](const ProcessGroup& pg) {
+    torch::manual_seed(9);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(1.0));
+    load_sharded_checkpoint(dir, *model, &opt, nullptr);
+    const auto& o = static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options());
+    EXPECT_EQ(o.momentum(), 0.9);
+    EXPECT_EQ(o.lr(), 0.05);
+    const auto want = read_losses(dir + "/losses.txt");
+    ASSERT_EQ(want.size(), 3u);
+    for (int64_t s = 3; s < 6; ++s) {
+      const double l = train_step(model, opt, s, pg);
+      EXPECT_LE(std::abs(l - want[static_cast<size_t>(s - 3)]) / want[static_cast<size_t>(s - 3)], 1e-6) << "step " << s;
+    }
+    // An Adam optimizer cannot take SGD state.
+    auto adam = make_adamw(*model);
+    const std::string msg = error_of([&] { load_sharded_checkpoint(dir, *model, &adam, nullptr); });
+    EXPECT_NE(msg.find("holds sgd state but the optimizer is adamw"), std::string::npos) << msg;
+  });
+}
+
 // ---------------------------------------------------------------------------------
 // Consolidated export and import.
 

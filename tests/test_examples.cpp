@@ -223,7 +223,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
         BadInput{{"--clip-grad", "-1"}, "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
         BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0.000000 must be positive"},
-        BadInput{{"--precision", "fp16"}, "train_gpt: error: --precision fp16 needs dynamic loss scaling, which is not built yet; use bf16 or fp32"},
+        BadInput{{"--precision", "fp16"}, "train_gpt: error: --precision fp16 needs a CUDA device: LibTorch's CPU kernels have no fp16 matmul"},
         BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 

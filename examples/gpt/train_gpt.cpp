@@ -294,7 +294,7 @@ int run(int argc, char** argv) {
     so.mixed_precision.reduce_dtype = torch::kBFloat16;
     so.mixed_precision.output_dtype = torch::kFloat32;
   } else if (precision == "fp16") {
-    throw UsageError("--precision fp16 needs dynamic loss scaling, which is not built yet; use bf16 or fp32");
+    throw UsageError("--precision fp16 needs a CUDA device: LibTorch's CPU kernels have no fp16 matmul (\"addmm_impl_cpu_\" not implemented for 'Half'); on CPU use bf16 or fp32");
   } else if (precision != "fp32") {
     throw UsageError("--precision " + precision + " is unknown; use fp32 or bf16");
   }
