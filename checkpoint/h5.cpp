@@ -571,7 +571,7 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
     if ((begin + count) % per_block != 0 && begin + count != numel) --d1;
   }
   if (d1 > d0) {
-    // Pieces of 16 blocks: while piece i is verified on a second thread, piece i + 1 is
+    // Pieces of 4 blocks: while piece i is verified on a second thread, piece i + 1 is
     // read, so checking costs little more than reading.
     const int64_t s0 = d0 * per_block;
     std::string error;
@@ -586,8 +586,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
       }
     };
     std::thread verifier;
-    for (int64_t p0 = d0; p0 < d1; p0 += 16) {
-      const int64_t p1 = std::min(d1, p0 + 16);
+    for (int64_t p0 = d0; p0 < d1; p0 += 4) {
+      const int64_t p1 = std::min(d1, p0 + 4);
       const int64_t e0 = p0 * per_block, e1 = std::min(p1 * per_block, numel);
       if (io_linear(ds, fspace, dims, e0, e1 - e0, dst + static_cast<size_t>(e0 - begin) * msize, ftype,
                     /*write=*/false) < 0) {

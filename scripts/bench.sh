@@ -11,6 +11,8 @@ cmake --build build -j2 --target "${BENCHES[@]}" fsdp-run fsdp-consolidate
 mkdir -p build/bench
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 results=build/bench/results.jsonl
+touch "$results"
+first=$(($(wc -l < "$results") + 1))
 run() {
   echo "== $*"
   out=$("$@")
@@ -24,4 +26,4 @@ run ./build/bin/bench_activation_checkpoint
 run ./build/bin/bench_checkpoint --gb 1.0 --dir build/bench/ckpt
 for n in 1 2 4; do run ./build/bin/fsdp-run --nproc "$n" -- ./build/bin/bench_model_state; done
 echo "== summary (this run)"
-tail -n 14 "$results" | sed 's/, "machine".*//' | awk -F'"' '{printf "  %-48s %s\n", $4, $7}' | sed 's/: //; s/, $//'
+tail -n +"$first" "$results" | sed 's/, "machine".*//' | awk -F'"' '{printf "  %-48s %s\n", $4, $7}' | sed 's/: //; s/, $//'
