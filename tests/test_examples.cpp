@@ -224,7 +224,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--clip-grad", "-1"}, "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
         BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0.000000 must be positive"},
         BadInput{{"--precision", "fp16"}, "train_gpt: error: --precision fp16 needs a CUDA device: LibTorch's CPU kernels have no fp16 matmul"},
-        BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"}),
+        BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
+        BadInput{{"--steps", "10", "--stop-at", "11"}, "train_gpt: error: --stop-at 11 must be between 1 and --steps 10 (0: run all steps)"},
+        BadInput{{"--save-every", "-1", "--save-dir", "/tmp/x"}, "train_gpt: error: --save-every -1 must not be negative"},
+        BadInput{{"--save-every", "5"}, "train_gpt: error: --save-every needs --save-dir DIR"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 TEST(TrainGpt, BatchNotDivisibleByTheWorldSaysWhatToUse) {
