@@ -157,6 +157,9 @@ std::string reason() {
   std::string out;
   H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect, &out);
   H5Eclear2(H5E_DEFAULT);
+  for (char& c : out) {
+    if (c == '\n') c = ' ';  // HDF5 embeds ctime()'s newline in some messages
+  }
   return out.empty() ? "no detail from HDF5" : out;
 }
 

@@ -84,7 +84,10 @@ void check_format(hid_t file, const std::string& format, const std::string& wher
 
 std::string resolve_checkpoint_dir(const std::string& path) {
   TORCH_CHECK(fs::exists(path), "checkpoint path ", path, " does not exist");
-  if (fs::is_directory(path) && fs::exists(fs::path(path) / rank_file_name(0))) return path;
+  TORCH_CHECK(fs::is_directory(path), "checkpoint path ", path, " is a file, but a sharded checkpoint is a "
+              "directory of rank files (or one holding a 'latest' marker); a consolidated .h5 file needs no "
+              "consolidation and loads with load_consolidated / import_consolidated");
+  if (fs::exists(fs::path(path) / rank_file_name(0))) return path;
   const fs::path marker = fs::path(path) / "latest";
   TORCH_CHECK(fs::is_directory(path) && fs::exists(marker), "checkpoint path ", path,
               " holds no checkpoint: it has neither rank files (rank_00000.h5) nor a 'latest' marker");

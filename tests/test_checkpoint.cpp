@@ -402,6 +402,9 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
   EXPECT_EQ(bytes(dir + "/off_fp32.h5"), bytes(dir + "/live_fp32.h5"));
   EXPECT_EQ(bytes(dir + "/off_fp16_opt.h5"), bytes(dir + "/live_fp16_opt.h5"));
   EXPECT_GT(bytes(dir + "/off_fp16_opt.h5").size(), 1000u);
+  auto file = run_command({tool, dir + "/live_fp32.h5", dir + "/x.h5"});
+  EXPECT_EQ(file.exit_code, 1);
+  EXPECT_NE(file.output.find("is a file, but a sharded checkpoint is a directory"), std::string::npos) << file.output;
   auto bad = run_command({tool, dir, dir + "/x.h5", "--dtype", "int8"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("--dtype int8 is unknown; use fp32, bf16 or fp16"), std::string::npos) << bad.output;

@@ -1,5 +1,6 @@
 // train_gpt's checkpoint flags and generate, driven as a user drives them: save, resume
 // (same losses as an uninterrupted run), consolidate, generate; and their bad input.
+#include "support/models.h"
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
@@ -123,9 +124,20 @@ std::string weights() {
   return path;
 }
 
+// A consolidated file of another model (the MLP example has no GPT attributes).
+std::string mlp_weights() {
+  static std::string path = [] {
+    const std::string dir = temp_dir("gen_mlp");
+    auto model = fsdp::fully_shard(MlpNet());
+    fsdp::export_consolidated(dir + "/mlp.h5", *model, nullptr, fsdp::TrainingState{});
+    return dir + "/mlp.h5";
+  }();
+  return path;
+}
+
 TEST_P(GenerateBadInput, ExitsWithTheMessage) {
   std::vector<std::string> cmd = {bin("generate")};
-  for (auto a : GetParam().args) cmd.push_back(a == "W" ? weights() : a);
+  for (auto a : GetParam().args) cmd.push_back(a == "W" ? weights() : a == "MLP" ? mlp_weights() : a);
   auto r = run_command(cmd);
   EXPECT_EQ(r.exit_code, GetParam().exit_code) << r.output;
   EXPECT_NE(r.output.find(GetParam().message), std::string::npos) << r.output;
@@ -149,7 +161,9 @@ INSTANTIATE_TEST_SUITE_P(
         GenerateCase{{"--weights", "/nonexistent/w.h5", "--prompt", "a", "--max-new-tokens", "3"}, 1,
                      "generate: error: checkpoint file /nonexistent/w.h5 does not exist"},
         GenerateCase{{"--weights", "/etc/os-release", "--prompt", "a", "--max-new-tokens", "3"}, 1,
-                     "is not an HDF5 file"}),
+                     "is not an HDF5 file"},
+        GenerateCase{{"--weights", "MLP", "--prompt", "a", "--max-new-tokens", "3"}, 1,
+                     "has no integer root attribute 'n_layer': it is not a GPT checkpoint from train_gpt"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 }  // namespace
