@@ -42,6 +42,19 @@ h5::Obj open_consolidated(const std::string& file) {
   return f;
 }
 
+// A consolidated file opened for loading: its /model group and dataset names.
+struct ModelGroup {
+  h5::Obj file;
+  h5::Obj model;
+  std::string where;
+  std::set<std::string> names;
+
+  explicit ModelGroup(const std::string& path)
+      : file(open_consolidated(path)), model(h5::open_group(file, "model", path)), where(path + ":/model") {
+    names = datasets_of(model, where);
+  }
+};
+
 }  // namespace
 }  // namespace ckpt
 
@@ -116,10 +129,10 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
 
 LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, const LoadOptions& options) {
   using namespace ckpt;
-  h5::Obj f = open_consolidated(file);
-  h5::Obj model = h5::open_group(f, "model", file);
-  const std::string where = file + ":/model";
-  const std::set<std::string> names = datasets_of(model, where);
+  ModelGroup g(file);
+  const h5::Obj& model = g.model;
+  const std::string& where = g.where;
+  const std::set<std::string>& names = g.names;
   LoadReport report;
   report.path = file;
   const auto shards = root.local_shards();
@@ -174,10 +187,10 @@ LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, con
 
 LoadReport load_consolidated(const std::string& file, torch::nn::Module& module, const LoadOptions& options) {
   using namespace ckpt;
-  h5::Obj f = open_consolidated(file);
-  h5::Obj model = h5::open_group(f, "model", file);
-  const std::string where = file + ":/model";
-  const std::set<std::string> names = datasets_of(model, where);
+  ModelGroup g(file);
+  const h5::Obj& model = g.model;
+  const std::string& where = g.where;
+  const std::set<std::string>& names = g.names;
   LoadReport report;
   report.path = file;
   auto tensors = named_parameters_clean(module);

@@ -150,47 +150,34 @@ torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq) 
 }  // namespace detail
 
 namespace {
-void clean_params(const torch::nn::Module& m, const std::string& prefix,
-                  std::vector<std::pair<std::string, torch::Tensor>>& out) {
+// The tensors of the tree under `m` with clean FQNs: wrap-point segments ("module")
+// removed. `own` lists a module's own tensors (parameters or buffers, not recursive).
+template <class Own>
+void clean_names(const torch::nn::Module& m, const std::string& prefix, const Own& own,
+                 std::vector<std::pair<std::string, torch::Tensor>>& out) {
   auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
-  for (const auto& p : m.named_parameters(false)) out.emplace_back(join(p.key()), p.value());
-  for (const auto& c : m.named_children()) {
-    if (auto* wp = dynamic_cast<const WrapPointImpl*>(c.value().get())) {
-      clean_params(*wp->wrapped(), join(c.key()), out);
-    } else {
-      clean_params(*c.value(), join(c.key()), out);
-    }
-  }
-}
-}  // namespace
-
-namespace {
-void clean_buffers(const torch::nn::Module& m, const std::string& prefix,
-                   std::vector<std::pair<std::string, torch::Tensor>>& out) {
-  auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
-  for (const auto& b : m.named_buffers(false)) out.emplace_back(join(b.key()), b.value());
+  for (const auto& t : own(m)) out.emplace_back(join(t.key()), t.value());
   for (const auto& c : m.named_children()) {
     auto* wp = dynamic_cast<const WrapPointImpl*>(c.value().get());
-    clean_buffers(wp ? *wp->wrapped() : *c.value(), join(c.key()), out);
+    clean_names(wp ? *wp->wrapped() : *c.value(), join(c.key()), own, out);
   }
+}
+
+template <class Own>
+std::vector<std::pair<std::string, torch::Tensor>> clean_names(const torch::nn::Module& module, const Own& own) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  auto* wp = dynamic_cast<const WrapPointImpl*>(&module);
+  clean_names(wp ? *wp->wrapped() : module, "", own, out);
+  return out;
 }
 }  // namespace
 
 std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  auto* wp = dynamic_cast<const WrapPointImpl*>(&module);
-  clean_buffers(wp ? *wp->wrapped() : module, "", out);
-  return out;
+  return clean_names(module, [](const torch::nn::Module& m) { return m.named_buffers(false); });
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  if (auto* wp = dynamic_cast<const WrapPointImpl*>(&module)) {
-    clean_params(*wp->wrapped(), "", out);
-  } else {
-    clean_params(module, "", out);
-  }
-  return out;
+  return clean_names(module, [](const torch::nn::Module& m) { return m.named_parameters(false); });
 }
 
 NoSyncScope::NoSyncScope(WrapPointImpl& root) : root_(root), previous_(root.runtime().no_sync()) {
