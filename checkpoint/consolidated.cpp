@@ -178,6 +178,7 @@ LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, con
     }
     if (ls.length < buf.numel()) buf.narrow(0, ls.length, buf.numel() - ls.length).zero_();
     if (!buf.is_same(dst)) dst.copy_(buf);
+    ls.shard.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
   }
   for (const auto& [name, b] : buffers) {
     if (names.count(name)) read_into(model, name, b, where);

@@ -361,6 +361,7 @@ LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
       if (!buf.is_same(dst)) dst.copy_(buf);
     };
     fill(ls.shard.detach(), "param");
+    ls.shard.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
 
     if (optimizer && ls.info.requires_grad) {
       TORCH_CHECK(find_param(*optimizer, ls.shard).first >= 0, "load: the optimizer does not hold the shard of "

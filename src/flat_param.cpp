@@ -88,6 +88,13 @@ std::shared_ptr<Work> FlatParam::gather() {
   }
   at::NoGradGuard no_grad;
   at::Tensor input = shard_.detach();
+  // The optimizer's param_dtype copy, written in its update pass, saves the cast while
+  // the shard has not changed since (its version counter says so).
+  const bool fresh = lowp_.defined() && lowp_version_->load() == shard_._version();
+  if (fresh) {
+    input = lowp_;
+    ++copy_out_gathers_;
+  }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy (an explicit copy even when host is the device).
   MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
@@ -95,7 +102,7 @@ std::shared_ptr<Work> FlatParam::gather() {
     staging_ = at::empty({shard_numel_}, full_.options());
     staging_.copy_(input, /*non_blocking=*/true);
     input = staging_;
-  } else if (cfg_.param_dtype != at::kFloat) {
+  } else if (cfg_.param_dtype != at::kFloat && !fresh) {
     staging_ = input.to(cfg_.param_dtype);
     input = staging_;
   }
@@ -209,6 +216,15 @@ void FlatParam::reduce_grad() {
   } else {
     shard_.mutable_grad().add_(g);
   }
+}
+
+std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
+  if (!trainable_ || cfg_.param_dtype == at::kFloat || !shard_.is_cpu()) return {};
+  if (!lowp_.defined()) {
+    lowp_ = at::empty({shard_numel_}, shard_.options().dtype(cfg_.param_dtype).requires_grad(false));
+    lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
+  }
+  return {lowp_, lowp_version_};
 }
 
 at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {

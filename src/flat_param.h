@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,6 +83,14 @@ class FlatParam {
   /// Keeps the accumulators that fire take_grad() (AutogradMeta keeps weak refs only).
   std::vector<std::shared_ptr<torch::autograd::Node>>& grad_accumulators() { return grad_accs_; }
 
+  /// The host tensor (param_dtype, shard-sized) an optimizer may fill with the updated
+  /// shard in the same pass (FusedAdamW::set_copy_out), and the cell where it records
+  /// the shard's version after writing. Gathers use the copy while that version still
+  /// matches the shard's. Undefined unless param_dtype is 16-bit and the shard on the CPU.
+  std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> copy_out_target();
+  /// Gathers that used the optimizer's copy instead of casting the shard.
+  int64_t copy_out_gathers() const { return copy_out_gathers_; }
+
   /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
   at::Tensor gather_fp32() const { return gather_like(shard_); }
   /// `shard_like` (shard_numel fp32 elements: the shard or state laid out like it)
@@ -102,6 +111,9 @@ class FlatParam {
   bool direct_ = false;      ///< world size 1 in fp32: grads accumulate straight into the shard's
   std::vector<bool> written_;  ///< slots whose gradient arrived since the last reduce
   at::Tensor staging_;       ///< shard cast to param_dtype while a gather is in flight
+  at::Tensor lowp_;          ///< optimizer-written param_dtype copy of the shard (copy_out_target)
+  std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
+  int64_t copy_out_gathers_ = 0;
   at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
   int grads_taken_ = 0;      ///< slots reported since the last reduce
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;

@@ -71,7 +71,8 @@ FusedAdamW::Isa FusedAdamW::active_isa() {
   return isa == Isa::kAuto ? best_isa() : isa;
 }
 
-void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out) {
+void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out,
+                              std::shared_ptr<std::atomic<int64_t>> written) {
   if (!out.defined()) {
     copy_out_.erase(param.unsafeGetTensorImpl());
     return;
@@ -82,7 +83,7 @@ void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out) {
               out.toString());
   TORCH_CHECK(out.numel() == param.numel(), "FusedAdamW::set_copy_out: the copy has ", out.numel(),
               " elements but the parameter has ", param.numel());
-  copy_out_[param.unsafeGetTensorImpl()] = std::move(out);
+  copy_out_[param.unsafeGetTensorImpl()] = CopyOut{std::move(out), std::move(written)};
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
@@ -136,9 +137,10 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 
       uint16_t* out = nullptr;
       detail::CopyOut kind = detail::CopyOut::kNone;
-      if (auto co = copy_out_.find(p.unsafeGetTensorImpl()); co != copy_out_.end()) {
-        out = reinterpret_cast<uint16_t*>(co->second.data_ptr());
-        kind = co->second.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16 : detail::CopyOut::kF16;
+      auto co = copy_out_.find(p.unsafeGetTensorImpl());
+      if (co != copy_out_.end()) {
+        out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
+        kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16 : detail::CopyOut::kF16;
       }
       float* pp = p.data_ptr<float>();
       const float* gp = g.data_ptr<float>();
@@ -148,6 +150,11 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
         detail::adamw_update(isa, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr, kind);
       });
+      // Written through raw pointers: tell the version counter, as in-place ops do.
+      p.unsafeGetTensorImpl()->bump_version();
+      st.exp_avg().unsafeGetTensorImpl()->bump_version();
+      st.exp_avg_sq().unsafeGetTensorImpl()->bump_version();
+      if (co != copy_out_.end() && co->second.written) co->second.written->store(p._version());
     }
   }
   return loss;

@@ -1,6 +1,7 @@
 // WrapPointImpl: the calls a wrap point makes into the engine, and the root's queries.
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/fused_adamw.h>
 
 #include "runtime.h"
 
@@ -118,6 +119,27 @@ torch::Tensor WrapPointImpl::gather_flat(size_t index, const torch::Tensor& shar
     }
   }
   TORCH_CHECK(false, "gather_flat: index ", index, " is out of range; the model has ", i, " flat parameters");
+}
+
+int WrapPointImpl::attach_copy_out(FusedAdamW& optimizer) {
+  int n = 0;
+  for (auto& u : runtime().units()) {
+    for (auto& f : u->flats()) {
+      auto [out, version] = f->copy_out_target();
+      if (!out.defined()) continue;
+      optimizer.set_copy_out(f->shard(), out, version);
+      ++n;
+    }
+  }
+  return n;
+}
+
+int64_t WrapPointImpl::copy_out_gathers() const {
+  int64_t n = 0;
+  for (const auto& u : runtime().units()) {
+    for (const auto& f : u->flats()) n += f->copy_out_gathers();
+  }
+  return n;
 }
 
 const ShardingOptions& WrapPointImpl::sharding_options() const { return runtime().options(); }

@@ -69,6 +69,62 @@ TEST_P(OffloadAtWorld, TrainsExactlyLikeWithoutOffloadBf16) {
 INSTANTIATE_TEST_SUITE_P(World, OffloadAtWorld, ::testing::Values(1, 2),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
 
+// FusedAdamW writes the bf16 copy of each shard in its update pass and the next gathers
+// send it instead of casting (attach_copy_out): the same training, bit for bit, and a
+// shard changed behind the optimizer's back is never served from a stale copy.
+void copy_out_parity(const ProcessGroup& pg, bool offload) {
+  ShardingOptions o;
+  o.process_group = pg;
+  o.cpu_offload = offload;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  o.mixed_precision.reduce_dtype = torch::kBFloat16;
+  torch::manual_seed(0);
+  auto a = fully_shard(gpt::GPT(small_gpt_config()), o);
+  torch::manual_seed(0);
+  auto b = fully_shard(gpt::GPT(small_gpt_config()), o);
+  FusedAdamW opt_a(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  FusedAdamW opt_b(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  EXPECT_EQ(b->attach_copy_out(opt_b), static_cast<int>(b->sharded_parameters().size()));
+  auto step = [&](int64_t s) {
+    auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
+    auto la = gpt::loss_on(a, rows), lb = gpt::loss_on(b, rows);
+    EXPECT_EQ(la.item<double>(), lb.item<double>()) << "step " << s;
+    la.backward();
+    lb.backward();
+    opt_a.step();
+    opt_b.step();
+    opt_a.zero_grad();
+    opt_b.zero_grad();
+  };
+  step(0);
+  EXPECT_EQ(b->copy_out_gathers(), 0) << "no copy exists before the first optimizer step";
+  int64_t last = 0;
+  for (int64_t s = 1; s < 4; ++s) {
+    step(s);
+    EXPECT_GT(b->copy_out_gathers(), last) << "step " << s << " did not use the optimizer's copy";
+    last = b->copy_out_gathers();
+  }
+  EXPECT_EQ(a->copy_out_gathers(), 0);
+  // Shards changed outside the optimizer: the copies are stale and must not be used.
+  {
+    torch::NoGradGuard g;
+    for (auto* m : {&a, &b}) {
+      for (auto& p : (*m)->sharded_parameters()) p.mul_(0.5);
+    }
+  }
+  auto rows = my_rows(gpt_batch(9, 8, small_gpt_config().block_size), pg);
+  torch::NoGradGuard g;
+  EXPECT_EQ(gpt::loss_on(a, rows).item<double>(), gpt::loss_on(b, rows).item<double>());
+  EXPECT_EQ(b->copy_out_gathers(), last) << "a stale copy was gathered";
+}
+
+TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheGathersExactly) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) { copy_out_parity(pg, false); });
+}
+TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheOffloadedGathersExactly) {
+  run_ranks(GetParam(), [](const ProcessGroup& pg) { copy_out_parity(pg, true); });
+}
+
 // A parameter whose memory is reserved but never touched (torch::empty of many GB costs
 // address space, not RAM), so the test can ask for more than the machine has.
 struct HugeImpl : torch::nn::Module {

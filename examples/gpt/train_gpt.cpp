@@ -347,6 +347,9 @@ int run(int argc, char** argv) {
     opt_ptr = std::make_unique<torch::optim::AdamW>(model->sharded_parameters(), adamw);
   }
   torch::optim::AdamW& opt = *opt_ptr;
+  // Under bf16 the fused step also writes each shard's bf16 copy, which the next
+  // gathers send instead of casting the shard again.
+  if (auto* fused = dynamic_cast<fsdp::FusedAdamW*>(opt_ptr.get())) model->attach_copy_out(*fused);
 
   // What a checkpoint carries besides weights and optimizer state: enough for
   // generate (the architecture) and for an exact resume (the step; batches are a

@@ -22,6 +22,7 @@
 
 namespace fsdp {
 class WrapPointImpl;
+class FusedAdamW;
 namespace detail {
 class Unit;
 class Runtime;
@@ -96,6 +97,14 @@ class WrapPointImpl : public torch::nn::Module {
   /// rank's shard of it or of any state laid out like it (e.g. Adam's exp_avg). Counted
   /// in MemoryStats::checkpoint_buffers while the returned tensor lives.
   torch::Tensor gather_flat(size_t index, const torch::Tensor& shard_like) const;
+  /// Lets `optimizer` write each updated trainable shard, in param_dtype, in its update
+  /// pass (FusedAdamW::set_copy_out); the next gathers send that copy instead of
+  /// casting the shard, as long as the shard has not changed since. Only for 16-bit
+  /// param_dtype with shards on the CPU (CPU training or cpu_offload). Returns how many
+  /// flat parameters were attached.
+  int attach_copy_out(FusedAdamW& optimizer);
+  /// Gathers that used an optimizer's copy (attach_copy_out) instead of a cast.
+  int64_t copy_out_gathers() const;
   /// The options the model was sharded with.
   const ShardingOptions& sharding_options() const;
   /// The internal runtime; for the engine and checkpoint code.

@@ -5,10 +5,13 @@
 // It is a torch::optim::AdamW: same options (per-group lr, betas, eps, weight_decay),
 // same AdamWParamState, so checkpoints save, load and reshard its state like AdamW's.
 // Optionally it writes a bf16 or fp16 copy of each updated parameter in the same pass
-// (set_copy_out), e.g. the input of the next all-gather.
+// (set_copy_out), e.g. the input of the next all-gather. Parameters it updates get their
+// version counter bumped, as in-place torch ops do.
 
 #include <torch/torch.h>
 
+#include <atomic>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -25,7 +28,11 @@ class FusedAdamW : public torch::optim::AdamW {
 
   /// After each step, `out` (a contiguous CPU bf16 or fp16 tensor with param's numel)
   /// holds the updated `param`, written in the same pass. An undefined `out` removes it.
-  void set_copy_out(const torch::Tensor& param, torch::Tensor out);
+  /// `written` (optional) receives param._version() right after each such write, so a
+  /// reader can tell whether `out` still matches `param` (the sharded engine does this
+  /// for its gathers: WrapPointImpl::attach_copy_out).
+  void set_copy_out(const torch::Tensor& param, torch::Tensor out,
+                    std::shared_ptr<std::atomic<int64_t>> written = nullptr);
 
   /// Forces an instruction set for every FusedAdamW in the process (kAuto: the best the
   /// CPU has). Throws when the CPU lacks the one asked for. FSDP_ADAMW_ISA=avx512|avx2|
@@ -37,7 +44,11 @@ class FusedAdamW : public torch::optim::AdamW {
   static const char* isa_name(Isa isa);
 
  private:
-  std::unordered_map<const void*, torch::Tensor> copy_out_;
+  struct CopyOut {
+    torch::Tensor out;
+    std::shared_ptr<std::atomic<int64_t>> written;
+  };
+  std::unordered_map<const void*, CopyOut> copy_out_;
 };
 
 }  // namespace fsdp
