@@ -252,6 +252,29 @@ TEST(TrainGpt, ConfigFileSetsOptionsAndFlagsOverrideIt) {
   std::remove(log.c_str());
 }
 
+TEST(TrainGpt, ConfigFileTurnsSwitchesOnAndRejectsOtherTypes) {
+  auto cfg = temp_path("cfgsw");
+  char dir_tmpl[] = "/tmp/fsdp_cfgck_XXXXXX";
+  const std::string dir = mkdtemp(dir_tmpl);
+  {
+    std::ofstream f(cfg);
+    f << R"({"steps": 2, "n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16, "batch_size": 4,
+             "cpu_offload": true, "resume": false, "save_dir": ")" << dir << R"("})";
+  }
+  auto r = run_command({bin("train_gpt"), "--config", cfg});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("resumed"), std::string::npos) << "resume: false must leave the switch off";
+  EXPECT_NE(r.output.find("saved checkpoint " + dir + "/step_00000002"), std::string::npos) << r.output;
+  {
+    std::ofstream f(cfg);
+    f << R"({"steps": [1, 2]})";
+  }
+  auto bad = run_command({bin("train_gpt"), "--config", cfg});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("key 'steps' must be a number, a string or true/false"), std::string::npos) << bad.output;
+  std::remove(cfg.c_str());
+}
+
 }  // namespace
 
 namespace {

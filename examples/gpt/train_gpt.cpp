@@ -139,7 +139,8 @@ cxxopts::Options make_options() {
   return o;
 }
 
-// Turns {"n_layer": 4, "lr-schedule": "cosine"} into "--n-layer=4 --lr-schedule=cosine".
+// Turns {"n_layer": 4, "lr-schedule": "cosine", "resume": true} into
+// "--n-layer=4 --lr-schedule=cosine --resume" (a switch set to false is left out).
 std::vector<std::string> config_args(const std::string& path, const cxxopts::Options& options) {
   std::ifstream f(path);
   if (!f) throw UsageError("--config " + path + ": cannot open the file");
@@ -155,10 +156,14 @@ std::vector<std::string> config_args(const std::string& path, const cxxopts::Opt
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     if (flag == "config" || flag == "help") throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
-    std::string v = value.is_string() ? value.get<std::string>() : value.dump();
-    if (value.is_boolean() || value.is_object() || value.is_array() || value.is_null()) {
-      throw UsageError("--config " + path + ": key '" + key + "' must be a number or a string");
+    if (value.is_object() || value.is_array() || value.is_null()) {
+      throw UsageError("--config " + path + ": key '" + key + "' must be a number, a string or true/false");
     }
+    if (value.is_boolean()) {
+      if (value.get<bool>()) out.push_back("--" + flag);
+      continue;
+    }
+    const std::string v = value.is_string() ? value.get<std::string>() : value.dump();
     out.push_back("--" + flag + "=" + v);
   }
   (void)options;
