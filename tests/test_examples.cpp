@@ -227,7 +227,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
         BadInput{{"--steps", "10", "--stop-at", "11"}, "train_gpt: error: --stop-at 11 must be between 1 and --steps 10 (0: run all steps)"},
         BadInput{{"--save-every", "-1", "--save-dir", "/tmp/x"}, "train_gpt: error: --save-every -1 must not be negative"},
-        BadInput{{"--save-every", "5"}, "train_gpt: error: --save-every needs --save-dir DIR"}),
+        BadInput{{"--save-every", "5"}, "train_gpt: error: --save-every needs --save-dir DIR"},
+        BadInput{{"--save-dir", "/proc/fsdp_no"}, "train_gpt: error: --save-dir /proc/fsdp_no: cannot create the directory"},
+        BadInput{{"--consolidate-to", "/nonexistent/dir/w.h5"}, "train_gpt: error: --consolidate-to /nonexistent/dir/w.h5: the directory /nonexistent/dir does not exist"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 TEST(TrainGpt, BatchNotDivisibleByTheWorldSaysWhatToUse) {

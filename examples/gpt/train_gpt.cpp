@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <random>
@@ -336,6 +337,21 @@ int run(int argc, char** argv) {
   if (keep < 0) throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
   if ((resume || save_every > 0) && save_dir.empty()) {
     throw UsageError(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+  }
+  // Output locations are checked now, not after hours of training.
+  if (!save_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(save_dir, ec);
+    if (ec || !std::filesystem::is_directory(save_dir)) {
+      throw UsageError("--save-dir " + save_dir + ": cannot create the directory (" + ec.message() + ")");
+    }
+  }
+  if (!consolidate_to.empty()) {
+    const auto parent = std::filesystem::absolute(consolidate_to).parent_path();
+    if (!std::filesystem::is_directory(parent)) {
+      throw UsageError("--consolidate-to " + consolidate_to + ": the directory " + parent.string() +
+                       " does not exist");
+    }
   }
 
   so.cpu_offload = r.count("cpu-offload") > 0;
