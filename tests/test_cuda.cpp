@@ -1,0 +1,119 @@
+// GPU checks for a machine with CUDA LibTorch and a GPU; skipped elsewhere. One GPU
+// allows one NCCL rank (NCCL refuses two ranks on one device), so these run at world 1
+// and compare with plain LibTorch on the same GPU.
+#include <fsdp/checkpoint.h>
+#include <fsdp/fused_adamw.h>
+
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine has none)"
+
+ShardingOptions gpu_options(const ProcessGroup& pg) {
+  ShardingOptions o;
+  o.process_group = pg;
+  o.device = torch::Device(torch::kCUDA, 0);
+  return o;
+}
+
+TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu) {
+  SKIP_WITHOUT_CUDA();
+  run_ranks(1, [](const ProcessGroup& pg) {
+    EXPECT_EQ(pg.backend_name(), "nccl");
+    const auto cfg = small_gpt_config();
+    torch::manual_seed(0);
+    gpt::GPT ref(cfg);
+    ref->to(torch::kCUDA);
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(cfg), gpu_options(pg));
+    for (auto& p : model->sharded_parameters()) EXPECT_TRUE(p.is_cuda());
+    torch::optim::AdamW opt_ref(ref->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    for (int64_t s = 0; s < 5; ++s) {
+      auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
+      auto lr = gpt::loss_on(ref, rows), lm = gpt::loss_on(model, rows);
+      EXPECT_NEAR(lm.item<double>(), lr.item<double>(), 1e-5 * lr.item<double>()) << "step " << s;
+      lr.backward();
+      lm.backward();
+      opt_ref.step();
+      opt.step();
+      opt_ref.zero_grad();
+      opt.zero_grad();
+    }
+    ref->to(torch::kCPU);
+    expect_params_match(full_state_dict(*model, {false, /*offload_to_cpu=*/true}), *ref, 1e-4);
+  });
+}
+
+TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
+  SKIP_WITHOUT_CUDA();
+  run_ranks(1, [](const ProcessGroup& pg) {
+    const auto cfg = small_gpt_config();
+    auto on = gpu_options(pg), off = gpu_options(pg);
+    on.cpu_offload = true;
+    for (auto* o : {&on, &off}) {
+      o->mixed_precision.param_dtype = torch::kBFloat16;
+      o->mixed_precision.reduce_dtype = torch::kBFloat16;
+    }
+    torch::manual_seed(0);
+    auto a = fully_shard(gpt::GPT(cfg), off);
+    torch::manual_seed(0);
+    auto b = fully_shard(gpt::GPT(cfg), on);
+    for (auto& p : b->sharded_parameters()) {
+      EXPECT_TRUE(p.is_cpu());
+      EXPECT_TRUE(p.is_pinned());
+    }
+    torch::optim::AdamW opt_a(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    FusedAdamW opt_b(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    b->attach_copy_out(opt_b);
+    for (int64_t s = 0; s < 5; ++s) {
+      auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
+      auto la = gpt::loss_on(a, rows), lb = gpt::loss_on(b, rows);
+      EXPECT_NEAR(lb.item<double>(), la.item<double>(), 1e-3 * la.item<double>()) << "step " << s;
+      la.backward();
+      lb.backward();
+      opt_a.step();
+      opt_b.step();
+      opt_a.zero_grad();
+      opt_b.zero_grad();
+    }
+    EXPECT_EQ(b->memory_stats().offload_buffers.current, 0);
+    EXPECT_GT(b->copy_out_gathers(), 0);
+  });
+}
+
+TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
+  SKIP_WITHOUT_CUDA();
+  char tmpl[] = "/tmp/fsdp_cuda_ckpt_XXXXXX";
+  static const std::string dir = std::getenv("FSDP_CUDA_DIR") ? std::getenv("FSDP_CUDA_DIR") : mkdtemp(tmpl);
+  setenv("FSDP_CUDA_DIR", dir.c_str(), 1);
+  run_ranks(1, [&](const ProcessGroup& pg) {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
+    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+    gpt::loss_on(model, gpt_batch(0, 4, small_gpt_config().block_size).to(torch::kCUDA)).backward();
+    opt.step();
+    TrainingState st;
+    st.step = 1;
+    save_sharded_checkpoint(dir, *model, &opt, st);
+    const auto after_save = torch::rand({4}, torch::kCUDA);
+    auto saved = full_state_dict(*model, {false, true});
+    torch::manual_seed(7);
+    auto other = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
+    torch::optim::AdamW opt2(other->sharded_parameters(), torch::optim::AdamWOptions(1.0));
+    load_sharded_checkpoint(dir, *other, &opt2, nullptr);
+    EXPECT_TRUE(torch::equal(torch::rand({4}, torch::kCUDA), after_save)) << "CUDA RNG not restored";
+    auto loaded = full_state_dict(*other, {false, true});
+    for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(saved[i].second, loaded[i].second)) << saved[i].first;
+  });
+}
+
+}  // namespace
