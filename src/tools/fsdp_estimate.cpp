@@ -1,28 +1,34 @@
 // fsdp-estimate: per-rank memory of a sharded training run, term by term, on the device
 // and on the host, before running it (DeepSpeed users know this as
-// estimate_zero3_model_states_mem_needs).
+// estimate_zero3_model_states_mem_needs). The arithmetic is fsdp::estimate_memory
+// (include/fsdp/estimate.h); this file only reads flags and prints.
 //
 //   fsdp-estimate (--n-layer L --n-head H --d-model D --block-size S [--vocab-size V]
 //                  | --params N [--units K])
 //                 [--world-size W] [--strategy full|grad_op|none|hybrid] [--hybrid-group-size G]
 //                 [--precision fp32|bf16|fp16] [--cpu-offload] [--activation-checkpointing]
-//                 [--micro-batch B] [--json]
+//                 [--micro-batch B] [--max-gathered-units K] [--json]
 #include <fsdp/estimate.h>
 
 #include <cxxopts.hpp>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 namespace {
 
+// Bad input: exit status 2 with this message (main).
+[[noreturn]] void bad_input(const std::string& msg) { throw std::invalid_argument(msg); }
+
 std::string human(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   double v = static_cast<double>(bytes);
   int u = 0;
-  while (v >= 1024 && u < 4) {
+  while (v >= 1024 && u < 5) {
     v /= 1024;
     ++u;
   }
@@ -31,91 +37,187 @@ std::string human(int64_t bytes) {
   return buf;
 }
 
-int run(int argc, char** argv) {
+// A parameter count: exact below a million, in millions above.
+std::string millions(int64_t n) {
+  if (n < 1000000) return std::to_string(n);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1fM", static_cast<double>(n) / 1e6);
+  return buf;
+}
+
+const char* kNotes = R"(
+Model: one unit per GPT block plus a root unit (wte, wpe, ln_f, lm_head), as train_gpt
+--wrap block; with --params, an empty root and --units equal units. Per rank, each unit
+is padded to a multiple of the shard group and split: fp32 master shard (4 B/element),
+fp32 gradient shard (4 B) and AdamW's exp_avg and exp_avg_sq (8 B), on the host with
+--cpu-offload. Gathered units are in the --precision dtype: the root plus at most
+--max-gathered-units others under full and hybrid, every unit under grad_op and none,
+and none at all for a shard group of one in fp32 without offload. Parameters, gradients
+and optimizer state equal the engine's counters ("exact"); gathered units and buffers
+are upper bounds ("bound"); activations are a formula (Korthikanti et al. 2022), not
+measured ("rough"). Exit status: 0, or 2 for bad input.
+)";
+
+cxxopts::Options make_options() {
   cxxopts::Options o("fsdp-estimate", "Per-rank memory of fully sharded training, by term, on device and host.");
-  o.add_options()
-    ("n-layer", "GPT blocks", cxxopts::value<int64_t>()->default_value("0"))
-    ("n-head", "GPT attention heads", cxxopts::value<int64_t>()->default_value("0"))
-    ("d-model", "GPT width", cxxopts::value<int64_t>()->default_value("0"))
-    ("block-size", "GPT context length", cxxopts::value<int64_t>()->default_value("0"))
+  o.add_options("Model (a GPT shape, or --params)")
+    ("n-layer", "GPT blocks", cxxopts::value<int64_t>())
+    ("n-head", "GPT attention heads", cxxopts::value<int64_t>())
+    ("d-model", "GPT width", cxxopts::value<int64_t>())
+    ("block-size", "GPT context length", cxxopts::value<int64_t>())
     ("vocab-size", "GPT vocabulary", cxxopts::value<int64_t>()->default_value("256"))
-    ("params", "instead of a GPT shape: a parameter count (e.g. 1.3e9)", cxxopts::value<double>()->default_value("0"))
-    ("units", "with --params: equal units it is wrapped into (plus an empty root)", cxxopts::value<int64_t>()->default_value("1"))
+    ("params", "a parameter count instead of a GPT shape (e.g. 1.3e9)", cxxopts::value<std::string>())
+    ("units", "with --params: equal units it is wrapped into", cxxopts::value<int64_t>()->default_value("1"));
+  o.add_options("Run")
     ("world-size", "ranks", cxxopts::value<int>()->default_value("1"))
     ("strategy", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
     ("hybrid-group-size", "ranks per shard group for hybrid (0: the world)", cxxopts::value<int>()->default_value("0"))
-    ("precision", "fp32|bf16|fp16 (compute and gathered parameters)", cxxopts::value<std::string>()->default_value("fp32"))
-    ("cpu-offload", "fp32 shards, gradients and optimizer state in host memory")
-    ("activation-checkpointing", "recompute blocks in backward")
+    ("precision", "fp32|bf16|fp16: gathered parameters and reduced gradients", cxxopts::value<std::string>()->default_value("fp32"))
+    ("cpu-offload", "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload)")
+    ("activation-checkpointing", "recompute every block in backward")
     ("micro-batch", "sequences per rank per micro-batch, for activations (GPT only)", cxxopts::value<int64_t>()->default_value("1"))
+    ("max-gathered-units", "ShardingOptions::max_gathered_units", cxxopts::value<int>()->default_value("2"));
+  o.add_options("Output")
     ("json", "print JSON instead of a table")
     ("h,help", "show this help");
-  auto r = o.parse(argc, argv);
-  if (r.count("help")) {
-    std::cout << o.help() << std::endl;
-    return 0;
+  return o;
+}
+
+// --params: a count such as 1300000000 or 1.3e9, read here rather than by cxxopts so that
+// the error names the flag.
+int64_t parse_count(const std::string& text) {
+  double v = 0;
+  size_t used = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
   }
-  if (!r.unmatched().empty()) throw std::invalid_argument("unexpected argument '" + r.unmatched()[0] + "'; see --help");
-  fsdp::EstimateInput in;
-  const bool gpt = r["n-layer"].as<int64_t>() > 0 || r["d-model"].as<int64_t>() > 0;
-  const double params = r["params"].as<double>();
-  if (gpt && params > 0) throw std::invalid_argument("give either a GPT shape or --params, not both");
+  if (used == 0 || used != text.size()) bad_input("--params '" + text + "' is not a number; give a count such as 1.3e9");
+  if (!(v >= 1) || v > 1e15) bad_input("--params " + text + " is invalid; give a positive count such as 1.3e9");
+  return static_cast<int64_t>(std::llround(v));
+}
+
+// Reads the GPT shape, or the parameter count, into `in`.
+void read_model(const cxxopts::ParseResult& r, fsdp::EstimateInput& in) {
+  const char* shape[] = {"n-layer", "n-head", "d-model", "block-size"};
+  bool gpt = false;
+  for (const char* f : shape) gpt = gpt || r.count(f) > 0;
+  if (gpt && r.count("params")) bad_input("give either a GPT shape or --params, not both");
   if (gpt) {
+    for (const char* f : shape) {
+      if (!r.count(f)) bad_input(std::string("--") + f + " is missing; a GPT shape needs --n-layer, --n-head, --d-model and --block-size");
+    }
+    if (r.count("units")) bad_input("--units applies to --params only; a GPT shape has one unit per block");
     in.n_layer = r["n-layer"].as<int64_t>();
     in.n_head = r["n-head"].as<int64_t>();
     in.d_model = r["d-model"].as<int64_t>();
     in.block_size = r["block-size"].as<int64_t>();
     in.vocab_size = r["vocab-size"].as<int64_t>();
-    for (auto [flag, v] : {std::pair<const char*, int64_t>{"n-layer", in.n_layer}, {"n-head", in.n_head},
-                           {"d-model", in.d_model}, {"block-size", in.block_size}, {"vocab-size", in.vocab_size}}) {
-      if (v <= 0) throw std::invalid_argument(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
-    }
-    if (in.d_model % in.n_head != 0) {
-      throw std::invalid_argument("--d-model " + std::to_string(in.d_model) + " must be divisible by --n-head " +
-                                  std::to_string(in.n_head));
-    }
-    in.unit_params = fsdp::gpt_unit_params(in.n_layer, in.d_model, in.block_size, in.vocab_size);
     in.micro_batch = r["micro-batch"].as<int64_t>();
-    if (in.micro_batch <= 0) throw std::invalid_argument("--micro-batch must be positive");
-  } else if (params > 0) {
-    const int64_t units = r["units"].as<int64_t>();
-    if (units <= 0) throw std::invalid_argument("--units " + std::to_string(units) + " must be positive");
-    const auto total = static_cast<int64_t>(params);
-    in.unit_params = {0};
-    for (int64_t i = 0; i < units; ++i) in.unit_params.push_back(total / units + (i < total % units ? 1 : 0));
-  } else {
-    throw std::invalid_argument("give a GPT shape (--n-layer --n-head --d-model --block-size) or --params N");
+    if (in.n_layer <= 0) bad_input("--n-layer " + std::to_string(in.n_layer) + " is invalid; it must be positive");
+    if (in.micro_batch <= 0) bad_input("--micro-batch " + std::to_string(in.micro_batch) + " is invalid; it must be positive");
+    // Shape errors (d_model % n_head, ...) are estimate_memory's, in the same words.
+    in.unit_params = fsdp::gpt_unit_params(in.n_layer, std::max<int64_t>(in.d_model, 0),
+                                           std::max<int64_t>(in.block_size, 0), std::max<int64_t>(in.vocab_size, 0));
+    return;
   }
+  if (!r.count("params")) bad_input("no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params N");
+  const int64_t params = parse_count(r["params"].as<std::string>());
+  const int64_t units = r["units"].as<int64_t>();
+  if (units <= 0) bad_input("--units " + std::to_string(units) + " is invalid; it must be positive");
+  // An empty root and `units` units as equal as integers allow: the largest is what
+  // bounds the gathered memory.
+  in.unit_params = {0};
+  for (int64_t i = 0; i < units; ++i) in.unit_params.push_back(params / units + (i < params % units ? 1 : 0));
+}
+
+fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
+  if (!r.unmatched().empty()) bad_input("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  fsdp::EstimateInput in;
+  read_model(r, in);
   in.world_size = r["world-size"].as<int>();
   in.strategy = r["strategy"].as<std::string>();
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
+  if (r.count("hybrid-group-size") && in.strategy != "hybrid") {
+    bad_input("--hybrid-group-size applies to --strategy hybrid only");
+  }
   in.precision = r["precision"].as<std::string>();
   in.cpu_offload = r.count("cpu-offload") > 0;
   in.activation_checkpointing = r.count("activation-checkpointing") > 0;
-  const auto est = fsdp::estimate_memory(in);
+  in.max_gathered_units = r["max-gathered-units"].as<int>();
+  return in;
+}
 
-  if (r.count("json")) {
-    nlohmann::json j = {{"params", est.total_params}, {"world_size", in.world_size}, {"strategy", in.strategy},
-                        {"shard_group_size", est.shard_group_size}, {"precision", in.precision},
-                        {"cpu_offload", in.cpu_offload}, {"activation_checkpointing", in.activation_checkpointing},
-                        {"device_total_bytes", est.device_total()}, {"host_total_bytes", est.host_total()}};
-    for (const auto& t : est.terms) j["terms"].push_back({{"name", t.name}, {"device_bytes", t.device_bytes}, {"host_bytes", t.host_bytes}});
-    std::cout << j.dump(2) << std::endl;
+void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
+  nlohmann::json j = {
+      {"params", est.total_params},
+      {"largest_unit_params", est.largest_unit_params},
+      {"units", in.unit_params},
+      {"world_size", in.world_size},
+      {"strategy", in.strategy},
+      {"shard_group_size", est.shard_group_size},
+      {"precision", in.precision},
+      {"cpu_offload", in.cpu_offload},
+      {"activation_checkpointing", in.activation_checkpointing},
+      {"max_gathered_units", in.max_gathered_units},
+      {"micro_batch", in.micro_batch},
+      {"device_total_bytes", est.device_total()},
+      {"host_total_bytes", est.host_total()},
+      {"model_states_device_bytes", est.model_states_device()},
+      {"model_states_host_bytes", est.model_states_host()},
+      {"terms", nlohmann::json::array()}};
+  for (const auto& t : est.terms) {
+    j["terms"].push_back({{"key", t.key}, {"label", t.label}, {"basis", t.basis},
+                          {"device_bytes", t.device_bytes}, {"host_bytes", t.host_bytes}});
+  }
+  std::cout << j.dump(2) << std::endl;
+}
+
+void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
+  const size_t units = in.unit_params.size();
+  const std::string model =
+      in.n_layer > 0 ? "GPT " + std::to_string(in.n_layer) + " x " + std::to_string(in.d_model) + ": " +
+                           std::to_string(units - 1) + " blocks + root; micro-batch " + std::to_string(in.micro_batch) +
+                           " x " + std::to_string(in.block_size) + " tokens"
+                     : std::to_string(units - 1) + " equal units + empty root";
+  std::printf("Per-rank memory: %s parameters (%s), world size %d, strategy %s (shard group %d), %s%s%s\n",
+              millions(est.total_params).c_str(), model.c_str(), in.world_size, in.strategy.c_str(),
+              est.shard_group_size, in.precision.c_str(), in.cpu_offload ? ", CPU offload" : "",
+              in.activation_checkpointing ? ", activation checkpointing" : "");
+  std::printf("  %-34s %-6s %14s %14s\n", "term", "basis", "device", "host");
+  for (const auto& t : est.terms) {
+    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(), human(t.device_bytes).c_str(),
+                human(t.host_bytes).c_str());
+  }
+  std::printf("  %-34s %-6s %14s %14s\n", "total", "", human(est.device_total()).c_str(),
+              human(est.host_total()).c_str());
+  // DeepSpeed's layout (estimate_zero3_model_states_mem_needs), with this engine's
+  // model states: 16 B per sharded element plus the gathered units. Host is per rank.
+  std::printf("\nEstimated memory needed for params, optim states and gradients for a:\n");
+  std::printf("HW: Setup with %d ranks.\n", in.world_size);
+  std::printf("SW: Model with %s total params, %s largest unit params.\n", millions(est.total_params).c_str(),
+              millions(est.largest_unit_params).c_str());
+  std::printf("  per CPU (rank) |    per GPU |   Options\n");
+  std::printf("  %14s | %10s | offload_optimizer=%s, strategy=%s, precision=%s\n",
+              human(est.model_states_host()).c_str(), human(est.model_states_device()).c_str(),
+              in.cpu_offload ? "cpu" : "none", in.strategy.c_str(), in.precision.c_str());
+}
+
+int run(int argc, char** argv) {
+  auto options = make_options();
+  const auto r = options.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << options.help() << kNotes;
     return 0;
   }
-  std::printf("Estimated memory per rank: %lld parameters, world size %d, strategy %s (shard group %d), %s%s%s\n",
-              static_cast<long long>(est.total_params), in.world_size, in.strategy.c_str(), est.shard_group_size,
-              in.precision.c_str(), in.cpu_offload ? ", CPU offload" : "",
-              in.activation_checkpointing ? ", activation checkpointing" : "");
-  std::printf("  %-34s %14s %14s\n", "term", "device", "host");
-  for (const auto& t : est.terms) {
-    std::printf("  %-34s %14s %14s\n", t.name.c_str(), human(t.device_bytes).c_str(), human(t.host_bytes).c_str());
+  const auto in = read_input(r);
+  const auto est = fsdp::estimate_memory(in);
+  if (r.count("json")) {
+    print_json(in, est);
+  } else {
+    print_table(in, est);
   }
-  std::printf("  %-34s %14s %14s\n", "total", human(est.device_total()).c_str(), human(est.host_total()).c_str());
-  std::printf("Model states (DeepSpeed's estimate_zero3_model_states_mem_needs terms): %s per device, %s per host "
-              "rank%s.\n",
-              human(est.device_total() - est.term(est.terms.back().name).device_bytes).c_str(),
-              human(est.host_total()).c_str(), in.cpu_offload ? " (offloaded)" : "");
   return 0;
 }
 
