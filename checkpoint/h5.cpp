@@ -176,16 +176,6 @@ Obj::~Obj() {
   if (id_ >= 0 && close_) close_(id_);
 }
 
-Elem elem_of_name(const std::string& n) {
-  if (n == "float32") return Elem::kF32;
-  if (n == "float16") return Elem::kF16;
-  if (n == "bfloat16") return Elem::kBF16;
-  if (n == "float64") return Elem::kF64;
-  if (n == "int64") return Elem::kI64;
-  if (n == "uint8") return Elem::kU8;
-  TORCH_CHECK(false, "unknown element type '", n, "'");
-}
-
 const char* elem_name(Elem e) {
   switch (e) {
     case Elem::kF32: return "float32";
@@ -576,7 +566,6 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   if (d1 > d0) {
     // Pieces of 4 blocks: while piece i is verified on a second thread, piece i + 1 is
     // read, so checking costs little more than reading.
-    const int64_t s0 = d0 * per_block;
     std::string error;
     auto verify_blocks = [&](int64_t from, int64_t to) {
       try {
@@ -601,7 +590,6 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
       verifier = std::thread(verify_blocks, p0, p1);
     }
     if (verifier.joinable()) verifier.join();
-    (void)s0;
     TORCH_CHECK(error.empty(), error);
   }
   std::vector<uint8_t> tmp;

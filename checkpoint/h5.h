@@ -35,7 +35,6 @@ class Obj {
 
 /// Element types in files.
 enum class Elem { kF32, kF16, kBF16, kF64, kI64, kU8 };
-Elem elem_of_name(const std::string& dtype_name);  ///< "float32", "bfloat16", ...
 const char* elem_name(Elem e);
 hid_t file_type(Elem e);  ///< owned by this module; do not close
 hid_t mem_type(Elem e);   ///< native in-memory type (bf16 uses the file layout)

@@ -7,11 +7,6 @@
 namespace fsdp::ckpt {
 namespace {
 
-template <class Map>
-typename Map::key_type key_of(const Map& m, const at::Tensor& p) {
-  return detail::optim_state_key(m, p);
-}
-
 double as_double(const AttrValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
   if (const auto* d = std::get_if<double>(&v)) return *d;
@@ -85,7 +80,7 @@ std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& p
 
 ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param) {
   auto& state = opt.state();
-  auto it = state.find(key_of(state, param));
+  auto it = state.find(detail::optim_state_key(state, param));
   if (it == state.end()) return {};
   const std::string kind = optimizer_kind(opt);
   if (kind == "adamw") return adam_state(static_cast<const torch::optim::AdamWParamState&>(*it->second));
@@ -98,7 +93,7 @@ ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param
 
 void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamState& st) {
   auto& state = opt.state();
-  const auto key = key_of(state, param);
+  const auto key = detail::optim_state_key(state, param);
   const std::string kind = optimizer_kind(opt);
   if (kind == "adamw") {
     state[key] = make_adam_state<torch::optim::AdamWParamState>(param, st);
