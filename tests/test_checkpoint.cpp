@@ -534,6 +534,63 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
 }
 
 // ---------------------------------------------------------------------------------
+// Misuse of the API: each error says what is wrong and what to do.
+
+TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
+  const std::string dir = scratch_dir("api");
+  auto model = fully_shard(gpt::GPT(small_gpt_config()));
+  auto opt = make_adamw(*model);
+  save_sharded_checkpoint(dir + "/noopt", *model, nullptr, sample_state(1));
+  struct Case {
+    std::function<void()> call;
+    std::string message;
+  };
+  auto other_params = std::vector<torch::Tensor>{torch::zeros({3}, torch::requires_grad())};
+  torch::optim::AdamW foreign(other_params);
+  const auto shards = model->sharded_parameters();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{shards[0]});
+  groups.emplace_back(std::vector<torch::Tensor>(shards.begin() + 1, shards.end()));
+  torch::optim::AdamW two_groups(std::move(groups));
+  torch::optim::RMSprop rms(model->sharded_parameters());
+  ExportOptions with_opt;
+  with_opt.with_optimizer = true;
+  ExportOptions int_dtype;
+  int_dtype.dtype = torch::kInt32;
+  TrainingState reserved = sample_state(1);
+  reserved.model_attrs["step"] = int64_t{3};
+  SaveOptions negative;
+  negative.keep_last = -1;
+  const std::vector<Case> cases = {
+      {[&] { load_sharded_checkpoint(dir + "/noopt", *model, &opt, nullptr); },
+       "holds no optimizer state; pass nullptr as the optimizer to load only the model"},
+      {[&] { save_sharded_checkpoint(dir + "/x", *model, &foreign, sample_state(1)); },
+       "the optimizer does not hold the shard of unit ''. Build it from model->sharded_parameters()."},
+      {[&] { save_sharded_checkpoint(dir + "/x", *model, &rms, sample_state(1)); },
+       "this optimizer is none of them (pass nullptr to save or load without optimizer state)"},
+      {[&] { save_sharded_checkpoint(dir + "/x", *model, nullptr, sample_state(1), negative); },
+       "keep_last -1 is negative; use 0 to keep every checkpoint"},
+      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, sample_state(1), with_opt); },
+       "export_consolidated: with_optimizer needs the optimizer"},
+      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, sample_state(1), int_dtype); },
+       "is not supported; use float32, bfloat16 or float16"},
+      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, reserved); },
+       "model attribute 'step' collides with a reserved root attribute"},
+  };
+  for (const auto& c : cases) {
+    const std::string msg = error_of(c.call);
+    EXPECT_NE(msg.find(c.message), std::string::npos) << "want: " << c.message << "\ngot: " << msg;
+  }
+  // A checkpoint with optimizer state, loaded into an optimizer with other param groups.
+  save_sharded_checkpoint(dir + "/opt", *model, &opt, sample_state(1));
+  const std::string msg = error_of([&] { load_sharded_checkpoint(dir + "/opt", *model, &two_groups, nullptr); });
+  EXPECT_NE(msg.find("holds 1 optimizer param groups but the optimizer has 2"), std::string::npos) << msg;
+  auto r = run_command({bin_dir() + "/fsdp-consolidate", dir + "/noopt", dir + "/c.h5", "--with-optimizer"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("holds no optimizer state; drop --with-optimizer"), std::string::npos) << r.output;
+}
+
+// ---------------------------------------------------------------------------------
 // Bad input: each names the file and what is wrong.
 
 struct BadCheckpoint : ::testing::Test {

@@ -89,6 +89,15 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
   }
 }
 
+TEST(FusedAdamW, AnUnknownIsaInTheEnvironmentIsNamed) {
+  // The variable is read once per process: check it in a fresh one.
+  auto r = run_command({bin_dir() + "/test_fused_adamw", "--gtest_filter=FusedAdamW.RejectsWhatItCannotStep"},
+                       {"FSDP_ADAMW_ISA=sse9"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("FSDP_ADAMW_ISA=sse9 is unknown; use avx512, avx2, scalar or auto"), std::string::npos)
+      << r.output;
+}
+
 INSTANTIATE_TEST_SUITE_P(EveryPath, FusedAdamWIsa,
                          ::testing::Values(FusedAdamW::Isa::kAvx512, FusedAdamW::Isa::kAvx2, FusedAdamW::Isa::kScalar),
                          [](const auto& info) { return std::string(FusedAdamW::isa_name(info.param)); });
@@ -105,13 +114,22 @@ TEST(FusedAdamW, RejectsWhatItCannotStep) {
               std::string::npos);
   }
   FusedAdamW ok({p});
-  try {
-    ok.set_copy_out(p, torch::empty({3}, torch::kBFloat16));
-    FAIL() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("the copy has 3 elements but the parameter has 4"),
-              std::string::npos);
-  }
+  auto expect_error = [](const std::function<void()>& f, const std::string& want) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; wanted: " << want;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(want), std::string::npos) << e.what_without_backtrace();
+    }
+  };
+  expect_error([&] { ok.set_copy_out(p, torch::empty({3}, torch::kBFloat16)); },
+               "the copy has 3 elements but the parameter has 4");
+  expect_error([&] { ok.set_copy_out(p, torch::empty({4}, torch::kFloat)); },
+               "the copy must be a contiguous CPU bf16 or fp16 tensor");
+  auto d = torch::randn({4}, torch::kDouble).requires_grad_(true);
+  FusedAdamW doubles({d});
+  d.mutable_grad() = torch::ones({4}, torch::kDouble);
+  expect_error([&] { doubles.step(); }, "FusedAdamW steps contiguous fp32 CPU parameters");
 }
 
 // As the optimizer of a sharded model: the same training as torch's AdamW, and its
