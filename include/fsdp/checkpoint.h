@@ -111,7 +111,9 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
 std::map<std::string, AttrValue> consolidated_attributes(const std::string& file);
 
 struct ConsolidateOptions {
+  /// Dtype of the written parameters: kFloat32, kBFloat16 or kFloat16.
   torch::Dtype dtype = torch::kFloat32;
+  /// Also write /optimizer/<FQN>/<state> (the checkpoint must hold optimizer state).
   bool with_optimizer = false;
   /// Called after each parameter: (done, total, fqn).
   std::function<void(size_t, size_t, const std::string&)> progress;

@@ -17,7 +17,7 @@ struct EstimateInput {
   /// Trainable parameters per unit, root unit first (the engine's flat parameters, in
   /// unit order). A unit with none (e.g. an empty root) is 0.
   std::vector<int64_t> unit_params;
-  int world_size = 1;
+  int world_size = 1;             ///< ranks in the job
   std::string strategy = "full";  ///< full | grad_op | none | hybrid (ShardingStrategy)
   int hybrid_group_size = 0;      ///< hybrid: ranks per shard group (0: the world)
   /// fp32 | bf16 | fp16: MixedPrecision::param_dtype and reduce_dtype (as train_gpt sets
@@ -38,8 +38,8 @@ struct MemoryTerm {
   /// How the figure relates to the engine: "exact" (equals its counters), "bound" (its
   /// counter's peak never exceeds it), or "rough" (a formula; the engine counts nothing).
   std::string basis;
-  int64_t device_bytes = 0;
-  int64_t host_bytes = 0;
+  int64_t device_bytes = 0;  ///< on the compute device
+  int64_t host_bytes = 0;    ///< in host RAM (model state under cpu_offload)
 };
 
 struct MemoryEstimate {
