@@ -1,6 +1,8 @@
 // Tensors in and out of checkpoint datasets (see tensor_io.h).
 #include "tensor_io.h"
 
+#include <ATen/core/grad_mode.h>
+
 namespace fsdp::ckpt {
 
 h5::Elem elem_of_dtype(c10::ScalarType t) {

@@ -11,9 +11,14 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp::detail {
+
+/// What impl::grad_accumulator() returns: a shared_ptr<Node> in LibTorch 1.13 and early
+/// 2.x, an intrusive_ptr<Node> in later 2.x (see Note [Backend adaptor]).
+using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// One original parameter inside the flat parameter.
 struct ParamSlot {
@@ -81,7 +86,7 @@ class FlatParam {
   void reduce_grad();
 
   /// Keeps the accumulators that fire take_grad() (AutogradMeta keeps weak refs only).
-  std::vector<std::shared_ptr<torch::autograd::Node>>& grad_accumulators() { return grad_accs_; }
+  std::vector<GradAccumulator>& grad_accumulators() { return grad_accs_; }
 
   /// The host tensor (param_dtype, shard-sized) an optimizer may fill with the updated
   /// shard in the same pass (FusedAdamW::set_copy_out), and the cell where it records
@@ -116,7 +121,7 @@ class FlatParam {
   int64_t copy_out_gathers_ = 0;
   at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
   int grads_taken_ = 0;      ///< slots reported since the last reduce
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accs_;
+  std::vector<GradAccumulator> grad_accs_;
 };
 
 }  // namespace fsdp::detail

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -23,7 +24,20 @@ class CountingCpuAllocator : public at::Allocator {
     return *a;
   }
 
-  at::DataPtr allocate(size_t n) const override {
+  // Note [Allocator across versions]
+  // at::Allocator::allocate is const in LibTorch 1.13 and non-const from 2.3, which also
+  // adds a pure copy_data(). Both forms are declared without `override`: whichever the
+  // base declares is overridden, the other is an unused overload.
+  at::DataPtr allocate(size_t n) { return counted_allocate(n); }
+  at::DataPtr allocate(size_t n) const { return counted_allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+  at::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
+
+  /// Bytes currently allocated through this allocator.
+  int64_t live() const { return live_.load(); }
+
+ private:
+  at::DataPtr counted_allocate(size_t n) const {
     void* p = base_->raw_allocate(n);
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -33,12 +47,6 @@ class CountingCpuAllocator : public at::Allocator {
     // data == context, as raw_allocate() callers require.
     return at::DataPtr(p, p, &CountingCpuAllocator::release, at::Device(at::kCPU));
   }
-  at::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
-
-  /// Bytes currently allocated through this allocator.
-  int64_t live() const { return live_.load(); }
-
- private:
   explicit CountingCpuAllocator(at::Allocator* base) : base_(base) { self_ = this; }
   static void release(void* p) {
     if (p == nullptr) return;
