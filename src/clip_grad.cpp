@@ -25,9 +25,10 @@ double clip_grad_norm_(WrapPointImpl& root, double max_norm, double norm_type) {
   auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(rt.options().device));
   for (const auto& g : grads) {
     if (inf) {
-      local = at::maximum(local, g.abs().max().to(at::kDouble).reshape({1}));
+      local = at::maximum(local, g.abs().max().to(local.device(), at::kDouble).reshape({1}));
     } else {
-      local += g.to(at::kDouble).pow(2).sum();
+      // With offload the gradient shards are on the host, the collective on the device.
+      local += g.to(at::kDouble).pow(2).sum().to(local.device());
     }
   }
   auto& group = *rt.flat_config().shard_group;

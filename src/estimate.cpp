@@ -151,14 +151,19 @@ int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem
   return std::max(forward, backward);
 }
 
-// MemoryStats::offload_buffers: the device copy (param_dtype) of each shard in transit to
-// its gather, counted as above, and in backward one fp32 gradient shard on its way back
-// to the host besides the prefetched units' copies.
-int64_t offload_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
-  const int64_t largest_shard = *std::max_element(l.shard.begin(), l.shard.end());
+// MemoryStats::offload_buffers, on the device: the copy (param_dtype) of each shard in
+// transit to its gather, counted as above.
+int64_t offload_device_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   const int64_t forward = in_flight_shards(l, in.max_gathered_units) * elem;
-  const int64_t backward = largest_non_root(l.shard, backward_prefetches(in)) * elem + 4 * largest_shard;
+  const int64_t backward = largest_non_root(l.shard, backward_prefetches(in)) * elem;
   return std::max(forward, backward);
+}
+
+// MemoryStats::offload_buffers, on the host: gradient shards (fp32) back from the device
+// that wait to be added into existing gradients, at most two units' at a time (Note
+// [Offload transfers] in src/transfers.h).
+int64_t offload_host_bytes(const Layout& l) {
+  return 2 * 4 * *std::max_element(l.shard.begin(), l.shard.end());
 }
 
 // Activations of one rank's micro-batch, rough: per block s*b*h*(34 + 5*a*s/h) bytes at
@@ -251,7 +256,8 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
                        gathered_elems(in, l, elem) * elem, 0});
   est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound", comm_buffer_bytes(in, l, elem), 0});
   if (in.cpu_offload) {
-    est.terms.push_back({"offload_buffers", "offload transit buffers", "bound", offload_buffer_bytes(in, l, elem), 0});
+    est.terms.push_back({"offload_buffers", "offload transit buffers", "bound", offload_device_bytes(in, l, elem),
+                         offload_host_bytes(l)});
   }
   std::string act_label = "activations";
   if (in.n_layer == 0 || in.micro_batch == 0) {

@@ -96,11 +96,11 @@ std::shared_ptr<Work> FlatParam::gather() {
     ++copy_out_gathers_;
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
-  // offload, the host-to-device copy (an explicit copy even when host is the device).
+  // offload, the host-to-device copy on the transfer stream (an explicit copy even when
+  // host is the device; Note [Offload transfers]).
   MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
   if (cfg_.offload) {
-    staging_ = at::empty({shard_numel_}, full_.options());
-    staging_.copy_(input, /*non_blocking=*/true);
+    staging_ = cfg_.transfers->to_device(input, cfg_.param_dtype);
     input = staging_;
   } else if (cfg_.param_dtype != at::kFloat && !fresh) {
     staging_ = input.to(cfg_.param_dtype);
@@ -108,7 +108,13 @@ std::shared_ptr<Work> FlatParam::gather() {
   }
   if (staging_.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
-  auto work = cfg_.shard_group->all_gather(full_, input);
+  std::shared_ptr<Work> work;
+  auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
+  if (cfg_.offload) {
+    cfg_.transfers->on_stream(issue);
+  } else {
+    issue();
+  }
   if (!staging_.defined()) return work;
   return std::make_shared<ThenWork>(work, [this, counter]() {
     staging_ = at::Tensor();
@@ -203,13 +209,18 @@ void FlatParam::reduce_grad() {
   at::Tensor g = out.to(at::kFloat);
   if (cfg_.world_size > 1) g.div_(static_cast<double>(cfg_.world_size));
   if (cfg_.offload) {
-    // The fp32 gradient shard goes back to the host (an explicit copy on a CPU device).
-    const int64_t bytes = bytes_of(shard_numel_, at::kFloat);
-    Accounting::alloc(cfg_.acct->mem.offload_buffers, bytes);
-    at::Tensor host = at::empty({shard_numel_}, shard_.options().requires_grad(false));
-    host.copy_(g);
-    g = host;
-    Accounting::release(cfg_.acct->mem.offload_buffers, bytes);
+    // The fp32 gradient shard goes back to the host on the transfer stream (an explicit
+    // copy on a CPU device). A first gradient becomes the gradient shard as it is; one
+    // that must be added waits in landing_ (Note [Offload transfers]).
+    Transfers::HostCopy host = cfg_.transfers->to_host(g);
+    if (!shard_.grad().defined()) {
+      shard_.mutable_grad() = host.value;
+      grad_landed_ = std::move(host.wait);
+    } else {
+      Accounting::alloc(cfg_.acct->mem.offload_buffers, bytes_of(shard_numel_, at::kFloat));
+      landing_.push_back(std::move(host));
+    }
+    return;
   }
   if (!shard_.grad().defined()) {
     shard_.mutable_grad() = g;
@@ -218,10 +229,26 @@ void FlatParam::reduce_grad() {
   }
 }
 
+void FlatParam::land_grads() {
+  if (grad_landed_) {
+    grad_landed_();
+    grad_landed_ = {};
+  }
+  at::NoGradGuard no_grad;
+  for (auto& copy : landing_) {
+    if (copy.wait) copy.wait();
+    shard_.mutable_grad().add_(copy.value);
+    Accounting::release(cfg_.acct->mem.offload_buffers, bytes_of(shard_numel_, at::kFloat));
+  }
+  landing_.clear();
+}
+
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
   if (!trainable_ || cfg_.param_dtype == at::kFloat || !shard_.is_cpu()) return {};
   if (!lowp_.defined()) {
-    lowp_ = at::empty({shard_numel_}, shard_.options().dtype(cfg_.param_dtype).requires_grad(false));
+    // Pinned on a GPU build's offload, like the shard: it is the source of the gathers' copies.
+    lowp_ = at::empty({shard_numel_}, shard_.options().dtype(cfg_.param_dtype).requires_grad(false)
+                                          .pinned_memory(cfg_.device.is_cuda()));
     lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
   }
   return {lowp_, lowp_version_};
@@ -231,9 +258,11 @@ at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   TORCH_CHECK(shard_like.numel() == shard_numel_, "gather: expected a tensor of ", shard_numel_,
               " elements laid out like the shard, got ", shard_like.numel());
   at::NoGradGuard no_grad;
-  at::Tensor out = at::empty({padded_}, shard_.options().requires_grad(false));
+  // On the compute device, where the collectives run (with offload the shard is on the host).
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
+  at::Tensor out = at::empty({padded_}, opts);
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
-  cfg_.shard_group->all_gather(out, shard_like.detach().to(shard_.options().requires_grad(false)).contiguous())->wait();
+  cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
   return out;
 }
 

@@ -5,10 +5,12 @@
 
 #include "accounting.h"
 #include "backend.h"
+#include "transfers.h"
 
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -39,6 +41,7 @@ struct FlatConfig {
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
   at::ScalarType reduce_dtype = at::kFloat;  ///< gradient reduction dtype
   bool offload = false;                      ///< shards and their grads live on the host
+  std::shared_ptr<Transfers> transfers;      ///< host <-> device copies (with offload)
   Accounting* acct = nullptr;
 };
 
@@ -83,7 +86,14 @@ class FlatParam {
   /// see Note [Group of one]); called before backward. No-op otherwise.
   void link_grads();
   /// Reduce-scatters the flat gradient (sum / world size) into the fp32 gradient shard.
+  /// With offload the result travels to the host on the transfer stream; one that must
+  /// be added to an existing gradient waits for land_grads() (Note [Offload transfers]).
   void reduce_grad();
+  /// True when offloaded gradient copies wait to be added into the gradient shard.
+  bool has_landing() const { return !landing_.empty(); }
+  /// Waits for the offloaded gradient copies and adds the waiting ones into the gradient
+  /// shard.
+  void land_grads();
 
   /// Keeps the accumulators that fire take_grad() (AutogradMeta keeps weak refs only).
   std::vector<GradAccumulator>& grad_accumulators() { return grad_accs_; }
@@ -120,6 +130,8 @@ class FlatParam {
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;
   at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
+  std::vector<Transfers::HostCopy> landing_;  ///< offloaded gradient copies to add once landed
+  std::function<void()> grad_landed_;  ///< waits for the copy that became the gradient shard
   int grads_taken_ = 0;      ///< slots reported since the last reduce
   std::vector<GradAccumulator> grad_accs_;
 };

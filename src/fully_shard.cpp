@@ -222,6 +222,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   cfg.param_dtype = options.mixed_precision.param_dtype;
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
   cfg.offload = options.cpu_offload;
+  if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt->acct();
   cfg.shard_group = world.impl();
   cfg.replicate_group = make_single_backend();

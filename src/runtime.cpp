@@ -94,17 +94,23 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
   if (reshard_after_forward(u)) u.reshard();
   if (u.is_root() && !at::GradMode::is_enabled()) {
     // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
+    // No copy from the host shards may still be in flight once it returns: the caller
+    // may write them (Note [Offload transfers]).
     for (auto& x : units_) x->reshard();
+    if (flat_cfg_.transfers) flat_cfg_.transfers->wait_host();
     order_frozen_ = true;
   }
 }
 
+void Runtime::queue_end_of_backward() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  auto self = shared_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
+}
+
 void Runtime::pre_backward(Unit& u) {
-  if (!callback_queued_) {
-    callback_queued_ = true;
-    auto self = shared_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
-  }
+  queue_end_of_backward();
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
   for (auto& f : u.flats()) f->link_grads();
   u.unshard();
@@ -114,6 +120,14 @@ void Runtime::pre_backward(Unit& u) {
 void Runtime::end_of_backward() {
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
+  if (flat_cfg_.transfers) {
+    // Offloaded gradients: every copy lands before an optimizer step can read them.
+    flat_cfg_.transfers->wait_host();
+    for (auto& u : units_) {
+      for (auto& f : u->flats()) f->land_grads();
+    }
+    landing_.clear();
+  }
   for (auto& u : units_) {
     u->reshard();
     u->grads_reduced = false;
@@ -122,6 +136,14 @@ void Runtime::end_of_backward() {
   iteration_open_ = false;
   order_frozen_ = true;
   sync_grad_counter();
+}
+
+void Runtime::after_reduce(FlatParam& f) {
+  if (!f.has_landing()) return;
+  for (FlatParam* p : landing_) {
+    if (p != &f) p->land_grads();
+  }
+  landing_.assign(1, &f);
 }
 
 void Runtime::sync_grad_counter() {

@@ -32,8 +32,13 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void pre_forward(Unit& u);
   void post_forward(Unit& u, std::vector<at::Tensor>& outputs);
   void pre_backward(Unit& u);
+  /// Queues end_of_backward() on the autograd engine once per backward pass.
+  void queue_end_of_backward();
   void end_of_backward();
 
+  /// After `f` reduced its gradient: with offload, lands the gradient copies that earlier
+  /// units left waiting (Note [Offload transfers]).
+  void after_reduce(FlatParam& f);
   /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
   void sync_grad_counter();
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
@@ -51,6 +56,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   FlatConfig flat_cfg_;
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
+  std::vector<FlatParam*> landing_;           ///< flats whose offloaded grads wait to land
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded
   bool iteration_open_ = false;               ///< a training forward began, backward not done

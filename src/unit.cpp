@@ -92,11 +92,13 @@ void Unit::on_param_grad(FlatParam& flat, size_t slot) {
               ": a gradient arrived while the unit is ", to_string(state_),
               ". Its parameters were used outside a call through its wrap point; call the "
               "wrapped module only through FullyShardedModule.");
+  rt_->queue_end_of_backward();  // also when no unit output had a pre-backward hook
   if (!flat.take_grad(slot)) return;
   if (rt_->no_sync()) {
     flat.end_pass();  // keep the unsharded gradient; a later backward reduces it
   } else {
     flat.reduce_grad();
+    rt_->after_reduce(flat);
     rt_->sync_grad_counter();
   }
   grads_reduced = true;
@@ -117,6 +119,7 @@ void Unit::flush_grads() {
     }
     if (f->has_unreduced_grad()) {
       f->reduce_grad();
+      rt_->after_reduce(*f);
       any = true;
     }
   }

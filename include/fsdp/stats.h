@@ -19,8 +19,9 @@ struct MemoryStats {
   MemoryCounter gathered_params;  ///< full parameters of gathered units, in param_dtype
   MemoryCounter comm_buffers;     ///< flat gradient buffers awaiting reduction, and staging
   MemoryCounter checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
-  /// cpu_offload: device-side copies in transit (a shard in param_dtype before its
-  /// all-gather, a gradient shard before it goes back to the host). With cpu_offload,
+  /// cpu_offload: copies in transit. On the device, a shard in param_dtype before its
+  /// all-gather; on the host, fp32 gradient shards back from the device that wait to be
+  /// added into existing gradients (at most two units' at a time). With cpu_offload,
   /// sharded_params and grad_shards are host memory.
   MemoryCounter offload_buffers;
 };
