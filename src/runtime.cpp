@@ -60,10 +60,15 @@ Unit* Runtime::neighbour(const Unit& u, int step) const {
 // prefetching never holds more than that many units' full parameters.
 // The root is gathered from its forward through backward, as in PyTorch FSDP, and units
 // nested inside each other must be gathered together: those needs are met regardless.
+// The root comes first in forward order, but its backward (the output layers) runs
+// first: from the root, backward prefetch starts at the last unit in forward order.
 void Runtime::prefetch_from(const Unit& u, int direction) {
   if (!options_.prefetch) return;
+  const bool from_end = u.is_root() && direction < 0;
   for (int k = 1; gathered_non_root() < options_.max_gathered_units; ++k) {
-    Unit* next = neighbour(u, direction * k);
+    const long last = static_cast<long>(forward_order_.size()) - 1;
+    Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
+                          : neighbour(u, direction * k);
     if (next == nullptr) return;
     if (next->is_root() || next->state() != UnitState::kSharded || next->grads_reduced) continue;
     next->start_gather();

@@ -131,6 +131,36 @@ TEST_P(PrefetchBound, GatheredPeakIsRootPlusBoundTimesLargestUnit) {
   });
 }
 
+// Backward starts in the root (the output layers), which comes first in forward order:
+// its pre-backward prefetches the last units in forward order, up to the bound, so that
+// their gathers overlap with the root's backward.
+TEST_P(PrefetchBound, RootBackwardPrefetchesTheLastUnits) {
+  const int bound = GetParam();
+  run_ranks(2, [bound](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    cfg.n_layer = 4;
+    gpt::GPT holder(cfg);
+    ShardingOptions o;
+    o.process_group = pg;
+    o.max_gathered_units = bound;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    train_steps(holder, model, pg, 1);  // the first step records the order
+    Sizes s = sizes_of(*model.ptr());
+    auto rows = my_rows(gpt_batch(7, 4 * pg.size(), cfg.block_size), pg);
+    auto logits = model->forward(rows.narrow(1, 0, rows.size(1) - 1));
+    EXPECT_EQ(model->memory_stats().gathered_params.current, 4 * s.root) << "after forward: the root only";
+    int64_t at_root_backward = -1;
+    // Runs after the engine's own pre-backward hook on the same output (registered first).
+    logits.register_hook([&](const torch::Tensor&) {
+      at_root_backward = model->memory_stats().gathered_params.current;
+    });
+    auto y = rows.narrow(1, 1, rows.size(1) - 1);
+    torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).backward();
+    EXPECT_EQ(at_root_backward, 4 * (s.root + bound * s.block));
+    EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Units, PrefetchBound, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "max" + std::to_string(info.param); });
 
