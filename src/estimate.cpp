@@ -140,13 +140,15 @@ int backward_prefetches(const EstimateInput& in) {
 // and no offload): each gather in flight holds its shard cast to param_dtype, up to
 // max_gathered_units prefetches issued from the root. Backward: a unit's unsharded flat
 // gradient (reduce dtype, padded) lives from its first parameter gradient to its
-// reduce-scatter: the root's for the whole backward (its embeddings get theirs last) plus
-// that of the unit computing now, besides the casts of the units prefetched meanwhile.
+// reduce-scatter's end: the root's for the whole backward (its embeddings get theirs
+// last), that of the unit computing now and that of the unit before it, whose
+// reduce-scatter overlaps this one's compute (Note [Overlapped reduction] in
+// src/flat_param.cpp), besides the casts of the units prefetched meanwhile.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   const bool casts = elem != 4 && !in.cpu_offload;
   const int64_t forward = casts ? in_flight_shards(l, in.max_gathered_units) * elem : 0;
   int64_t backward = 0;
-  if (!direct_grads(in, l.group, elem)) backward += (l.padded[0] + largest_non_root(l.padded, 1)) * elem;
+  if (!direct_grads(in, l.group, elem)) backward += (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
   if (casts) backward += largest_non_root(l.shard, backward_prefetches(in)) * elem;
   return std::max(forward, backward);
 }

@@ -187,23 +187,42 @@ void FlatParam::reduce_grad() {
     return;
   }
   if (!grad_full_.defined()) return;
+  finish_reduce();  // an earlier reduction of this flat lands first
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (!written_[i]) grad_full_.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
   }
   if (padded_ > numel_) grad_full_.narrow(0, numel_, padded_ - numel_).zero_();
-  at::Tensor out = grad_full_;
+  // Note [Overlapped reduction]
+  // The reduce-scatter is issued here and finished by finish_reduce(), which the runtime
+  // calls when the next flat starts its reduction (or at the end of backward), so the
+  // collective runs while backward computes the next unit. The flat gradient stays
+  // alive (and counted in comm_buffers) until then.
+  reduce_in_ = std::move(grad_full_);
+  grad_full_ = at::Tensor();
+  grads_taken_ = 0;
+  reduce_out_ = reduce_in_;
   if (cfg_.shard_group->size() > 1) {
-    out = at::empty({shard_numel_}, grad_full_.options());
+    reduce_out_ = at::empty({shard_numel_}, reduce_in_.options());
     cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
-    cfg_.shard_group->reduce_scatter_sum(grad_full_, out)->wait();
+    reduce_work_ = cfg_.shard_group->reduce_scatter_sum(reduce_in_, reduce_out_);
+  } else {
+    reduce_work_ = std::make_shared<DoneWork>();
   }
+}
+
+void FlatParam::finish_reduce() {
+  if (!reduce_work_) return;
+  reduce_work_->wait();
+  reduce_work_.reset();
+  at::NoGradGuard no_grad;
+  at::Tensor out = std::move(reduce_out_);
+  reduce_out_ = at::Tensor();
   if (cfg_.replicate_group->size() > 1) {
     cfg_.acct->count(Collective::kAllReduce, bytes_of(shard_numel_, cfg_.reduce_dtype));
     cfg_.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
   }
-  grad_full_ = at::Tensor();
-  grads_taken_ = 0;
+  reduce_in_ = at::Tensor();
   Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
 
   at::Tensor g = out.to(at::kFloat);

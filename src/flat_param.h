@@ -85,10 +85,16 @@ class FlatParam {
   /// Points each original parameter's .grad() into the gradient shard (world size 1,
   /// see Note [Group of one]); called before backward. No-op otherwise.
   void link_grads();
-  /// Reduce-scatters the flat gradient (sum / world size) into the fp32 gradient shard.
-  /// With offload the result travels to the host on the transfer stream; one that must
-  /// be added to an existing gradient waits for land_grads() (Note [Offload transfers]).
+  /// Issues the reduce-scatter (sum) of the flat gradient; finish_reduce() completes it
+  /// (Note [Overlapped reduction]).
   void reduce_grad();
+  /// True while a reduction issued by reduce_grad() is not finished.
+  bool reducing() const { return reduce_work_ != nullptr; }
+  /// Waits for the reduction (and, across replicas, all-reduces) and adds the result
+  /// divided by the world size into the fp32 gradient shard. With offload it travels to
+  /// the host on the transfer stream; one that must be added to an existing gradient
+  /// waits for land_grads() (Note [Offload transfers]). No-op when nothing is pending.
+  void finish_reduce();
   /// True when offloaded gradient copies wait to be added into the gradient shard.
   bool has_landing() const { return !landing_.empty(); }
   /// Waits for the offloaded gradient copies and adds the waiting ones into the gradient
@@ -130,6 +136,9 @@ class FlatParam {
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;
   at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
+  at::Tensor reduce_in_;      ///< flat gradient under reduction (reduce_dtype, padded_)
+  at::Tensor reduce_out_;    ///< its reduced shard (reduce_dtype, shard_numel_)
+  std::shared_ptr<Work> reduce_work_;  ///< the reduction in flight, until finish_reduce()
   std::vector<Transfers::HostCopy> landing_;  ///< offloaded gradient copies to add once landed
   std::function<void()> grad_landed_;  ///< waits for the copy that became the gradient shard
   int grads_taken_ = 0;      ///< slots reported since the last reduce

@@ -125,6 +125,8 @@ void Runtime::pre_backward(Unit& u) {
 void Runtime::end_of_backward() {
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
+  for (FlatParam* p : reducing_) p->finish_reduce();
+  reducing_.clear();
   if (flat_cfg_.transfers) {
     // Offloaded gradients: every copy lands before an optimizer step can read them.
     flat_cfg_.transfers->wait_host();
@@ -143,7 +145,18 @@ void Runtime::end_of_backward() {
   sync_grad_counter();
 }
 
-void Runtime::after_reduce(FlatParam& f) {
+void Runtime::reduce_started(FlatParam& f) {
+  for (FlatParam* p : reducing_) {
+    if (p == &f) continue;
+    p->finish_reduce();
+    land_before(*p);
+  }
+  reducing_.clear();
+  land_before(f);  // its own earlier reduction may have finished in reduce_grad()
+  if (f.reducing()) reducing_.push_back(&f);
+}
+
+void Runtime::land_before(FlatParam& f) {
   if (!f.has_landing()) return;
   for (FlatParam* p : landing_) {
     if (p != &f) p->land_grads();

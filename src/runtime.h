@@ -36,9 +36,10 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void queue_end_of_backward();
   void end_of_backward();
 
-  /// After `f` reduced its gradient: with offload, lands the gradient copies that earlier
+  /// After `f` issued its reduction: finishes the reductions issued before it (Note
+  /// [Overlapped reduction]) and, with offload, lands the gradient copies that earlier
   /// units left waiting (Note [Offload transfers]).
-  void after_reduce(FlatParam& f);
+  void reduce_started(FlatParam& f);
   /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
   void sync_grad_counter();
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
@@ -49,6 +50,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
  private:
   void prefetch_from(const Unit& u, int direction);
+  /// With offload: lands the copies other flats left waiting once `f` has some.
+  void land_before(FlatParam& f);
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
 
@@ -56,6 +59,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   FlatConfig flat_cfg_;
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
+  std::vector<FlatParam*> reducing_;          ///< flats whose reduction is in flight, in order
   std::vector<FlatParam*> landing_;           ///< flats whose offloaded grads wait to land
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded

@@ -98,7 +98,7 @@ void Unit::on_param_grad(FlatParam& flat, size_t slot) {
     flat.end_pass();  // keep the unsharded gradient; a later backward reduces it
   } else {
     flat.reduce_grad();
-    rt_->after_reduce(flat);
+    rt_->reduce_started(flat);
     rt_->sync_grad_counter();
   }
   grads_reduced = true;
@@ -119,7 +119,7 @@ void Unit::flush_grads() {
     }
     if (f->has_unreduced_grad()) {
       f->reduce_grad();
-      rt_->after_reduce(*f);
+      rt_->reduce_started(*f);
       any = true;
     }
   }

@@ -146,15 +146,16 @@ TEST(EstimateRules, HandWorkedFigures) {
   EXPECT_EQ(est.term("gradients").device_bytes, 66 * 4);
   EXPECT_EQ(est.term("optimizer_state").device_bytes, 66 * 8);
   EXPECT_EQ(est.term("gathered_units").device_bytes, (12 + 100 + 100) * 2);  // root + 2 largest
-  // Backward: the root's and one unit's flat gradients (bf16) and one prefetched shard
-  // cast to bf16; more than forward's two casts in flight.
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100) * 2 + 25 * 2);
+  // Backward: the root's flat gradient (bf16), the computing unit's and the one whose
+  // reduce-scatter is in flight, and one prefetched shard cast to bf16; more than
+  // forward's two casts in flight.
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2 + 25 * 2);
   EXPECT_EQ(est.host_total(), 0);
 
   in.strategy = "grad_op";  // every unit gathered from forward on: no prefetch in backward
   est = estimate_memory(in);
   EXPECT_EQ(est.term("gathered_units").device_bytes, (12 + 100 + 100 + 52) * 2);
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100) * 2);
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);
   in.strategy = "hybrid";
   in.hybrid_group_size = 2;  // padded 10, 100, 100, 50; shards 5 + 50 + 50 + 25
   EXPECT_EQ(estimate_memory(in).term("parameters").device_bytes, 130 * 4);
@@ -164,7 +165,7 @@ TEST(EstimateRules, HandWorkedFigures) {
   est = estimate_memory(in);
   EXPECT_EQ(est.term("parameters").device_bytes, 260 * 4);
   EXPECT_EQ(est.term("gathered_units").device_bytes, 0);
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (10 + 100) * 4);  // world 4: still reduced
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (10 + 100 + 100) * 4);  // world 4: still reduced
 
   in.strategy = "full";
   in.precision = "bf16";
@@ -178,7 +179,7 @@ TEST(EstimateRules, HandWorkedFigures) {
   // than backward's one).
   EXPECT_EQ(est.term("offload_buffers").device_bytes, (25 + 25) * 2);
   EXPECT_EQ(est.term("offload_buffers").host_bytes, 2 * 25 * 4);
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100) * 2);  // the copy casts: no cast buffer
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);  // the copy casts: no cast buffer
 }
 
 TEST(EstimateRules, ActivationCheckpointingKeepsBlockInputsAndOneBlock) {

@@ -79,6 +79,25 @@ TEST_P(AccountingAtWorld, ShardedStateIsOneNthOfTheModelPlusPaddingExactly) {
   });
 }
 
+// A unit's reduce-scatter runs while backward computes the next unit (Note [Overlapped
+// reduction]): at the peak, the root's flat gradient (held all backward), the computing
+// unit's and the one whose reduction is in flight are alive; none after backward.
+TEST(OverlappedReduction, OneReductionInFlightWhileTheNextUnitComputes) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    cfg.n_layer = 4;
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    Sizes s = sizes_of(*model.ptr());
+    gpt::loss_on(model, my_rows(gpt_batch(0, 4, cfg.block_size), pg)).backward();
+    const auto mem = model->memory_stats();
+    EXPECT_EQ(mem.comm_buffers.peak, 4 * (s.root + 2 * s.block));
+    EXPECT_EQ(mem.comm_buffers.current, 0);
+    EXPECT_EQ(model->comm_stats().step.reduce_scatter_calls, 1 + s.blocks);
+  });
+}
+
 TEST_P(AccountingAtWorld, FullShardStepMovesTheTheoreticalBytes) {
   run_ranks(GetParam(), [](const ProcessGroup& pg) {
     auto cfg = small_gpt_config();
