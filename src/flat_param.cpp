@@ -1,5 +1,6 @@
 #include "flat_param.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 namespace fsdp::detail {
@@ -13,6 +14,7 @@ namespace {
 void free_storage(const at::Tensor& t) { t.storage().unsafeGetStorageImpl()->reset(); }
 
 void alloc_storage(const at::Tensor& t, size_t nbytes) {
+  c10::DeviceGuard on_device(t.device());  // the CUDA allocator serves the current device
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
@@ -110,13 +112,15 @@ std::shared_ptr<Work> FlatParam::gather() {
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
   std::shared_ptr<Work> work;
   auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
+  std::function<void()> join;
   if (cfg_.offload) {
-    cfg_.transfers->on_stream(issue);
+    join = cfg_.transfers->on_stream(issue, staging_);
   } else {
     issue();
   }
   if (!staging_.defined()) return work;
-  return std::make_shared<ThenWork>(work, [this, counter]() {
+  return std::make_shared<ThenWork>(work, [this, counter, join]() {
+    if (join) join();
     staging_ = at::Tensor();
     Accounting::release(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   });

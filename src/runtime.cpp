@@ -102,7 +102,7 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
     // No copy from the host shards may still be in flight once it returns: the caller
     // may write them (Note [Offload transfers]).
     for (auto& x : units_) x->reshard();
-    if (flat_cfg_.transfers) flat_cfg_.transfers->wait_host();
+    wait_transfers();
     order_frozen_ = true;
   }
 }
@@ -162,6 +162,10 @@ void Runtime::land_before(FlatParam& f) {
     if (p != &f) p->land_grads();
   }
   landing_.assign(1, &f);
+}
+
+void Runtime::wait_transfers() {
+  if (flat_cfg_.transfers) flat_cfg_.transfers->wait_host();
 }
 
 void Runtime::sync_grad_counter() {

@@ -40,6 +40,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   /// [Overlapped reduction]) and, with offload, lands the gradient copies that earlier
   /// units left waiting (Note [Offload transfers]).
   void reduce_started(FlatParam& f);
+  /// With offload: blocks until no copy from or to the host shards is in flight, so the
+  /// caller may write them (Note [Offload transfers]).
+  void wait_transfers();
   /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
   void sync_grad_counter();
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.

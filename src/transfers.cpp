@@ -13,7 +13,10 @@ class HostTransfers : public Transfers {
     out.copy_(host);
     return out;
   }
-  void on_stream(const std::function<void()>& issue) override { issue(); }
+  std::function<void()> on_stream(const std::function<void()>& issue, const at::Tensor&) override {
+    issue();
+    return {};
+  }
   HostCopy to_host(const at::Tensor& device) override {
     at::Tensor out = at::empty(device.sizes(), at::TensorOptions().dtype(device.scalar_type()));
     out.copy_(device);

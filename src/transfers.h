@@ -11,13 +11,16 @@ namespace fsdp::detail {
 // Note [Offload transfers]
 // With cpu_offload the fp32 shard, its gradient and the optimizer state live on the host.
 // Each gather first copies the shard (in param_dtype) to the device, and each reduced
-// gradient shard goes back to the host. On a GPU both copies run on a side stream of
-// their own, so that they overlap with the kernels of the compute stream:
+// gradient shard goes back to the host. On a GPU the copies run on side streams of their
+// own (one per direction, so both copy engines work), overlapping the kernels of the
+// compute stream:
 //  - to_device(): the side stream first waits for the compute stream's work issued so
 //    far (the gather's output buffer may reuse memory those kernels still read), then
 //    copies from pinned memory. The all-gather is issued inside on_stream(), with the
 //    side stream current, so NCCL starts after the copy; Work::wait() later makes the
-//    compute stream wait for NCCL. Meanwhile the compute stream runs the current unit.
+//    compute stream wait for NCCL, and the join returned by on_stream() for the side
+//    stream itself (which matters when the gather is a local copy: one rank, NO_SHARD).
+//    Meanwhile the compute stream runs the current unit.
 //  - to_host(): the side stream waits for the compute stream (which produced the
 //    gradient), copies into pinned memory, and the caching allocator is told that the
 //    side stream uses the source. The host copy is valid once its wait() or wait_host()
@@ -38,8 +41,12 @@ class Transfers {
   /// device is the host).
   virtual at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype) = 0;
   /// Runs `issue` with the transfer stream current: collectives it issues start after the
-  /// copies issued so far.
-  virtual void on_stream(const std::function<void()>& issue) = 0;
+  /// copies issued so far. Returns the join, to call with the compute stream current
+  /// once the collective has been waited for: it makes the compute stream wait for what
+  /// `issue` did on the transfer stream (a single-rank gather is a plain copy there) and
+  /// keeps `staged`'s memory from reuse until the compute stream gets there. Empty on
+  /// the host.
+  virtual std::function<void()> on_stream(const std::function<void()>& issue, const at::Tensor& staged) = 0;
   /// A device tensor's copy on its way to the host.
   struct HostCopy {
     at::Tensor value;            ///< new host tensor (pinned for a GPU); read it once landed

@@ -19,6 +19,16 @@ const char* to_string(UnitState s) {
   return "?";
 }
 
+Unit::~Unit() {
+  for (auto& w : pending_) {
+    try {
+      w->wait();
+    } catch (const std::exception&) {
+      // A failed collective (e.g. a peer died) leaves nothing in flight to wait for.
+    }
+  }
+}
+
 bool Unit::has_frozen() const {
   for (const auto& f : flats_) {
     if (!f->trainable()) return true;

@@ -22,6 +22,8 @@ const char* to_string(UnitState s);
 class Unit {
  public:
   Unit(std::string fqn, int index, Runtime* runtime) : fqn_(std::move(fqn)), index_(index), rt_(runtime) {}
+  /// Waits for gathers still in flight: their buffers go with the flat parameters.
+  ~Unit();
 
   const std::string& fqn() const { return fqn_; }
   /// "<root>" for the root, else the FQN; for messages.

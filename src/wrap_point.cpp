@@ -232,6 +232,7 @@ FullParamsScope::~FullParamsScope() {
     }
     u->reshard();
   }
+  rt.wait_transfers();  // the caller may write the host shards next (an optimizer step)
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(WrapPointImpl& root,

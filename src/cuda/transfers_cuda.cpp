@@ -1,4 +1,4 @@
-// Offload transfers on a GPU: one side stream per device (Note [Offload transfers]).
+// Offload transfers on a GPU: side streams, one per direction (Note [Offload transfers]).
 // Built only against a CUDA LibTorch (1.13 or 2.x).
 #include "../transfers.h"
 
@@ -17,12 +17,13 @@ class CudaTransfers : public Transfers {
  public:
   explicit CudaTransfers(at::Device device)
       : device_(at::kCUDA, device.has_index() ? device.index() : c10::cuda::current_device()),
-        side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {}
+        to_device_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        to_host_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {}
 
   at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype) override {
     c10::cuda::CUDAGuard on_device(device_);
-    wait_for_compute();
-    c10::cuda::CUDAStreamGuard on_side(side_);
+    wait_for_compute(to_device_);
+    c10::cuda::CUDAStreamGuard on_side(to_device_);
     // Allocated while the side stream is current, so the caching allocator ties the
     // memory to it; the all-gather that reads it is issued in on_stream().
     at::Tensor out = at::empty(host.sizes(), at::TensorOptions().dtype(host.scalar_type()).device(device_));
@@ -32,45 +33,60 @@ class CudaTransfers : public Transfers {
     return out;
   }
 
-  void on_stream(const std::function<void()>& issue) override {
+  std::function<void()> on_stream(const std::function<void()>& issue, const at::Tensor& staged) override {
     c10::cuda::CUDAGuard on_device(device_);
-    c10::cuda::CUDAStreamGuard on_side(side_);
-    issue();
+    auto issued = std::make_shared<at::cuda::CUDAEvent>();
+    {
+      c10::cuda::CUDAStreamGuard on_side(to_device_);
+      issue();
+      issued->record(to_device_);
+    }
+    const at::Device device = device_;
+    return [issued, staged, device]() {
+      const auto compute = c10::cuda::getCurrentCUDAStream(device.index());
+      issued->block(compute);
+      // The collective keeps no claim on `staged` once waited for (recent LibTorch
+      // stashes tensors instead of recording streams): the compute stream's claim keeps
+      // its memory from the side stream's next allocation until compute gets here.
+      if (staged.defined()) c10::cuda::CUDACachingAllocator::recordStream(staged.storage().data_ptr(), compute);
+    };
   }
 
   HostCopy to_host(const at::Tensor& device) override {
     c10::cuda::CUDAGuard on_device(device_);
-    wait_for_compute();
+    wait_for_compute(to_host_);
     at::Tensor out = at::empty(device.sizes(), at::TensorOptions().dtype(device.scalar_type()).pinned_memory(true));
     {
-      c10::cuda::CUDAStreamGuard on_side(side_);
+      c10::cuda::CUDAStreamGuard on_side(to_host_);
       out.copy_(device, /*non_blocking=*/true);
     }
     // `device` belongs to the compute stream's pool: keep its memory from being reused
     // there before the side stream has read it.
-    c10::cuda::CUDACachingAllocator::recordStream(device.storage().data_ptr(), side_);
+    c10::cuda::CUDACachingAllocator::recordStream(device.storage().data_ptr(), to_host_);
     auto landed = std::make_shared<at::cuda::CUDAEvent>();
-    landed->record(side_);
+    landed->record(to_host_);
     pending_ = true;
     return {out, [landed]() { landed->synchronize(); }};
   }
 
   void wait_host() override {
     if (!pending_) return;
-    side_.synchronize();
+    to_device_.synchronize();
+    to_host_.synchronize();
     pending_ = false;
   }
 
  private:
-  void wait_for_compute() {
+  void wait_for_compute(const c10::cuda::CUDAStream& side) {
     at::cuda::CUDAEvent done;
     done.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-    done.block(side_);
+    done.block(side);
   }
 
   at::Device device_;
-  c10::cuda::CUDAStream side_;
-  bool pending_ = false;  ///< copies issued since the last wait_host()
+  c10::cuda::CUDAStream to_device_;  ///< shards to the device, and the gathers that read them
+  c10::cuda::CUDAStream to_host_;    ///< gradient shards back to the host
+  bool pending_ = false;             ///< copies issued since the last wait_host()
 };
 
 }  // namespace
