@@ -8,8 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PREFIX="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX" \
-  -DFSDP_BUILD_BENCHMARKS=OFF "$@"
+cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX" "$@"
 cmake --build build-cuda -j"$(nproc)"
 ctest --test-dir build-cuda --output-on-failure -R 'Cuda|FusedAdamW|Offload|Parity' -j4
 # The GPU metrics of issue 7 (tokens/s, peak memory and MFU against plain LibTorch,

@@ -125,15 +125,15 @@ void Runtime::pre_backward(Unit& u) {
 void Runtime::end_of_backward() {
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
-  for (FlatParam* p : reducing_) p->finish_reduce();
-  reducing_.clear();
+  if (reducing_ != nullptr) reducing_->finish_reduce();
+  reducing_ = nullptr;
   if (flat_cfg_.transfers) {
     // Offloaded gradients: every copy lands before an optimizer step can read them.
     flat_cfg_.transfers->wait_host();
     for (auto& u : units_) {
       for (auto& f : u->flats()) f->land_grads();
     }
-    landing_.clear();
+    landing_ = nullptr;
   }
   for (auto& u : units_) {
     u->reshard();
@@ -146,22 +146,18 @@ void Runtime::end_of_backward() {
 }
 
 void Runtime::reduce_started(FlatParam& f) {
-  for (FlatParam* p : reducing_) {
-    if (p == &f) continue;
-    p->finish_reduce();
-    land_before(*p);
+  if (reducing_ != nullptr && reducing_ != &f) {
+    reducing_->finish_reduce();
+    land_before(*reducing_);
   }
-  reducing_.clear();
   land_before(f);  // its own earlier reduction may have finished in reduce_grad()
-  if (f.reducing()) reducing_.push_back(&f);
+  reducing_ = f.reducing() ? &f : nullptr;
 }
 
 void Runtime::land_before(FlatParam& f) {
   if (!f.has_landing()) return;
-  for (FlatParam* p : landing_) {
-    if (p != &f) p->land_grads();
-  }
-  landing_.assign(1, &f);
+  if (landing_ != nullptr && landing_ != &f) landing_->land_grads();
+  landing_ = &f;
 }
 
 void Runtime::wait_transfers() {

@@ -62,8 +62,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   FlatConfig flat_cfg_;
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
-  std::vector<FlatParam*> reducing_;          ///< flats whose reduction is in flight, in order
-  std::vector<FlatParam*> landing_;           ///< flats whose offloaded grads wait to land
+  FlatParam* reducing_ = nullptr;             ///< the flat whose reduction is in flight
+  FlatParam* landing_ = nullptr;              ///< the flat whose offloaded grads wait to land
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded
   bool iteration_open_ = false;               ///< a training forward began, backward not done

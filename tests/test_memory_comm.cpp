@@ -129,18 +129,32 @@ INSTANTIATE_TEST_SUITE_P(World, AccountingAtWorld, ::testing::Values(1, 2, 3),
 
 class PrefetchBound : public ::testing::TestWithParam<int> {};
 
+gpt::Config four_block_config() {
+  auto cfg = small_gpt_config();
+  cfg.n_layer = 4;
+  return cfg;
+}
+
+// A four-block GPT sharded over `pg` with prefetch bound `bound`, after one training
+// step (the first step records the forward order).
+FullyShardedModule<gpt::GPT> trained_once(const ProcessGroup& pg, int bound) {
+  auto cfg = four_block_config();
+  gpt::GPT holder(cfg);
+  ShardingOptions o;
+  o.process_group = pg;
+  o.max_gathered_units = bound;
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  train_steps(holder, model, pg, 1);
+  return model;
+}
+
 TEST_P(PrefetchBound, GatheredPeakIsRootPlusBoundTimesLargestUnit) {
   const int bound = GetParam();
   run_ranks(2, [bound](const ProcessGroup& pg) {
-    auto cfg = small_gpt_config();
-    cfg.n_layer = 4;
-    gpt::GPT holder(cfg);
-    ShardingOptions o;
-    o.process_group = pg;
-    o.max_gathered_units = bound;
-    auto model = fully_shard(gpt::GPT(cfg), o);
-    train_steps(holder, model, pg, 1);  // the first step records the order
+    auto cfg = four_block_config();
+    auto model = trained_once(pg, bound);
     model->reset_peak_memory();
+    gpt::GPT holder(cfg);
     train_steps(holder, model, pg, 2);
     Sizes s = sizes_of(*model.ptr());
     // The root stays gathered through forward and backward (Note [Prefetch bound]);
@@ -156,14 +170,8 @@ TEST_P(PrefetchBound, GatheredPeakIsRootPlusBoundTimesLargestUnit) {
 TEST_P(PrefetchBound, RootBackwardPrefetchesTheLastUnits) {
   const int bound = GetParam();
   run_ranks(2, [bound](const ProcessGroup& pg) {
-    auto cfg = small_gpt_config();
-    cfg.n_layer = 4;
-    gpt::GPT holder(cfg);
-    ShardingOptions o;
-    o.process_group = pg;
-    o.max_gathered_units = bound;
-    auto model = fully_shard(gpt::GPT(cfg), o);
-    train_steps(holder, model, pg, 1);  // the first step records the order
+    auto cfg = four_block_config();
+    auto model = trained_once(pg, bound);
     Sizes s = sizes_of(*model.ptr());
     auto rows = my_rows(gpt_batch(7, 4 * pg.size(), cfg.block_size), pg);
     auto logits = model->forward(rows.narrow(1, 0, rows.size(1) - 1));

@@ -189,6 +189,24 @@ TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheOffloadedGathersExactly) {
   run_ranks(GetParam(), [](const ProcessGroup& pg) { copy_out_parity(pg, true); });
 }
 
+#ifndef USE_C10D_NCCL
+// A CPU-only LibTorch cannot offload to a GPU: fully_shard says so and how to fix it.
+TEST(OffloadErrors, ToAGpuWithACpuOnlyLibTorch) {
+  ShardingOptions o;
+  o.device = torch::Device(torch::kCUDA, 0);
+  o.cpu_offload = true;
+  std::string message = "<no error>";
+  try {
+    fully_shard(gpt::GPT(small_gpt_config()), o);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  EXPECT_EQ(message,
+            "fsdp was built against a CPU-only LibTorch, so it cannot offload to cuda:0; rebuild against a "
+            "CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
+}
+#endif
+
 // A parameter whose memory is reserved but never touched (torch::empty of many GB costs
 // address space, not RAM), so the test can ask for more than the machine has.
 struct HugeImpl : torch::nn::Module {
