@@ -398,18 +398,26 @@ std::string get_string(hid_t obj, const std::string& name, const std::string& wh
 }
 
 std::vector<std::string> attr_names(hid_t obj, const std::string& where) {
-  H5O_info_t info{};
-  TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_NUM_ATTRS) >= 0, where, ": ", reason());
+  // H5Aiterate2 has one signature in HDF5 1.10 and 1.14 (H5Oget_info does not).
   std::vector<std::string> out;
-  for (hsize_t i = 0; i < info.num_attrs; ++i) {
-    ssize_t n = H5Aget_name_by_idx(obj, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
-    TORCH_CHECK(n >= 0, where, ": ", reason());
-    std::string s(static_cast<size_t>(n) + 1, '\0');
-    H5Aget_name_by_idx(obj, ".", H5_INDEX_NAME, H5_ITER_INC, i, s.data(), s.size(), H5P_DEFAULT);
-    s.resize(static_cast<size_t>(n));
-    out.push_back(std::move(s));
-  }
+  auto collect = [](hid_t, const char* name, const H5A_info_t*, void* data) -> herr_t {
+    static_cast<std::vector<std::string>*>(data)->emplace_back(name);
+    return 0;
+  };
+  hsize_t idx = 0;
+  TORCH_CHECK(H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_INC, &idx, collect, &out) >= 0, where, ": ", reason());
   return out;
+}
+
+Kind kind_of(hid_t loc, const std::string& name, const std::string& where) {
+  quiet();
+  Obj o(H5Oopen(loc, name.c_str(), H5P_DEFAULT), H5Oclose);
+  TORCH_CHECK(o.valid(), where, ": object '", name, "' is unreadable: the file is corrupted (", reason(), ")");
+  switch (H5Iget_type(o)) {
+    case H5I_GROUP: return Kind::kGroup;
+    case H5I_DATASET: return Kind::kDataset;
+    default: return Kind::kOther;
+  }
 }
 
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,

@@ -61,6 +61,10 @@ double get_double(hid_t obj, const std::string& name, const std::string& where);
 std::string get_string(hid_t obj, const std::string& name, const std::string& where);
 std::vector<std::string> attr_names(hid_t obj, const std::string& where);
 
+enum class Kind { kGroup, kDataset, kOther };
+/// What the child `name` of `loc` is; an unreadable object is an error naming it.
+Kind kind_of(hid_t loc, const std::string& name, const std::string& where);
+
 /// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`:
 /// contiguous, with block CRC32C checksums (Note [Block checksums] in h5.cpp).
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,

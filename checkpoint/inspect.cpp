@@ -39,14 +39,11 @@ std::string attr_text(const AttrValue& v) {
 
 void verify_tree(hid_t group, const std::string& where, std::vector<std::string>* unchecked = nullptr) {
   for (const auto& c : h5::children(group, where)) {
-    H5O_info_t info{};
-    if (H5Oget_info_by_name2(group, c.c_str(), &info, H5O_INFO_BASIC, H5P_DEFAULT) < 0) {
-      TORCH_CHECK(false, where, ": object '", c, "' is unreadable: the file is corrupted (", h5::reason(), ")");
-    }
-    if (info.type == H5O_TYPE_GROUP) {
+    const h5::Kind kind = h5::kind_of(group, c, where);
+    if (kind == h5::Kind::kGroup) {
       h5::Obj g = h5::open_group(group, c, where);
       verify_tree(g, where + "/" + c, unchecked);
-    } else if (info.type == H5O_TYPE_DATASET) {
+    } else if (kind == h5::Kind::kDataset) {
       if (!h5::verify(group, c, where) && unchecked) unchecked->push_back(where + "/" + c);
     }
   }
