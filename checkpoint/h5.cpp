@@ -2,7 +2,9 @@
 #include "h5.h"
 #include "crc32c.h"
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -209,6 +211,43 @@ hid_t file_type(Elem e) {
     case Elem::kU8: return H5T_STD_U8LE;
   }
   return -1;
+}
+
+// Note [Float conversion]
+// No float conversion is left to HDF5: its conversion of float32 to 16-bit floats
+// rounds ties away from zero, where torch's Tensor::to rounds them to even, so an export
+// differed from `tensor.to(dtype)` in the last bit of every exact tie (seen on an Intel
+// Xeon, where such ties came up in a GPT's weights). The conversions here are c10's
+// scalar ones, which Tensor::to's vectorized loops match bit for bit: round to nearest
+// even, also into subnormals and to infinity on overflow. NaN is the one value whose
+// bits differ between LibTorch versions (bf16: 0xffff in 1.13's vectorized path, 0x7fc0
+// in 2.6's); here it is always the quiet NaN of c10's scalar rule, 0x7fc0 (bf16) or
+// 0x7e00 (fp16), with the sign of the input for fp16. c10 only: the offline tools use it.
+void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, n * H5Tget_size(mem_type(from)));
+    return;
+  }
+  const bool narrow = from == Elem::kF32 && (to == Elem::kBF16 || to == Elem::kF16);
+  const bool widen = to == Elem::kF32 && (from == Elem::kBF16 || from == Elem::kF16);
+  TORCH_CHECK(narrow || widen, "cannot convert ", elem_name(from), " to ", elem_name(to));
+  if (narrow) {
+    const auto* in = static_cast<const float*>(src);
+    auto* out = static_cast<uint16_t*>(dst);
+    if (to == Elem::kBF16) {
+      for (size_t i = 0; i < n; ++i) out[i] = c10::BFloat16(in[i]).x;
+    } else {
+      for (size_t i = 0; i < n; ++i) out[i] = c10::Half(in[i]).x;
+    }
+  } else {
+    const auto* in = static_cast<const uint16_t*>(src);
+    auto* out = static_cast<float*>(dst);
+    if (from == Elem::kBF16) {
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
+    } else {
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
+    }
+  }
 }
 
 hid_t mem_type(Elem e) {
@@ -446,18 +485,15 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
     TORCH_CHECK(H5Dwrite(ds, mem_type(mem), H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, where,
                 ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
   } else {
-    // Converted block by block (HDF5's conversion, as a read would do it), so the
-    // checksum covers the bytes in the file.
+    // Converted block by block (Note [Float conversion]), so the checksum covers the
+    // bytes in the file.
     const size_t msize = H5Tget_size(mem_type(mem));
-    std::vector<uint8_t> buf(static_cast<size_t>(per_block) * std::max(msize, fsize));
+    std::vector<uint8_t> buf(static_cast<size_t>(per_block) * fsize);
     Obj fspace(H5Dget_space(ds), H5Sclose);
     for (int64_t first = 0; first < numel; first += per_block) {
       const int64_t n = std::min(per_block, numel - first);
-      std::memcpy(buf.data(), static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize,
-                  static_cast<size_t>(n) * msize);
-      TORCH_CHECK(H5Tconvert(mem_type(mem), file_type(file), static_cast<size_t>(n), buf.data(), nullptr,
-                             H5P_DEFAULT) >= 0, where, ": cannot convert '", name, "' to ", elem_name(file), ": ",
-                  reason());
+      convert(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem, buf.data(), file,
+              static_cast<size_t>(n));
       crcs.push_back(crc_block(buf.data(), static_cast<size_t>(n) * fsize));
       TORCH_CHECK(io_linear(ds, fspace, dims, first, n, buf.data(), file_type(file), /*write=*/true) >= 0, where,
                   ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
@@ -538,10 +574,22 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   };
   const std::vector<uint32_t> crcs = read_crcs(ds, where, name);
   if (crcs.empty()) {
-    // No checksums (a file from another writer): HDF5 converts and checks what it can.
-    if (io_linear(ds, fspace, dims, begin, count, out, mem_type(mem), /*write=*/false) < 0) {
+    // No checksums (a file from another writer). HDF5 reads the elements in the file's
+    // type (swapping bytes if need be); floats are then converted here (Note [Float
+    // conversion]). Integers are widened by HDF5, which is exact.
+    const Elem file = elem_of(loc, name, where);
+    const bool floats = file != Elem::kI64 && file != Elem::kU8;
+    if (mem == file || !floats) {
+      if (io_linear(ds, fspace, dims, begin, count, out, mem_type(mem), /*write=*/false) < 0) {
+        fail("the file is truncated or corrupted");
+      }
+      return;
+    }
+    std::vector<uint8_t> raw(static_cast<size_t>(count) * H5Tget_size(file_type(file)));
+    if (io_linear(ds, fspace, dims, begin, count, raw.data(), file_type(file), /*write=*/false) < 0) {
       fail("the file is truncated or corrupted");
     }
+    convert(raw.data(), file, out, mem, static_cast<size_t>(count));
     return;
   }
   Obj ftype(H5Dget_type(ds), H5Tclose);
@@ -610,11 +658,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
       fail("the file is truncated or corrupted");
     }
     check(k, tmp.data(), n);
-    if (mem != file && H5Tconvert(ftype, mem_type(mem), static_cast<size_t>(n), tmp.data(), nullptr, H5P_DEFAULT) < 0) {
-      fail(std::string("cannot convert ") + elem_name(file) + " to " + elem_name(mem));
-    }
-    std::memcpy(dst + static_cast<size_t>(lo - begin) * msize, tmp.data() + static_cast<size_t>(lo - b0) * msize,
-                static_cast<size_t>(hi - lo) * msize);
+    convert(tmp.data() + static_cast<size_t>(lo - b0) * fsize, file, dst + static_cast<size_t>(lo - begin) * msize,
+            mem, static_cast<size_t>(hi - lo));
   }
 }
 

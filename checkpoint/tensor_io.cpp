@@ -40,6 +40,25 @@ std::pair<at::ScalarType, h5::Elem> mem_form(h5::Elem file) {
 
 void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
                   const std::string& where) {
+  if (file == h5::Elem::kBF16 || file == h5::Elem::kF16) {
+    // Rounded by torch, as `t.to(dtype)` (Note [Float conversion] in h5.cpp); NaN gets the
+    // bits h5::convert gives it, which 1.13's vectorized bf16 conversion does not.
+    const auto dtype = file == h5::Elem::kBF16 ? at::kBFloat16 : at::kHalf;
+    at::Tensor src = t.detach().to(at::kCPU);
+    at::Tensor c = src.to(dtype).contiguous();
+    at::Tensor nan = src.isnan();
+    if (nan.any().item<bool>()) {
+      at::Tensor bits = c.view(at::kShort);
+      if (file == h5::Elem::kBF16) {
+        bits.masked_fill_(nan, static_cast<int16_t>(0x7fc0));
+      } else {
+        bits.masked_fill_(nan & src.signbit(), static_cast<int16_t>(0xfe00));
+        bits.masked_fill_(nan & ~src.signbit(), static_cast<int16_t>(0x7e00));
+      }
+    }
+    h5::write(loc, name, c.data_ptr(), file, file, c.sizes().vec(), where);
+    return;
+  }
   auto [st, mem] = mem_form(file);
   at::Tensor c = t.detach().to(at::kCPU, st).contiguous();
   h5::write(loc, name, c.data_ptr(), mem, file, c.sizes().vec(), where);

@@ -14,7 +14,8 @@ h5::Elem elem_of_dtype(c10::ScalarType t);
 std::string dtype_name(c10::ScalarType t);
 
 /// Writes `t` (any device) as dataset `name` with its own shape, stored as `file`
-/// (floating tensors go through fp32/fp64 in memory; HDF5 converts to 16-bit types).
+/// (a 16-bit float file gets `t.to(dtype)`, rounded by torch; other floating tensors go
+/// through fp32/fp64 in memory). NaN is stored as h5::convert stores it.
 void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
                   const std::string& where);
 /// Element type a buffer of dtype `t` is stored as in sharded checkpoints (lossless).

@@ -411,6 +411,113 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
 }
 
 // ---------------------------------------------------------------------------------
+// 16-bit exports round as torch's Tensor::to does (Note [Float conversion] in h5.cpp),
+// on values built to be hard: exact ties both ways and both signs, ties into and out of
+// subnormals, overflow to infinity, infinities and NaNs.
+
+std::vector<uint32_t> hard_fp32_bits() {
+  return {
+      // bf16 ties (the low 16 bits are exactly 0x8000): to even, down and up, both signs
+      0x3bc68000, 0x3bc78000, 0xbbc68000, 0xbbc78000, 0x3f808000, 0x3f818000, 0xbf808000, 0xbf818000,
+      // bf16: not ties, either side of one
+      0x3bc67fff, 0x3bc68001,
+      // fp32 subnormals: bf16 ties to 0 and to 2, the largest subnormal's tie up into normals
+      0x00000001, 0x00008000, 0x00018000, 0x80018000, 0x007f8000, 0x807f8000,
+      // bf16 overflow: the tie above the largest finite value and the largest float go to inf
+      0x7f7f8000, 0x7f7fffff, 0xff7f8000,
+      // fp16 ties: 1 + 2^-11 (to 1), 1 + 3 * 2^-11 (up), both signs
+      0x3f801000, 0x3f803000, 0xbf801000, 0xbf803000,
+      // fp16 subnormal ties: 2^-25 (to 0), 3 * 2^-25 (up to 2^-23), 5 * 2^-25 (down to 2^-23)
+      0x33000000, 0x33400000, 0x33a00000, 0xb3400000,
+      // fp16 overflow: 65520 is the tie between 65504 and 65536 (to inf); 65519 stays finite
+      0x477ff000, 0x477fef00, 0xc77ff000,
+      // infinities, NaNs (quiet, signalling, negative, all payload bits), zeros
+      0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001, 0x7fffffff,
+      0x00000000, 0x80000000,
+  };
+}
+
+// A model whose one parameter holds `hard_fp32_bits()` and then random values.
+struct HardValuesImpl : torch::nn::Module {
+  HardValuesImpl() {
+    auto bits = hard_fp32_bits();
+    std::vector<int32_t> v(bits.begin(), bits.end());
+    torch::manual_seed(5);
+    auto rest = torch::randn({64 - static_cast<int64_t>(v.size())});
+    w = register_parameter(
+        "w", torch::cat({torch::tensor(v, torch::kInt).view(torch::kFloat), rest}).reshape({8, 8}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(w); }
+  torch::Tensor w;
+};
+TORCH_MODULE(HardValues);
+
+// The raw 16-bit words of dataset /model/<name>, read in the file's own type.
+std::vector<uint16_t> raw_words(const std::string& file, const std::string& name) {
+  hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  EXPECT_GE(f, 0) << file;
+  hid_t ds = H5Dopen2(f, ("/model/" + name).c_str(), H5P_DEFAULT);
+  hid_t t = H5Dget_type(ds);
+  EXPECT_EQ(H5Tget_size(t), 2u) << file;
+  hid_t sp = H5Dget_space(ds);
+  std::vector<uint16_t> out(static_cast<size_t>(H5Sget_simple_extent_npoints(sp)));
+  EXPECT_GE(H5Dread(ds, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), 0) << file;
+  H5Sclose(sp);
+  H5Tclose(t);
+  H5Dclose(ds);
+  H5Fclose(f);
+  return out;
+}
+
+// Every word equals torch's `to(dtype)`, except NaN, which is the one quiet NaN of
+// Note [Float conversion] (torch's own NaN bits differ between versions).
+void expect_rounded_like_torch(const std::vector<uint16_t>& got, const torch::Tensor& fp32, torch::ScalarType dtype,
+                               const std::string& what) {
+  auto src = fp32.reshape({-1}).contiguous();
+  auto want = src.to(dtype).view(torch::kShort);
+  ASSERT_EQ(got.size(), static_cast<size_t>(src.numel())) << what;
+  for (int64_t i = 0; i < src.numel(); ++i) {
+    const float x = src[i].item<float>();
+    const auto bits = static_cast<uint32_t>(src.view(torch::kInt)[i].item<int32_t>());
+    uint16_t expected = static_cast<uint16_t>(want[i].item<int16_t>());
+    if (std::isnan(x)) expected = dtype == torch::kBFloat16 ? 0x7fc0 : (std::signbit(x) ? 0xfe00 : 0x7e00);
+    EXPECT_EQ(got[static_cast<size_t>(i)], expected)
+        << what << ": element " << i << " (fp32 bits 0x" << std::hex << bits << ") stored as 0x" << got[i]
+        << ", torch rounds it to 0x" << expected;
+  }
+}
+
+TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndNaN) {
+  const std::string dir = scratch_dir("ties");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
+    save_sharded_checkpoint(dir + "/sharded", *model, nullptr, sample_state(0));
+    ExportOptions eo;
+    for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+      eo.dtype = dtype;
+      export_consolidated(dir + "/live_" + tag + ".h5", *model, nullptr, sample_state(0), eo);
+    }
+  });
+  const torch::Tensor w = HardValues()->w.detach();
+  const std::string tool = bin_dir() + "/fsdp-consolidate";
+  for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+    auto r = run_command({tool, dir + "/sharded", dir + "/off_" + tag + ".h5", "--dtype", tag});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_rounded_like_torch(raw_words(dir + "/live_" + std::string(tag) + ".h5", "w"), w, dtype,
+                              std::string("live export, ") + tag);
+    expect_rounded_like_torch(raw_words(dir + "/off_" + std::string(tag) + ".h5", "w"), w, dtype,
+                              std::string("fsdp-consolidate --dtype ") + tag);
+    // Reading back widens exactly: the model gets torch's rounded values (NaN stays NaN).
+    HardValues back;
+    load_consolidated(dir + "/off_" + std::string(tag) + ".h5", *back);
+    auto want = w.to(dtype).to(torch::kFloat);
+    EXPECT_TRUE(torch::equal(back->w.detach().isnan(), want.isnan())) << tag;
+    EXPECT_TRUE(torch::equal(back->w.detach().nan_to_num(0, 1e38, -1e38), want.nan_to_num(0, 1e38, -1e38)))
+        << tag << ": widening on load is not exact";
+  }
+}
+
+// ---------------------------------------------------------------------------------
 // h5py reads the consolidated file: names, shapes and values match the C++ side.
 
 TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
