@@ -10,9 +10,32 @@
 #include <cstdlib>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 namespace fsdp {
 namespace {
+
+// Note [TCPStore and libuv]
+// LibTorch 2.4+ has a libuv server for the TCPStore and asks for it by default
+// (TCPStoreOptions::useLibUV = true); a build without libuv, such as Debian's, then
+// refuses to start the store ("use_libuv was requested but PyTorch was build without
+// libuv support"). 1.13 has neither the option nor the server. LibTorch exports no way
+// to ask whether the build has libuv, so the store is made with libuv where the option
+// exists and, if the build refuses, at once again without it. USE_LIBUV=0, torch's own
+// switch, skips the first try. Clients speak the same protocol to either server.
+template <typename T, typename = void>
+struct HasUseLibUV : std::false_type {};
+template <typename T>
+struct HasUseLibUV<T, std::void_t<decltype(std::declval<T&>().useLibUV)>> : std::true_type {};
+
+template <typename Options>
+bool set_use_libuv(Options& o, bool on) {
+  if constexpr (HasUseLibUV<Options>::value) {
+    o.useLibUV = on;
+    return true;
+  }
+  return false;
+}
 
 const char* env(const char* name) {
   const char* v = std::getenv(name);
@@ -136,9 +159,17 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
+  const char* use_libuv = env("USE_LIBUV");
+  set_use_libuv(so, use_libuv == nullptr || std::string(use_libuv) != "0");
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+    } catch (const std::exception& ex) {
+      // Note [TCPStore and libuv]: this build has no libuv; use the classic server.
+      if (std::string(ex.what()).find("libuv") == std::string::npos || !set_use_libuv(so, false)) throw;
+      store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+    }
   } catch (const std::exception& ex) {
     std::string what = ex.what();
     if (so.isServer) {
