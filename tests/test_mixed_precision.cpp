@@ -2,7 +2,11 @@
 #include "support/models.h"
 #include "support/multirank.h"
 
+#include <fsdp/loss_scaler.h>
+
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include <map>
 
@@ -117,18 +121,61 @@ TEST(MixedPrecision, Bf16GatheredParametersTakeHalfTheBytes) {
   EXPECT_EQ(mem.grad_shards.current, 4 * padded);               // fp32 gradient shards
 }
 
-TEST(MixedPrecision, Fp16OnCpuNamesTheUnsupportedOp) {
-  ShardingOptions o;
-  o.mixed_precision.param_dtype = torch::kHalf;
-  try {
-    fully_shard(MlpNet(), o);
-    FAIL() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "MixedPrecision::param_dtype=Half cannot run on CPU with this LibTorch: "
-              "\"addmm_impl_cpu_\" not implemented for 'Half'. Use BFloat16 on CPU, or run on a "
-              "CUDA device.");
+// fp16 on CPU: where LibTorch has the kernels (2.x), fp16 compute and communication
+// with a loss scaler trains at world 2 and every rank takes the same steps; where it has
+// not (1.13), fully_shard refuses at once, naming the missing kernel.
+TEST(MixedPrecision, Fp16OnCpuTrainsWithALossScalerOrNamesTheMissingKernel) {
+  if (!cpu_half_matmul_available()) {
+    ShardingOptions o;
+    o.mixed_precision.param_dtype = torch::kHalf;
+    try {
+      fully_shard(MlpNet(), o);
+      FAIL() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_EQ(std::string(e.what_without_backtrace()),
+                "MixedPrecision::param_dtype=Half cannot run on CPU with this LibTorch: "
+                "\"addmm_impl_cpu_\" not implemented for 'Half'. Use BFloat16 on CPU, or run on a "
+                "CUDA device.");
+    }
+    return;
   }
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.mixed_precision.param_dtype = torch::kHalf;
+    o.mixed_precision.reduce_dtype = torch::kHalf;
+    o.mixed_precision.output_dtype = torch::kFloat32;
+    torch::manual_seed(3);
+    auto model = fully_shard(MlpNet(), o);
+    EXPECT_EQ(model->sharded_parameters()[0].scalar_type(), torch::kFloat);  // fp32 masters
+    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(3e-3));
+    LossScalerOptions so;
+    so.initial_scale_power = 30;  // 2^30 overflows fp16 gradients: the first steps are skipped
+    LossScaler scaler(*model.ptr(), so);
+    auto [x, y] = mlp_batch(0, 8);
+    std::vector<double> losses;
+    for (int step = 0; step < 60; ++step) {
+      auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
+      ASSERT_EQ(loss.scalar_type(), torch::kFloat);
+      ASSERT_TRUE(std::isfinite(loss.item<double>())) << "step " << step;
+      losses.push_back(loss.item<double>());
+      scaler.scale(loss).backward();
+      scaler.step(opt);
+      scaler.update();
+      opt.zero_grad();
+    }
+    const int64_t skipped = scaler.state().skipped_steps;
+    EXPECT_GT(skipped, 0);
+    EXPECT_LT(skipped, 30);
+    EXPECT_LT(scaler.state().scale, std::ldexp(1.0, 30));
+    EXPECT_LT(losses.back(), 0.5 * losses.front());
+    // The same count and scale on every rank.
+    auto mine = torch::tensor({static_cast<double>(skipped), scaler.state().scale}, torch::kDouble);
+    auto mx = mine.clone(), sum = mine.clone();
+    pg.all_reduce_max(mx);
+    pg.all_reduce_sum(sum);
+    EXPECT_TRUE(torch::equal(mx * pg.size(), sum)) << mine;
+  });
 }
 
 TEST(MixedPrecision, ReduceDtypeBelowFp16IsRejected) {

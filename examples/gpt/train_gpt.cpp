@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -119,7 +120,8 @@ cxxopts::Options make_options() {
     ("seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))
     ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("sharding")
-    ("precision", "fp32|bf16 (bf16: compute and communication in bf16 over fp32 masters)", cxxopts::value<std::string>()->default_value("fp32"))
+    ("precision", "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over fp32 masters; fp16 with a dynamic loss scale)", cxxopts::value<std::string>()->default_value("fp32"))
+    ("loss-scale-power", "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)", cxxopts::value<int>()->default_value("16"))
     ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
     ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
     ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))
@@ -294,15 +296,23 @@ int run(int argc, char** argv) {
     throw UsageError("--lr-schedule " + schedule + " is unknown; use constant or cosine");
   }
   const std::string precision = r["precision"].as<std::string>();
+  const int scale_power = r["loss-scale-power"].as<int>();
+  if (scale_power < 0 || scale_power > 60) {
+    throw UsageError("--loss-scale-power " + std::to_string(scale_power) + " must be between 0 and 60 (the default is 16)");
+  }
   fsdp::ShardingOptions so;
   if (precision == "bf16") {
     so.mixed_precision.param_dtype = torch::kBFloat16;
     so.mixed_precision.reduce_dtype = torch::kBFloat16;
     so.mixed_precision.output_dtype = torch::kFloat32;
   } else if (precision == "fp16") {
-    throw UsageError("--precision fp16 needs a CUDA device: LibTorch's CPU kernels have no fp16 matmul (\"addmm_impl_cpu_\" not implemented for 'Half'); on CPU use bf16 or fp32");
+    // fp16 gradients under- and overflow without a loss scale: a dynamic one (DeepSpeed's
+    // rules) scales the loss, and a step whose gradients hold inf or nan is skipped.
+    so.mixed_precision.param_dtype = torch::kHalf;
+    so.mixed_precision.reduce_dtype = torch::kHalf;
+    so.mixed_precision.output_dtype = torch::kFloat32;
   } else if (precision != "fp32") {
-    throw UsageError("--precision " + precision + " is unknown; use fp32 or bf16");
+    throw UsageError("--precision " + precision + " is unknown; use fp32, bf16 or fp16");
   }
 
   so.strategy = parse_sharding(r["sharding"].as<std::string>());
@@ -357,7 +367,21 @@ int run(int argc, char** argv) {
   so.cpu_offload = r.count("cpu-offload") > 0;
 
   torch::manual_seed(seed);
-  auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
+  auto model = [&] {
+    try {
+      return fsdp::fully_shard(gpt::GPT(cfg), so);
+    } catch (const c10::Error& e) {
+      // LibTorch 1.13 has no CPU kernels for fp16 matmul; fully_shard names the op.
+      if (precision != "fp16") throw;
+      throw UsageError("--precision fp16: " + std::string(e.what_without_backtrace()));
+    }
+  }();
+  std::optional<fsdp::LossScaler> scaler;
+  if (precision == "fp16") {
+    fsdp::LossScalerOptions lso;
+    lso.initial_scale_power = r["loss-scale-power"].as<int>();
+    scaler.emplace(*model.ptr(), lso);
+  }
   // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
   // shards on a GPU with LibTorch's.
   const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>());
@@ -381,6 +405,7 @@ int run(int argc, char** argv) {
     st.model_attrs = {{"n_layer", cfg.n_layer}, {"n_head", cfg.n_head}, {"d_model", cfg.d_model},
                       {"block_size", cfg.block_size}, {"vocab_size", cfg.vocab_size}};
     st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
+    if (scaler) st.loss_scaler = scaler->state();
     return st;
   };
   int64_t first_step = 0;
@@ -393,6 +418,7 @@ int run(int argc, char** argv) {
                   << ", this run uses " << seed << " (the data stream changes)\n";
       }
       first_step = st.step;
+      if (scaler && st.loss_scaler) scaler->load_state(*st.loss_scaler);
       if (main_rank) std::cout << "train_gpt: resumed from " << *latest << " at step " << first_step << std::endl;
     } else if (main_rank) {
       std::cout << "train_gpt: --resume: no checkpoint in " << save_dir << " yet; starting from step 0" << std::endl;
@@ -442,11 +468,17 @@ int run(int argc, char** argv) {
       auto rows = global.narrow(0, m * micro, micro);
       auto mine = rows.narrow(0, pg.rank() * (micro / world), micro / world);
       auto loss = gpt::loss_on(model, mine) / static_cast<double>(accum);
-      loss.backward();
+      (scaler ? scaler->scale(loss) : loss).backward();
       loss_sum += loss.item<double>();
     }
+    if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
     if (clip > 0) fsdp::clip_grad_norm_(*model.ptr(), clip);
-    opt.step();
+    if (scaler) {
+      scaler->step(opt);  // skipped, on every rank alike, when a gradient is inf or nan
+      scaler->update();
+    } else {
+      opt.step();
+    }
     opt.zero_grad();
     auto l = torch::tensor({loss_sum}, torch::kDouble);
     pg.all_reduce_sum(l);
@@ -460,6 +492,10 @@ int run(int argc, char** argv) {
       if (jsonl.is_open()) {
         nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
                             {"peak_bytes", peak}, {"comm_bytes", comm}};
+        if (scaler) {
+          j["loss_scale"] = scaler->state().scale;
+          j["skipped_steps"] = scaler->state().skipped_steps;
+        }
         jsonl << j.dump() << "\n" << std::flush;
       }
       if ((step + 1) % log_every == 0 || step + 1 == last_step) {
@@ -468,7 +504,11 @@ int run(int argc, char** argv) {
         std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed << std::setprecision(4) << loss
                   << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed << " | "
                   << std::setprecision(0) << tok_s << " tok/s | engine peak " << human_bytes(static_cast<double>(peak))
-                  << " | comm " << human_bytes(static_cast<double>(comm)) << "/step | elapsed " << human_seconds(elapsed)
+                  << " | comm " << human_bytes(static_cast<double>(comm)) << "/step"
+                  << (scaler ? " | loss scale " + std::to_string(static_cast<int64_t>(scaler->state().scale)) +
+                                   ", skipped " + std::to_string(scaler->state().skipped_steps)
+                             : std::string())
+                  << " | elapsed " << human_seconds(elapsed)
                   << " | eta " << human_seconds(eta) << std::endl;
       }
     }
@@ -489,6 +529,11 @@ int run(int argc, char** argv) {
     fsdp::ExportOptions eo;
     fsdp::export_consolidated(consolidate_to, *model, nullptr, training_state(final_step), eo);
     if (main_rank) std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
+  }
+  if (scaler) {
+    // Every rank reports: skipping is agreed across ranks, so these lines must match.
+    std::cout << "train_gpt: rank " << pg.rank() << ": fp16 skipped " << scaler->state().skipped_steps << " of "
+              << final_step << " steps, loss scale " << static_cast<int64_t>(scaler->state().scale) << std::endl;
   }
   if (main_rank) std::cout << "train_gpt: done" << std::endl;
   return 0;
