@@ -3,8 +3,9 @@
 # build, and run the demo (a GPT trained fully sharded over 2 ranks on this CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
 ./scripts/install-deps.sh
 echo "[setup] configuring and building (first build takes a few minutes on 2 cores)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j2
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$B" -j2
 ./scripts/demo.sh

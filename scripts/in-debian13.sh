@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Runs a command in a Debian 13 (trixie) root on this machine, with this project inside:
+#
+#   scripts/in-debian13.sh [--cuda] [--fresh] CMD [ARGS...]
+#   scripts/in-debian13.sh ./scripts/test.sh              # the whole suite on LibTorch 2.6 (CPU)
+#   scripts/in-debian13.sh --cuda ./scripts/cuda-link-check.sh
+#
+# The root is made with debootstrap when it is missing, and the project's dependencies
+# are installed into it by scripts/install-deps.sh (the same package list as on the
+# host; --cuda picks its CUDA variant: libtorch-cuda-dev, libnccl-dev, libgloo-cuda-dev
+# and the CUDA toolkit). The project is bind-mounted at its own path, so CMD sees the
+# same files; builds inside go to build-debian13/ (build-debian13-cuda/ with --cuda),
+# never to the host's build/. Mounts are removed on exit, also on failure.
+#
+# Roots are cached in $FSDP_DEBIAN13_CACHE (default /var/cache/fsdp-libtorch) and
+# reused only when complete: a root is built under a temporary name and renamed when its
+# packages are installed. --fresh discards the cached root first. Needs root (or sudo),
+# debootstrap and mount; without them it fails and says so. The mirror is debootstrap's
+# default unless FSDP_DEBIAN_MIRROR is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROJECT="$(pwd -P)"
+
+CUDA=0
+FRESH=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cuda) CUDA=1; shift ;;
+    --fresh) FRESH=1; shift ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --) shift; break ;;
+    -*) echo "in-debian13: unknown option '$1' (expected --cuda, --fresh, or a command)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [ $# -eq 0 ]; then
+  echo "in-debian13: no command given; e.g. scripts/in-debian13.sh ./scripts/test.sh" >&2
+  exit 2
+fi
+
+fail() { echo "in-debian13: FAILED: $*" >&2; exit 1; }
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || fail "this needs root (or sudo) to run debootstrap, mount and chroot"
+  SUDO="sudo"
+fi
+if ! command -v debootstrap >/dev/null && [ ! -x /usr/sbin/debootstrap ]; then
+  echo "[in-debian13] installing debootstrap"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap >/dev/null ||
+    fail "debootstrap is not installed and could not be installed (apt-get install debootstrap)"
+fi
+DEBOOTSTRAP="$(command -v debootstrap || echo /usr/sbin/debootstrap)"
+
+VARIANT=cpu
+DEPS_FLAGS=()
+if [ "$CUDA" = 1 ]; then VARIANT=cuda; DEPS_FLAGS=(--cuda); fi
+CACHE="${FSDP_DEBIAN13_CACHE:-/var/cache/fsdp-libtorch}"
+ROOT="$CACHE/debian13-$VARIANT"
+# The package list is part of the root's identity: a changed install-deps.sh rebuilds it.
+STAMP="$(sha256sum scripts/install-deps.sh | cut -c1-16)"
+
+MOUNTS=()
+cleanup() {
+  local i
+  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
+    $SUDO umount "${MOUNTS[$i]}" 2>/dev/null || $SUDO umount -l "${MOUNTS[$i]}" 2>/dev/null ||
+      echo "in-debian13: warning: could not unmount ${MOUNTS[$i]}" >&2
+  done
+  MOUNTS=()
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+mount_in() {  # mount_in ROOT TYPE SOURCE TARGET [OPTIONS]
+  local root="$1" type="$2" src="$3" tgt="$1$4"
+  $SUDO mkdir -p "$tgt"
+  if [ "$type" = bind ]; then
+    $SUDO mount --bind "$src" "$tgt" || fail "cannot bind-mount $src at $tgt (is mount permitted here?)"
+  else
+    $SUDO mount -t "$type" "$src" "$tgt" || fail "cannot mount $type at $tgt (is mount permitted here?)"
+  fi
+  MOUNTS+=("$tgt")
+}
+mount_system() {  # /proc, /dev, /dev/pts, /sys and a resolver for apt
+  local root="$1"
+  mount_in "$root" proc proc /proc
+  mount_in "$root" bind /dev /dev
+  mount_in "$root" bind /dev/pts /dev/pts
+  mount_in "$root" bind /sys /sys
+  $SUDO cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+}
+
+if [ "$FRESH" = 1 ] && [ -d "$ROOT" ]; then
+  echo "[in-debian13] --fresh: removing $ROOT"
+  $SUDO rm -rf "$ROOT"
+fi
+if [ -d "$ROOT" ] && [ "$($SUDO cat "$ROOT/.fsdp-deps" 2>/dev/null)" != "$STAMP" ]; then
+  echo "[in-debian13] $ROOT was made with another package list; rebuilding it"
+  $SUDO rm -rf "$ROOT"
+fi
+if [ ! -d "$ROOT" ]; then
+  TMP="$ROOT.partial"
+  $SUDO rm -rf "$TMP"
+  $SUDO mkdir -p "$CACHE"
+  echo "[in-debian13] debootstrap trixie into $TMP (about a minute)"
+  T0=$SECONDS
+  # shellcheck disable=SC2086
+  $SUDO "$DEBOOTSTRAP" --variant=minbase --components=main,contrib,non-free,non-free-firmware \
+    trixie "$TMP" ${FSDP_DEBIAN_MIRROR:-} >"$CACHE/debootstrap-$VARIANT.log" 2>&1 ||
+    { tail -20 "$CACHE/debootstrap-$VARIANT.log" >&2; fail "debootstrap trixie failed (log: $CACHE/debootstrap-$VARIANT.log)"; }
+  echo "[in-debian13] debootstrap took $((SECONDS - T0)) s"
+  # The host's apt settings (proxies, validity checks of snapshot mirrors) apply inside too.
+  $SUDO cp -n /etc/apt/apt.conf.d/* "$TMP/etc/apt/apt.conf.d/" 2>/dev/null || true
+  mount_system "$TMP"
+  mount_in "$TMP" bind "$PROJECT/scripts" /tmp/fsdp-scripts
+  $SUDO chroot "$TMP" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+    bash /tmp/fsdp-scripts/install-deps.sh "${DEPS_FLAGS[@]}" || fail "installing the dependencies in $TMP failed"
+  cleanup
+  echo "$STAMP" | $SUDO tee "$TMP/.fsdp-deps" >/dev/null
+  $SUDO mv "$TMP" "$ROOT"
+fi
+
+mount_system "$ROOT"
+mount_in "$ROOT" bind "$PROJECT" "$PROJECT"
+# shared/ beside the checkout holds the project's cross-program contracts.
+if [ -d "$PROJECT/../shared" ]; then mount_in "$ROOT" bind "$(cd "$PROJECT/../shared" && pwd -P)" "$(cd "$PROJECT/../shared" && pwd -P)"; fi
+mount_in "$ROOT" tmpfs tmpfs /tmp
+
+BUILD_DIR="build-debian13"
+[ "$CUDA" = 1 ] && BUILD_DIR="build-debian13-cuda"
+echo "[in-debian13] running in $ROOT ($VARIANT): $*"
+set +e
+$SUDO chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+  TERM="${TERM:-dumb}" CI="${CI:-}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" \
+  bash -c 'cd "$1" && shift && exec "$@"' in-debian13 "$PROJECT" "$@"
+RC=$?
+set -e
+exit $RC
