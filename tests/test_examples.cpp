@@ -6,6 +6,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -173,6 +179,29 @@ TEST(FsdpRun, ARankExitingNonZeroIsNamedWithItsCode) {
                         "if [ \"$RANK\" = 0 ]; then exit 3; else sleep 60; fi"}, {}, 30);
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_NE(r.output.find("fsdp-run: rank 0 exited with code 3"), std::string::npos) << r.output;
+}
+
+// Rank 0 failing to serve the rendezvous ends the whole run at once: the other ranks
+// do not wait out the rendezvous timeout (120 s here).
+TEST(FsdpRun, RankZeroThatCannotServeTheRendezvousStopsEveryRankAtOnce) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(fd, 8), 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--master-port", port, "--", bin("train_gpt"), "--steps", "1"},
+                       {"FSDP_TIMEOUT_S=120"}, 150);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  close(fd);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 0 cannot serve the rendezvous: port " + port), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp-run: rank 0 exited with code 1"), std::string::npos) << r.output;
+  EXPECT_LT(secs, 60.0) << "the other ranks waited for the rendezvous timeout";
 }
 
 TEST(FsdpRun, BadArgumentsAreUsageErrors) {
