@@ -128,9 +128,14 @@ mount_in "$ROOT" tmpfs tmpfs /tmp
 BUILD_DIR="build-debian13"
 [ "$CUDA" = 1 ] && BUILD_DIR="build-debian13-cuda"
 echo "[in-debian13] running in $ROOT ($VARIANT): $*"
+# A clean environment inside, plus the project's own knobs from outside (FSDP_*, e.g.
+# FSDP_TIMEOUT_S), thread counts and ctest's.
+PASS=()
+while IFS= read -r kv; do PASS+=("$kv"); done < <(env | grep -E '^(FSDP_[A-Z0-9_]*|OMP_NUM_THREADS|CTEST_[A-Z_]*|CCACHE_[A-Z_]*)=' |
+                                                   grep -v '^FSDP_BUILD_DIR=' || true)
 set +e
 $SUDO chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
-  TERM="${TERM:-dumb}" CI="${CI:-}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" \
+  TERM="${TERM:-dumb}" CI="${CI:-}" "${PASS[@]}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" \
   bash -c 'cd "$1" && shift && exec "$@"' in-debian13 "$PROJECT" "$@"
 RC=$?
 set -e
