@@ -53,11 +53,19 @@ for must in fsdp-run fsdp-consolidate fsdp-inspect fsdp-estimate train_gpt train
 done
 # The engine's executables link LibTorch's CUDA library; the NCCL backend is the real one.
 for exe in train_gpt test_cuda bench_gpu; do
-  readelf -d "$B/bin/$exe" | grep -q 'libtorch_cuda.so' || fail "$exe does not link libtorch_cuda.so"
+  case "$(readelf -d "$B/bin/$exe")" in *libtorch_cuda.so*) ;; *) fail "$exe does not link libtorch_cuda.so" ;; esac
 done
-nm -C "$B/libfsdp.a" 2>/dev/null | grep -q 'c10d::ProcessGroupNCCL::' ||
-  nm -C "$B"/lib/libfsdp.a | grep -q 'c10d::ProcessGroupNCCL::' ||
+# (nm's output goes to a file: grep -q in a pipeline would end nm with SIGPIPE.)
+SYMS="$B/libfsdp.symbols.txt"
+nm -C "$B/lib/libfsdp.a" >"$SYMS" 2>/dev/null || fail "cannot read $B/lib/libfsdp.a"
+grep -q 'c10d::ProcessGroupNCCL::' "$SYMS" ||
   fail "libfsdp.a has no reference to c10d::ProcessGroupNCCL: the NCCL backend was not compiled in"
-nm -C "$B"/lib/libfsdp.a | grep -q 'no_cuda' && fail "libfsdp.a contains the no-CUDA stand-in"
-echo "[cuda-link-check] OK: $LINKED executables compiled and linked against $(ls /usr/lib/x86_64-linux-gnu/libtorch_cuda.so*
-  | head -1) with CUDA and NCCL on. Not run: needs cuDNN and a GPU (scripts/gpu-check.sh)."
+MEMBERS="$(ar t "$B/lib/libfsdp.a")"
+case "$MEMBERS" in *no_cuda.cpp.o*) fail "libfsdp.a contains the no-CUDA stand-in (src/no_cuda.cpp)" ;; esac
+for m in backend_nccl.cpp.o transfers_cuda.cpp.o; do
+  case "$MEMBERS" in *"$m"*) ;; *) fail "libfsdp.a lacks $m (src/cuda/)" ;; esac
+done
+rm -f "$SYMS"
+TORCH_CUDA="$(readlink -f /usr/lib/x86_64-linux-gnu/libtorch_cuda.so || echo libtorch_cuda.so)"
+echo "[cuda-link-check] OK: all $LINKED executables of the build compiled and linked against $TORCH_CUDA," \
+     "with src/cuda/ and the NCCL backend compiled in. Not run: that needs cuDNN and a GPU (scripts/gpu-check.sh)."
