@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -228,18 +229,19 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
     std::memcpy(dst, src, n * H5Tget_size(mem_type(from)));
     return;
   }
-  const bool narrow = from == Elem::kF32 && (to == Elem::kBF16 || to == Elem::kF16);
-  const bool widen = to == Elem::kF32 && (from == Elem::kBF16 || from == Elem::kF16);
-  TORCH_CHECK(narrow || widen, "cannot convert ", elem_name(from), " to ", elem_name(to));
-  if (narrow) {
+  const bool half = from == Elem::kBF16 || from == Elem::kF16 || to == Elem::kBF16 || to == Elem::kF16;
+  if (from == Elem::kF32 && half) {
     const auto* in = static_cast<const float*>(src);
     auto* out = static_cast<uint16_t*>(dst);
+    // NaN is set here, not left to c10: with F16C, c10::Half keeps NaN payloads.
     if (to == Elem::kBF16) {
-      for (size_t i = 0; i < n; ++i) out[i] = c10::BFloat16(in[i]).x;
+      for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? uint16_t{0x7fc0} : c10::BFloat16(in[i]).x;
     } else {
-      for (size_t i = 0; i < n; ++i) out[i] = c10::Half(in[i]).x;
+      for (size_t i = 0; i < n; ++i) {
+        out[i] = std::isnan(in[i]) ? (std::signbit(in[i]) ? uint16_t{0xfe00} : uint16_t{0x7e00}) : c10::Half(in[i]).x;
+      }
     }
-  } else {
+  } else if (to == Elem::kF32 && half) {
     const auto* in = static_cast<const uint16_t*>(src);
     auto* out = static_cast<float*>(dst);
     if (from == Elem::kBF16) {
@@ -247,8 +249,32 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
     } else {
       for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
     }
+  } else if (from == Elem::kF64 && to == Elem::kF32) {
+    // A float64 buffer (or another writer's float64 dataset) read as float32: the C++
+    // cast rounds to nearest even, as Tensor::to does.
+    const auto* in = static_cast<const double*>(src);
+    auto* out = static_cast<float*>(dst);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+  } else if (from == Elem::kF32 && to == Elem::kF64) {
+    const auto* in = static_cast<const float*>(src);
+    auto* out = static_cast<double*>(dst);
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
+  } else {
+    TORCH_CHECK(false, "cannot convert ", elem_name(from), " to ", elem_name(to));
   }
 }
+
+namespace {
+// convert(), with an error that names the file and the dataset.
+void convert_named(const void* src, Elem from, void* dst, Elem to, size_t n, const std::string& where,
+                   const std::string& name) {
+  try {
+    convert(src, from, dst, to, n);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, where, ": dataset '", name, "': ", e.what_without_backtrace());
+  }
+}
+}  // namespace
 
 hid_t mem_type(Elem e) {
   switch (e) {
@@ -492,8 +518,8 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
     Obj fspace(H5Dget_space(ds), H5Sclose);
     for (int64_t first = 0; first < numel; first += per_block) {
       const int64_t n = std::min(per_block, numel - first);
-      convert(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem, buf.data(), file,
-              static_cast<size_t>(n));
+      convert_named(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem, buf.data(), file,
+                    static_cast<size_t>(n), where, name);
       crcs.push_back(crc_block(buf.data(), static_cast<size_t>(n) * fsize));
       TORCH_CHECK(io_linear(ds, fspace, dims, first, n, buf.data(), file_type(file), /*write=*/true) >= 0, where,
                   ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
@@ -589,7 +615,7 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
     if (io_linear(ds, fspace, dims, begin, count, raw.data(), file_type(file), /*write=*/false) < 0) {
       fail("the file is truncated or corrupted");
     }
-    convert(raw.data(), file, out, mem, static_cast<size_t>(count));
+    convert_named(raw.data(), file, out, mem, static_cast<size_t>(count), where, name);
     return;
   }
   Obj ftype(H5Dget_type(ds), H5Tclose);
@@ -658,8 +684,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
       fail("the file is truncated or corrupted");
     }
     check(k, tmp.data(), n);
-    convert(tmp.data() + static_cast<size_t>(lo - b0) * fsize, file, dst + static_cast<size_t>(lo - begin) * msize,
-            mem, static_cast<size_t>(hi - lo));
+    convert_named(tmp.data() + static_cast<size_t>(lo - b0) * fsize, file, dst + static_cast<size_t>(lo - begin) * msize,
+                  mem, static_cast<size_t>(hi - lo), where, name);
   }
 }
 

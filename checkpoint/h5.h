@@ -39,9 +39,10 @@ const char* elem_name(Elem e);
 hid_t file_type(Elem e);  ///< owned by this module; do not close
 hid_t mem_type(Elem e);   ///< native in-memory type (bf16 uses the file layout)
 
-/// Converts `n` elements between float32 and a 16-bit float (Note [Float conversion] in
-/// h5.cpp): narrowing rounds to nearest, ties to even, as torch's Tensor::to does, and
-/// gives one quiet NaN per sign; widening is exact. Equal types copy. Other pairs throw.
+/// Converts `n` elements between float32 and a 16-bit float or float64 (Note [Float
+/// conversion] in h5.cpp): narrowing rounds to nearest, ties to even, as torch's
+/// Tensor::to does, and gives 16-bit floats one quiet NaN (per sign for fp16); widening
+/// is exact. Equal types copy. Other pairs throw.
 void convert(const void* src, Elem from, void* dst, Elem to, size_t n);
 
 /// Creates (truncating) a file; HDF5 object times are off so equal content gives equal bytes.

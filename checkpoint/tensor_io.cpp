@@ -45,7 +45,8 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
     // bits h5::convert gives it, which 1.13's vectorized bf16 conversion does not.
     const auto dtype = file == h5::Elem::kBF16 ? at::kBFloat16 : at::kHalf;
     at::Tensor src = t.detach().to(at::kCPU);
-    at::Tensor c = src.to(dtype).contiguous();
+    // A copy always: a buffer that is already `dtype` must not be changed below.
+    at::Tensor c = src.to(dtype, /*non_blocking=*/false, /*copy=*/true).contiguous();
     at::Tensor nan = src.isnan();
     if (nan.any().item<bool>()) {
       at::Tensor bits = c.view(at::kShort);

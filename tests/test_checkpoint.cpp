@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -446,21 +447,28 @@ struct HardValuesImpl : torch::nn::Module {
     auto rest = torch::randn({64 - static_cast<int64_t>(v.size())});
     w = register_parameter(
         "w", torch::cat({torch::tensor(v, torch::kInt).view(torch::kFloat), rest}).reshape({8, 8}));
+    // A float64 buffer with float32 ties (1 + 2^-24 to 1, 1 + 3 * 2^-24 up), a tie below
+    // the smallest float32 subnormal, overflow, and a NaN.
+    b = register_buffer("b", torch::tensor({1.0 + std::ldexp(1.0, -24), 1.0 + 3 * std::ldexp(1.0, -24),
+                                            -(1.0 + std::ldexp(1.0, -24)), std::ldexp(1.0, -150), 1e39,
+                                            std::nan(""), 0.1},
+                                           torch::kDouble));
   }
   torch::Tensor forward(const torch::Tensor& x) { return x.matmul(w); }
-  torch::Tensor w;
+  torch::Tensor w, b;
 };
 TORCH_MODULE(HardValues);
 
-// The raw 16-bit words of dataset /model/<name>, read in the file's own type.
-std::vector<uint16_t> raw_words(const std::string& file, const std::string& name) {
+// The raw words of dataset /model/<name>, read in the file's own type.
+template <typename Word = uint16_t>
+std::vector<Word> raw_words(const std::string& file, const std::string& name) {
   hid_t f = H5Fopen(file.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   EXPECT_GE(f, 0) << file;
   hid_t ds = H5Dopen2(f, ("/model/" + name).c_str(), H5P_DEFAULT);
   hid_t t = H5Dget_type(ds);
-  EXPECT_EQ(H5Tget_size(t), 2u) << file;
+  EXPECT_EQ(H5Tget_size(t), sizeof(Word)) << file;
   hid_t sp = H5Dget_space(ds);
-  std::vector<uint16_t> out(static_cast<size_t>(H5Sget_simple_extent_npoints(sp)));
+  std::vector<Word> out(static_cast<size_t>(H5Sget_simple_extent_npoints(sp)));
   EXPECT_GE(H5Dread(ds, t, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), 0) << file;
   H5Sclose(sp);
   H5Tclose(t);
@@ -493,16 +501,40 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
     auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
     save_sharded_checkpoint(dir + "/sharded", *model, nullptr, sample_state(0));
     ExportOptions eo;
-    for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+    for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
+                              std::pair{torch::kFloat32, "fp32"}}) {
       eo.dtype = dtype;
       export_consolidated(dir + "/live_" + tag + ".h5", *model, nullptr, sample_state(0), eo);
     }
   });
-  const torch::Tensor w = HardValues()->w.detach();
+  HardValues fresh;
+  const torch::Tensor w = fresh->w.detach();
   const std::string tool = bin_dir() + "/fsdp-consolidate";
-  for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (const std::string tag : {"bf16", "fp16", "fp32"}) {
     auto r = run_command({tool, dir + "/sharded", dir + "/off_" + tag + ".h5", "--dtype", tag});
     ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(bytes(dir + "/off_" + tag + ".h5"), bytes(dir + "/live_" + tag + ".h5")) << tag;
+  }
+  // The float64 buffer in an fp32 export: rounded like torch's to(float), NaN kept.
+  {
+    auto got = raw_words<uint32_t>(dir + "/off_fp32.h5", "b");
+    auto want = fresh->b.to(torch::kFloat).view(torch::kInt);
+    ASSERT_EQ(got.size(), static_cast<size_t>(want.numel()));
+    for (int64_t i = 0; i < want.numel(); ++i) {
+      if (std::isnan(fresh->b[i].item<double>())) {
+        float x = 0;
+        std::memcpy(&x, &got[static_cast<size_t>(i)], sizeof(x));
+        EXPECT_TRUE(std::isnan(x)) << "buffer element " << i;
+        continue;
+      }
+      EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<uint32_t>(want[i].item<int32_t>())) << "buffer element " << i;
+    }
+  }
+  for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
     expect_rounded_like_torch(raw_words(dir + "/live_" + std::string(tag) + ".h5", "w"), w, dtype,
                               std::string("live export, ") + tag);
     expect_rounded_like_torch(raw_words(dir + "/off_" + std::string(tag) + ".h5", "w"), w, dtype,
