@@ -21,8 +21,9 @@ namespace {
 // refuses to start the store ("use_libuv was requested but PyTorch was build without
 // libuv support"). 1.13 has neither the option nor the server. LibTorch exports no way
 // to ask whether the build has libuv, so the store is made with libuv where the option
-// exists and, if the build refuses, at once again without it. USE_LIBUV=0, torch's own
-// switch, skips the first try. Clients speak the same protocol to either server.
+// exists and, if the build refuses ("... without libuv support"), at once again without
+// it. USE_LIBUV other than 1, torch's own switch, skips the first try. Clients speak the
+// same protocol to either server.
 template <typename T, typename = void>
 struct HasUseLibUV : std::false_type {};
 template <typename T>
@@ -159,15 +160,16 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
   so.timeout = timeout;
-  const char* use_libuv = env("USE_LIBUV");
-  set_use_libuv(so, use_libuv == nullptr || std::string(use_libuv) != "0");
+  const char* use_libuv = env("USE_LIBUV");  // as torch reads it: "1" (or unset) is on
+  set_use_libuv(so, use_libuv == nullptr || std::string(use_libuv) == "1");
   c10::intrusive_ptr<c10d::Store> store;
   try {
     try {
       store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
-    } catch (const std::exception& ex) {
+    } catch (const c10::Error& ex) {
       // Note [TCPStore and libuv]: this build has no libuv; use the classic server.
-      if (std::string(ex.what()).find("libuv") == std::string::npos || !set_use_libuv(so, false)) throw;
+      const std::string what = ex.what_without_backtrace();
+      if (what.find("without libuv support") == std::string::npos || !set_use_libuv(so, false)) throw;
       store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
     }
   } catch (const std::exception& ex) {

@@ -297,6 +297,9 @@ int run(int argc, char** argv) {
   }
   const std::string precision = r["precision"].as<std::string>();
   const int scale_power = r["loss-scale-power"].as<int>();
+  if (r.count("loss-scale-power") && precision != "fp16") {
+    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " + precision + ")");
+  }
   if (scale_power < 0 || scale_power > 60) {
     throw UsageError("--loss-scale-power " + std::to_string(scale_power) + " must be between 0 and 60 (the default is 16)");
   }
@@ -372,8 +375,9 @@ int run(int argc, char** argv) {
       return fsdp::fully_shard(gpt::GPT(cfg), so);
     } catch (const c10::Error& e) {
       // LibTorch 1.13 has no CPU kernels for fp16 matmul; fully_shard names the op.
-      if (precision != "fp16") throw;
-      throw UsageError("--precision fp16: " + std::string(e.what_without_backtrace()));
+      const std::string what = e.what_without_backtrace();
+      if (precision != "fp16" || what.find("cannot run on CPU with this LibTorch") == std::string::npos) throw;
+      throw UsageError("--precision fp16: " + what);
     }
   }();
   std::optional<fsdp::LossScaler> scaler;
@@ -472,7 +476,8 @@ int run(int argc, char** argv) {
       loss_sum += loss.item<double>();
     }
     if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
-    if (clip > 0) fsdp::clip_grad_norm_(*model.ptr(), clip);
+    // (A step whose gradients overflowed is skipped: nothing to clip.)
+    if (clip > 0 && !(scaler && scaler->overflowed())) fsdp::clip_grad_norm_(*model.ptr(), clip);
     if (scaler) {
       scaler->step(opt);  // skipped, on every rank alike, when a gradient is inf or nan
       scaler->update();
