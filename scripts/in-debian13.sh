@@ -80,33 +80,50 @@ mount_in() {  # mount_in ROOT TYPE SOURCE TARGET [OPTIONS]
   fi
   MOUNTS+=("$tgt")
 }
-mount_system() {  # /proc, /dev, /dev/pts, /sys and a resolver for apt
+mount_system() {  # /proc, /dev (with its own /dev/shm), /dev/pts, /sys and a resolver for apt
   local root="$1"
   mount_in "$root" proc proc /proc
   mount_in "$root" bind /dev /dev
   mount_in "$root" bind /dev/pts /dev/pts
+  mount_in "$root" tmpfs tmpfs /dev/shm
   mount_in "$root" bind /sys /sys
   $SUDO cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+}
+# Removes a root made here. A run killed with SIGKILL leaves its mounts behind (the
+# host's /dev, the project): those are unmounted first, and rm never leaves the root's
+# own file system, so nothing outside the root can be deleted.
+remove_root() {
+  local dir="$1" m
+  [ -e "$dir" ] || return 0
+  while read -r m; do
+    [ -n "$m" ] && [ "$m" != "$dir" ] && { $SUDO umount "$m" 2>/dev/null || $SUDO umount -l "$m"; }
+  done < <(awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r)
+  $SUDO rm -rf --one-file-system "$dir"
 }
 
 if [ "$FRESH" = 1 ] && [ -d "$ROOT" ]; then
   echo "[in-debian13] --fresh: removing $ROOT"
-  $SUDO rm -rf "$ROOT"
+  remove_root "$ROOT"
 fi
 if [ -d "$ROOT" ] && [ "$($SUDO cat "$ROOT/.fsdp-deps" 2>/dev/null)" != "$STAMP" ]; then
-  echo "[in-debian13] $ROOT was made with another package list; rebuilding it"
-  $SUDO rm -rf "$ROOT"
+  echo "[in-debian13] $ROOT was made with another package list; making a new one (the old one stays until then)"
+  STALE=1
+else
+  STALE=0
 fi
-if [ ! -d "$ROOT" ]; then
+if [ ! -d "$ROOT" ] || [ "$STALE" = 1 ]; then
   TMP="$ROOT.partial"
-  $SUDO rm -rf "$TMP"
+  LOG="$CACHE/debootstrap-$VARIANT.log"
+  remove_root "$TMP"
   $SUDO mkdir -p "$CACHE"
   echo "[in-debian13] debootstrap trixie into $TMP (about a minute)"
   T0=$SECONDS
   # shellcheck disable=SC2086
-  $SUDO "$DEBOOTSTRAP" --variant=minbase --components=main,contrib,non-free,non-free-firmware \
-    trixie "$TMP" ${FSDP_DEBIAN_MIRROR:-} >"$CACHE/debootstrap-$VARIANT.log" 2>&1 ||
-    { tail -20 "$CACHE/debootstrap-$VARIANT.log" >&2; fail "debootstrap trixie failed (log: $CACHE/debootstrap-$VARIANT.log)"; }
+  if ! $SUDO "$DEBOOTSTRAP" --variant=minbase --components=main,contrib,non-free,non-free-firmware \
+         trixie "$TMP" ${FSDP_DEBIAN_MIRROR:-} 2>&1 | $SUDO tee "$LOG" >/dev/null; then
+    tail -20 "$LOG" >&2
+    fail "debootstrap trixie failed (log: $LOG)"
+  fi
   echo "[in-debian13] debootstrap took $((SECONDS - T0)) s"
   # The host's apt settings (proxies, validity checks of snapshot mirrors) apply inside too.
   $SUDO cp -n /etc/apt/apt.conf.d/* "$TMP/etc/apt/apt.conf.d/" 2>/dev/null || true
@@ -116,14 +133,16 @@ if [ ! -d "$ROOT" ]; then
     bash /tmp/fsdp-scripts/install-deps.sh "${DEPS_FLAGS[@]}" || fail "installing the dependencies in $TMP failed"
   cleanup
   echo "$STAMP" | $SUDO tee "$TMP/.fsdp-deps" >/dev/null
+  remove_root "$ROOT"
   $SUDO mv "$TMP" "$ROOT"
 fi
 
 mount_system "$ROOT"
+# /tmp first: a checkout under /tmp must stay visible through the binds below.
+mount_in "$ROOT" tmpfs tmpfs /tmp
 mount_in "$ROOT" bind "$PROJECT" "$PROJECT"
 # shared/ beside the checkout holds the project's cross-program contracts.
 if [ -d "$PROJECT/../shared" ]; then mount_in "$ROOT" bind "$(cd "$PROJECT/../shared" && pwd -P)" "$(cd "$PROJECT/../shared" && pwd -P)"; fi
-mount_in "$ROOT" tmpfs tmpfs /tmp
 
 BUILD_DIR="build-debian13"
 [ "$CUDA" = 1 ] && BUILD_DIR="build-debian13-cuda"
@@ -133,8 +152,17 @@ echo "[in-debian13] running in $ROOT ($VARIANT): $*"
 PASS=()
 while IFS= read -r kv; do PASS+=("$kv"); done < <(env | grep -E '^(FSDP_[A-Z0-9_]*|OMP_NUM_THREADS|CTEST_[A-Z_]*|CCACHE_[A-Z_]*)=' |
                                                    grep -v '^FSDP_BUILD_DIR=' || true)
+# As the calling user (under sudo), so that what CMD writes into the checkout is theirs;
+# ccache keeps its cache in the root, per user.
+USERSPEC=()
+HOME_IN=/root
+if [ -n "$SUDO" ]; then
+  USERSPEC=(--userspec="$(id -u):$(id -g)")
+  HOME_IN="/var/cache/home-$(id -u)"
+  $SUDO mkdir -p "$ROOT$HOME_IN" && $SUDO chown "$(id -u):$(id -g)" "$ROOT$HOME_IN"
+fi
 set +e
-$SUDO chroot "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+$SUDO chroot "${USERSPEC[@]}" "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME="$HOME_IN" LANG=C.UTF-8 \
   TERM="${TERM:-dumb}" CI="${CI:-}" "${PASS[@]}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" \
   bash -c 'cd "$1" && shift && exec "$@"' in-debian13 "$PROJECT" "$@"
 RC=$?
