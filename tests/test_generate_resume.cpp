@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -80,6 +81,49 @@ TEST(TrainGptCheckpoint, ResumeContinuesExactlyLikeAnUninterruptedRun) {
   ASSERT_EQ(s1.exit_code, 0) << s1.output;
   EXPECT_EQ(s1.output, s1b.output) << "sampling with a seed must be reproducible";
   EXPECT_NE(s1.output, s2.output) << "another seed should sample another text";
+}
+
+// fp16: the loss scaler's state travels with the checkpoint. The scale starts at 2^24,
+// so the first steps overflow and lower it; a resume that started again from 2^24 would
+// skip step 7 and diverge from the uninterrupted run.
+TEST(TrainGptCheckpoint, Fp16ResumeRestoresTheLossScale) {
+  const std::string dir = temp_dir("resume_fp16");
+  const std::vector<std::string> fp16 = {"--precision", "fp16", "--loss-scale-power", "24"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), fp16.begin(), fp16.end());
+    return extra;
+  };
+  auto full = run_command(run_args(dir, 12, with({"--log-jsonl", dir + "/full.jsonl"})));
+  if (!cpu_half_matmul_available()) {  // LibTorch 1.13: the refusal, tested in test_examples
+    EXPECT_NE(full.exit_code, 0);
+    EXPECT_NE(full.output.find("--precision fp16: MixedPrecision::param_dtype=Half cannot run on CPU"),
+              std::string::npos) << full.output;
+    return;
+  }
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  auto first = run_command(run_args(dir, 6, with({"--save-dir", dir + "/ck", "--save-every", "3"})));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto second = run_command(run_args(dir, 12, with({"--save-dir", dir + "/ck", "--resume", "--log-jsonl",
+                                                    dir + "/resumed.jsonl"})));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  auto rows = [](const std::string& log) {
+    std::ifstream f(log);
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(f, line);) {
+      if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+    }
+    return out;
+  };
+  auto a = rows(dir + "/full.jsonl"), b = rows(dir + "/resumed.jsonl");
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), 6u);
+  EXPECT_LT(a[5].at("loss_scale").get<double>(), std::ldexp(1.0, 24)) << "no overflow lowered the scale";
+  EXPECT_GT(a[5].at("skipped_steps").get<int64_t>(), 0);
+  for (size_t i = 0; i < b.size(); ++i) {
+    for (const char* key : {"loss", "loss_scale", "skipped_steps"}) {
+      EXPECT_EQ(b[i].at(key), a[i + 6].at(key)) << key << " at step " << i + 7;
+    }
+  }
 }
 
 TEST(TrainGptCheckpoint, ResumingAnotherModelFailsWithAMessage) {
