@@ -33,4 +33,4 @@ printf 'greedy : %s\n' "$("./$B/bin/generate" --weights "$OUT/gpt.h5" --prompt "
 printf 'sampled: %s\n' "$("./$B/bin/generate" --weights "$OUT/gpt.h5" --prompt "$PROMPT" --max-new-tokens 120 \
   --temperature 0.8 --top-k 20 --seed 1)"
 echo "[demo] done: logs in $OUT/log_part*.jsonl, checkpoints in $OUT/checkpoints, weights in $OUT/gpt.h5"
-echo "[demo] read the weights from Python: python3 -c \"import h5py; f = h5py.File('$OUT/gpt.h5'); print(list(f['model'])[:5])\""
+echo "[demo] read the weights from Python: /usr/bin/python3 -c \"import h5py; f = h5py.File('$OUT/gpt.h5'); print(list(f['model'])[:5])\""

@@ -7,7 +7,9 @@
 # say so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PREFIX="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+# The LibTorch of the python3 on PATH that has the CUDA torch (on a GPU machine, its own
+# Python, not Debian's CPU one at /usr/bin/python3); TORCH_PREFIX overrides it.
+PREFIX="${TORCH_PREFIX:-$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')}"
 cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$PREFIX" "$@"
 cmake --build build-cuda -j"$(nproc)"
 ctest --test-dir build-cuda --output-on-failure -R 'Cuda|FusedAdamW|Offload|Parity' -j4
