@@ -75,11 +75,12 @@ std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const Wra
 }
 
 // Pre-order, so that every_kth_policy counts wrap points in module order.
-void mark_checkpointed(WrapNode& node, const WrapPolicy& policy, std::vector<WrapPointImpl*>& out) {
+void mark_checkpointed(WrapNode& node, const WrapPolicy& policy,
+                       std::vector<std::pair<WrapPointImpl*, std::string>>& out) {
   for (auto& c : node.children) {
     int64_t numel = 0;
     for (const auto& p : c->wp->wrapped()->parameters()) numel += p.numel();
-    if (policy(WrapContext{c->fqn, *c->wp->wrapped(), numel})) out.push_back(c->wp);
+    if (policy(WrapContext{c->fqn, *c->wp->wrapped(), numel})) out.emplace_back(c->wp, c->fqn);
     mark_checkpointed(*c, policy, out);
   }
 }
@@ -188,10 +189,10 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
          /*is_root=*/true);
   std::vector<WrapNode*> nodes;
   collect_units(tree, nodes);
-  std::vector<WrapPointImpl*> checkpointed;
+  std::vector<std::pair<WrapPointImpl*, std::string>> checkpointed;  // with its FQN
   if (options.checkpoint_policy) mark_checkpointed(tree, options.checkpoint_policy, checkpointed);
 
-  // Tied parameters must land in one unit (DESIGN section 4).
+  // Tied parameters must land in one unit (docs/design.md, "The engine").
   std::map<c10::TensorImpl*, std::pair<std::string, std::string>> owner;  // impl -> (fqn, unit)
   for (WrapNode* n : nodes) {
     for (const auto& p : n->params) {
@@ -277,7 +278,10 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   }
   rt->set_flat_config(cfg);
   for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);
-  for (WrapPointImpl* wp : checkpointed) wp->checkpoint_ = true;
+  for (auto& [wp, fqn] : checkpointed) {
+    wp->checkpoint_ = true;
+    wp->fqn_ = fqn;
+  }
 }
 
 }  // namespace fsdp::detail

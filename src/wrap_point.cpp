@@ -150,11 +150,25 @@ SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
 }
 
 torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
-  if (!is_unit()) return module_.forward(std::move(x));
-  pre_forward();
-  torch::Tensor out = module_.forward(std::move(x));
-  post_forward({out});
+  return run_tensor_forward([this](const torch::Tensor& t) { return module_.forward(t); }, std::move(x));
+}
+
+torch::Tensor WrapPointImpl::run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                                                torch::Tensor x) {
+  if (!is_unit() && !checkpointed()) return fn(x);
+  if (is_unit()) pre_forward();
+  if (cast_inputs_) x = detail::cast_floating(x, *cast_inputs_);
+  torch::Tensor out = checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
+  if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
+  if (is_unit()) post_forward({out});
   return out;
+}
+
+void WrapPointImpl::fail_checkpoint_needs_tensor_forward() const {
+  TORCH_CHECK(false, "ShardingOptions::checkpoint_policy picked wrap point '", fqn_,
+              "', whose forward is not Tensor -> Tensor; activation checkpointing here recomputes "
+              "a forward of one tensor to one tensor. Leave it out of the policy (e.g. "
+              "predicate_policy), or call fsdp::checkpoint inside its forward.");
 }
 
 namespace detail {

@@ -309,3 +309,67 @@ TEST(ShardedCheckpoint, ForwardKeepsOnlyBlockInputsOfCheckpointedBlocks) {
             << " with every block checkpointed (block inputs: " << L * act << ")\n";
 }
 }  // namespace
+
+// ---------------------------------------------------------------------------------
+// Every wrap point takes one path: shard_sequential's entries are checkpointed like
+// FullyShardedModule wrap points, and a policy that picks a forward checkpointing
+// cannot handle is an error naming it.
+
+namespace {
+
+// Counting (above) counts its forward calls: a checkpointed one runs twice.
+TEST(ShardedCheckpoint, ShardSequentialEntriesFollowTheCheckpointPolicy) {
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (bool ckpt : {false, true}) {
+    torch::manual_seed(3);
+    Counting counting;
+    torch::nn::Sequential seq(torch::nn::Linear(4, 4), counting, torch::nn::Linear(4, 2));
+    ShardingOptions o;
+    if (ckpt) {
+      o.checkpoint_policy = predicate_policy(
+          [](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "1"; });
+    }
+    auto model = shard_sequential(seq, o);
+    model(torch::randn({3, 4}, at::detail::createCPUGenerator(9))).pow(2).sum().backward();
+    EXPECT_EQ(counting->calls, ckpt ? 2 : 1) << (ckpt ? "checkpointed: forward, then recompute" : "plain");
+    grads.emplace_back();
+    for (const auto& p : model->sharded_parameters()) grads.back().push_back(p.grad().clone());
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << i;
+}
+
+class TwoInputsImpl : public torch::nn::Module {
+ public:
+  TwoInputsImpl() : lin(register_module("lin", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& y) { return lin(x) + y; }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(TwoInputs);
+
+class TwoNetImpl : public torch::nn::Module {
+ public:
+  TwoNetImpl() : two(register_module("two", FullyShardedModule<TwoInputs>(TwoInputs()))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return two(x, x); }
+  FullyShardedModule<TwoInputs> two;
+};
+TORCH_MODULE(TwoNet);
+
+TEST(ShardedCheckpoint, APolicyPickingAForwardOfTwoInputsIsAnErrorNamingIt) {
+  ShardingOptions o;
+  o.checkpoint_policy = always_wrap_policy();
+  auto model = fully_shard(TwoNet(), o);
+  try {
+    model(torch::randn({2, 4}));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "ShardingOptions::checkpoint_policy picked wrap point 'two', whose forward is not Tensor -> "
+              "Tensor; activation checkpointing here recomputes a forward of one tensor to one tensor. Leave "
+              "it out of the policy (e.g. predicate_policy), or call fsdp::checkpoint inside its forward.");
+  }
+  torch::NoGradGuard no_grad;  // nothing is checkpointed without grad: the forward runs
+  EXPECT_EQ(model(torch::randn({2, 4})).sizes(), (std::vector<int64_t>{2, 4}));
+}
+
+}  // namespace

@@ -241,6 +241,39 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
   });
 }
 
+// shard_sequential's entries take the same path as FullyShardedModule wrap points:
+// keep_fp32_policy and output_dtype give bit-identical results either way.
+TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoints) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.auto_wrap_policy = never_wrap_policy();
+    o.mixed_precision.param_dtype = torch::kBFloat16;
+    o.mixed_precision.output_dtype = torch::kFloat32;
+    o.mixed_precision.keep_fp32_policy = module_type_policy<torch::nn::LayerNorm>();
+    torch::manual_seed(61);
+    auto wrapped = fully_shard(NormNet(), o);
+    torch::manual_seed(61);  // the same weights: Linear, LayerNorm, Linear made in that order
+    torch::nn::Linear first(8, 8);
+    torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({8}));
+    torch::nn::Linear last(8, 3);
+    auto seq = shard_sequential(torch::nn::Sequential(first, norm, last), o);
+    std::map<std::string, torch::Dtype> dtypes;
+    for (const auto& f : seq->flat_params()) dtypes[f.unit_fqn] = f.param_dtype;
+    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"1", torch::kFloat32}}));
+    auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
+    auto a = wrapped(x), b = seq(x);
+    EXPECT_EQ(a.scalar_type(), torch::kFloat32);
+    EXPECT_EQ(b.scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::equal(a, b));
+    a.sum().backward();
+    b.sum().backward();
+    auto ga = wrapped->sharded_parameters(), gb = seq->sharded_parameters();
+    ASSERT_EQ(ga.size(), gb.size());
+    for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::equal(ga[i].grad(), gb[i].grad())) << i;
+  });
+}
+
 }  // namespace
 
 namespace {

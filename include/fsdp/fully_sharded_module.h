@@ -1,7 +1,7 @@
 #pragma once
 // Wrap points and fully_shard.
 //
-// LibTorch modules have no forward hooks (DESIGN section 2), so a unit cannot attach
+// LibTorch modules have no forward hooks (docs/design.md, "LibTorch facts"), so a unit cannot attach
 // itself to a module from the outside. The model calls a submodule *through* a wrap
 // point, FullyShardedModule<M>, which forwards the call with M's own signature. A wrap
 // point that the auto-wrap policy turns into a unit gathers its parameters before the
@@ -12,6 +12,8 @@
 #include <fsdp/stats.h>
 
 #include <torch/torch.h>
+
+#include <functional>
 
 #include <memory>
 #include <optional>
@@ -114,12 +116,22 @@ class WrapPointImpl : public torch::nn::Module {
   explicit WrapPointImpl(const std::string& name) : torch::nn::Module(name) {}
   void pre_forward();
   void post_forward(std::vector<torch::Tensor> outputs);
+  /// The one path of a Tensor -> Tensor wrap point (FullyShardedModule and
+  /// shard_sequential's entries alike): gather, cast the input under mixed precision,
+  /// run `fn` (activation-checkpointed when the checkpoint policy picked this wrap
+  /// point), cast the output, set the pre-backward hook, free.
+  torch::Tensor run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn, torch::Tensor x);
+  /// Throws: the checkpoint policy picked this wrap point, but its forward is not
+  /// Tensor -> Tensor, which activation checkpointing needs.
+  [[noreturn]] void fail_checkpoint_needs_tensor_forward() const;
   /// Set by fully_shard under mixed precision: floating inputs are cast to this dtype.
   std::optional<torch::Dtype> cast_inputs_;
   /// Set on the root when MixedPrecision::output_dtype is given.
   std::optional<torch::Dtype> cast_outputs_;
   /// Set by fully_shard when the checkpoint policy picks this wrap point.
   bool checkpoint_ = false;
+  /// This wrap point's clean FQN, for errors (set by fully_shard).
+  std::string fqn_;
 
  private:
   friend class detail::Runtime;
@@ -182,18 +194,28 @@ class FullyShardedModuleImpl : public WrapPointImpl {
   /// Calls M's forward; gathers and frees the unit's parameters around it.
   template <typename... Args>
   auto forward(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
-    if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
-    if (is_unit()) pre_forward();
-    auto out = call(std::forward<Args>(args)...);
-    if constexpr (std::is_same_v<std::decay_t<decltype(out)>, torch::Tensor>) {
-      if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
+    using Out = decltype(std::declval<M&>()->forward(std::forward<Args>(args)...));
+    if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, torch::Tensor> &&
+                  (std::is_convertible_v<Args, torch::Tensor> && ...)) {
+      // Tensor -> Tensor: the path every such wrap point shares (shard_sequential's too).
+      return run_tensor_forward([this](const torch::Tensor& t) { return module_->forward(t); },
+                                (torch::Tensor(std::forward<Args>(args)), ...));
+    } else {
+      if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
+      if (checkpointed() && torch::GradMode::is_enabled()) fail_checkpoint_needs_tensor_forward();
+      if (is_unit()) pre_forward();
+      auto out = cast_inputs_ ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...)
+                              : module_->forward(std::forward<Args>(args)...);
+      if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>) {
+        if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
+      }
+      if (is_unit()) {
+        std::vector<torch::Tensor> tensors;
+        detail::collect_tensors(out, tensors);
+        post_forward(std::move(tensors));
+      }
+      return out;
     }
-    if (is_unit()) {
-      std::vector<torch::Tensor> tensors;
-      detail::collect_tensors(out, tensors);
-      post_forward(std::move(tensors));
-    }
-    return out;
   }
 
   /// The wrapped module holder.  /// The wrapped module holder.
@@ -205,23 +227,6 @@ class FullyShardedModuleImpl : public WrapPointImpl {
   static constexpr const char* kWrappedName = "module";
 
  private:
-  // M's forward, with mixed-precision input casts and, when the checkpoint policy
-  // picked this wrap point, activation checkpointing (Tensor -> Tensor forwards).
-  template <typename... Args>
-  auto call(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
-    using Out = decltype(std::declval<M&>()->forward(std::forward<Args>(args)...));
-    if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, torch::Tensor> &&
-                  (std::is_convertible_v<Args, torch::Tensor> && ...)) {
-      if (checkpointed() && torch::GradMode::is_enabled()) {
-        torch::Tensor in = (torch::Tensor(std::forward<Args>(args)), ...);
-        if (cast_inputs_) in = detail::cast_floating(in, *cast_inputs_);
-        return fsdp::checkpoint([this](const torch::Tensor& t) { return module_->forward(t); }, in);
-      }
-    }
-    if (cast_inputs_) return module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...);
-    return module_->forward(std::forward<Args>(args)...);
-  }
-
   M module_;
 };
 
