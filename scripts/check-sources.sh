@@ -46,6 +46,11 @@ if [[ ! -f "$torch_inc/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
   printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$tmp/c10/cuda/impl/cuda_cmake_macros.h"
 fi
 
+# The version header CMake generates from include/fsdp/version.h.in.
+mkdir -p "$tmp/fsdp"
+sed -e 's/@PROJECT_VERSION_MAJOR@/0/; s/@PROJECT_VERSION_MINOR@/0/; s/@PROJECT_VERSION_PATCH@/0/' \
+    -e 's/@PROJECT_VERSION@/0.0.0/' include/fsdp/version.h.in > "$tmp/fsdp/version.h"
+
 if [[ $all == 1 ]]; then
   mapfile -t files < <(ls src/*.cpp src/cuda/*.cpp src/tools/*.cpp checkpoint/*.cpp wrap_policies/*.cpp \
     examples/*/*.cpp tests/*.cpp tests/support/*.cpp tests/bench/*.cpp | grep -v -e no_cuda.cpp -e no_gloo.cpp -e no_hdf5.cpp)

@@ -3,6 +3,8 @@
 // gathered-unit and buffer terms must bound the counters' peaks. Then the CLI: its
 // table, its JSON (equal to the library's figures) and its bad-input errors.
 #include <fsdp/estimate.h>
+#include <fsdp/checkpoint_format.h>
+#include <fsdp/version.h>
 
 #include "support/models.h"
 #include "support/multirank.h"
@@ -305,5 +307,23 @@ INSTANTIATE_TEST_SUITE_P(
             "give either a GPT shape or --params, not both"},
         Bad{{"--params", "1e9", "--no-such-flag"}, "Option"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
+
+// One version everywhere: the headers, the library, and every tool's --version.
+TEST(Version, HeadersLibraryAndEveryToolAgree) {
+  EXPECT_STREQ(fsdp::version(), FSDP_VERSION_STRING);
+  EXPECT_EQ(std::string(FSDP_VERSION_STRING),
+            std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
+                std::to_string(FSDP_VERSION_PATCH));
+  std::vector<std::string> tools = {"fsdp-run", "fsdp-estimate"};
+#ifdef FSDP_TEST_HAVE_HDF5
+  tools.insert(tools.end(), {"fsdp-consolidate", "fsdp-inspect"});
+#endif
+  for (const auto& tool : tools) {
+    auto r = run_command({bin_dir() + "/" + tool, "--version"});
+    EXPECT_EQ(r.exit_code, 0) << tool << ": " << r.output;
+    EXPECT_EQ(r.output, tool + " (fsdp-libtorch) " + FSDP_VERSION_STRING + ", checkpoint format " +
+                            std::to_string(fsdp::kCheckpointFormatVersion) + "\n");
+  }
+}
 
 }  // namespace

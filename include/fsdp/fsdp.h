@@ -11,4 +11,5 @@
 #include <fsdp/options.h>
 #include <fsdp/process_group.h>
 #include <fsdp/stats.h>
+#include <fsdp/version.h>
 #include <fsdp/wrap_policy.h>

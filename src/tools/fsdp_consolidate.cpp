@@ -6,6 +6,8 @@
 // stays about one parameter plus a constant whatever the model size.
 #include "../../checkpoint/layout.h"
 
+#include <fsdp/version.h>
+
 #include <c10/util/Exception.h>
 
 #include <cxxopts.hpp>
@@ -35,6 +37,7 @@ int main(int argc, char** argv) {
     ("with-optimizer", "also write /optimizer/<FQN>/<state>")
     ("q,quiet", "no progress output")
     ("h,help", "show this help")
+    ("version", "print the version")
     ("sharded", "", cxxopts::value<std::string>())
     ("out", "", cxxopts::value<std::string>());
   opts.parse_positional({"sharded", "out"});
@@ -42,6 +45,10 @@ int main(int argc, char** argv) {
     auto r = opts.parse(argc, argv);
     if (r.count("help")) {
       std::cout << opts.help() << std::endl;
+      return 0;
+    }
+    if (r.count("version")) {
+      std::cout << fsdp::version_line("fsdp-consolidate") << std::endl;
       return 0;
     }
     if (!r.count("sharded") || !r.count("out")) {

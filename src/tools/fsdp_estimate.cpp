@@ -8,6 +8,7 @@
 //                 [--world-size W] [--strategy full|grad_op|none|hybrid] [--hybrid-group-size G]
 //                 [--precision fp32|bf16|fp16] [--cpu-offload] [--activation-checkpointing]
 //                 [--micro-batch B] [--max-gathered-units K] [--json]
+#include <fsdp/version.h>
 #include <fsdp/estimate.h>
 
 #include <cxxopts.hpp>
@@ -79,7 +80,8 @@ cxxopts::Options make_options() {
     ("max-gathered-units", "ShardingOptions::max_gathered_units", cxxopts::value<int>()->default_value("2"));
   o.add_options("Output")
     ("json", "print JSON instead of a table")
-    ("h,help", "show this help");
+    ("h,help", "show this help")
+    ("version", "print the version");
   return o;
 }
 
@@ -209,6 +211,10 @@ int run(int argc, char** argv) {
   const auto r = options.parse(argc, argv);
   if (r.count("help")) {
     std::cout << options.help() << kNotes;
+    return 0;
+  }
+  if (r.count("version")) {
+    std::cout << fsdp::version_line("fsdp-estimate") << std::endl;
     return 0;
   }
   const auto in = read_input(r);

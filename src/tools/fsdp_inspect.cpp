@@ -5,6 +5,7 @@
 // CHECKPOINT is a sharded checkpoint directory (or a directory with a `latest` marker)
 // or a consolidated .h5 file. Exits 0 when the checkpoint is complete and every
 // checksum matches, 1 on any problem (named on stderr), 2 on bad usage.
+#include <fsdp/version.h>
 #include "../../checkpoint/layout.h"
 
 #include <c10/util/Exception.h>
@@ -19,12 +20,17 @@ int main(int argc, char** argv) {
   opts.add_options()
     ("no-verify", "describe only; do not read every dataset")
     ("h,help", "show this help")
+    ("version", "print the version")
     ("path", "", cxxopts::value<std::string>());
   opts.parse_positional({"path"});
   try {
     auto r = opts.parse(argc, argv);
     if (r.count("help")) {
       std::cout << opts.help() << std::endl;
+      return 0;
+    }
+    if (r.count("version")) {
+      std::cout << fsdp::version_line("fsdp-inspect") << std::endl;
       return 0;
     }
     if (!r.count("path")) {

@@ -5,6 +5,8 @@
 // Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 // MASTER_PORT (and OMP_NUM_THREADS=1 unless set, as torchrun). SIGINT and SIGTERM are forwarded to every rank. If a rank fails, the
 // others are stopped and fsdp-run exits non-zero, naming the rank and how it ended.
+#include <fsdp/version.h>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -76,11 +78,16 @@ int main(int argc, char** argv) {
       ++i;
       break;
     }
+    if (a == "--version") {
+      std::cout << fsdp::version_line("fsdp-run") << "\n";
+      return 0;
+    }
     if (a == "-h" || a == "--help") {
       std::cout << "usage: fsdp-run --nproc N [--master-port P] [--tee] -- CMD ARGS...\n"
                    "  --nproc N        ranks to start on this machine\n"
                    "  --master-port P  rendezvous port (default: a free one)\n"
-                   "  --tee            prefix every output line with its rank\n";
+                   "  --tee            prefix every output line with its rank\n"
+                   "  --version        print the version\n";
       return 0;
     }
     auto value = [&](const std::string& flag) -> std::string {

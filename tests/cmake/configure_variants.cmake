@@ -1,0 +1,72 @@
+# Configures scratch builds of the source tree in the variants a user or a parent
+# project may pick, and fails naming the variant that does not configure or does not
+# do what its options say. Run by ctest (Build.ConfiguresWithoutHdf5ExamplesTestsOrBenchmarks):
+#   cmake -DSOURCE=<tree> -DSCRATCH=<dir> -DGENERATOR=<gen> [-DPREFIX=<prefix path>] -P configure_variants.cmake
+foreach(v SOURCE SCRATCH GENERATOR)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "configure_variants.cmake needs -D${v}=...")
+  endif()
+endforeach()
+file(REMOVE_RECURSE "${SCRATCH}")
+
+# configure(NAME SOURCE_DIR EXPECT_REGEX... [ARGS ...]): configures and checks the output.
+function(configure name src)
+  cmake_parse_arguments(C "" "" "EXPECT;REJECT;ARGS" ${ARGN})
+  set(dir "${SCRATCH}/${name}")
+  execute_process(COMMAND ${CMAKE_COMMAND} -S "${src}" -B "${dir}" -G "${GENERATOR}"
+                          "-DCMAKE_PREFIX_PATH=${PREFIX}" ${C_ARGS}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "variant '${name}' (${C_ARGS}) does not configure:\n${out}\n${err}")
+  endif()
+  foreach(re IN LISTS C_EXPECT)
+    if(NOT "${out}${err}" MATCHES "${re}")
+      message(FATAL_ERROR "variant '${name}': the configure output lacks '${re}':\n${out}\n${err}")
+    endif()
+  endforeach()
+  foreach(re IN LISTS C_REJECT)
+    if("${out}${err}" MATCHES "${re}")
+      message(FATAL_ERROR "variant '${name}': the configure output has '${re}':\n${out}\n${err}")
+    endif()
+  endforeach()
+  message(STATUS "variant '${name}' configures")
+endfunction()
+
+configure(no_examples "${SOURCE}" ARGS -DFSDP_BUILD_EXAMPLES=OFF
+          EXPECT "test_examples and test_generate_resume are not built")
+configure(no_hdf5 "${SOURCE}" ARGS -DCMAKE_DISABLE_FIND_PACKAGE_HDF5=ON
+          EXPECT "HDF5 not found; checkpoints are disabled" "no HDF5, so test_checkpoint")
+configure(library_only "${SOURCE}"
+          ARGS -DFSDP_BUILD_TESTS=OFF -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF
+               -DCMAKE_DISABLE_FIND_PACKAGE_HDF5=ON
+          REJECT "Found GTest")
+if(NOT EXISTS "${SCRATCH}/library_only/build.ninja" AND NOT EXISTS "${SCRATCH}/library_only/Makefile")
+  message(FATAL_ERROR "variant 'library_only' wrote no build files")
+endif()
+
+# A parent project that includes this one: tests, examples and benchmarks are off by
+# default, and the parent's build type is its own.
+file(MAKE_DIRECTORY "${SCRATCH}/parent")
+file(WRITE "${SCRATCH}/parent/CMakeLists.txt" "
+cmake_minimum_required(VERSION 3.24)
+project(parent LANGUAGES C CXX)
+add_subdirectory(\"${SOURCE}\" fsdp)
+foreach(opt FSDP_BUILD_TESTS FSDP_BUILD_EXAMPLES FSDP_BUILD_BENCHMARKS)
+  if(\${\${opt}})
+    message(FATAL_ERROR \"\${opt} is ON in a parent project\")
+  endif()
+endforeach()
+if(CMAKE_BUILD_TYPE)
+  message(FATAL_ERROR \"the parent's CMAKE_BUILD_TYPE was set to '\${CMAKE_BUILD_TYPE}' by fsdp\")
+endif()
+foreach(t train_gpt test_parity bench_adamw)
+  if(TARGET \${t})
+    message(FATAL_ERROR \"target \${t} exists in a parent project\")
+  endif()
+endforeach()
+add_executable(app app.cpp)
+target_link_libraries(app PRIVATE fsdp)
+")
+file(WRITE "${SCRATCH}/parent/app.cpp" "#include <fsdp/fsdp.h>\nint main() { return 0; }\n")
+configure(parent "${SCRATCH}/parent")
+file(REMOVE_RECURSE "${SCRATCH}")
