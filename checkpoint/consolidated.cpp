@@ -1,4 +1,4 @@
-// Consolidated checkpoints: one HDF5 file in the DESIGN layout (section 6), written
+// Consolidated checkpoints: one HDF5 file in the layout of docs/design.md, "Contracts", written
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
 #include "optim_state.h"

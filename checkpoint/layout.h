@@ -105,7 +105,7 @@ std::string resolve_checkpoint_dir(const std::string& path);
 /// "[2, 3]".
 std::string describe_shape(const std::vector<int64_t>& s);
 
-/// Writes a consolidated file (DESIGN section 6); the live export and the offline
+/// Writes a consolidated file (docs/design.md, "Contracts"); the live export and the offline
 /// consolidation make the same calls in the same order, so their files are identical.
 /// The file is written under a temporary name and renamed into place by finish().
 struct ConsolidatedWriter {

@@ -10,7 +10,7 @@ namespace {
 // Gathered parameters are views into one full buffer. To free and restore the bytes
 // without touching the views, resize the buffer's StorageImpl itself: tensors that
 // autograd saved in forward share that StorageImpl and see the restored data in
-// backward (DESIGN section 2). The storage's own allocator serves CPU and CUDA alike.
+// backward (docs/design.md, "LibTorch facts"). The storage's own allocator serves CPU and CUDA alike.
 void free_storage(const at::Tensor& t) { t.storage().unsafeGetStorageImpl()->reset(); }
 
 void alloc_storage(const at::Tensor& t, size_t nbytes) {

@@ -1,7 +1,7 @@
 #pragma once
 // One flat parameter: a unit's parameters (trainable or frozen ones) concatenated in
 // registration order, padded to a multiple of the shard group size, and split so that
-// each rank keeps one fp32 shard (DESIGN section 4).
+// each rank keeps one fp32 shard (docs/design.md, "The engine").
 
 #include "accounting.h"
 #include "backend.h"

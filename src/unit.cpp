@@ -67,7 +67,7 @@ void Unit::reshard() {
 namespace {
 
 // Fires after AccumulateGrad has written an original parameter's .grad(): the
-// post-backward trigger of DESIGN section 4.
+// post-backward trigger of docs/design.md, "The engine".
 class PostAccumulateHook : public torch::autograd::FunctionPostHook {
  public:
   PostAccumulateHook(Unit* unit, FlatParam* flat, size_t slot) : unit_(unit), flat_(flat), slot_(slot) {}

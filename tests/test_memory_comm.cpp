@@ -1,4 +1,4 @@
-// Accounting: the engine's byte counters against DESIGN section 5, and communication
+// Accounting: the engine's byte counters against docs/design.md, "Memory model", and communication
 // bytes per step against the theory for FULL_SHARD.
 #include "support/models.h"
 #include "support/multirank.h"

@@ -1,5 +1,5 @@
 #pragma once
-// The GPT of DESIGN section 6: byte-level, pre-LayerNorm blocks, untied lm_head.
+// The GPT of docs/design.md, "Contracts": byte-level, pre-LayerNorm blocks, untied lm_head.
 // Blocks are wrap points (fsdp::FullyShardedModule<Block>): unsharded they are plain
 // calls, and fsdp::fully_shard can make each one a unit. FQNs are
 // wte.weight, wpe.weight, blocks.{i}.ln1.weight, blocks.{i}.attn.qkv.weight, ...,

@@ -1,4 +1,4 @@
-// train_gpt: trains the GPT of DESIGN section 6, sharded over every rank of the job.
+// train_gpt: trains the GPT of docs/design.md, "Contracts", sharded over every rank of the job.
 //
 //   build/bin/train_gpt --steps 200                      # one process
 //   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine

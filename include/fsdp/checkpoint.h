@@ -1,5 +1,5 @@
 #pragma once
-// HDF5 checkpoints (DESIGN section 6).
+// HDF5 checkpoints (docs/design.md, "Contracts").
 //
 // Sharded: a directory per checkpoint, one HDF5 file per rank (rank_00000.h5, ...),
 // written by all ranks at once. Each file describes itself (format version, world size,

@@ -26,7 +26,7 @@ struct EstimateInput {
   bool cpu_offload = false;               ///< ShardingOptions::cpu_offload
   bool activation_checkpointing = false;  ///< every block checkpointed
   int max_gathered_units = 2;             ///< ShardingOptions::max_gathered_units
-  /// Activations: a GPT's shape (DESIGN section 6) and the per-rank micro-batch in
+  /// Activations: a GPT's shape (docs/design.md, "Contracts") and the per-rank micro-batch in
   /// sequences. n_layer == 0 or micro_batch == 0: no activation estimate (e.g. --params).
   int64_t n_layer = 0, n_head = 0, d_model = 0, block_size = 0, vocab_size = 256, micro_batch = 0;
 };
@@ -59,7 +59,7 @@ struct MemoryEstimate {
   const MemoryTerm& term(const std::string& key) const;
 };
 
-/// Trainable parameters per unit of the GPT in DESIGN section 6 wrapped per block
+/// Trainable parameters per unit of the GPT (docs/design.md, "Contracts") wrapped per block
 /// (wrap=block): the root unit (wte, wpe, ln_f, lm_head) first, then one per block.
 std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, int64_t block_size,
                                      int64_t vocab_size = 256);

@@ -1,6 +1,6 @@
 // Benchmark (run under fsdp-run --nproc N): the engine's byte counters after a training
-// step against DESIGN section 5's per-rank model-state formula, 16 bytes per parameter
-// over N (fp32 shard, fp32 gradient shard, Adam m and v), and the gathered-parameter
+// step against the per-rank model-state formula of docs/design.md, "Memory model": 16
+// bytes per parameter over N (fp32 shard, fp32 gradient shard, Adam m and v), and the gathered-parameter
 // peak against its bound.
 #include <fsdp/fsdp.h>
 
@@ -46,7 +46,7 @@ int main() {
                 static_cast<long long>(mem.grad_shards.current), static_cast<long long>(optim), formula,
                 static_cast<long long>(mem.gathered_params.peak), o.max_gathered_units, bound);
     std::printf("{\"metric\": \"model_state_bytes_vs_formula_w%d\", \"value\": %.4f, \"unit\": \"ratio (target 1.00 "
-                "plus padding)\", \"baseline\": \"DESIGN section 5: 16 bytes x parameters / N\"}\n",
+                "plus padding)\", \"baseline\": \"docs/design.md, Memory model: 16 bytes x parameters / N\"}\n",
                 pg.size(), measured / formula);
     std::printf("{\"metric\": \"gathered_params_peak_vs_bound_w%d\", \"value\": %.4f, \"unit\": \"ratio (at most 1)\", "
                 "\"baseline\": \"root unit + max_gathered_units x largest unit, fp32\"}\n",
