@@ -235,10 +235,11 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
     auto* out = static_cast<uint16_t*>(dst);
     // NaN is set here, not left to c10: with F16C, c10::Half keeps NaN payloads.
     if (to == Elem::kBF16) {
-      for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? uint16_t{0x7fc0} : c10::BFloat16(in[i]).x;
+      for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? kBF16NaN : c10::BFloat16(in[i]).x;
     } else {
       for (size_t i = 0; i < n; ++i) {
-        out[i] = std::isnan(in[i]) ? (std::signbit(in[i]) ? uint16_t{0xfe00} : uint16_t{0x7e00}) : c10::Half(in[i]).x;
+        out[i] = std::isnan(in[i]) ? static_cast<uint16_t>(kF16NaN | (std::signbit(in[i]) ? 0x8000 : 0))
+                                    : c10::Half(in[i]).x;
       }
     }
   } else if (to == Elem::kF32 && half) {

@@ -44,6 +44,9 @@ hid_t mem_type(Elem e);   ///< native in-memory type (bf16 uses the file layout)
 /// Tensor::to does, and gives 16-bit floats one quiet NaN (per sign for fp16); widening
 /// is exact. Equal types copy. Other pairs throw.
 void convert(const void* src, Elem from, void* dst, Elem to, size_t n);
+/// The one NaN each 16-bit type is stored with (fp16 keeps the sign bit, 0x8000).
+constexpr uint16_t kBF16NaN = 0x7fc0;
+constexpr uint16_t kF16NaN = 0x7e00;
 
 /// Creates (truncating) a file; HDF5 object times are off so equal content gives equal bytes.
 Obj create_file(const std::string& path);

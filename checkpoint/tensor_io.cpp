@@ -51,10 +51,10 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
     if (nan.any().item<bool>()) {
       at::Tensor bits = c.view(at::kShort);
       if (file == h5::Elem::kBF16) {
-        bits.masked_fill_(nan, static_cast<int16_t>(0x7fc0));
+        bits.masked_fill_(nan, static_cast<int16_t>(h5::kBF16NaN));
       } else {
-        bits.masked_fill_(nan & src.signbit(), static_cast<int16_t>(0xfe00));
-        bits.masked_fill_(nan & ~src.signbit(), static_cast<int16_t>(0x7e00));
+        bits.masked_fill_(nan & src.signbit(), static_cast<int16_t>(h5::kF16NaN | 0x8000));
+        bits.masked_fill_(nan & ~src.signbit(), static_cast<int16_t>(h5::kF16NaN));
       }
     }
     h5::write(loc, name, c.data_ptr(), file, file, c.sizes().vec(), where);
