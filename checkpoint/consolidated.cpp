@@ -7,6 +7,8 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
 
+#include "internal.h"
+
 #include <filesystem>
 #include <iostream>
 #include <set>
@@ -58,7 +60,7 @@ struct ModelGroup {
 }  // namespace
 }  // namespace ckpt
 
-void export_consolidated(const std::string& file, WrapPointImpl& root, torch::optim::Optimizer* optimizer,
+void export_consolidated(const std::string& file, const ShardedModel& root, torch::optim::Optimizer* optimizer,
                          const TrainingState& state, const ExportOptions& options) {
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
@@ -80,11 +82,11 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
   };
   guarded([&] { w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind); });
 
-  const auto shards = root.local_shards();
+  const auto shards = detail::local_shards(root);
   for (size_t k = 0; k < shards.size(); ++k) {
     const LocalShard& ls = shards[k];
     {
-      at::Tensor full = root.gather_flat(k, ls.shard);
+      at::Tensor full = detail::gather_flat(root, k, ls.shard);
       guarded([&] {
         for (const auto& p : ls.params) {
           write_tensor(w->model, p.fqn, full.narrow(0, p.offset, p.numel).view(p.shape), elem, w->tmp + ":/model");
@@ -99,7 +101,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
       for (const auto& p : ls.params) w->optim_group(p.fqn, st.step, hp);
     });
     for (const auto& [name, t] : st.tensors) {
-      at::Tensor full = root.gather_flat(k, t.reshape({-1}));
+      at::Tensor full = detail::gather_flat(root, k, t.reshape({-1}));
       guarded([&] {
         for (const auto& p : ls.params) {
           write_tensor(w->optim, p.fqn + "/" + name, full.narrow(0, p.offset, p.numel).view(p.shape),
@@ -113,7 +115,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
     }
   }
   guarded([&] {
-    for (const auto& [name, b] : named_buffers_clean(root)) {
+    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
       write_tensor(w->model, name, b, buffer_elem(b, elem), w->tmp + ":/model");
     }
     w->finish();
@@ -127,7 +129,7 @@ void export_consolidated(const std::string& file, WrapPointImpl& root, torch::op
   }
 }
 
-LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, const LoadOptions& options) {
+LoadReport import_consolidated(const std::string& file, ShardedModel& root, const LoadOptions& options) {
   using namespace ckpt;
   ModelGroup g(file);
   const h5::Obj& model = g.model;
@@ -135,8 +137,8 @@ LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, con
   const std::set<std::string>& names = g.names;
   LoadReport report;
   report.path = file;
-  const auto shards = root.local_shards();
-  const auto buffers = named_buffers_clean(root);
+  const auto shards = detail::local_shards(root);
+  const auto buffers = named_buffers_clean(root.as_module());
   std::set<std::string> used;
   std::vector<std::string> mismatched;
   for (const auto& ls : shards) {

@@ -9,14 +9,14 @@ namespace {
 }
 }  // namespace
 
-std::string save_sharded_checkpoint(const std::string&, WrapPointImpl&, torch::optim::Optimizer*,
+std::string save_sharded_checkpoint(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
                                     const TrainingState&, const SaveOptions&) { no_hdf5(); }
-LoadReport load_sharded_checkpoint(const std::string&, WrapPointImpl&, torch::optim::Optimizer*, TrainingState*,
+LoadReport load_sharded_checkpoint(const std::string&, ShardedModel&, torch::optim::Optimizer*, TrainingState*,
                                    const LoadOptions&) { no_hdf5(); }
 std::optional<std::string> latest_checkpoint(const std::string&) { no_hdf5(); }
-void export_consolidated(const std::string&, WrapPointImpl&, torch::optim::Optimizer*, const TrainingState&,
+void export_consolidated(const std::string&, const ShardedModel&, torch::optim::Optimizer*, const TrainingState&,
                          const ExportOptions&) { no_hdf5(); }
-LoadReport import_consolidated(const std::string&, WrapPointImpl&, const LoadOptions&) { no_hdf5(); }
+LoadReport import_consolidated(const std::string&, ShardedModel&, const LoadOptions&) { no_hdf5(); }
 LoadReport load_consolidated(const std::string&, torch::nn::Module&, const LoadOptions&) { no_hdf5(); }
 std::map<std::string, AttrValue> consolidated_attributes(const std::string&) { no_hdf5(); }
 void consolidate_checkpoint(const std::string&, const std::string&, const ConsolidateOptions&) { no_hdf5(); }

@@ -6,6 +6,8 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
 
+#include "internal.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 
@@ -61,10 +63,10 @@ at::Tensor generator_state(at::Generator gen) {
   return at::Tensor(gen.get_state());
 }
 
-void write_rank_file(const std::string& path, WrapPointImpl& root, torch::optim::Optimizer* opt,
+void write_rank_file(const std::string& path, const ShardedModel& root, torch::optim::Optimizer* opt,
                      const TrainingState& state, int rank, int world) {
   h5::Obj f = h5::create_file(path);
-  const auto shards = root.local_shards();
+  const auto shards = detail::local_shards(root);
   const std::string kind = opt ? optimizer_kind(*opt) : "none";
   h5::set_attr(f, "format", std::string(kShardedFormat));
   h5::set_attr(f, "format_version", kCheckpointFormatVersion);
@@ -97,7 +99,7 @@ void write_rank_file(const std::string& path, WrapPointImpl& root, torch::optim:
     write_tensor(g, "param", ls.shard.narrow(0, 0, length), h5::Elem::kF32, where);
     if (opt && ls.info.requires_grad) {
       TORCH_CHECK(find_param(*opt, ls.shard).first >= 0, "save: the optimizer does not hold the shard of unit '",
-                  ls.info.unit_fqn, "'. Build it from model->sharded_parameters().");
+                  ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
       ParamState st = get_param_state(*opt, ls.shard);
       if (!st.tensors.empty()) {
         h5::Obj og = h5::create_group(g, "optim", where);
@@ -147,7 +149,7 @@ void write_rank_file(const std::string& path, WrapPointImpl& root, torch::optim:
   }
   if (rank == 0) {
     h5::Obj bg = h5::create_group(f, "buffers", path);
-    for (const auto& [name, b] : named_buffers_clean(root)) {
+    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
       write_tensor(bg, name, b, storage_elem(b.scalar_type()), path + ":/buffers");
     }
   }
@@ -191,7 +193,7 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
   return ckpt::resolve_checkpoint_dir(dir);
 }
 
-std::string save_sharded_checkpoint(const std::string& dir, WrapPointImpl& root, torch::optim::Optimizer* optimizer,
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root, torch::optim::Optimizer* optimizer,
                                     const TrainingState& state, const SaveOptions& options) {
   using namespace ckpt;
   TORCH_CHECK(state.step >= 0, "save_sharded_checkpoint: step ", state.step, " is negative");
@@ -287,7 +289,7 @@ std::string save_sharded_checkpoint(const std::string& dir, WrapPointImpl& root,
   return final_dir.string();
 }
 
-LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root, torch::optim::Optimizer* optimizer,
+LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, torch::optim::Optimizer* optimizer,
                                    TrainingState* state, const LoadOptions& options) {
   using namespace ckpt;
   const ProcessGroup& pg = root.sharding_options().process_group;
@@ -303,7 +305,7 @@ LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
   }
 
   // Match names first, so that a wrong checkpoint fails before anything changes.
-  auto shards = root.local_shards();
+  auto shards = detail::local_shards(root);
   std::set<std::string> model_names;
   std::vector<std::string> mismatched;
   for (const auto& ls : shards) {
@@ -365,7 +367,7 @@ LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
 
     if (optimizer && ls.info.requires_grad) {
       TORCH_CHECK(find_param(*optimizer, ls.shard).first >= 0, "load: the optimizer does not hold the shard of "
-                  "unit '", ls.info.unit_fqn, "'. Build it from model->sharded_parameters().");
+                  "unit '", ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
       // The state names and step come from the first source flat this shard reads.
       if (merged.empty()) continue;
       const SourceFlat& sf = src.flats()[merged.front().src_flat];
@@ -389,7 +391,7 @@ LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
   if (h5::exists(f0, "buffers")) {
     h5::Obj bg = h5::open_group(f0, "buffers", p0);
     for (const auto& n : h5::children(bg, p0 + ":/buffers")) file_buffers.insert(n);
-    for (const auto& [name, b] : named_buffers_clean(root)) {
+    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
       if (!file_buffers.count(name)) {
         report.missing.push_back(name);
         continue;

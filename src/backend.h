@@ -7,6 +7,8 @@
 // versions, and exposes the few collectives the engine needs. Gloo and NCCL live in
 // their own files; CMake swaps in a stand-in that throws when one is not built.
 
+#include "internal.h"
+
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -52,7 +54,7 @@ class ThenWork : public Work {
 
 enum class ReduceKind { kSum, kMax };
 
-class Backend {
+class Backend : public BackendCore {
  public:
   virtual ~Backend() = default;
   virtual int rank() const = 0;

@@ -7,12 +7,12 @@
 
 namespace fsdp {
 
-double clip_grad_norm_(WrapPointImpl& root, double max_norm, double norm_type) {
+double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
               " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
-  auto& rt = root.runtime();
+  auto& rt = EngineAccess::runtime(model);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (auto& u : rt.units()) {

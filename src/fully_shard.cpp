@@ -1,6 +1,8 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters.
 #include <fsdp/fully_sharded_module.h>
 
+#include "internal.h"
+
 #include "runtime.h"
 
 #include <cstdlib>
@@ -225,11 +227,11 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   cfg.offload = options.cpu_offload;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt->acct();
-  cfg.shard_group = world.impl();
+  cfg.shard_group = EngineAccess::backend(world);
   cfg.replicate_group = make_single_backend();
   if (options.strategy == ShardingStrategy::kNoShard) {
     cfg.shard_group = make_single_backend();
-    cfg.replicate_group = world.impl();
+    cfg.replicate_group = EngineAccess::backend(world);
   } else if (options.strategy == ShardingStrategy::kHybridShard) {
     const int n = world.size();
     const int g = options.hybrid_group_size == 0 ? n : options.hybrid_group_size;
@@ -238,10 +240,10 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
       shard_groups[r / g].push_back(r);
       rep_groups[r % g].push_back(r);
     }
-    cfg.shard_group = world.impl()->split(shard_groups);
-    cfg.replicate_group = world.impl()->split(rep_groups);
+    cfg.shard_group = EngineAccess::backend(world)->split(shard_groups);
+    cfg.replicate_group = EngineAccess::backend(world)->split(rep_groups);
   }
-  Backend* bcast = options.sync_module_states ? world.impl().get() : nullptr;
+  Backend* bcast = options.sync_module_states ? EngineAccess::backend(world).get() : nullptr;
 
   for (WrapNode* n : nodes) {
     Unit& unit = rt->add_unit(n->fqn);
@@ -278,10 +280,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   }
   rt->set_flat_config(cfg);
   for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);
-  for (auto& [wp, fqn] : checkpointed) {
-    wp->checkpoint_ = true;
-    wp->fqn_ = fqn;
-  }
+  for (auto& [wp, fqn] : checkpointed) EngineAccess::set_checkpointed(*wp, fqn);
 }
 
 }  // namespace fsdp::detail

@@ -2,6 +2,7 @@
 #include <fsdp/fused_adamw.h>
 
 #include "adamw_kernels.h"
+#include "internal.h"
 #include "optim_key.h"
 
 #include <ATen/Parallel.h>
@@ -56,6 +57,11 @@ FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, to
 
 FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
+
+FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)) {
+  detail::attach_copy_out(model, *this);
+}
 
 bool FusedAdamW::isa_supported(Isa isa) { return isa == Isa::kAuto || detail::isa_available(to_kernel(isa)); }
 

@@ -6,7 +6,8 @@
 
 namespace fsdp {
 
-LossScaler::LossScaler(WrapPointImpl& root, LossScalerOptions options) : root_(root), options_(options) {
+LossScaler::LossScaler(ShardedModel model, LossScalerOptions options)
+    : model_(std::move(model)), options_(options) {
   TORCH_CHECK(options_.loss_scale >= 0, "LossScalerOptions::loss_scale=", options_.loss_scale,
               " must be 0 (dynamic) or positive (static)");
   TORCH_CHECK(options_.loss_scale_window >= 1, "LossScalerOptions::loss_scale_window=",
@@ -20,7 +21,7 @@ LossScaler::LossScaler(WrapPointImpl& root, LossScalerOptions options) : root_(r
               "LossScalerOptions: the initial scale 2^", options_.initial_scale_power,
               " is below min_loss_scale=", options_.min_loss_scale);
   state_.hysteresis_left = options_.hysteresis;
-  root_.runtime();  // fails early, with the fix, if this is not a sharded root
+  EngineAccess::runtime(model_);  // fails early, with the fix, if the handle is empty
 }
 
 torch::Tensor LossScaler::scale(const torch::Tensor& loss) const { return loss * state_.scale; }
@@ -28,7 +29,7 @@ torch::Tensor LossScaler::scale(const torch::Tensor& loss) const { return loss *
 void LossScaler::unscale_() {
   if (unscaled_) return;
   unscaled_ = true;
-  auto& rt = root_.runtime();
+  auto& rt = EngineAccess::runtime(model_);
   at::NoGradGuard no_grad;
   bool bad = false;
   std::vector<at::Tensor> grads;

@@ -75,13 +75,25 @@ BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<
 }  // namespace detail
 
 ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}
-ProcessGroup::ProcessGroup(std::shared_ptr<detail::Backend> impl) : impl_(std::move(impl)) {
-  TORCH_CHECK(impl_ != nullptr, "ProcessGroup needs a backend; use fsdp::init_process_group()");
+
+std::shared_ptr<detail::Backend> EngineAccess::backend(const ProcessGroup& pg) {
+  return std::static_pointer_cast<detail::Backend>(pg.impl_);
 }
 
-int ProcessGroup::rank() const { return impl_->rank(); }
-int ProcessGroup::size() const { return impl_->size(); }
-std::string ProcessGroup::backend_name() const { return impl_->name(); }
+ProcessGroup EngineAccess::make_group(std::shared_ptr<detail::Backend> backend) {
+  TORCH_CHECK(backend != nullptr, "ProcessGroup needs a backend; use fsdp::init_process_group()");
+  ProcessGroup pg;
+  pg.impl_ = std::move(backend);
+  return pg;
+}
+
+namespace {
+detail::Backend& impl(const ProcessGroup& pg) { return *EngineAccess::backend(pg); }
+}  // namespace
+
+int ProcessGroup::rank() const { return impl(*this).rank(); }
+int ProcessGroup::size() const { return impl(*this).size(); }
+std::string ProcessGroup::backend_name() const { return impl(*this).name(); }
 
 void ProcessGroup::all_gather(const torch::Tensor& full, const torch::Tensor& shard) const {
   TORCH_CHECK(full.is_contiguous() && shard.is_contiguous(), "all_gather needs contiguous tensors");
@@ -90,7 +102,7 @@ void ProcessGroup::all_gather(const torch::Tensor& full, const torch::Tensor& sh
   TORCH_CHECK(full.numel() == shard.numel() * size(), "all_gather: full has ", full.numel(),
               " elements but needs ", shard.numel() * size(), " (shard ", shard.numel(), " x ",
               size(), " ranks)");
-  impl_->all_gather(full, shard)->wait();
+  impl(*this).all_gather(full, shard)->wait();
 }
 
 void ProcessGroup::reduce_scatter_sum(const torch::Tensor& full, const torch::Tensor& shard) const {
@@ -98,24 +110,24 @@ void ProcessGroup::reduce_scatter_sum(const torch::Tensor& full, const torch::Te
               "reduce_scatter_sum needs contiguous tensors");
   TORCH_CHECK(full.numel() == shard.numel() * size(), "reduce_scatter_sum: full has ",
               full.numel(), " elements but needs ", shard.numel() * size());
-  impl_->reduce_scatter_sum(full, shard)->wait();
+  impl(*this).reduce_scatter_sum(full, shard)->wait();
 }
 
 void ProcessGroup::all_reduce_sum(const torch::Tensor& t) const {
-  impl_->all_reduce(t, detail::ReduceKind::kSum)->wait();
+  impl(*this).all_reduce(t, detail::ReduceKind::kSum)->wait();
 }
 void ProcessGroup::all_reduce_max(const torch::Tensor& t) const {
-  impl_->all_reduce(t, detail::ReduceKind::kMax)->wait();
+  impl(*this).all_reduce(t, detail::ReduceKind::kMax)->wait();
 }
 void ProcessGroup::broadcast(const torch::Tensor& t, int root) const {
   TORCH_CHECK(root >= 0 && root < size(), "broadcast: invalid root=", root, " for a group of size ",
               size());
-  impl_->broadcast(t, root);
+  impl(*this).broadcast(t, root);
 }
-void ProcessGroup::barrier() const { impl_->barrier(); }
+void ProcessGroup::barrier() const { impl(*this).barrier(); }
 
 ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& groups) const {
-  return ProcessGroup(impl_->split(groups));
+  return EngineAccess::make_group(impl(*this).split(groups));
 }
 
 }  // namespace fsdp

@@ -222,7 +222,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.timeout = timeout;
   init.master_addr = e.master_addr;
   init.device_index = e.local_rank;
-  return ProcessGroup(backend == "nccl" ? detail::make_nccl_backend(init)
+  return EngineAccess::make_group(backend == "nccl" ? detail::make_nccl_backend(init)
                                         : detail::make_gloo_backend(init));
 }
 

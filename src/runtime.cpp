@@ -14,20 +14,22 @@ Unit& Runtime::add_unit(const std::string& fqn) {
 }
 
 void Runtime::attach(WrapPointImpl& wp, Unit& u) {
-  wp.unit_ = units_.at(static_cast<size_t>(u.index()));
+  EngineAccess::set_unit(wp, units_.at(static_cast<size_t>(u.index())));
   const auto& mp = options_.mixed_precision;
+  std::optional<at::ScalarType> cast_inputs, cast_outputs;
   if (mp.param_dtype != at::kFloat) {
     if (u.keep_fp32) {
-      wp.cast_inputs_ = at::kFloat;
-      wp.cast_outputs_ = mp.param_dtype;
+      cast_inputs = at::kFloat;
+      cast_outputs = mp.param_dtype;
     } else if (mp.cast_forward_inputs) {
-      wp.cast_inputs_ = mp.param_dtype;
+      cast_inputs = mp.param_dtype;
     }
   }
   if (u.is_root()) {
-    wp.runtime_ = shared_from_this();
-    if (mp.output_dtype) wp.cast_outputs_ = *mp.output_dtype;
+    EngineAccess::set_runtime(wp, shared_from_this());
+    if (mp.output_dtype) cast_outputs = *mp.output_dtype;
   }
+  EngineAccess::set_casts(wp, cast_inputs, cast_outputs);
 }
 
 int Runtime::gathered_non_root() const {

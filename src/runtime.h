@@ -4,6 +4,8 @@
 
 #include <fsdp/fully_sharded_module.h>
 
+#include "internal.h"
+
 #include "accounting.h"
 #include "unit.h"
 
@@ -12,7 +14,7 @@
 
 namespace fsdp::detail {
 
-class Runtime : public std::enable_shared_from_this<Runtime> {
+class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
  public:
   explicit Runtime(ShardingOptions options);
 

@@ -2,6 +2,7 @@
 // A unit: the flat parameters of one wrap point, with its sharded/unsharded state.
 
 #include "flat_param.h"
+#include "internal.h"
 
 #include <memory>
 #include <string>
@@ -19,7 +20,7 @@ enum class UnitState {
 
 const char* to_string(UnitState s);
 
-class Unit {
+class Unit : public UnitCore {
  public:
   Unit(std::string fqn, int index, Runtime* runtime) : fqn_(std::move(fqn)), index_(index), rt_(runtime) {}
   /// Waits for gathers still in flight: their buffers go with the flat parameters.

@@ -3,26 +3,67 @@
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/fused_adamw.h>
 
+#include "internal.h"
 #include "runtime.h"
 
 namespace fsdp {
 
-void WrapPointImpl::pre_forward() { unit_->runtime().pre_forward(*unit_); }
+// The engine's way into the public handles (src/internal.h).
+detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) { return static_cast<detail::Unit*>(wp.unit_.get()); }
+void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) { wp.unit_ = std::move(unit); }
+void EngineAccess::set_runtime(WrapPointImpl& wp, std::shared_ptr<detail::Runtime> runtime) {
+  wp.runtime_ = std::move(runtime);
+}
+void EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
+                             std::optional<torch::Dtype> outputs) {
+  wp.cast_inputs_ = inputs;
+  wp.cast_outputs_ = outputs;
+}
+void EngineAccess::set_checkpointed(WrapPointImpl& wp, const std::string& fqn) {
+  wp.checkpoint_ = true;
+  wp.fqn_ = fqn;
+}
+detail::Runtime& EngineAccess::runtime(const ShardedModel& model) {
+  return *static_cast<detail::Runtime*>(model.root().runtime_.get());
+}
+
+void WrapPointImpl::pre_forward() {
+  auto* u = EngineAccess::unit(*this);
+  u->runtime().pre_forward(*u);
+}
 
 void WrapPointImpl::post_forward(std::vector<torch::Tensor> outputs) {
-  unit_->runtime().post_forward(*unit_, outputs);
+  auto* u = EngineAccess::unit(*this);
+  u->runtime().post_forward(*u, outputs);
 }
 
-detail::Runtime& WrapPointImpl::runtime() const {
-  TORCH_CHECK(runtime_ != nullptr,
-              "this call needs the root of a sharded model: use the module that fsdp::fully_shard "
-              "returned", is_unit() ? " (this wrap point is an inner unit)" : " (this wrap point is not sharded)");
-  return *runtime_;
+ShardedModel::ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOptions& options)
+    : root_(std::move(root)) {
+  detail::shard_module_tree(root_, options);
 }
 
-std::vector<torch::Tensor> WrapPointImpl::sharded_parameters() const {
+WrapPointImpl& ShardedModel::root() const {
+  TORCH_CHECK(root_ != nullptr, "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
+  return *root_;
+}
+
+torch::nn::Module& ShardedModel::as_module() const { return root(); }
+
+namespace {
+detail::Runtime& runtime_of(const ShardedModel& m) { return EngineAccess::runtime(m); }
+
+ParamInfo info_of(const detail::Unit& u, const detail::FlatParam& f, const detail::ParamSlot& s, size_t k) {
+  return ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u.fqn(), f.trainable(), s.offset, s.numel, s.shape};
+}
+
+FlatParamInfo flat_info_of(const detail::Unit& u, const detail::FlatParam& f) {
+  return FlatParamInfo{u.fqn(), f.param_dtype(), f.trainable(), f.numel(), f.padded_numel(), f.shard_numel()};
+}
+}  // namespace
+
+std::vector<torch::Tensor> ShardedModel::sharded_parameters() const {
   std::vector<torch::Tensor> out;
-  for (const auto& u : runtime().units()) {
+  for (const auto& u : runtime_of(*this).units()) {
     for (const auto& f : u->flats()) {
       if (f->trainable()) out.push_back(f->shard());
     }
@@ -30,55 +71,70 @@ std::vector<torch::Tensor> WrapPointImpl::sharded_parameters() const {
   return out;
 }
 
-MemoryStats WrapPointImpl::memory_stats() const {
-  runtime().sync_grad_counter();
-  return runtime().acct().mem;
+MemoryStats ShardedModel::memory_stats() const {
+  auto& rt = runtime_of(*this);
+  rt.sync_grad_counter();
+  return rt.acct().mem;
 }
 
-void WrapPointImpl::reset_peak_memory() {
-  auto& m = runtime().acct().mem;
+void ShardedModel::reset_peak_memory() {
+  auto& m = runtime_of(*this).acct().mem;
   for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
                           &m.checkpoint_buffers, &m.offload_buffers}) {
     c->peak = c->current;
   }
 }
 
-CommCounters WrapPointImpl::comm_stats() const { return runtime().acct().comm; }
+CommCounters ShardedModel::comm_stats() const { return runtime_of(*this).acct().comm; }
 
-std::vector<ParamInfo> WrapPointImpl::param_table() const {
+std::vector<ParamInfo> ShardedModel::param_table() const {
   std::vector<ParamInfo> out;
-  for (const auto& u : runtime().units()) {
+  for (const auto& u : runtime_of(*this).units()) {
     for (const auto& f : u->flats()) {
       for (const auto& s : f->slots()) {
-        for (size_t k = 0; k <= s.aliases.size(); ++k) {
-          out.push_back(ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u->fqn(), f->trainable(),
-                                  s.offset, s.numel, s.shape});
-        }
+        for (size_t k = 0; k <= s.aliases.size(); ++k) out.push_back(info_of(*u, *f, s, k));
       }
     }
   }
   return out;
 }
 
-std::vector<FlatParamInfo> WrapPointImpl::flat_params() const {
+const ShardingOptions& ShardedModel::sharding_options() const { return runtime_of(*this).options(); }
+
+void ShardedModel::unshard() {
+  for (auto& u : runtime_of(*this).units()) u->unshard();
+}
+
+void ShardedModel::reshard() {
+  auto& rt = runtime_of(*this);
+  for (auto& u : rt.units()) u->reshard();
+  rt.wait_transfers();  // the caller may write the host shards next (an optimizer step)
+}
+
+void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
+  runtime_of(*this).set_no_sync(!requires_gradient_sync);
+}
+
+bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
+
+namespace detail {
+
+std::vector<FlatParamInfo> flat_params(const ShardedModel& model) {
   std::vector<FlatParamInfo> out;
-  for (const auto& u : runtime().units()) {
-    for (const auto& f : u->flats()) {
-      out.push_back(FlatParamInfo{u->fqn(), f->param_dtype(), f->trainable(), f->numel(), f->padded_numel(),
-                                  f->shard_numel()});
-    }
+  for (const auto& u : runtime_of(model).units()) {
+    for (const auto& f : u->flats()) out.push_back(flat_info_of(*u, *f));
   }
   return out;
 }
 
-std::vector<LocalShard> WrapPointImpl::local_shards() const {
-  const auto& cfg = runtime().flat_config();
+std::vector<LocalShard> local_shards(const ShardedModel& model) {
+  auto& rt = runtime_of(model);
+  const auto& cfg = rt.flat_config();
   std::vector<LocalShard> out;
-  for (const auto& u : runtime().units()) {
+  for (const auto& u : rt.units()) {
     for (const auto& f : u->flats()) {
       LocalShard ls;
-      ls.info = FlatParamInfo{u->fqn(), f->param_dtype(), f->trainable(), f->numel(), f->padded_numel(),
-                              f->shard_numel()};
+      ls.info = flat_info_of(*u, *f);
       ls.shard_group_size = cfg.shard_group->size();
       ls.shard_rank = cfg.shard_group->rank();
       ls.writer = cfg.replicate_group->rank() == 0;
@@ -86,10 +142,7 @@ std::vector<LocalShard> WrapPointImpl::local_shards() const {
       ls.length = std::min<int64_t>(f->numel() - ls.begin, f->shard_numel());
       ls.shard = f->shard();
       for (const auto& s : f->slots()) {
-        for (size_t k = 0; k <= s.aliases.size(); ++k) {
-          ls.params.push_back(ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u->fqn(), f->trainable(), s.offset,
-                                        s.numel, s.shape});
-        }
+        for (size_t k = 0; k <= s.aliases.size(); ++k) ls.params.push_back(info_of(*u, *f, s, k));
       }
       out.push_back(std::move(ls));
     }
@@ -97,8 +150,8 @@ std::vector<LocalShard> WrapPointImpl::local_shards() const {
   return out;
 }
 
-torch::Tensor WrapPointImpl::gather_flat(size_t index, const torch::Tensor& shard_like) const {
-  auto& rt = runtime();
+torch::Tensor gather_flat(const ShardedModel& model, size_t index, const torch::Tensor& shard_like) {
+  auto& rt = runtime_of(model);
   size_t i = 0;
   for (const auto& u : rt.units()) {
     for (const auto& f : u->flats()) {
@@ -107,12 +160,12 @@ torch::Tensor WrapPointImpl::gather_flat(size_t index, const torch::Tensor& shar
       // Counted while the caller holds it: the deleter keeps the storage and releases the bytes.
       auto* acct = &rt.acct();
       const int64_t bytes = full.numel() * static_cast<int64_t>(sizeof(float));
-      detail::Accounting::alloc(acct->mem.checkpoint_buffers, bytes);
+      Accounting::alloc(acct->mem.checkpoint_buffers, bytes);
       void* data = full.data_ptr();
       return torch::from_blob(
           data, {f->numel()},
           [full, acct, bytes](void*) mutable {
-            detail::Accounting::release(acct->mem.checkpoint_buffers, bytes);
+            Accounting::release(acct->mem.checkpoint_buffers, bytes);
             full.reset();
           },
           full.options());
@@ -121,9 +174,9 @@ torch::Tensor WrapPointImpl::gather_flat(size_t index, const torch::Tensor& shar
   TORCH_CHECK(false, "gather_flat: index ", index, " is out of range; the model has ", i, " flat parameters");
 }
 
-int WrapPointImpl::attach_copy_out(FusedAdamW& optimizer) {
+int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer) {
   int n = 0;
-  for (auto& u : runtime().units()) {
+  for (auto& u : runtime_of(model).units()) {
     for (auto& f : u->flats()) {
       auto [out, version] = f->copy_out_target();
       if (!out.defined()) continue;
@@ -134,15 +187,19 @@ int WrapPointImpl::attach_copy_out(FusedAdamW& optimizer) {
   return n;
 }
 
-int64_t WrapPointImpl::copy_out_gathers() const {
+int64_t copy_out_gathers(const ShardedModel& model) {
   int64_t n = 0;
-  for (const auto& u : runtime().units()) {
+  for (const auto& u : runtime_of(model).units()) {
     for (const auto& f : u->flats()) n += f->copy_out_gathers();
   }
   return n;
 }
 
-const ShardingOptions& WrapPointImpl::sharding_options() const { return runtime().options(); }
+}  // namespace detail
+
+Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq, const ShardingOptions& options) {
+  return fully_shard(detail::wrap_sequential_entries(seq), options);
+}
 
 SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
     : WrapPointImpl("fsdp::SequentialEntry"), module_(std::move(module)) {
@@ -157,7 +214,7 @@ torch::Tensor WrapPointImpl::run_tensor_forward(const std::function<torch::Tenso
                                                 torch::Tensor x) {
   if (!is_unit() && !checkpointed()) return fn(x);
   if (is_unit()) pre_forward();
-  if (cast_inputs_) x = detail::cast_floating(x, *cast_inputs_);
+  if (cast_inputs_) x = cast_floating(x, *cast_inputs_);
   torch::Tensor out = checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
   if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
   if (is_unit()) post_forward({out});
@@ -216,15 +273,16 @@ std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const 
   return clean_names(module, [](const torch::nn::Module& m) { return m.named_parameters(false); });
 }
 
-NoSyncScope::NoSyncScope(WrapPointImpl& root) : root_(root), previous_(root.runtime().no_sync()) {
-  root_.runtime().set_no_sync(true);
+NoSyncScope::NoSyncScope(ShardedModel model)
+    : model_(std::move(model)), previous_(model_.requires_gradient_sync()) {
+  model_.set_requires_gradient_sync(false);
 }
 
-NoSyncScope::~NoSyncScope() { root_.runtime().set_no_sync(previous_); }
+NoSyncScope::~NoSyncScope() { model_.set_requires_gradient_sync(previous_); }
 
-FullParamsScope::FullParamsScope(WrapPointImpl& root, FullParamsOptions options)
-    : root_(root), options_(options) {
-  auto& rt = root_.runtime();
+FullParamsScope::FullParamsScope(ShardedModel model, FullParamsOptions options)
+    : model_(std::move(model)), options_(options) {
+  auto& rt = runtime_of(model_);
   const bool keep = !options_.rank0_only || rt.options().process_group.rank() == 0;
   for (auto& u : rt.units()) {
     u->unshard();
@@ -233,7 +291,7 @@ FullParamsScope::FullParamsScope(WrapPointImpl& root, FullParamsOptions options)
 }
 
 FullParamsScope::~FullParamsScope() {
-  auto& rt = root_.runtime();
+  auto& rt = runtime_of(model_);
   const bool kept = !options_.rank0_only || rt.options().process_group.rank() == 0;
   const bool writeback = options_.writeback && kept && rt.options().mixed_precision.param_dtype == at::kFloat;
   at::NoGradGuard no_grad;
@@ -249,9 +307,9 @@ FullParamsScope::~FullParamsScope() {
   rt.wait_transfers();  // the caller may write the host shards next (an optimizer step)
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(WrapPointImpl& root,
+std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(const ShardedModel& model,
                                                                    FullParamsOptions options) {
-  auto& rt = root.runtime();
+  auto& rt = runtime_of(model);
   const bool keep = !options.rank0_only || rt.options().process_group.rank() == 0;
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (auto& u : rt.units()) {

@@ -164,8 +164,8 @@ ShardedRun sharded_step(const ProcessGroup& pg, bool ckpt, torch::Dtype dtype,
   torch::manual_seed(500 + pg.rank());  // the same dropout masks in both runs
   gpt::loss_on(model, my_rows(gpt_batch(0, 4, cfg.block_size), pg)).backward();
   ShardedRun r;
-  for (auto& p : model->sharded_parameters()) r.grads.push_back(p.grad().clone());
-  r.comm = model->comm_stats().step;
+  for (auto& p : model.sharded_parameters()) r.grads.push_back(p.grad().clone());
+  r.comm = model.comm_stats().step;
   return r;
 }
 
@@ -333,7 +333,7 @@ TEST(ShardedCheckpoint, ShardSequentialEntriesFollowTheCheckpointPolicy) {
     model(torch::randn({3, 4}, at::detail::createCPUGenerator(9))).pow(2).sum().backward();
     EXPECT_EQ(counting->calls, ckpt ? 2 : 1) << (ckpt ? "checkpointed: forward, then recompute" : "plain");
     grads.emplace_back();
-    for (const auto& p : model->sharded_parameters()) grads.back().push_back(p.grad().clone());
+    for (const auto& p : model.sharded_parameters()) grads.back().push_back(p.grad().clone());
   }
   ASSERT_EQ(grads[0].size(), grads[1].size());
   for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << i;

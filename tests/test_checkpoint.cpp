@@ -23,6 +23,7 @@
 #include <fstream>
 #include <random>
 #include <thread>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 namespace fs = std::filesystem;
 using namespace fsdp;
@@ -55,7 +56,7 @@ ShardingOptions options_for(const ProcessGroup& pg, WrapPolicy policy = always_w
   return o;
 }
 
-torch::optim::AdamW make_adamw(WrapPointImpl& model) {
+torch::optim::AdamW make_adamw(const ShardedModel& model) {
   return torch::optim::AdamW(model.sharded_parameters(),
                              torch::optim::AdamWOptions(3e-3).weight_decay(0.01).eps(1e-6));
 }
@@ -143,10 +144,10 @@ void exact_resume(const ProcessGroup& pg, const std::string& dir) {
   const auto cfg = small_gpt_config();
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
-  auto opt = make_adamw(*model);
+  auto opt = make_adamw(model);
   for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
   torch::manual_seed(42 + pg.rank());  // a per-rank RNG stream to restore
-  const std::string path = save_sharded_checkpoint(dir, *model, &opt, sample_state(3));
+  const std::string path = save_sharded_checkpoint(dir, model, &opt, sample_state(3));
   EXPECT_EQ(fs::path(path).filename().string(), "step_00000003");
   const auto rng_after_save = torch::rand({4});
   std::vector<double> uninterrupted;
@@ -156,10 +157,10 @@ void exact_resume(const ProcessGroup& pg, const std::string& dir) {
   // must restore all of it.
   torch::manual_seed(7);
   auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
-  torch::optim::AdamW opt2(model2->sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
+  torch::optim::AdamW opt2(model2.sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
   TrainingState st;
   torch::manual_seed(999);
-  auto report = load_sharded_checkpoint(dir, *model2, &opt2, &st);
+  auto report = load_sharded_checkpoint(dir, model2, &opt2, &st);
   EXPECT_EQ(report.path, path);
   EXPECT_TRUE(report.missing.empty() && report.unexpected.empty());
   EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the CPU RNG state was not restored";
@@ -193,10 +194,10 @@ TEST(ShardedCheckpoint, ExactResumeIsBitwiseAtOneRank) {
 void save_at_four(const ProcessGroup& pg, const std::string& dir, const ShardingOptions& o) {
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
-  auto opt = make_adamw(*model);
+  auto opt = make_adamw(model);
   for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
-  save_sharded_checkpoint(dir + "/sharded", *model, &opt, sample_state(3));
-  export_consolidated(dir + "/full.h5", *model, nullptr, sample_state(3));
+  save_sharded_checkpoint(dir + "/sharded", model, &opt, sample_state(3));
+  export_consolidated(dir + "/full.h5", model, nullptr, sample_state(3));
   std::vector<double> cont;
   for (int64_t s = 3; s < 6; ++s) cont.push_back(train_step(model, opt, s, pg));
   if (pg.rank() == 0) write_losses(dir + "/losses.txt", cont);
@@ -205,15 +206,15 @@ void save_at_four(const ProcessGroup& pg, const std::string& dir, const Sharding
 void load_and_continue(const ProcessGroup& pg, const std::string& dir, const ShardingOptions& o) {
   torch::manual_seed(5);
   auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
-  auto opt = make_adamw(*model);
+  auto opt = make_adamw(model);
   TrainingState st;
-  load_sharded_checkpoint(dir + "/sharded", *model, &opt, &st);
+  load_sharded_checkpoint(dir + "/sharded", model, &opt, &st);
   EXPECT_EQ(st.step, 3);
   // The parameters are exactly the saved ones (the consolidated export of the same moment).
   torch::manual_seed(6);
   gpt::GPT plain(small_gpt_config());
   load_consolidated(dir + "/full.h5", *plain);
-  auto loaded = full_state_dict(*model);
+  auto loaded = full_state_dict(model);
   for (const auto& [name, p] : named_parameters_clean(*plain)) {
     EXPECT_TRUE(torch::equal(as_map(loaded).at(name), p)) << name;
   }
@@ -251,15 +252,15 @@ TEST(ShardedCheckpoint, LoadsUnderAnotherWrapPolicyAndStrategy) {
 
 TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
   const std::string dir = scratch_dir("sgd");
-  auto make_sgd = [](WrapPointImpl& m) {
+  auto make_sgd = [](const ShardedModel& m) {
     return torch::optim::SGD(m.sharded_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
   };
   run_ranks(2, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    auto opt = make_sgd(*model);
+    auto opt = make_sgd(model);
     for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
-    save_sharded_checkpoint(dir, *model, &opt, sample_state(3));
+    save_sharded_checkpoint(dir, model, &opt, sample_state(3));
     std::vector<double> cont;
     for (int64_t s = 3; s < 6; ++s) cont.push_back(train_step(model, opt, s, pg));
     if (pg.rank() == 0) write_losses(dir + "/losses.txt", cont);
@@ -267,8 +268,8 @@ TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
   run_ranks(3, [&](const ProcessGroup& pg) {
     torch::manual_seed(9);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(1.0));
-    load_sharded_checkpoint(dir, *model, &opt, nullptr);
+    torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(1.0));
+    load_sharded_checkpoint(dir, model, &opt, nullptr);
     const auto& o = static_cast<torch::optim::SGDOptions&>(opt.param_groups()[0].options());
     EXPECT_EQ(o.momentum(), 0.9);
     EXPECT_EQ(o.lr(), 0.05);
@@ -279,8 +280,8 @@ TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
       EXPECT_LE(std::abs(l - want[static_cast<size_t>(s - 3)]) / want[static_cast<size_t>(s - 3)], 1e-6) << "step " << s;
     }
     // An Adam optimizer cannot take SGD state.
-    auto adam = make_adamw(*model);
-    const std::string msg = error_of([&] { load_sharded_checkpoint(dir, *model, &adam, nullptr); });
+    auto adam = make_adamw(model);
+    const std::string msg = error_of([&] { load_sharded_checkpoint(dir, model, &adam, nullptr); });
     EXPECT_NE(msg.find("holds sgd state but the optimizer is adamw"), std::string::npos) << msg;
   });
 }
@@ -293,23 +294,23 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    auto opt = make_adamw(*model);
+    auto opt = make_adamw(model);
     for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
-    model->reset_peak_memory();
-    ASSERT_EQ(model->memory_stats().checkpoint_buffers.current, 0);
+    model.reset_peak_memory();
+    ASSERT_EQ(model.memory_stats().checkpoint_buffers.current, 0);
     ExportOptions eo;
     eo.with_optimizer = true;
-    export_consolidated(dir + "/full.h5", *model, &opt, sample_state(2), eo);
-    const auto mem = model->memory_stats();
+    export_consolidated(dir + "/full.h5", model, &opt, sample_state(2), eo);
+    const auto mem = model.memory_stats();
     // One flat parameter gathered at a time: the peak is the largest one, and all is freed.
     int64_t largest = 0;
-    for (const auto& f : model->flat_params()) largest = std::max(largest, f.padded_numel * 4);
+    for (const auto& f : fsdp::detail::flat_params(model)) largest = std::max(largest, f.padded_numel * 4);
     EXPECT_EQ(mem.checkpoint_buffers.peak, largest);
     EXPECT_EQ(mem.checkpoint_buffers.current, 0);
     eo.with_optimizer = false;
     eo.dtype = torch::kBFloat16;
-    export_consolidated(dir + "/full_bf16.h5", *model, nullptr, sample_state(2), eo);
-    auto full = full_state_dict(*model);
+    export_consolidated(dir + "/full_bf16.h5", model, nullptr, sample_state(2), eo);
+    auto full = full_state_dict(model);
     if (pg.rank() == 0) {
       gpt::GPT plain(small_gpt_config());
       auto r = load_consolidated(dir + "/full.h5", *plain);
@@ -334,11 +335,11 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
   run_ranks(3, [&](const ProcessGroup& pg) {
     torch::manual_seed(11);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, every_kth_policy(2)));
-    const int64_t before = model->comm_stats().total.total_bytes();  // fully_shard's broadcast
-    auto r = import_consolidated(dir + "/full.h5", *model);
+    const int64_t before = model.comm_stats().total.total_bytes();  // fully_shard's broadcast
+    auto r = import_consolidated(dir + "/full.h5", model);
     EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
-    EXPECT_EQ(model->comm_stats().total.total_bytes(), before) << "import must not communicate";
-    auto full = as_map(full_state_dict(*model));
+    EXPECT_EQ(model.comm_stats().total.total_bytes(), before) << "import must not communicate";
+    auto full = as_map(full_state_dict(model));
     gpt::GPT plain(small_gpt_config());
     load_consolidated(dir + "/full.h5", *plain);
     for (const auto& [name, p] : named_parameters_clean(*plain)) {
@@ -351,7 +352,7 @@ TEST(ConsolidatedCheckpoint, StrictLoadListsEveryMismatchAndNonStrictReportsThem
   const std::string dir = scratch_dir("strict");
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
-  export_consolidated(dir + "/gpt.h5", *model, nullptr, sample_state(0));
+  export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(0));
   // An MLP has none of the GPT's names.
   MlpNet mlp;
   const std::string msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *mlp); });
@@ -381,14 +382,14 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
   run_ranks(3, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    auto opt = make_adamw(*model);
+    auto opt = make_adamw(model);
     for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
-    save_sharded_checkpoint(dir, *model, &opt, sample_state(2));
+    save_sharded_checkpoint(dir, model, &opt, sample_state(2));
     ExportOptions eo;
-    export_consolidated(dir + "/live_fp32.h5", *model, &opt, sample_state(2), eo);
+    export_consolidated(dir + "/live_fp32.h5", model, &opt, sample_state(2), eo);
     eo.with_optimizer = true;
     eo.dtype = torch::kFloat16;
-    export_consolidated(dir + "/live_fp16_opt.h5", *model, &opt, sample_state(2), eo);
+    export_consolidated(dir + "/live_fp16_opt.h5", model, &opt, sample_state(2), eo);
   });
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   auto a = run_command({tool, dir, dir + "/off_fp32.h5"});
@@ -499,12 +500,12 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
   const std::string dir = scratch_dir("ties");
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
-    save_sharded_checkpoint(dir + "/sharded", *model, nullptr, sample_state(0));
+    save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(0));
     ExportOptions eo;
     for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
                               std::pair{torch::kFloat32, "fp32"}}) {
       eo.dtype = dtype;
-      export_consolidated(dir + "/live_" + tag + ".h5", *model, nullptr, sample_state(0), eo);
+      export_consolidated(dir + "/live_" + tag + ".h5", model, nullptr, sample_state(0), eo);
     }
   });
   HardValues fresh;
@@ -556,12 +557,12 @@ TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
   const std::string dir = scratch_dir("h5py");
   torch::manual_seed(3);
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
-  export_consolidated(dir + "/gpt.h5", *model, nullptr, sample_state(9));
+  export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(9));
   // What the C++ side wrote, as text: name, shape, then every value (exact float text).
   {
     std::ofstream out(dir + "/expected.txt");
     out.precision(9);
-    for (const auto& [name, t] : full_state_dict(*model)) {
+    for (const auto& [name, t] : full_state_dict(model)) {
       out << name << " " << t.dim();
       for (auto d : t.sizes()) out << " " << d;
       auto flat = t.reshape({-1});
@@ -584,8 +585,8 @@ TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
   auto model = fully_shard(MlpNet());
   SaveOptions so;
   so.keep_last = 2;
-  for (int64_t s : {1, 2, 3, 4}) save_sharded_checkpoint(dir, *model, nullptr, sample_state(s), so);
-  const std::string again = save_sharded_checkpoint(dir, *model, nullptr, sample_state(4), so);
+  for (int64_t s : {1, 2, 3, 4}) save_sharded_checkpoint(dir, model, nullptr, sample_state(s), so);
+  const std::string again = save_sharded_checkpoint(dir, model, nullptr, sample_state(4), so);
   EXPECT_EQ(fs::path(again).filename().string(), "step_00000004_2");
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
@@ -593,7 +594,7 @@ TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step_00000004", "step_00000004_2"}));
   EXPECT_EQ(*latest_checkpoint(dir), again);
   EXPECT_FALSE(latest_checkpoint(dir + "/step_00000004").has_value());
-  const std::string msg = error_of([&] { save_sharded_checkpoint(dir, *model, nullptr, sample_state(-1)); });
+  const std::string msg = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(-1)); });
   EXPECT_NE(msg.find("step -1 is negative"), std::string::npos) << msg;
 }
 
@@ -602,7 +603,7 @@ TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
 
 // Every shard element of checkpoint `step` holds the value `step`, so a load that mixed
 // files of two checkpoints would show.
-void fill_with(WrapPointImpl& model, int64_t step) {
+void fill_with(const ShardedModel& model, int64_t step) {
   torch::NoGradGuard g;
   for (auto& p : model.sharded_parameters()) p.fill_(static_cast<float>(step));
 }
@@ -615,7 +616,7 @@ TEST(CrashSaver, SavesUntilKilled) {
   int64_t step = 0;
   if (latest_checkpoint(dir)) {
     TrainingState st;
-    load_sharded_checkpoint(dir, *model, nullptr, &st);
+    load_sharded_checkpoint(dir, model, nullptr, &st);
     step = st.step;
   }
   const int64_t stop = std::getenv("FSDP_CRASH_SAVER_ONCE") ? step + 1 : INT64_MAX;
@@ -623,8 +624,8 @@ TEST(CrashSaver, SavesUntilKilled) {
   so.keep_last = 2;
   while (step < stop) {
     ++step;
-    fill_with(*model, step);
-    save_sharded_checkpoint(dir, *model, nullptr, sample_state(step), so);
+    fill_with(model, step);
+    save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
     std::cout << "saved " << step << std::endl;
   }
 }
@@ -660,10 +661,10 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
     kills_mid_run += WIFSIGNALED(status) ? 1 : 0;
     // The previous complete checkpoint loads, whole and consistent.
     TrainingState st;
-    ASSERT_NO_THROW(load_sharded_checkpoint(dir, *model, nullptr, &st)) << "round " << round;
+    ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
     EXPECT_GE(st.step, last_step) << "latest went backwards";
     last_step = st.step;
-    for (auto& p : model->sharded_parameters()) {
+    for (auto& p : model.sharded_parameters()) {
       ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>()) << "files of two checkpoints mixed";
     }
     EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
@@ -678,20 +679,20 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
 TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
   const std::string dir = scratch_dir("api");
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
-  auto opt = make_adamw(*model);
-  save_sharded_checkpoint(dir + "/noopt", *model, nullptr, sample_state(1));
+  auto opt = make_adamw(model);
+  save_sharded_checkpoint(dir + "/noopt", model, nullptr, sample_state(1));
   struct Case {
     std::function<void()> call;
     std::string message;
   };
   auto other_params = std::vector<torch::Tensor>{torch::zeros({3}, torch::requires_grad())};
   torch::optim::AdamW foreign(other_params);
-  const auto shards = model->sharded_parameters();
+  const auto shards = model.sharded_parameters();
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<torch::Tensor>{shards[0]});
   groups.emplace_back(std::vector<torch::Tensor>(shards.begin() + 1, shards.end()));
   torch::optim::AdamW two_groups(std::move(groups));
-  torch::optim::RMSprop rms(model->sharded_parameters());
+  torch::optim::RMSprop rms(model.sharded_parameters());
   ExportOptions with_opt;
   with_opt.with_optimizer = true;
   ExportOptions int_dtype;
@@ -701,19 +702,19 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
   SaveOptions negative;
   negative.keep_last = -1;
   const std::vector<Case> cases = {
-      {[&] { load_sharded_checkpoint(dir + "/noopt", *model, &opt, nullptr); },
+      {[&] { load_sharded_checkpoint(dir + "/noopt", model, &opt, nullptr); },
        "holds no optimizer state; pass nullptr as the optimizer to load only the model"},
-      {[&] { save_sharded_checkpoint(dir + "/x", *model, &foreign, sample_state(1)); },
-       "the optimizer does not hold the shard of unit ''. Build it from model->sharded_parameters()."},
-      {[&] { save_sharded_checkpoint(dir + "/x", *model, &rms, sample_state(1)); },
+      {[&] { save_sharded_checkpoint(dir + "/x", model, &foreign, sample_state(1)); },
+       "the optimizer does not hold the shard of unit ''. Build it from model.sharded_parameters()."},
+      {[&] { save_sharded_checkpoint(dir + "/x", model, &rms, sample_state(1)); },
        "this optimizer is none of them (pass nullptr to save or load without optimizer state)"},
-      {[&] { save_sharded_checkpoint(dir + "/x", *model, nullptr, sample_state(1), negative); },
+      {[&] { save_sharded_checkpoint(dir + "/x", model, nullptr, sample_state(1), negative); },
        "keep_last -1 is negative; use 0 to keep every checkpoint"},
-      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, sample_state(1), with_opt); },
+      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), with_opt); },
        "export_consolidated: with_optimizer needs the optimizer"},
-      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, sample_state(1), int_dtype); },
+      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), int_dtype); },
        "is not supported; use float32, bfloat16 or float16"},
-      {[&] { export_consolidated(dir + "/e.h5", *model, nullptr, reserved); },
+      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, reserved); },
        "model attribute 'step' collides with a reserved root attribute"},
   };
   for (const auto& c : cases) {
@@ -721,8 +722,8 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
     EXPECT_NE(msg.find(c.message), std::string::npos) << "want: " << c.message << "\ngot: " << msg;
   }
   // A checkpoint with optimizer state, loaded into an optimizer with other param groups.
-  save_sharded_checkpoint(dir + "/opt", *model, &opt, sample_state(1));
-  const std::string msg = error_of([&] { load_sharded_checkpoint(dir + "/opt", *model, &two_groups, nullptr); });
+  save_sharded_checkpoint(dir + "/opt", model, &opt, sample_state(1));
+  const std::string msg = error_of([&] { load_sharded_checkpoint(dir + "/opt", model, &two_groups, nullptr); });
   EXPECT_NE(msg.find("holds 1 optimizer param groups but the optimizer has 2"), std::string::npos) << msg;
   auto r = run_command({bin_dir() + "/fsdp-consolidate", dir + "/noopt", dir + "/c.h5", "--with-optimizer"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -739,14 +740,14 @@ struct BadCheckpoint : ::testing::Test {
     dir = scratch_dir(std::string("bad_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
     run_ranks(2, [&](const ProcessGroup& pg) {
       auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-      fill_with(*model, 3);  // 3.0f everywhere: easy to find in the file
-      save_sharded_checkpoint(dir, *model, nullptr, sample_state(5));
+      fill_with(model, 3);  // 3.0f everywhere: easy to find in the file
+      save_sharded_checkpoint(dir, model, nullptr, sample_state(5));
     });
     ckpt = dir + "/step_00000005";
   }
   std::string load_error() {
     auto model = fully_shard(gpt::GPT(small_gpt_config()));
-    return error_of([&] { load_sharded_checkpoint(dir, *model, nullptr, nullptr); });
+    return error_of([&] { load_sharded_checkpoint(dir, model, nullptr, nullptr); });
   }
 };
 
@@ -786,7 +787,7 @@ TEST_F(BadCheckpoint, MissingRankFile) {
 
 TEST_F(BadCheckpoint, CheckpointOfAnotherModel) {
   auto mlp = fully_shard(MlpNet());
-  const std::string msg = error_of([&] { load_sharded_checkpoint(dir, *mlp, nullptr, nullptr); });
+  const std::string msg = error_of([&] { load_sharded_checkpoint(dir, mlp, nullptr, nullptr); });
   EXPECT_NE(msg.find(ckpt), std::string::npos) << msg;
   EXPECT_NE(msg.find("does not match this model"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Missing from the checkpoint: inp.weight"), std::string::npos) << msg;

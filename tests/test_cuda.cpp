@@ -8,6 +8,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -34,9 +35,9 @@ TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu) {
     ref->to(torch::kCUDA);
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(cfg), gpu_options(pg));
-    for (auto& p : model->sharded_parameters()) EXPECT_TRUE(p.is_cuda());
+    for (auto& p : model.sharded_parameters()) EXPECT_TRUE(p.is_cuda());
     torch::optim::AdamW opt_ref(ref->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
-    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
     for (int64_t s = 0; s < 5; ++s) {
       auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
       auto lr = gpt::loss_on(ref, rows), lm = gpt::loss_on(model, rows);
@@ -49,7 +50,7 @@ TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu) {
       opt.zero_grad();
     }
     ref->to(torch::kCPU);
-    expect_params_match(full_state_dict(*model, {false, /*offload_to_cpu=*/true}), *ref, 1e-4);
+    expect_params_match(full_state_dict(model, {false, /*offload_to_cpu=*/true}), *ref, 1e-4);
   });
 }
 
@@ -67,13 +68,12 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
     auto a = fully_shard(gpt::GPT(cfg), off);
     torch::manual_seed(0);
     auto b = fully_shard(gpt::GPT(cfg), on);
-    for (auto& p : b->sharded_parameters()) {
+    for (auto& p : b.sharded_parameters()) {
       EXPECT_TRUE(p.is_cpu());
       EXPECT_TRUE(p.is_pinned());
     }
-    torch::optim::AdamW opt_a(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
-    FusedAdamW opt_b(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
-    b->attach_copy_out(opt_b);
+    torch::optim::AdamW opt_a(a.sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+    FusedAdamW opt_b(b, torch::optim::AdamWOptions(1e-3).eps(1e-6));
     for (int64_t s = 0; s < 5; ++s) {
       auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
       auto la = gpt::loss_on(a, rows), lb = gpt::loss_on(b, rows);
@@ -85,8 +85,8 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
       opt_a.zero_grad();
       opt_b.zero_grad();
     }
-    EXPECT_EQ(b->memory_stats().offload_buffers.current, 0);
-    EXPECT_GT(b->copy_out_gathers(), 0);
+    EXPECT_EQ(b.memory_stats().offload_buffers.current, 0);
+    EXPECT_GT(fsdp::detail::copy_out_gathers(b), 0);
   });
 }
 
@@ -98,20 +98,20 @@ TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
   run_ranks(1, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
-    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
     gpt::loss_on(model, gpt_batch(0, 4, small_gpt_config().block_size).to(torch::kCUDA)).backward();
     opt.step();
     TrainingState st;
     st.step = 1;
-    save_sharded_checkpoint(dir, *model, &opt, st);
+    save_sharded_checkpoint(dir, model, &opt, st);
     const auto after_save = torch::rand({4}, torch::kCUDA);
-    auto saved = full_state_dict(*model, {false, true});
+    auto saved = full_state_dict(model, {false, true});
     torch::manual_seed(7);
     auto other = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
-    torch::optim::AdamW opt2(other->sharded_parameters(), torch::optim::AdamWOptions(1.0));
-    load_sharded_checkpoint(dir, *other, &opt2, nullptr);
+    torch::optim::AdamW opt2(other.sharded_parameters(), torch::optim::AdamWOptions(1.0));
+    load_sharded_checkpoint(dir, other, &opt2, nullptr);
     EXPECT_TRUE(torch::equal(torch::rand({4}, torch::kCUDA), after_save)) << "CUDA RNG not restored";
-    auto loaded = full_state_dict(*other, {false, true});
+    auto loaded = full_state_dict(other, {false, true});
     for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(saved[i].second, loaded[i].second)) << saved[i].first;
   });
 }

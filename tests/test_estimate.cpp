@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -84,7 +85,7 @@ void compare(const ProcessGroup& pg, const Scenario& run) {
   const auto cfg = test_gpt();
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(cfg), options_for(run, pg));
-  torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   const auto est = estimate_memory(input_for(run, cfg, pg.size()));
   auto column = [&](const std::string& key) {
     const auto& t = est.term(key);
@@ -93,16 +94,16 @@ void compare(const ProcessGroup& pg, const Scenario& run) {
   };
 
   int64_t n_params = 0;
-  for (const auto& f : model->flat_params()) n_params += f.numel;
+  for (const auto& f : fsdp::detail::flat_params(model)) n_params += f.numel;
   EXPECT_EQ(est.total_params, n_params) << "the GPT parameter count";
-  EXPECT_EQ(column("parameters"), model->memory_stats().sharded_params.current);
+  EXPECT_EQ(column("parameters"), model.memory_stats().sharded_params.current);
   for (int64_t step = 0; step < 2; ++step) {
     opt.zero_grad();
     gpt::loss_on(model, my_rows(gpt_batch(step, 2 * pg.size(), cfg.block_size), pg)).backward();
-    EXPECT_EQ(column("gradients"), model->memory_stats().grad_shards.current) << "after backward " << step;
+    EXPECT_EQ(column("gradients"), model.memory_stats().grad_shards.current) << "after backward " << step;
     opt.step();
   }
-  const auto mem = model->memory_stats();
+  const auto mem = model.memory_stats();
   EXPECT_EQ(column("parameters"), mem.sharded_params.current);
   EXPECT_EQ(column("optimizer_state"), adam_state_bytes(opt));
 

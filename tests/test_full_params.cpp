@@ -3,6 +3,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
+#include "../src/internal.h"  // flat sizes, for the exact byte count
 
 #include <map>
 
@@ -22,9 +23,9 @@ TEST(FullParams, ScopeShowsFullValuesUnderOriginalNamesAndWritesBack) {
     ShardingOptions o;
     o.process_group = pg;
     auto model = fully_shard(gpt::GPT(cfg), o);
-    auto full = as_map(full_state_dict(*model.ptr()));
+    auto full = as_map(full_state_dict(model));
     {
-      FullParamsScope scope(*model.ptr());
+      FullParamsScope scope(model);
       auto live = named_parameters_clean(*model);
       ASSERT_EQ(live.size(), full.size());
       for (auto& [name, p] : live) {
@@ -34,10 +35,50 @@ TEST(FullParams, ScopeShowsFullValuesUnderOriginalNamesAndWritesBack) {
       torch::NoGradGuard g;
       model->module()->lm_head->weight.fill_(0.5);  // an edit made through the original parameter
     }
-    EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
-    auto after = as_map(full_state_dict(*model.ptr()));
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
+    auto after = as_map(full_state_dict(model));
     EXPECT_TRUE(torch::equal(after["lm_head.weight"], torch::full_like(after["lm_head.weight"], 0.5)));
     EXPECT_TRUE(torch::equal(after["wte.weight"], full["wte.weight"]));
+  });
+}
+
+TEST(FullParams, UnshardHoldsFullValuesUntilReshardAndNeverWritesBack) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto cfg = small_gpt_config();
+    torch::manual_seed(52);
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    auto full = as_map(full_state_dict(model));
+    auto idx = torch::randint(0, cfg.vocab_size, {2, 8}, torch::kLong);
+    torch::Tensor expected;
+    {
+      torch::NoGradGuard g;
+      expected = model(idx);
+    }
+    int64_t full_bytes = 0;  // every unit's padded fp32 flat parameters
+    for (const auto& f : fsdp::detail::flat_params(model)) full_bytes += f.padded_numel * 4;
+
+    model.unshard();
+    EXPECT_EQ(model.memory_stats().gathered_params.current, full_bytes);
+    auto live = named_parameters_clean(*model);
+    ASSERT_EQ(live.size(), full.size());
+    for (auto& [name, p] : live) EXPECT_TRUE(torch::equal(p.detach(), full[name])) << name;
+    {
+      torch::NoGradGuard g;
+      model->module()->lm_head->weight.fill_(0.5);
+    }
+    model.reshard();
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
+    model.reshard();  // idempotent
+    EXPECT_TRUE(torch::equal(as_map(full_state_dict(model))["lm_head.weight"], full["lm_head.weight"]))
+        << "reshard wrote the edit back";
+
+    // A forward finds the parameters in place; an eval forward frees them after.
+    model.unshard();
+    torch::NoGradGuard g;
+    EXPECT_TRUE(torch::equal(model(idx), expected));
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
   });
 }
 
@@ -49,18 +90,18 @@ TEST(FullParams, Rank0OnlyKeepsTheParametersOnRankZeroAlone) {
     FullParamsOptions fo;
     fo.rank0_only = true;
     {
-      FullParamsScope scope(*model.ptr(), fo);
-      const int64_t gathered = model->memory_stats().gathered_params.current;
+      FullParamsScope scope(model, fo);
+      const int64_t gathered = model.memory_stats().gathered_params.current;
       if (pg.rank() == 0) {
         EXPECT_GT(gathered, 0);
       } else {
         EXPECT_EQ(gathered, 0);
       }
     }
-    auto sd = full_state_dict(*model.ptr(), fo);
+    auto sd = full_state_dict(model, fo);
     EXPECT_EQ(sd.empty(), pg.rank() != 0);
     fo.offload_to_cpu = true;
-    for (auto& [n, t] : full_state_dict(*model.ptr(), fo)) EXPECT_TRUE(t.device().is_cpu()) << n;
+    for (auto& [n, t] : full_state_dict(model, fo)) EXPECT_TRUE(t.device().is_cpu()) << n;
   });
 }
 
@@ -81,7 +122,7 @@ TEST(FullParams, SyncModuleStatesStartsEveryRankFromRankZerosWeights) {
       o.process_group = pg;
       o.sync_module_states = sync;
       auto model = fully_shard(mine, o);
-      auto full = full_state_dict(*model.ptr());
+      auto full = full_state_dict(model);
       bool all_equal = true;
       auto ref = as_map(named_parameters_clean(*rank0_model));
       for (auto& [n, t] : full) all_equal = all_equal && torch::equal(t, ref[n].detach());

@@ -7,19 +7,20 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
 
 namespace {
 
-std::set<std::string> unit_names(WrapPointImpl& root) {
+std::set<std::string> unit_names(const ShardedModel& root) {
   std::set<std::string> out;
-  for (const auto& f : root.flat_params()) out.insert(f.unit_fqn);
+  for (const auto& f : fsdp::detail::flat_params(root)) out.insert(f.unit_fqn);
   return out;
 }
 
-std::string unit_of(WrapPointImpl& root, const std::string& fqn) {
+std::string unit_of(const ShardedModel& root, const std::string& fqn) {
   for (const auto& p : root.param_table()) {
     if (p.fqn == fqn) return p.unit_fqn;
   }
@@ -31,7 +32,7 @@ std::string unit_of(WrapPointImpl& root, const std::string& fqn) {
 template <class Sharded, class Plain>
 void expect_training_parity(Sharded& model, Plain& reference, const ProcessGroup& pg, int steps = 5,
                             int64_t in = 8) {
-  torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   std::vector<torch::Tensor> trainable;  // tied tensors once, as plain PyTorch would
   std::set<c10::TensorImpl*> seen;
   for (auto& p : reference->parameters()) {
@@ -56,7 +57,7 @@ void expect_training_parity(Sharded& model, Plain& reference, const ProcessGroup
     ref_opt.zero_grad();
     EXPECT_NEAR(global, ref, 1e-5 * std::abs(ref)) << "step " << step;
   }
-  expect_params_match(full_state_dict(*model.ptr()), *reference, 1e-5);
+  expect_params_match(full_state_dict(model), *reference, 1e-5);
 }
 
 // --- policies ---------------------------------------------------------------
@@ -120,19 +121,19 @@ TEST(WrapPolicies, AnyAndAllCompose) {
 
 TEST(FullyShard, AlwaysPolicyMakesNestedUnitsAndRootTakesTheRest) {
   auto root = fully_shard(Nested());
-  EXPECT_EQ(unit_names(*root.ptr()), (std::set<std::string>{"", "inner", "inner.b"}));
-  EXPECT_EQ(unit_of(*root.ptr(), "head.weight"), "");
-  EXPECT_EQ(unit_of(*root.ptr(), "inner.a.weight"), "inner");
-  EXPECT_EQ(unit_of(*root.ptr(), "inner.b.bias"), "inner.b");
+  EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner", "inner.b"}));
+  EXPECT_EQ(unit_of(root, "head.weight"), "");
+  EXPECT_EQ(unit_of(root, "inner.a.weight"), "inner");
+  EXPECT_EQ(unit_of(root, "inner.b.bias"), "inner.b");
 }
 
 TEST(FullyShard, NeverPolicyPutsEverythingInTheRoot) {
   ShardingOptions o;
   o.auto_wrap_policy = never_wrap_policy();
   auto root = fully_shard(Nested(), o);
-  EXPECT_EQ(unit_names(*root.ptr()), (std::set<std::string>{""}));
+  EXPECT_EQ(unit_names(root), (std::set<std::string>{""}));
   // Registration order is kept: inner.a, inner.b, head.
-  auto table = root->param_table();
+  auto table = root.param_table();
   ASSERT_EQ(table.size(), 6u);
   EXPECT_EQ(table[0].fqn, "inner.a.weight");
   EXPECT_EQ(table[2].fqn, "inner.b.weight");
@@ -144,15 +145,15 @@ TEST(FullyShard, SizePolicyMergesSmallInnerUnitIntoItsParent) {
   ShardingOptions o;
   o.auto_wrap_policy = size_based_policy(100);  // inner.b owns 72 < 100; inner owns 144
   auto root = fully_shard(Nested(), o);
-  EXPECT_EQ(unit_names(*root.ptr()), (std::set<std::string>{"", "inner"}));
-  EXPECT_EQ(unit_of(*root.ptr(), "inner.b.weight"), "inner");
+  EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner"}));
+  EXPECT_EQ(unit_of(root, "inner.b.weight"), "inner");
 }
 
 TEST(FullyShard, ModuleTypePolicyPicksOnlyThatClass) {
   ShardingOptions o;
   o.auto_wrap_policy = module_type_policy<Inner>();
   auto root = fully_shard(Nested(), o);
-  EXPECT_EQ(unit_names(*root.ptr()), (std::set<std::string>{"", "inner"}));
+  EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner"}));
 }
 
 TEST(FullyShard, ShardingTwiceIsAnError) {
@@ -166,16 +167,19 @@ TEST(FullyShard, ShardingTwiceIsAnError) {
   }
 }
 
-TEST(FullyShard, RootOnlyQueriesOnAnInnerUnitSayWhatToUse) {
-  auto root = fully_shard(Nested());
+TEST(FullyShard, AnEmptyHandleSaysWhatToAssign) {
+  ShardedModel model;
+  EXPECT_FALSE(model);
   try {
-    root->module()->inner->sharded_parameters();
+    model.sharded_parameters();
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "this call needs the root of a sharded model: use the module that "
-              "fsdp::fully_shard returned (this wrap point is an inner unit)");
+              "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
   }
+  model = fully_shard(Nested());
+  EXPECT_TRUE(model);
+  EXPECT_EQ(model.sharded_parameters().size(), 3u);  // the root, "inner" and "inner.b"
 }
 
 TEST(FullyShard, BadOptionsAreRejectedWithTheValue) {
@@ -201,7 +205,7 @@ TEST(FullyShard, NestedUnitsTrainLikeTheUnshardedModel) {
     o.process_group = pg;
     auto model = fully_shard(Nested(), o);
     expect_training_parity(model, reference, pg);
-    EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
   });
 }
 
@@ -217,7 +221,7 @@ TEST(FullyShard, UnitCalledTwiceInForwardTrainsCorrectlyAndGathersTwice) {
     model->forward(torch::randn({2, 8})).sum().backward();
     // Per step: root (head, 27 floats) gathered once; 'shared' (72 floats) gathered for
     // each of its two forward calls and once more for backward. All in fp32.
-    const auto& s = model->comm_stats().step;
+    const auto& s = model.comm_stats().step;
     const int64_t root = 27 + 1, shared = 72;  // root is padded 27 -> 28 for 2 ranks
     EXPECT_EQ(s.all_gather_bytes, 4 * (root + 3 * shared));
     EXPECT_EQ(s.reduce_scatter_bytes, 4 * (root + shared));
@@ -234,7 +238,7 @@ TEST(FullyShard, EvalUnderNoGradGathersUnitByUnitAndLeavesNothingGathered) {
     o.process_group = pg;
     auto model = fully_shard(gpt::GPT(cfg), o);
     auto x = gpt_batch(0, 2, cfg.block_size).narrow(1, 0, cfg.block_size);
-    model->reset_peak_memory();
+    model.reset_peak_memory();
     torch::Tensor out;
     {
       torch::NoGradGuard no_grad;
@@ -242,11 +246,11 @@ TEST(FullyShard, EvalUnderNoGradGathersUnitByUnitAndLeavesNothingGathered) {
     }
     EXPECT_FALSE(out.requires_grad());  // no graph, so no backward hooks
     EXPECT_LE(rel_diff(out, reference(x).detach()), 1e-5);
-    auto mem = model->memory_stats().gathered_params;
+    auto mem = model.memory_stats().gathered_params;
     EXPECT_EQ(mem.current, 0);
     // Unit by unit: at most the root plus max_gathered_units blocks at once.
     int64_t root_bytes = 0, block_bytes = 0;
-    for (const auto& f : model->flat_params()) {
+    for (const auto& f : fsdp::detail::flat_params(model)) {
       (f.unit_fqn.empty() ? root_bytes : block_bytes) = f.padded_numel * 4;
     }
     EXPECT_LE(mem.peak, root_bytes + 2 * block_bytes);
@@ -269,18 +273,18 @@ TEST(FullyShard, FrozenParametersGetNoGradientAndNeverChange) {
     o.process_group = pg;
     auto model = fully_shard(fresh, o);
     expect_training_parity(model, reference, pg);
-    for (const auto& [n, v] : full_state_dict(*model.ptr())) {
+    for (const auto& [n, v] : full_state_dict(model)) {
       if (n == "inner.a.weight") EXPECT_TRUE(torch::equal(v, frozen_before));
     }
     // Gradient shards exist for trainable flat parameters only.
     int64_t trainable_shard_bytes = 0;
-    for (const auto& f : model->flat_params()) {
+    for (const auto& f : fsdp::detail::flat_params(model)) {
       if (f.requires_grad) trainable_shard_bytes += 4 * f.shard_numel;
     }
     auto x = torch::randn({2, 8});
     model(x).sum().backward();
-    EXPECT_EQ(model->memory_stats().grad_shards.current, trainable_shard_bytes);
-    for (const auto& p : model->param_table()) {
+    EXPECT_EQ(model.memory_stats().grad_shards.current, trainable_shard_bytes);
+    for (const auto& p : model.param_table()) {
       if (p.fqn == "inner.a.weight" || p.fqn == "head.bias") EXPECT_FALSE(p.requires_grad) << p.fqn;
     }
   });
@@ -298,14 +302,14 @@ TEST(FullyShard, TiedParametersInOneUnitTrainAsOneTensor) {
     o.auto_wrap_policy = never_wrap_policy();  // a and b both in the root
     auto model = fully_shard(Tied(w.clone()), o);
     expect_training_parity(model, reference, pg);
-    auto table = model->param_table();
+    auto table = model.param_table();
     int64_t a_off = -1, b_off = -2;
     for (const auto& p : table) {
       if (p.fqn == "a.w") a_off = p.offset;
       if (p.fqn == "b.w") b_off = p.offset;
     }
     EXPECT_EQ(a_off, b_off);  // stored once
-    EXPECT_EQ(model->flat_params()[0].numel, 64 + 24 + 3);
+    EXPECT_EQ(fsdp::detail::flat_params(model)[0].numel, 64 + 24 + 3);
   });
 }
 
@@ -334,8 +338,8 @@ TEST(FullyShard, SequentialHelperShardsEntriesKeepingTheirNames) {
     o.process_group = pg;
     auto model = shard_sequential(make(), o);
     // Units without parameters (the root, the Tanh) hold no flat parameter.
-    EXPECT_EQ(unit_names(*model.ptr()), (std::set<std::string>{"0", "2"}));
-    EXPECT_EQ(unit_of(*model.ptr(), "2.weight"), "2");
+    EXPECT_EQ(unit_names(model), (std::set<std::string>{"0", "2"}));
+    EXPECT_EQ(unit_of(model, "2.weight"), "2");
     expect_training_parity(model, reference, pg);
   });
 }

@@ -146,8 +146,8 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     auto a = fully_shard(gpt::GPT(small_gpt_config()), o);
     torch::manual_seed(0);
     auto b = fully_shard(gpt::GPT(small_gpt_config()), o);
-    torch::optim::AdamW ref(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-    FusedAdamW fused(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    torch::optim::AdamW ref(a.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    FusedAdamW fused(b.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
     for (int64_t s = 0; s < 5; ++s) {
       auto la = gpt::loss_on(a, my_rows(batch(s), pg)), lb = gpt::loss_on(b, my_rows(batch(s), pg));
       EXPECT_NEAR(global_mean(lb, pg), global_mean(la, pg), 1e-6 * std::abs(global_mean(la, pg))) << "step " << s;
@@ -162,22 +162,22 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     // lr-sized moves where a gradient is pure rounding noise (the attention key bias),
     // so parameters are compared with the parity tests' noise floor (Note [Adam and
     // noise] in test_parity.cpp).
-    auto fa = full_state_dict(*a), fb = full_state_dict(*b);
+    auto fa = full_state_dict(a), fb = full_state_dict(b);
     for (size_t i = 0; i < fa.size(); ++i) EXPECT_LE(rel_diff(fb[i].second, fa[i].second), 1e-5) << fa[i].first;
     TrainingState st;
     st.step = 5;
-    save_sharded_checkpoint(dir, *b, &fused, st);
-    export_consolidated(dir + "/full.h5", *b, &fused, st, {torch::kFloat32, /*with_optimizer=*/true});
+    save_sharded_checkpoint(dir, b, &fused, st);
+    export_consolidated(dir + "/full.h5", b, &fused, st, {torch::kFloat32, /*with_optimizer=*/true});
   });
   run_ranks(1, [&](const ProcessGroup& pg) {
     ShardingOptions o;
     o.process_group = pg;
     auto m = fully_shard(gpt::GPT(small_gpt_config()), o);
-    FusedAdamW fused(m->sharded_parameters(), torch::optim::AdamWOptions(1.0));
-    load_sharded_checkpoint(dir, *m, &fused, nullptr);
+    FusedAdamW fused(m.sharded_parameters(), torch::optim::AdamWOptions(1.0));
+    load_sharded_checkpoint(dir, m, &fused, nullptr);
     EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(fused.param_groups()[0].options()).lr(), 1e-3);
     // The resharded state, exported again, equals the 2-rank export.
-    export_consolidated(dir + "/again.h5", *m, &fused, {5}, {torch::kFloat32, true});
+    export_consolidated(dir + "/again.h5", m, &fused, {5}, {torch::kFloat32, true});
     gpt::GPT x(small_gpt_config()), y(small_gpt_config());
     load_consolidated(dir + "/full.h5", *x);
     load_consolidated(dir + "/again.h5", *y);

@@ -173,7 +173,7 @@ std::string mlp_weights() {
   static std::string path = [] {
     const std::string dir = temp_dir("gen_mlp");
     auto model = fsdp::fully_shard(MlpNet());
-    fsdp::export_consolidated(dir + "/mlp.h5", *model, nullptr, fsdp::TrainingState{});
+    fsdp::export_consolidated(dir + "/mlp.h5", model, nullptr, fsdp::TrainingState{});
     return dir + "/mlp.h5";
   }();
   return path;

@@ -4,6 +4,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -27,26 +28,26 @@ Outcome accumulate(const ProcessGroup& pg, bool no_sync) {
   o.process_group = pg;
   auto model = fully_shard(MlpNet(), o);
   auto adamw = torch::optim::AdamWOptions(1e-2).eps(1e-6);
-  torch::optim::AdamW opt(model->sharded_parameters(), adamw);
+  torch::optim::AdamW opt(model.sharded_parameters(), adamw);
   torch::optim::AdamW ref_opt(reference->parameters(), adamw);
   Outcome out;
   for (int step = 0; step < 5; ++step) {
     auto [x, y] = mlp_batch(step, kMicro * kMicroRows);
-    model->reset_peak_memory();
+    model.reset_peak_memory();
     double global = 0;
     for (int m = 0; m < kMicro; ++m) {
       auto xm = x.narrow(0, m * kMicroRows, kMicroRows), ym = y.narrow(0, m * kMicroRows, kMicroRows);
       auto loss = torch::mse_loss(model(my_rows(xm, pg)), my_rows(ym, pg)) / kMicro;
       if (no_sync && m < kMicro - 1) {
-        NoSyncScope scope(*model.ptr());
+        NoSyncScope scope(model);
         loss.backward();
       } else {
         loss.backward();
       }
       global += global_mean(loss, pg);
     }
-    out.comm = model->comm_stats().step;  // the last micro-batch's step counters
-    out.comm_peak = model->memory_stats().comm_buffers.peak;
+    out.comm = model.comm_stats().step;  // the last micro-batch's step counters
+    out.comm_peak = model.memory_stats().comm_buffers.peak;
     opt.step();
     opt.zero_grad();
 
@@ -64,8 +65,8 @@ Outcome accumulate(const ProcessGroup& pg, bool no_sync) {
     ref_opt.zero_grad();
     EXPECT_NEAR(global, ref, 1e-5 * ref) << "step " << step;
   }
-  expect_params_match(full_state_dict(*model.ptr()), *reference, 1e-5);
-  for (const auto& f : model->flat_params()) out.padded += f.padded_numel;
+  expect_params_match(full_state_dict(model), *reference, 1e-5);
+  for (const auto& f : fsdp::detail::flat_params(model)) out.padded += f.padded_numel;
   return out;
 }
 
@@ -92,21 +93,59 @@ TEST(GradientAccumulation, NoSyncCommunicatesOnceInsteadOfEveryMicroBatch) {
       ShardingOptions o;
       o.process_group = pg;
       auto model = fully_shard(MlpNet(), o);
-      int64_t before = model->comm_stats().total.reduce_scatter_bytes;
+      int64_t before = model.comm_stats().total.reduce_scatter_bytes;
       for (int m = 0; m < kMicro; ++m) {
         auto loss = model(torch::randn({6, 16})).pow(2).mean();
         if (no_sync && m < kMicro - 1) {
-          NoSyncScope scope(*model.ptr());
+          NoSyncScope scope(model);
           loss.backward();
         } else {
           loss.backward();
         }
       }
-      return model->comm_stats().total.reduce_scatter_bytes - before;
+      return model.comm_stats().total.reduce_scatter_bytes - before;
     };
     const int64_t every = count(false), once = count(true);
     EXPECT_GT(once, 0);
     EXPECT_EQ(every, kMicro * once);
+  });
+}
+
+TEST(GradientAccumulation, SetRequiresGradientSyncIsNoSyncScopeWithoutAScope) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    // The same micro-batches, skipping the sync of the first three through the scope or
+    // through the verb: the same single reduction and bit-identical gradient shards.
+    auto run = [&](bool verb) {
+      torch::manual_seed(1);
+      ShardingOptions o;
+      o.process_group = pg;
+      auto model = fully_shard(MlpNet(), o);
+      EXPECT_TRUE(model.requires_gradient_sync());
+      torch::manual_seed(2 + pg.rank());
+      for (int m = 0; m < kMicro; ++m) {
+        auto loss = model(torch::randn({6, 16})).pow(2).mean();
+        const bool sync = m == kMicro - 1;
+        if (verb) {
+          model.set_requires_gradient_sync(sync);
+          loss.backward();
+        } else if (!sync) {
+          NoSyncScope scope(model);
+          EXPECT_FALSE(model.requires_gradient_sync());
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      EXPECT_TRUE(model.requires_gradient_sync());  // the scope restored it; the verb set it
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : model.sharded_parameters()) grads.push_back(p.grad().clone());
+      return std::make_pair(model.comm_stats().total.reduce_scatter_calls, grads);
+    };
+    auto [scope_calls, scope_grads] = run(false);
+    auto [verb_calls, verb_grads] = run(true);
+    EXPECT_EQ(verb_calls, scope_calls);
+    ASSERT_EQ(verb_grads.size(), scope_grads.size());
+    for (size_t i = 0; i < verb_grads.size(); ++i) EXPECT_TRUE(torch::equal(verb_grads[i], scope_grads[i])) << i;
   });
 }
 

@@ -20,13 +20,13 @@ TEST(LossScaler, FollowsHysteresisWindowAndMinimumAndSkipsOverflowedStepsOnEvery
     o.process_group = pg;
     torch::manual_seed(41);
     auto model = fully_shard(MlpNet(), o);
-    torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(0.01));
+    torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.01));
     LossScalerOptions so;
     so.initial_scale_power = 4;  // 16
     so.loss_scale_window = 3;
     so.hysteresis = 2;
     so.min_loss_scale = 2;
-    LossScaler scaler(*model.ptr(), so);
+    LossScaler scaler(model, so);
     EXPECT_EQ(scaler.state().scale, 16);
     // Overflow injected on rank 1 only (its loss times infinity). The reduction carries
     // it into every shard, and the decision is all-reduced, so every rank skips alike.
@@ -41,10 +41,10 @@ TEST(LossScaler, FollowsHysteresisWindowAndMinimumAndSkipsOverflowedStepsOnEvery
       auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
       if (overflow_steps.count(step) && pg.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
       scaler.scale(loss).backward();
-      auto before = model->sharded_parameters()[0].detach().clone();
+      auto before = model.sharded_parameters()[0].detach().clone();
       bool stepped = scaler.step(opt);
       EXPECT_EQ(stepped, !overflow_steps.count(step)) << "step " << step;
-      auto after = model->sharded_parameters()[0].detach();
+      auto after = model.sharded_parameters()[0].detach();
       EXPECT_EQ(torch::equal(before, after), !stepped) << "step " << step;
       opt.zero_grad();
       if (step == 13) {
@@ -73,9 +73,9 @@ TEST(LossScaler, UnscaledGradientsEqualUnscaledTraining) {
   auto a = fully_shard(MlpNet());
   torch::manual_seed(42);
   auto b = fully_shard(MlpNet());
-  torch::optim::SGD opt_a(a->sharded_parameters(), torch::optim::SGDOptions(0.1));
-  torch::optim::SGD opt_b(b->sharded_parameters(), torch::optim::SGDOptions(0.1));
-  LossScaler scaler(*b.ptr());  // 2^16: exact in binary, so scaled gradients unscale exactly
+  torch::optim::SGD opt_a(a.sharded_parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt_b(b.sharded_parameters(), torch::optim::SGDOptions(0.1));
+  LossScaler scaler(b);  // 2^16: exact in binary, so scaled gradients unscale exactly
   for (int step = 0; step < 3; ++step) {
     auto [x, y] = mlp_batch(step, 8);
     torch::mse_loss(a(x), y).backward();
@@ -86,16 +86,16 @@ TEST(LossScaler, UnscaledGradientsEqualUnscaledTraining) {
     scaler.update();
     opt_b.zero_grad();
   }
-  auto pa = a->sharded_parameters(), pb = b->sharded_parameters();
+  auto pa = a.sharded_parameters(), pb = b.sharded_parameters();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i]));
 }
 
 TEST(LossScaler, StaticScaleNeverChangesButStillSkipsOverflow) {
   auto model = fully_shard(MlpNet());
-  torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.1));
   LossScalerOptions so;
   so.loss_scale = 128;
-  LossScaler scaler(*model.ptr(), so);
+  LossScaler scaler(model, so);
   for (int step = 0; step < 4; ++step) {
     auto loss = model(torch::randn({4, 16})).pow(2).mean();
     if (step == 1) loss = loss * std::numeric_limits<float>::infinity();
@@ -112,7 +112,7 @@ TEST(LossScaler, BadOptionsNameTheValue) {
   LossScalerOptions so;
   so.hysteresis = 0;
   try {
-    LossScaler scaler(*model.ptr(), so);
+    LossScaler scaler(model, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()), "LossScalerOptions::hysteresis=0 must be at least 1");

@@ -4,6 +4,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -19,9 +20,9 @@ struct Sizes {
   int64_t padded = 0;   ///< sum of padded numels
 };
 
-Sizes sizes_of(WrapPointImpl& root) {
+Sizes sizes_of(const ShardedModel& root) {
   Sizes s;
-  for (const auto& f : root.flat_params()) {
+  for (const auto& f : fsdp::detail::flat_params(root)) {
     if (f.unit_fqn.empty()) {
       s.root = f.padded_numel;
     } else {
@@ -35,10 +36,10 @@ Sizes sizes_of(WrapPointImpl& root) {
   return s;
 }
 
-void train_steps(gpt::GPT& reference_cfg_holder, FullyShardedModule<gpt::GPT>& model,
+void train_steps(gpt::GPT& reference_cfg_holder, Sharded<gpt::GPT>& model,
                  const ProcessGroup& pg, int steps) {
   auto cfg = reference_cfg_holder->config;
-  torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   for (int step = 0; step < steps; ++step) {
     gpt::loss_on(model, my_rows(gpt_batch(step, 4 * pg.size(), cfg.block_size), pg)).backward();
     opt.step();
@@ -57,21 +58,21 @@ TEST_P(AccountingAtWorld, ShardedStateIsOneNthOfTheModelPlusPaddingExactly) {
     ShardingOptions o;
     o.process_group = pg;
     auto model = fully_shard(gpt::GPT(cfg), o);
-    Sizes s = sizes_of(*model.ptr());
+    Sizes s = sizes_of(model);
     const int64_t n = pg.size();
     EXPECT_EQ(s.numel, model_numel);
-    for (const auto& f : model->flat_params()) {
+    for (const auto& f : fsdp::detail::flat_params(model)) {
       EXPECT_EQ(f.padded_numel % n, 0) << f.unit_fqn;
       EXPECT_LT(f.padded_numel - f.numel, n) << f.unit_fqn;  // padding is under one element per rank
       EXPECT_EQ(f.shard_numel * n, f.padded_numel) << f.unit_fqn;
     }
-    auto mem = model->memory_stats();
+    auto mem = model.memory_stats();
     // fp32 shards: exactly (model + padding) / N elements of 4 bytes.
     EXPECT_EQ(mem.sharded_params.current, 4 * s.padded / n);
     EXPECT_EQ(mem.gathered_params.current, 0);
     EXPECT_EQ(mem.grad_shards.current, 0);
     gpt::loss_on(model, gpt_batch(0, 2, cfg.block_size)).backward();
-    mem = model->memory_stats();
+    mem = model.memory_stats();
     // fp32 gradient shards: the same size as the parameter shards (all trainable).
     EXPECT_EQ(mem.grad_shards.current, 4 * s.padded / n);
     EXPECT_EQ(mem.gathered_params.current, 0);  // nothing left gathered after backward
@@ -89,12 +90,12 @@ TEST(OverlappedReduction, OneReductionInFlightWhileTheNextUnitComputes) {
     ShardingOptions o;
     o.process_group = pg;
     auto model = fully_shard(gpt::GPT(cfg), o);
-    Sizes s = sizes_of(*model.ptr());
+    Sizes s = sizes_of(model);
     gpt::loss_on(model, my_rows(gpt_batch(0, 4, cfg.block_size), pg)).backward();
-    const auto mem = model->memory_stats();
+    const auto mem = model.memory_stats();
     EXPECT_EQ(mem.comm_buffers.peak, 4 * (s.root + 2 * s.block));
     EXPECT_EQ(mem.comm_buffers.current, 0);
-    EXPECT_EQ(model->comm_stats().step.reduce_scatter_calls, 1 + s.blocks);
+    EXPECT_EQ(model.comm_stats().step.reduce_scatter_calls, 1 + s.blocks);
   });
 }
 
@@ -106,8 +107,8 @@ TEST_P(AccountingAtWorld, FullShardStepMovesTheTheoreticalBytes) {
     o.process_group = pg;
     auto model = fully_shard(gpt::GPT(cfg), o);
     train_steps(holder, model, pg, 3);
-    Sizes s = sizes_of(*model.ptr());
-    const auto& step = model->comm_stats().step;
+    Sizes s = sizes_of(model);
+    const auto& step = model.comm_stats().step;
     if (pg.size() == 1) {
       // A group of one moves nothing: gathers and reductions are local copies.
       EXPECT_EQ(step.total_bytes(), 0);
@@ -120,7 +121,7 @@ TEST_P(AccountingAtWorld, FullShardStepMovesTheTheoreticalBytes) {
     EXPECT_EQ(step.reduce_scatter_bytes, 4 * s.padded);
     EXPECT_EQ(step.reduce_scatter_calls, 1 + s.blocks);
     EXPECT_EQ(step.all_reduce_bytes, 0);
-    EXPECT_EQ(model->comm_stats().total.all_gather_bytes, 3 * step.all_gather_bytes);
+    EXPECT_EQ(model.comm_stats().total.all_gather_bytes, 3 * step.all_gather_bytes);
   });
 }
 
@@ -137,7 +138,7 @@ gpt::Config four_block_config() {
 
 // A four-block GPT sharded over `pg` with prefetch bound `bound`, after one training
 // step (the first step records the forward order).
-FullyShardedModule<gpt::GPT> trained_once(const ProcessGroup& pg, int bound) {
+Sharded<gpt::GPT> trained_once(const ProcessGroup& pg, int bound) {
   auto cfg = four_block_config();
   gpt::GPT holder(cfg);
   ShardingOptions o;
@@ -153,14 +154,14 @@ TEST_P(PrefetchBound, GatheredPeakIsRootPlusBoundTimesLargestUnit) {
   run_ranks(2, [bound](const ProcessGroup& pg) {
     auto cfg = four_block_config();
     auto model = trained_once(pg, bound);
-    model->reset_peak_memory();
+    model.reset_peak_memory();
     gpt::GPT holder(cfg);
     train_steps(holder, model, pg, 2);
-    Sizes s = sizes_of(*model.ptr());
+    Sizes s = sizes_of(model);
     // The root stays gathered through forward and backward (Note [Prefetch bound]);
     // prefetching adds blocks up to the bound, and all blocks are the same size, so the
     // peak is reached exactly.
-    EXPECT_EQ(model->memory_stats().gathered_params.peak, 4 * (s.root + bound * s.block));
+    EXPECT_EQ(model.memory_stats().gathered_params.peak, 4 * (s.root + bound * s.block));
   });
 }
 
@@ -172,19 +173,19 @@ TEST_P(PrefetchBound, RootBackwardPrefetchesTheLastUnits) {
   run_ranks(2, [bound](const ProcessGroup& pg) {
     auto cfg = four_block_config();
     auto model = trained_once(pg, bound);
-    Sizes s = sizes_of(*model.ptr());
+    Sizes s = sizes_of(model);
     auto rows = my_rows(gpt_batch(7, 4 * pg.size(), cfg.block_size), pg);
     auto logits = model->forward(rows.narrow(1, 0, rows.size(1) - 1));
-    EXPECT_EQ(model->memory_stats().gathered_params.current, 4 * s.root) << "after forward: the root only";
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 4 * s.root) << "after forward: the root only";
     int64_t at_root_backward = -1;
     // Runs after the engine's own pre-backward hook on the same output (registered first).
     logits.register_hook([&](const torch::Tensor&) {
-      at_root_backward = model->memory_stats().gathered_params.current;
+      at_root_backward = model.memory_stats().gathered_params.current;
     });
     auto y = rows.narrow(1, 1, rows.size(1) - 1);
     torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).backward();
     EXPECT_EQ(at_root_backward, 4 * (s.root + bound * s.block));
-    EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
   });
 }
 

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include <map>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -35,7 +36,7 @@ void bf16_parity(const ProcessGroup& pg) {
   o.mixed_precision.output_dtype = torch::kFloat32;
   auto model = fully_shard(gpt::GPT(cfg), o);
   auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6);
-  torch::optim::AdamW opt(model->sharded_parameters(), adamw);
+  torch::optim::AdamW opt(model.sharded_parameters(), adamw);
   torch::optim::AdamW ref_opt(masters->parameters(), adamw);
   auto master_params = masters->parameters();
   auto compute_params = compute->parameters();
@@ -75,7 +76,7 @@ void bf16_parity(const ProcessGroup& pg) {
     // may differ, and bf16 rounding can turn that into one-ulp (2^-8) differences.
     EXPECT_NEAR(global, ref, 1e-3 * ref) << "step " << step;
   }
-  expect_params_match(full_state_dict(*model.ptr()), *masters, 1e-3);
+  expect_params_match(full_state_dict(model), *masters, 1e-3);
 }
 
 TEST(MixedPrecision, Bf16MatchesAReferenceWithTheSameCastsAtWorld2) { run_ranks(2, bf16_parity); }
@@ -89,8 +90,8 @@ int64_t step_bytes(const ProcessGroup& pg, torch::Dtype param, torch::Dtype redu
   o.mixed_precision.reduce_dtype = reduce;
   auto model = fully_shard(gpt::GPT(cfg), o);
   gpt::loss_on(model, my_rows(gpt_batch(0, kRows, cfg.block_size), pg)).backward();
-  auto s = model->comm_stats().step;
-  EXPECT_EQ(model->memory_stats().gathered_params.current, 0);
+  auto s = model.comm_stats().step;
+  EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
   return s.total_bytes();
 }
 
@@ -108,14 +109,14 @@ TEST(MixedPrecision, Bf16GatheredParametersTakeHalfTheBytes) {
   ShardingOptions o;
   o.mixed_precision.param_dtype = torch::kBFloat16;
   auto model = fully_shard(gpt::GPT(cfg), o);
-  model->reset_peak_memory();
+  model.reset_peak_memory();
   gpt::loss_on(model, gpt_batch(0, 2, cfg.block_size)).backward();
   int64_t padded = 0, largest_block = 0, root = 0;
-  for (const auto& f : model->flat_params()) {
+  for (const auto& f : fsdp::detail::flat_params(model)) {
     padded += f.padded_numel;
     if (f.unit_fqn.empty()) root = f.padded_numel; else largest_block = std::max(largest_block, f.padded_numel);
   }
-  auto mem = model->memory_stats();
+  auto mem = model.memory_stats();
   EXPECT_EQ(mem.sharded_params.current, 4 * padded);            // fp32 masters
   EXPECT_EQ(mem.gathered_params.peak, 2 * (root + 2 * largest_block));  // bf16: 2 bytes
   EXPECT_EQ(mem.grad_shards.current, 4 * padded);               // fp32 gradient shards
@@ -147,11 +148,11 @@ TEST(MixedPrecision, Fp16OnCpuTrainsWithALossScalerOrNamesTheMissingKernel) {
     o.mixed_precision.output_dtype = torch::kFloat32;
     torch::manual_seed(3);
     auto model = fully_shard(MlpNet(), o);
-    EXPECT_EQ(model->sharded_parameters()[0].scalar_type(), torch::kFloat);  // fp32 masters
-    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(3e-3));
+    EXPECT_EQ(model.sharded_parameters()[0].scalar_type(), torch::kFloat);  // fp32 masters
+    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(3e-3));
     LossScalerOptions so;
     so.initial_scale_power = 30;  // 2^30 overflows fp16 gradients: the first steps are skipped
-    LossScaler scaler(*model.ptr(), so);
+    LossScaler scaler(model, so);
     auto [x, y] = mlp_batch(0, 8);
     std::vector<double> losses;
     for (int step = 0; step < 60; ++step) {
@@ -219,7 +220,7 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
     torch::manual_seed(61);
     auto model = fully_shard(NormNet(), o);
     std::map<std::string, torch::Dtype> dtypes;
-    for (const auto& f : model->flat_params()) dtypes[f.unit_fqn] = f.param_dtype;
+    for (const auto& f : fsdp::detail::flat_params(model)) dtypes[f.unit_fqn] = f.param_dtype;
     EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"norm", torch::kFloat32}}));
 
     auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
@@ -227,14 +228,14 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
     EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
     // The same casts by hand: bf16 linear, fp32 LayerNorm, back to bf16, bf16 linear.
     auto w = std::map<std::string, torch::Tensor>();
-    for (auto& [n, t] : full_state_dict(*model.ptr())) w[n] = t;
+    for (auto& [n, t] : full_state_dict(model)) w[n] = t;
     auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
     auto h = torch::nn::functional::linear(bf(x), bf(w["a.weight"]), bf(w["a.bias"]));
     h = torch::layer_norm(h.to(torch::kFloat32), {8}, w["norm.weight"], w["norm.bias"], 1e-5).to(torch::kBFloat16);
     auto expected = torch::nn::functional::linear(h, bf(w["b.weight"]), bf(w["b.bias"]));
     EXPECT_TRUE(torch::equal(out, expected));
     out.to(torch::kFloat32).sum().backward();
-    for (const auto& p : model->sharded_parameters()) {
+    for (const auto& p : model.sharded_parameters()) {
       ASSERT_TRUE(p.grad().defined());
       EXPECT_TRUE(p.grad().isfinite().all().item<bool>());
     }
@@ -259,7 +260,7 @@ TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoint
     torch::nn::Linear last(8, 3);
     auto seq = shard_sequential(torch::nn::Sequential(first, norm, last), o);
     std::map<std::string, torch::Dtype> dtypes;
-    for (const auto& f : seq->flat_params()) dtypes[f.unit_fqn] = f.param_dtype;
+    for (const auto& f : fsdp::detail::flat_params(seq)) dtypes[f.unit_fqn] = f.param_dtype;
     EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"1", torch::kFloat32}}));
     auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
     auto a = wrapped(x), b = seq(x);
@@ -268,7 +269,7 @@ TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoint
     EXPECT_TRUE(torch::equal(a, b));
     a.sum().backward();
     b.sum().backward();
-    auto ga = wrapped->sharded_parameters(), gb = seq->sharded_parameters();
+    auto ga = wrapped.sharded_parameters(), gb = seq.sharded_parameters();
     ASSERT_EQ(ga.size(), gb.size());
     for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::equal(ga[i].grad(), gb[i].grad())) << i;
   });

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -30,11 +31,11 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
   auto plain = fully_shard(gpt::GPT(small_gpt_config()), options(false));
   torch::manual_seed(0);
   auto off = fully_shard(gpt::GPT(small_gpt_config()), options(true));
-  FusedAdamW opt_plain(plain->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  FusedAdamW opt_off(off->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  for (auto& p : off->sharded_parameters()) EXPECT_TRUE(p.is_cpu());
+  FusedAdamW opt_plain(plain.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  FusedAdamW opt_off(off.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  for (auto& p : off.sharded_parameters()) EXPECT_TRUE(p.is_cpu());
   int64_t largest_shard = 0;
-  for (const auto& f : off->flat_params()) largest_shard = std::max(largest_shard, f.shard_numel);
+  for (const auto& f : fsdp::detail::flat_params(off)) largest_shard = std::max(largest_shard, f.shard_numel);
   for (int64_t s = 0; s < 5; ++s) {
     auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
     auto lp = gpt::loss_on(plain, rows), lo = gpt::loss_on(off, rows);
@@ -45,7 +46,7 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
     opt_off.step();
     opt_plain.zero_grad();
     opt_off.zero_grad();
-    auto m = off->memory_stats();
+    auto m = off.memory_stats();
     EXPECT_EQ(m.offload_buffers.current, 0) << "transit buffers must be returned";
     // Shards in transit to their gathers (param_dtype; prefetch may have two in flight)
     // and, once gradients exist (zero_grad keeps them), gradient shards back from the
@@ -53,10 +54,10 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
     const int64_t elem = bf16 ? 2 : 4;
     EXPECT_GE(m.offload_buffers.peak, largest_shard * elem);
     EXPECT_LE(m.offload_buffers.peak, 2 * largest_shard * elem + 2 * largest_shard * 4);
-    EXPECT_EQ(plain->memory_stats().offload_buffers.peak, 0);
-    EXPECT_EQ(m.sharded_params.current, plain->memory_stats().sharded_params.current);
+    EXPECT_EQ(plain.memory_stats().offload_buffers.peak, 0);
+    EXPECT_EQ(m.sharded_params.current, plain.memory_stats().sharded_params.current);
   }
-  auto a = full_state_dict(*plain), b = full_state_dict(*off);
+  auto a = full_state_dict(plain), b = full_state_dict(off);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
 }
 
@@ -86,12 +87,12 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
   auto off = fully_shard(gpt::GPT(small_gpt_config()), options(true));
   // set_to_none-style zero_grad: the first micro-batch sets the gradient, later ones add.
   auto zero_grad = [](auto& model) {
-    for (auto& p : model->sharded_parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : model.sharded_parameters()) p.mutable_grad() = torch::Tensor();
   };
-  torch::optim::AdamW opt_plain(plain->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
-  torch::optim::AdamW opt_off(off->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt_plain(plain.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt_off(off.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   int64_t largest_shard = 0;
-  for (const auto& f : off->flat_params()) largest_shard = std::max(largest_shard, f.shard_numel);
+  for (const auto& f : fsdp::detail::flat_params(off)) largest_shard = std::max(largest_shard, f.shard_numel);
   const int micro = 3;
   for (int64_t s = 0; s < 3; ++s) {
     zero_grad(plain);
@@ -100,7 +101,7 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
       auto rows = my_rows(gpt_batch(10 * s + k, 4, small_gpt_config().block_size), pg);
       auto backward = [&](auto& model) {
         if (no_sync && k + 1 < micro) {
-          NoSyncScope scope(*model.ptr());
+          NoSyncScope scope(model);
           (gpt::loss_on(model, rows) / micro).backward();
         } else {
           (gpt::loss_on(model, rows) / micro).backward();
@@ -108,9 +109,9 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
       };
       backward(plain);
       backward(off);
-      EXPECT_EQ(off->memory_stats().offload_buffers.current, 0) << "step " << s << " micro-batch " << k;
+      EXPECT_EQ(off.memory_stats().offload_buffers.current, 0) << "step " << s << " micro-batch " << k;
     }
-    const auto a = plain->sharded_parameters(), b = off->sharded_parameters();
+    const auto a = plain.sharded_parameters(), b = off.sharded_parameters();
     for (size_t i = 0; i < a.size(); ++i) {
       ASSERT_TRUE(b[i].grad().defined());
       EXPECT_TRUE(torch::equal(a[i].grad(), b[i].grad())) << "step " << s << " gradient " << i;
@@ -118,11 +119,11 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
     opt_plain.step();
     opt_off.step();
   }
-  const auto peak = off->memory_stats().offload_buffers.peak;
+  const auto peak = off.memory_stats().offload_buffers.peak;
   // Without no_sync every micro-batch after the first lands an added copy.
   if (!no_sync) EXPECT_GE(peak, largest_shard * 4);
   EXPECT_LE(peak, 2 * largest_shard * 4 + 2 * largest_shard * 4);
-  auto fa = full_state_dict(*plain), fb = full_state_dict(*off);
+  auto fa = full_state_dict(plain), fb = full_state_dict(off);
   for (size_t i = 0; i < fa.size(); ++i) EXPECT_TRUE(torch::equal(fa[i].second, fb[i].second)) << fa[i].first;
 }
 
@@ -134,7 +135,7 @@ TEST_P(OffloadAtWorld, AccumulatesUnderNoSyncExactlyLikeWithoutOffload) {
 }
 
 // FusedAdamW writes the bf16 copy of each shard in its update pass and the next gathers
-// send it instead of casting (attach_copy_out): the same training, bit for bit, and a
+// send it instead of casting (FusedAdamW's constructor over the model): the same training, bit for bit, and a
 // shard changed behind the optimizer's back is never served from a stale copy.
 void copy_out_parity(const ProcessGroup& pg, bool offload) {
   ShardingOptions o;
@@ -146,9 +147,9 @@ void copy_out_parity(const ProcessGroup& pg, bool offload) {
   auto a = fully_shard(gpt::GPT(small_gpt_config()), o);
   torch::manual_seed(0);
   auto b = fully_shard(gpt::GPT(small_gpt_config()), o);
-  FusedAdamW opt_a(a->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  FusedAdamW opt_b(b->sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-  EXPECT_EQ(b->attach_copy_out(opt_b), static_cast<int>(b->sharded_parameters().size()));
+  FusedAdamW opt_a(a.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  // Over the model: the constructor attaches the copy-out (over a tensor list it does not).
+  FusedAdamW opt_b(b, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   auto step = [&](int64_t s) {
     auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
     auto la = gpt::loss_on(a, rows), lb = gpt::loss_on(b, rows);
@@ -161,25 +162,25 @@ void copy_out_parity(const ProcessGroup& pg, bool offload) {
     opt_b.zero_grad();
   };
   step(0);
-  EXPECT_EQ(b->copy_out_gathers(), 0) << "no copy exists before the first optimizer step";
+  EXPECT_EQ(fsdp::detail::copy_out_gathers(b), 0) << "no copy exists before the first optimizer step";
   int64_t last = 0;
   for (int64_t s = 1; s < 4; ++s) {
     step(s);
-    EXPECT_GT(b->copy_out_gathers(), last) << "step " << s << " did not use the optimizer's copy";
-    last = b->copy_out_gathers();
+    EXPECT_GT(fsdp::detail::copy_out_gathers(b), last) << "step " << s << " did not use the optimizer's copy";
+    last = fsdp::detail::copy_out_gathers(b);
   }
-  EXPECT_EQ(a->copy_out_gathers(), 0);
+  EXPECT_EQ(fsdp::detail::copy_out_gathers(a), 0);
   // Shards changed outside the optimizer: the copies are stale and must not be used.
   {
     torch::NoGradGuard g;
     for (auto* m : {&a, &b}) {
-      for (auto& p : (*m)->sharded_parameters()) p.mul_(0.5);
+      for (auto& p : m->sharded_parameters()) p.mul_(0.5);
     }
   }
   auto rows = my_rows(gpt_batch(9, 8, small_gpt_config().block_size), pg);
   torch::NoGradGuard g;
   EXPECT_EQ(gpt::loss_on(a, rows).item<double>(), gpt::loss_on(b, rows).item<double>());
-  EXPECT_EQ(b->copy_out_gathers(), last) << "a stale copy was gathered";
+  EXPECT_EQ(fsdp::detail::copy_out_gathers(b), last) << "a stale copy was gathered";
 }
 
 TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheGathersExactly) {

@@ -44,7 +44,7 @@ void gpt_parity(const ProcessGroup& pg) {
   ShardingOptions o;
   o.process_group = pg;
   auto model = fully_shard(gpt::GPT(cfg), o);
-  torch::optim::AdamW opt(model->sharded_parameters(), adamw());
+  torch::optim::AdamW opt(model.sharded_parameters(), adamw());
   torch::optim::AdamW ref_opt(reference->parameters(), adamw());
   for (int step = 0; step < kSteps; ++step) {
     auto batch = gpt_batch(step, kRows, cfg.block_size);
@@ -64,7 +64,7 @@ void gpt_parity(const ProcessGroup& pg) {
     ref_opt.zero_grad();
     EXPECT_NEAR(global, ref_loss, kTol * std::abs(ref_loss)) << "step " << step;
   }
-  auto full = full_state_dict(*model.ptr());
+  auto full = full_state_dict(model);
   expect_params_match(full, *reference, kParamTol);
 }
 
@@ -75,7 +75,7 @@ void mlp_parity(const ProcessGroup& pg) {
   ShardingOptions o;
   o.process_group = pg;
   auto model = fully_shard(MlpNet(), o);
-  torch::optim::AdamW opt(model->sharded_parameters(), adamw());
+  torch::optim::AdamW opt(model.sharded_parameters(), adamw());
   torch::optim::AdamW ref_opt(reference->parameters(), adamw());
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = mlp_batch(step, kRows);
@@ -96,7 +96,7 @@ void mlp_parity(const ProcessGroup& pg) {
     ref_opt.zero_grad();
     EXPECT_NEAR(global, ref_loss, kTol * std::abs(ref_loss)) << "step " << step;
   }
-  expect_params_match(full_state_dict(*model.ptr()), *reference, kParamTol);
+  expect_params_match(full_state_dict(model), *reference, kParamTol);
 }
 
 class ParityAtWorld : public ::testing::TestWithParam<int> {};
@@ -124,7 +124,7 @@ void gpt_gradients(const ProcessGroup& pg) {
   auto before = named_parameters_clean(*reference);
   std::map<std::string, torch::Tensor> start;
   for (auto& [n, p] : before) start[n] = p.detach().clone();
-  torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(1.0));
+  torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(1.0));
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(1.0));
   auto batch = gpt_batch(0, kRows, cfg.block_size);
   gpt::loss_on(model, my_rows(batch, pg)).backward();
@@ -133,7 +133,7 @@ void gpt_gradients(const ProcessGroup& pg) {
   ref_opt.step();
   std::map<std::string, torch::Tensor> after;
   for (auto& [n, p] : named_parameters_clean(*reference)) after[n] = p.detach();
-  auto full = full_state_dict(*model.ptr());
+  auto full = full_state_dict(model);
   ASSERT_EQ(full.size(), after.size());
   for (auto& [name, value] : full) {
     auto g_ref = start[name] - after[name];

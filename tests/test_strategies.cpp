@@ -8,6 +8,7 @@
 
 #include <limits>
 #include <set>
+#include "../src/internal.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -30,7 +31,7 @@ void train_and_compare(const ProcessGroup& pg, ShardingOptions o, double clip, d
   o.process_group = pg;
   auto model = fully_shard(MlpNet(), o);
   auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6);
-  torch::optim::AdamW opt(model->sharded_parameters(), adamw);
+  torch::optim::AdamW opt(model.sharded_parameters(), adamw);
   torch::optim::AdamW ref_opt(reference->parameters(), adamw);
   for (int step = 0; step < 10; ++step) {
     auto [x, y] = mlp_batch(step, kRows);
@@ -45,7 +46,7 @@ void train_and_compare(const ProcessGroup& pg, ShardingOptions o, double clip, d
     }
     EXPECT_NEAR(global, ref, 1e-5 * ref) << "step " << step;
     if (clip > 0) {
-      double norm = clip_grad_norm_(*model.ptr(), clip, norm_type);
+      double norm = clip_grad_norm_(model, clip, norm_type);
       double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), clip, norm_type);
       EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << "step " << step;
       // Every rank returns the same norm.
@@ -59,14 +60,14 @@ void train_and_compare(const ProcessGroup& pg, ShardingOptions o, double clip, d
     ref_opt.step();
     ref_opt.zero_grad();
   }
-  expect_params_match(full_state_dict(*model.ptr()), *reference, 1e-5);
+  expect_params_match(full_state_dict(model), *reference, 1e-5);
 
   // Communication of one more step against the theory for this strategy.
   auto [x, y] = mlp_batch(99, kRows);
   torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg)).backward();
-  const auto& c = model->comm_stats().step;
+  const auto& c = model.comm_stats().step;
   int64_t all = 0, non_root = 0, shards = 0;
-  for (const auto& f : model->flat_params()) {
+  for (const auto& f : fsdp::detail::flat_params(model)) {
     all += f.padded_numel;
     if (!f.unit_fqn.empty()) non_root += f.padded_numel;
     shards += f.shard_numel;
@@ -138,7 +139,7 @@ INSTANTIATE_TEST_SUITE_P(World, ClipAtWorld, ::testing::Values(1, 2, 3),
 TEST(ClipGradNorm, UnsupportedNormTypeIsRejected) {
   auto model = fully_shard(MlpNet());
   try {
-    clip_grad_norm_(*model.ptr(), 1.0, 1.0);
+    clip_grad_norm_(model, 1.0, 1.0);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
@@ -185,15 +186,15 @@ TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
     // Sharded groups: the root unit's trainable shard, then every other unit's.
     std::vector<torch::Tensor> root_shards, other_shards;
     {
-      auto shards = model->sharded_parameters();
+      auto shards = model.sharded_parameters();
       size_t k = 0;
-      for (const auto& f : model->flat_params()) {
+      for (const auto& f : fsdp::detail::flat_params(model)) {
         if (!f.requires_grad) continue;
         (f.unit_fqn.empty() ? root_shards : other_shards).push_back(shards[k++]);
       }
     }
     std::set<std::string> root_fqns;
-    for (const auto& p : model->param_table()) {
+    for (const auto& p : model.param_table()) {
       if (p.unit_fqn.empty()) root_fqns.insert(p.fqn);
     }
     std::vector<torch::Tensor> ref_root, ref_other;
@@ -216,7 +217,7 @@ TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
       for (int s = 0; s < pg.size(); ++s) {
         (torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) / pg.size()).backward();
       }
-      double norm = clip_grad_norm_(*model.ptr(), 0.05);
+      double norm = clip_grad_norm_(model, 0.05);
       std::vector<torch::Tensor> trainable = ref_root;
       trainable.insert(trainable.end(), ref_other.begin(), ref_other.end());
       double ref_norm = torch::nn::utils::clip_grad_norm_(trainable, 0.05);
@@ -226,8 +227,8 @@ TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
       ref_opt.step();
       ref_opt.zero_grad();
     }
-    expect_params_match(full_state_dict(*model.ptr()), *reference, 1e-5);
-    for (auto& [n, t] : full_state_dict(*model.ptr())) {
+    expect_params_match(full_state_dict(model), *reference, 1e-5);
+    for (auto& [n, t] : full_state_dict(model)) {
       if (n == "inp.weight") EXPECT_TRUE(torch::equal(t, frozen_before));
     }
   });

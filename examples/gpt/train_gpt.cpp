@@ -21,7 +21,10 @@
 #include <iostream>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
+#include <string>
+#include <tuple>
 
 namespace {
 
@@ -384,21 +387,19 @@ int run(int argc, char** argv) {
   if (precision == "fp16") {
     fsdp::LossScalerOptions lso;
     lso.initial_scale_power = r["loss-scale-power"].as<int>();
-    scaler.emplace(*model.ptr(), lso);
+    scaler.emplace(model, lso);
   }
   // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
-  // shards on a GPU with LibTorch's.
+  // shards on a GPU with LibTorch's. Under bf16 the fused step also writes each shard's
+  // bf16 copy, which the next gathers send instead of casting the shard again.
   const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>());
   std::unique_ptr<torch::optim::AdamW> opt_ptr;
   if (so.cpu_offload || so.device.is_cpu()) {
-    opt_ptr = std::make_unique<fsdp::FusedAdamW>(model->sharded_parameters(), adamw);
+    opt_ptr = std::make_unique<fsdp::FusedAdamW>(model, adamw);
   } else {
-    opt_ptr = std::make_unique<torch::optim::AdamW>(model->sharded_parameters(), adamw);
+    opt_ptr = std::make_unique<torch::optim::AdamW>(model.sharded_parameters(), adamw);
   }
   torch::optim::AdamW& opt = *opt_ptr;
-  // Under bf16 the fused step also writes each shard's bf16 copy, which the next
-  // gathers send instead of casting the shard again.
-  if (auto* fused = dynamic_cast<fsdp::FusedAdamW*>(opt_ptr.get())) model->attach_copy_out(*fused);
 
   // What a checkpoint carries besides weights and optimizer state: enough for
   // generate (the architecture) and for an exact resume (the step; batches are a
@@ -416,7 +417,7 @@ int run(int argc, char** argv) {
   if (resume) {
     if (auto latest = fsdp::latest_checkpoint(save_dir)) {
       fsdp::TrainingState st;
-      fsdp::load_sharded_checkpoint(save_dir, *model, &opt, &st);
+      fsdp::load_sharded_checkpoint(save_dir, model, &opt, &st);
       if (st.extra.count("seed") && st.extra.at("seed") != std::to_string(seed) && main_rank) {
         std::cout << "train_gpt: warning: the checkpoint was trained with --seed " << st.extra.at("seed")
                   << ", this run uses " << seed << " (the data stream changes)\n";
@@ -438,11 +439,17 @@ int run(int argc, char** argv) {
     jsonl.open(r["log-jsonl"].as<std::string>());
     if (!jsonl) throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() + ": cannot write the file");
   }
+  // Parameters, each counted once: tied ones (aliases) share their unit's offset.
   int64_t n_params = 0;
-  for (const auto& f : model->flat_params()) n_params += f.numel;
+  std::set<std::string> units;
+  std::set<std::tuple<std::string, bool, int64_t>> seen;
+  for (const auto& p : model.param_table()) {
+    units.insert(p.unit_fqn);
+    if (seen.emplace(p.unit_fqn, p.requires_grad, p.offset).second) n_params += p.numel;
+  }
   if (main_rank) {
     std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model " << cfg.d_model
-              << ", world size " << world << ", " << model->flat_params().size() << " flat parameters\n";
+              << ", world size " << world << ", " << units.size() << " units\n";
     if (data.synthetic()) {
       std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
                 << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
@@ -477,7 +484,7 @@ int run(int argc, char** argv) {
     }
     if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
     // (A step whose gradients overflowed is skipped: nothing to clip.)
-    if (clip > 0 && !(scaler && scaler->overflowed())) fsdp::clip_grad_norm_(*model.ptr(), clip);
+    if (clip > 0 && !(scaler && scaler->overflowed())) fsdp::clip_grad_norm_(model, clip);
     if (scaler) {
       scaler->step(opt);  // skipped, on every rank alike, when a gradient is inf or nan
       scaler->update();
@@ -490,9 +497,9 @@ int run(int argc, char** argv) {
     const double loss = l.item<double>() / world;
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double tok_s = static_cast<double>(batch * cfg.block_size) / dt;
-    auto mem = model->memory_stats();
+    auto mem = model.memory_stats();
     const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak + mem.comm_buffers.peak;
-    const int64_t comm = model->comm_stats().step.total_bytes();
+    const int64_t comm = model.comm_stats().step.total_bytes();
     if (main_rank) {
       if (jsonl.is_open()) {
         nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
@@ -518,13 +525,13 @@ int run(int argc, char** argv) {
       }
     }
     if (save_every > 0 && (step + 1) % save_every == 0) {
-      fsdp::save_sharded_checkpoint(save_dir, *model, &opt, training_state(step + 1), save_opts);
+      fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(step + 1), save_opts);
       last_saved = step + 1;
     }
   }
   const int64_t final_step = std::max(first_step, last_step);
   if (!save_dir.empty() && last_saved != final_step) {
-    fsdp::save_sharded_checkpoint(save_dir, *model, &opt, training_state(final_step), save_opts);
+    fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(final_step), save_opts);
   }
   if (stop_at > 0 && main_rank) {
     std::cout << "train_gpt: stopped at step " << final_step << " of " << steps << " (--stop-at)"
@@ -532,7 +539,7 @@ int run(int argc, char** argv) {
   }
   if (!consolidate_to.empty()) {
     fsdp::ExportOptions eo;
-    fsdp::export_consolidated(consolidate_to, *model, nullptr, training_state(final_step), eo);
+    fsdp::export_consolidated(consolidate_to, model, nullptr, training_state(final_step), eo);
     if (main_rank) std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
   }
   if (scaler) {

@@ -28,7 +28,7 @@ int main() {
     opts.auto_wrap_policy = fsdp::size_based_policy(10000);
     torch::manual_seed(0);
     auto model = fsdp::fully_shard(Net(), opts);
-    torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
     const int rank = opts.process_group.rank();
     auto gen = at::detail::createCPUGenerator(rank + 1);  // each rank its own data
     auto target = torch::randn({256, 10}, at::detail::createCPUGenerator(42));
@@ -36,14 +36,14 @@ int main() {
       auto x = torch::randn({16, 256}, gen);
       auto loss = torch::mse_loss(model(x), x.matmul(target) * 0.05);
       loss.backward();
-      fsdp::clip_grad_norm_(*model.ptr(), 1.0);
+      fsdp::clip_grad_norm_(model, 1.0);
       opt.step();
       opt.zero_grad();
       if (rank == 0 && step % 20 == 0) std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
     }
     fsdp::FullParamsOptions full;
     full.rank0_only = true;
-    auto weights = fsdp::full_state_dict(*model.ptr(), full);  // FQN -> full fp32 tensor
+    auto weights = fsdp::full_state_dict(model, full);  // FQN -> full fp32 tensor
     if (rank == 0) std::cout << "gathered " << weights.size() << " tensors, first: " << weights[0].first << std::endl;
     return 0;
   } catch (const c10::Error& e) {

@@ -12,7 +12,7 @@ int main() {
     fsdp::ShardingOptions opts;
     opts.process_group = fsdp::init_process_group();
     auto model = fsdp::shard_sequential(seq, opts);  // every entry becomes a wrap point
-    torch::optim::SGD opt(model->sharded_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     auto gen = at::detail::createCPUGenerator(opts.process_group.rank() + 1);
     for (int step = 0; step < 100; ++step) {
       auto x = torch::randn({32, 64}, gen);
@@ -26,7 +26,7 @@ int main() {
       }
     }
     if (opts.process_group.rank() == 0) {
-      for (const auto& p : model->param_table()) {
+      for (const auto& p : model.param_table()) {
         std::cout << p.fqn << " in unit '" << p.unit_fqn << "' at offset " << p.offset << std::endl;
       }
     }

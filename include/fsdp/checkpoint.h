@@ -63,11 +63,11 @@ struct LoadReport {
   std::string path;                     ///< the checkpoint directory or file actually read
 };
 
-/// Saves a sharded checkpoint of `root` (and of `optimizer`'s state: Adam, AdamW or
-/// SGD over root.sharded_parameters(); may be null) as `dir`/step_<step>. Collective:
+/// Saves a sharded checkpoint of `model` (and of `optimizer`'s state: Adam, AdamW or
+/// SGD over model.sharded_parameters(); may be null) as `dir`/step_<step>. Collective:
 /// every rank calls it. Returns the checkpoint's path. The previous complete checkpoint
 /// is never touched; `dir`/latest names the new one only once every rank's file is on disk.
-std::string save_sharded_checkpoint(const std::string& dir, WrapPointImpl& root,
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& model,
                                     torch::optim::Optimizer* optimizer, const TrainingState& state,
                                     const SaveOptions& options = {});
 
@@ -75,7 +75,7 @@ std::string save_sharded_checkpoint(const std::string& dir, WrapPointImpl& root,
 /// `path` is a checkpoint directory or a directory holding a `latest` marker. Each rank
 /// reads only the slices it keeps. Collective. `state` (may be null) receives the
 /// training state; `optimizer` (may be null) its state and hyperparameters.
-LoadReport load_sharded_checkpoint(const std::string& path, WrapPointImpl& root,
+LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& model,
                                    torch::optim::Optimizer* optimizer, TrainingState* state,
                                    const LoadOptions& options = {});
 
@@ -96,12 +96,12 @@ struct ExportOptions {
 /// writes, gathering one flat parameter at a time, so its extra memory is at most one
 /// unit's full fp32 parameters (MemoryStats::checkpoint_buffers counts it). The file is
 /// written to a temporary name and renamed into place.
-void export_consolidated(const std::string& file, WrapPointImpl& root, torch::optim::Optimizer* optimizer,
+void export_consolidated(const std::string& file, const ShardedModel& model, torch::optim::Optimizer* optimizer,
                          const TrainingState& state, const ExportOptions& options = {});
 
 /// Loads a consolidated file into a sharded model: each rank reads only its own slice
 /// (HDF5 hyperslabs), no full copy anywhere, no communication.
-LoadReport import_consolidated(const std::string& file, WrapPointImpl& root, const LoadOptions& options = {});
+LoadReport import_consolidated(const std::string& file, ShardedModel& model, const LoadOptions& options = {});
 
 /// Loads a consolidated file into a plain (unsharded) module, e.g. for inference.
 LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,

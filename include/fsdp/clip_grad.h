@@ -10,6 +10,6 @@ namespace fsdp {
 /// value, equal to torch::nn::utils::clip_grad_norm_ on the unsharded model. Supports
 /// norm_type 2 (L2) and infinity (std::numeric_limits<double>::infinity()). Collective:
 /// every rank calls it, after backward and before the optimizer step.
-double clip_grad_norm_(WrapPointImpl& root, double max_norm, double norm_type = 2.0);
+double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type = 2.0);
 
 }  // namespace fsdp

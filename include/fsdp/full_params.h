@@ -28,19 +28,19 @@ struct FullParamsOptions {
 /// one. All ranks must create and destroy it together (it runs collectives).
 class FullParamsScope {
  public:
-  explicit FullParamsScope(WrapPointImpl& root, FullParamsOptions options = {});
+  explicit FullParamsScope(ShardedModel model, FullParamsOptions options = {});
   ~FullParamsScope();
   FullParamsScope(const FullParamsScope&) = delete;
   FullParamsScope& operator=(const FullParamsScope&) = delete;
 
  private:
-  WrapPointImpl& root_;
+  ShardedModel model_;
   FullParamsOptions options_;
 };
 
 /// The full fp32 value of every parameter, by clean FQN in unit order, gathered one unit
 /// at a time. Collective: all ranks call it. With rank0_only, other ranks get an empty list.
 std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(
-    WrapPointImpl& root, FullParamsOptions options = {});
+    const ShardedModel& model, FullParamsOptions options = {});
 
 }  // namespace fsdp

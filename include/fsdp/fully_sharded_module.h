@@ -23,13 +23,11 @@
 #include <vector>
 
 namespace fsdp {
-class WrapPointImpl;
 class FusedAdamW;
-namespace detail {
-class Unit;
-class Runtime;
-void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
-}  // namespace detail
+// Engine objects behind the public handles: declared here, defined inside the library.
+class UnitCore;
+class ModelCore;
+struct EngineAccess;
 
 /// Where one original parameter lives inside its unit's flat parameter.
 struct ParamInfo {
@@ -41,30 +39,6 @@ struct ParamInfo {
   std::vector<int64_t> shape;   ///< original shape
 };
 
-/// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
-struct FlatParamInfo {
-  std::string unit_fqn;       ///< the owning unit ("" for the root)
-  torch::Dtype param_dtype = torch::kFloat32;  ///< dtype of its gathered parameters
-  bool requires_grad = true;  ///< trainable (true) or frozen (false)
-  int64_t numel = 0;          ///< elements before padding
-  int64_t padded_numel = 0;   ///< numel rounded up to a multiple of the shard group size
-  int64_t shard_numel = 0;    ///< padded_numel / shard group size: elements each rank keeps
-};
-
-/// This rank's piece of one flat parameter, as checkpoint code sees it. The unpadded
-/// flat parameter is split into `shard_group_size` equal chunks (the last ones padded);
-/// ranks of other shard groups (HYBRID_SHARD, NO_SHARD) hold replicas of the same chunks.
-struct LocalShard {
-  FlatParamInfo info;
-  int shard_group_size = 1;  ///< ranks the flat parameter is split over
-  int shard_rank = 0;        ///< this rank's chunk index
-  bool writer = true;        ///< first replica of its chunk: the one that saves it
-  int64_t begin = 0;         ///< first element of the unpadded flat parameter held here
-  int64_t length = 0;        ///< real (unpadded) elements held here; 0 when only padding
-  torch::Tensor shard;       ///< the fp32 shard (shard_numel elements); the optimizer's parameter
-  std::vector<ParamInfo> params;  ///< original parameters inside, aliases included
-};
-
 /// Base of every wrap point; not a template, so the engine can walk the module tree.
 class WrapPointImpl : public torch::nn::Module {
  public:
@@ -73,44 +47,8 @@ class WrapPointImpl : public torch::nn::Module {
 
   /// True once fully_shard made this wrap point a unit.
   bool is_unit() const { return unit_ != nullptr; }
-  /// True on the wrap point fully_shard returned.
-  bool is_root() const { return runtime_ != nullptr; }
   /// True when ShardingOptions::checkpoint_policy picked this wrap point.
   bool checkpointed() const { return checkpoint_; }
-
-  // The rest is valid on the root only.
-
-  /// The fp32 trainable shards, one per unit: give these to any torch::optim optimizer.
-  std::vector<torch::Tensor> sharded_parameters() const;
-  /// Engine-held bytes by class, this rank.
-  MemoryStats memory_stats() const;
-  /// Resets every memory counter's peak to its current value.
-  void reset_peak_memory();
-  /// Bytes moved by collectives, this step and in total.
-  CommCounters comm_stats() const;
-  /// Every original parameter: FQN, owning unit, offset, numel, shape; in unit order.
-  std::vector<ParamInfo> param_table() const;
-  /// Every flat parameter, in unit order (root first, then units in module order).
-  std::vector<FlatParamInfo> flat_params() const;
-  /// Every flat parameter's piece on this rank, in flat_params() order.
-  std::vector<LocalShard> local_shards() const;
-  /// Collective over the shard group (all its ranks call it): the full fp32 value
-  /// (unpadded numel elements) of flat parameter `index`, built from `shard_like`, this
-  /// rank's shard of it or of any state laid out like it (e.g. Adam's exp_avg). Counted
-  /// in MemoryStats::checkpoint_buffers while the returned tensor lives.
-  torch::Tensor gather_flat(size_t index, const torch::Tensor& shard_like) const;
-  /// Lets `optimizer` write each updated trainable shard, in param_dtype, in its update
-  /// pass (FusedAdamW::set_copy_out); the next gathers send that copy instead of
-  /// casting the shard, as long as the shard has not changed since. Only for 16-bit
-  /// param_dtype with shards on the CPU (CPU training or cpu_offload). Returns how many
-  /// flat parameters were attached.
-  int attach_copy_out(FusedAdamW& optimizer);
-  /// Gathers that used an optimizer's copy (attach_copy_out) instead of a cast.
-  int64_t copy_out_gathers() const;
-  /// The options the model was sharded with.
-  const ShardingOptions& sharding_options() const;
-  /// The internal runtime; for the engine and checkpoint code.
-  detail::Runtime& runtime() const;
 
  protected:
   explicit WrapPointImpl(const std::string& name) : torch::nn::Module(name) {}
@@ -124,6 +62,43 @@ class WrapPointImpl : public torch::nn::Module {
   /// Throws: the checkpoint policy picked this wrap point, but its forward is not
   /// Tensor -> Tensor, which activation checkpointing needs.
   [[noreturn]] void fail_checkpoint_needs_tensor_forward() const;
+
+  // Mixed precision: floating-point tensor arguments are cast to the unit's compute
+  // dtype; everything else passes through untouched.
+  template <class T>
+  static decltype(auto) cast_floating(T&& v, torch::Dtype) {
+    return std::forward<T>(v);
+  }
+  static torch::Tensor cast_floating(const torch::Tensor& t, torch::Dtype d) {
+    return t.defined() && t.is_floating_point() ? t.to(d) : t;
+  }
+  static torch::Tensor cast_floating(torch::Tensor& t, torch::Dtype d) {
+    return cast_floating(static_cast<const torch::Tensor&>(t), d);
+  }
+  static torch::Tensor cast_floating(torch::Tensor&& t, torch::Dtype d) {
+    return cast_floating(static_cast<const torch::Tensor&>(t), d);
+  }
+
+  // Collects the tensors in a forward's output so that pre-backward hooks can be set on
+  // them. Unknown types contribute nothing.
+  static void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+    if (t.defined()) out.push_back(t);
+  }
+  static void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+    for (const auto& t : ts) collect_tensors(t, out);
+  }
+  template <class A, class B>
+  static void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+    collect_tensors(p.first, out);
+    collect_tensors(p.second, out);
+  }
+  template <class... Ts>
+  static void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
+    std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+  }
+  template <class T>
+  static void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+
   /// Set by fully_shard under mixed precision: floating inputs are cast to this dtype.
   std::optional<torch::Dtype> cast_inputs_;
   /// Set on the root when MixedPrecision::output_dtype is given.
@@ -134,54 +109,10 @@ class WrapPointImpl : public torch::nn::Module {
   std::string fqn_;
 
  private:
-  friend class detail::Runtime;
-  friend void detail::shard_module_tree(const std::shared_ptr<WrapPointImpl>&, const ShardingOptions&);
-  std::shared_ptr<detail::Unit> unit_;        ///< set when this wrap point is a unit
-  std::shared_ptr<detail::Runtime> runtime_;  ///< set on the root only
+  friend struct EngineAccess;
+  std::shared_ptr<UnitCore> unit_;        ///< set when this wrap point is a unit
+  std::shared_ptr<ModelCore> runtime_;    ///< set on the root only; owns the engine
 };
-
-namespace detail {
-// Mixed precision: floating-point tensor arguments are cast to the unit's compute dtype;
-// everything else passes through untouched.
-template <class T>
-decltype(auto) cast_floating(T&& v, torch::Dtype) {
-  return std::forward<T>(v);
-}
-inline torch::Tensor cast_floating(const torch::Tensor& t, torch::Dtype d) {
-  return t.defined() && t.is_floating_point() ? t.to(d) : t;
-}
-inline torch::Tensor cast_floating(torch::Tensor& t, torch::Dtype d) {
-  return cast_floating(static_cast<const torch::Tensor&>(t), d);
-}
-inline torch::Tensor cast_floating(torch::Tensor&& t, torch::Dtype d) {
-  return cast_floating(static_cast<const torch::Tensor&>(t), d);
-}
-
-// Collects the tensors in a forward's output so that pre-backward hooks can be set on
-// them. Unknown types contribute nothing.
-inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-  if (t.defined()) out.push_back(t);
-}
-inline void collect_tensors(const std::vector<torch::Tensor>& ts,
-                            std::vector<torch::Tensor>& out) {
-  for (const auto& t : ts) collect_tensors(t, out);
-}
-template <class A, class B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out);
-template <class... Ts>
-void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out);
-template <class T>
-void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
-template <class A, class B>
-void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
-  collect_tensors(p.first, out);
-  collect_tensors(p.second, out);
-}
-template <class... Ts>
-void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
-  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
-}
-}  // namespace detail
 
 /// A wrap point around module holder `M` (e.g. torch::nn::Linear or a TORCH_MODULE).
 template <class M>
@@ -204,21 +135,21 @@ class FullyShardedModuleImpl : public WrapPointImpl {
       if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
       if (checkpointed() && torch::GradMode::is_enabled()) fail_checkpoint_needs_tensor_forward();
       if (is_unit()) pre_forward();
-      auto out = cast_inputs_ ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast_inputs_)...)
+      auto out = cast_inputs_ ? module_->forward(cast_floating(std::forward<Args>(args), *cast_inputs_)...)
                               : module_->forward(std::forward<Args>(args)...);
       if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>) {
         if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
       }
       if (is_unit()) {
         std::vector<torch::Tensor> tensors;
-        detail::collect_tensors(out, tensors);
+        collect_tensors(out, tensors);
         post_forward(std::move(tensors));
       }
       return out;
     }
   }
 
-  /// The wrapped module holder.  /// The wrapped module holder.
+  /// The wrapped module holder.
   M& module() { return module_; }
   const M& module() const { return module_; }
   std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
@@ -256,50 +187,107 @@ class SequentialEntryImpl : public WrapPointImpl {
   torch::nn::AnyModule module_;
 };
 
-namespace detail {
-/// Turns the tree under `root` into units; `root` becomes the root unit.
-void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
-/// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.
-torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
-}  // namespace detail
+/// A sharded model, whatever its module type: what fully_shard returns (as
+/// Sharded<M>), and what the free functions (checkpoints, clipping, full state dict,
+/// export, loss scaling) take. Its methods are the user's verbs, as on a PyTorch
+/// FSDP2 module. Cheap to copy: copies share the model.
+class ShardedModel {
+ public:
+  /// An empty handle; every method throws until a sharded model is assigned to it.
+  ShardedModel() = default;
+
+  /// The fp32 trainable shards, one per unit: give these to any torch::optim optimizer.
+  std::vector<torch::Tensor> sharded_parameters() const;
+  /// Engine-held bytes by class, this rank.
+  MemoryStats memory_stats() const;
+  /// Resets every memory counter's peak to its current value.
+  void reset_peak_memory();
+  /// Bytes moved by collectives, this step and in total.
+  CommCounters comm_stats() const;
+  /// Every original parameter: FQN, owning unit, offset, numel, shape; in unit order.
+  std::vector<ParamInfo> param_table() const;
+  /// The options the model was sharded with.
+  const ShardingOptions& sharding_options() const;
+
+  /// Collective (every rank calls it): gathers every unit's full parameters, which stay
+  /// in place (each original parameter holds its full value, in param_dtype) until
+  /// reshard() or until a forward frees them. For evaluation and reading weights;
+  /// changes to them are not written back into the shards (FullParamsScope does that).
+  void unshard();
+  /// Frees every unit's full parameters (the state after sharding). Idempotent.
+  void reshard();
+  /// false: backward keeps each unit's unsharded gradient and accumulates into it
+  /// instead of reduce-scattering (gradient accumulation without communication, as
+  /// PyTorch FSDP's set_requires_gradient_sync(False)); the first backward with true
+  /// again reduces the sum once. Default true. NoSyncScope sets it for a scope.
+  void set_requires_gradient_sync(bool requires_gradient_sync);
+  bool requires_gradient_sync() const;
+
+  /// The sharded model as a torch module (its root wrap point): parameters(), train(),
+  /// eval(), named_parameters(), ...
+  torch::nn::Module& as_module() const;
+  /// True when this handle holds a sharded model.
+  explicit operator bool() const { return root_ != nullptr; }
+
+ protected:
+  /// Shards the tree under `root` (fully_shard's work) and holds it.
+  ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOptions& options);
+
+ private:
+  friend struct EngineAccess;
+  WrapPointImpl& root() const;
+  std::shared_ptr<WrapPointImpl> root_;
+};
+
+/// A sharded model of module type M: call it like the module (model(x), model->...),
+/// and use the verbs of ShardedModel on it (model.sharded_parameters(), ...).
+template <class M>
+class Sharded : public FullyShardedModule<M>, public ShardedModel {
+ public:
+  /// Shards `root` and every wrap point inside it that the policy picks.
+  Sharded(FullyShardedModule<M> root, const ShardingOptions& options)
+      : FullyShardedModule<M>(std::move(root)), ShardedModel(this->ptr(), options) {}
+};
 
 /// Shards `module` and every wrap point inside it that the policy picks. Returns the
-/// root wrap point; call the model through it.
+/// sharded model; call the model through it.
 template <class M>
-FullyShardedModule<M> fully_shard(M module, const ShardingOptions& options = {}) {
-  FullyShardedModule<M> root(std::move(module));
-  detail::shard_module_tree(root.ptr(), options);
-  return root;
+Sharded<M> fully_shard(M module, const ShardingOptions& options = {}) {
+  return Sharded<M>(FullyShardedModule<M>(std::move(module)), options);
 }
 
 /// Shards a model whose root already is a wrap point.
 template <class M>
-FullyShardedModule<M> fully_shard(FullyShardedModule<M> root, const ShardingOptions& options = {}) {
-  detail::shard_module_tree(root.ptr(), options);
-  return root;
+Sharded<M> fully_shard(FullyShardedModule<M> root, const ShardingOptions& options = {}) {
+  return Sharded<M>(std::move(root), options);
+}
+
+/// A model is sharded once: sharding a sharded model again is an error.
+template <class M>
+Sharded<M> fully_shard(const Sharded<M>& model, const ShardingOptions& options = {}) {
+  return Sharded<M>(model, options);
 }
 
 /// Shards a torch::nn::Sequential with no change to its code: each entry becomes a wrap
 /// point (subject to the policy), keeping its name, so FQNs stay "0.weight", "1.bias", ...
-inline FullyShardedModule<torch::nn::Sequential> shard_sequential(
-    const torch::nn::Sequential& seq, const ShardingOptions& options = {}) {
-  return fully_shard(detail::wrap_sequential_entries(seq), options);
-}
+Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq,
+                                                const ShardingOptions& options = {});
 
-/// Gradient accumulation without communication: backward passes inside the scope keep
-/// each unit's unsharded flat gradient locally (more memory: the memory counters'
+/// Gradient accumulation without communication for a scope:
+/// set_requires_gradient_sync(false) while it lives. Backward passes inside keep each
+/// unit's unsharded flat gradient locally (more memory: the memory counters'
 /// comm_buffers show it) and the first backward after the scope reduces the sum once
 /// (less communication), as PyTorch FSDP's no_sync(). Outside the scope every backward
 /// reduce-scatters into the gradient shards (least memory).
 class NoSyncScope {
  public:
-  explicit NoSyncScope(WrapPointImpl& root);
+  explicit NoSyncScope(ShardedModel model);
   ~NoSyncScope();
   NoSyncScope(const NoSyncScope&) = delete;
   NoSyncScope& operator=(const NoSyncScope&) = delete;
 
  private:
-  WrapPointImpl& root_;
+  ShardedModel model_;
   bool previous_;
 };
 

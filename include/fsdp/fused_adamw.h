@@ -8,6 +8,8 @@
 // (set_copy_out), e.g. the input of the next all-gather. Parameters it updates get their
 // version counter bumped, as in-place torch ops do.
 
+#include <fsdp/fully_sharded_module.h>
+
 #include <torch/torch.h>
 
 #include <atomic>
@@ -23,6 +25,10 @@ class FusedAdamW : public torch::optim::AdamW {
 
   FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults = {});
   explicit FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {});
+  /// Over `model`'s sharded parameters. Where the model gathers 16-bit parameters from
+  /// CPU shards (bf16/fp16 param_dtype, CPU training or cpu_offload), each step also
+  /// writes the 16-bit copy that the next all-gather sends, so gathers skip their cast.
+  explicit FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults = {});
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 
@@ -30,7 +36,7 @@ class FusedAdamW : public torch::optim::AdamW {
   /// holds the updated `param`, written in the same pass. An undefined `out` removes it.
   /// `written` (optional) receives param._version() right after each such write, so a
   /// reader can tell whether `out` still matches `param` (the sharded engine does this
-  /// for its gathers: WrapPointImpl::attach_copy_out).
+  /// for its gathers: see the constructor over a ShardedModel).
   void set_copy_out(const torch::Tensor& param, torch::Tensor out,
                     std::shared_ptr<std::atomic<int64_t>> written = nullptr);
 

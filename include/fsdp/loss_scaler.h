@@ -33,7 +33,7 @@ struct LossScalerState {
 /// Use as:  scaler.scale(loss).backward(); scaler.unscale_(); clip...; scaler.step(opt); scaler.update();
 class LossScaler {
  public:
-  explicit LossScaler(WrapPointImpl& root, LossScalerOptions options = {});
+  explicit LossScaler(ShardedModel model, LossScalerOptions options = {});
 
   /// loss * scale.
   torch::Tensor scale(const torch::Tensor& loss) const;
@@ -54,7 +54,7 @@ class LossScaler {
   const LossScalerOptions& options() const { return options_; }
 
  private:
-  WrapPointImpl& root_;
+  ShardedModel model_;
   LossScalerOptions options_;
   LossScalerState state_;
   bool unscaled_ = false;  ///< unscale_ ran in this step

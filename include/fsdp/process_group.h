@@ -8,9 +8,8 @@
 #include <vector>
 
 namespace fsdp {
-namespace detail {
-class Backend;
-}
+class BackendCore;  // the collectives' implementation: declared here, defined inside the library
+struct EngineAccess;
 
 /// Where this process sits in the job, read from the launcher's environment.
 struct LaunchEnv {
@@ -44,7 +43,6 @@ struct ProcessGroupOptions {
 class ProcessGroup {
  public:
   ProcessGroup();
-  explicit ProcessGroup(std::shared_ptr<detail::Backend> impl);
 
   int rank() const;
   int size() const;
@@ -68,11 +66,10 @@ class ProcessGroup {
   /// every rank must call this with the same lists, and gets the group it belongs to.
   ProcessGroup split(const std::vector<std::vector<int>>& groups) const;
 
-  /// The engine's handle; internal.
-  const std::shared_ptr<detail::Backend>& impl() const { return impl_; }
 
  private:
-  std::shared_ptr<detail::Backend> impl_;
+  friend struct EngineAccess;
+  std::shared_ptr<BackendCore> impl_;
 };
 
 /// Builds the global process group from the launch environment (see LaunchEnv) and

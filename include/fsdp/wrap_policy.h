@@ -43,26 +43,21 @@ WrapPolicy any_policy(std::vector<WrapPolicy> policies);
 /// A unit when all of `policies` say so (true for an empty list).
 WrapPolicy all_policy(std::vector<WrapPolicy> policies);
 
-namespace detail {
-template <class T, class = void>
-struct contained_type {
-  using type = T;
-};
-template <class T>
-struct contained_type<T, std::void_t<typename T::ContainedType>> {
-  using type = typename T::ContainedType;
-};
-}  // namespace detail
-
 /// A unit when the wrapped module is one of the classes `Ms` (or a subclass). Accepts
 /// module classes (BlockImpl) and their holders (Block).
 template <class... Ms>
 WrapPolicy module_type_policy() {
   static_assert(sizeof...(Ms) > 0, "module_type_policy<...>() needs at least one module class");
-  return [](const WrapContext& ctx) {
-    return (... || (dynamic_cast<const typename detail::contained_type<Ms>::type*>(&ctx.module) !=
-                    nullptr));
+  // A holder (Block) names its class as ContainedType; a class (BlockImpl) is itself.
+  auto is = [](auto tag, const torch::nn::Module& m) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (std::is_base_of_v<torch::nn::Module, T>) {
+      return dynamic_cast<const T*>(&m) != nullptr;
+    } else {
+      return dynamic_cast<const typename T::ContainedType*>(&m) != nullptr;
+    }
   };
+  return [is](const WrapContext& ctx) { return (... || is(static_cast<Ms*>(nullptr), ctx.module)); };
 }
 
 }  // namespace fsdp

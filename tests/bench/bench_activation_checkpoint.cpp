@@ -41,7 +41,7 @@ int run_mode(bool ckpt) {
   fsdp::ShardingOptions o;
   if (ckpt) o.checkpoint_policy = fsdp::module_type_policy<gpt::Block>();
   auto model = fsdp::fully_shard(gpt::GPT(cfg), o);
-  torch::optim::AdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
   auto rows = torch::randint(0, 256, {8, cfg.block_size + 1}, torch::kLong);
   std::vector<double> times;
   int64_t peak_growth = 0;

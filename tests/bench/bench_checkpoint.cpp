@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   torch::nn::Sequential seq;
   for (int i = 0; i < layers; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)));
   auto model = fsdp::shard_sequential(seq);
-  auto shards = model->sharded_parameters();
+  auto shards = model.sharded_parameters();
   int64_t bytes = 0;
   for (auto& s : shards) bytes += s.numel() * 4;
   const double mb = static_cast<double>(bytes) / (1 << 20);
@@ -139,19 +139,19 @@ int main(int argc, char** argv) {
     fsdp::SaveOptions so;
     so.verbose = std::getenv("BENCH_VERBOSE") != nullptr;
     st.step = rep + 1;
-    fsdp::save_sharded_checkpoint(dir + "/sharded", *model, nullptr, st, so);
+    fsdp::save_sharded_checkpoint(dir + "/sharded", model, nullptr, st, so);
     t_save = std::min(t_save, now_s() - t0);
     // Warm: the files are in the page cache (read right after writing).
     t_raw_r = std::min(t_raw_r, raw_read(raw, shards));
     t0 = now_s();
-    fsdp::load_sharded_checkpoint(dir + "/sharded", *model, nullptr, nullptr);
+    fsdp::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
     t_load = std::min(t_load, now_s() - t0);
     // Cold: evicted from the page cache first (a resume after a restart).
     evict(raw);
     t_raw_rc = std::min(t_raw_rc, raw_read(raw, shards));
     evict(dir + "/sharded");
     t0 = now_s();
-    fsdp::load_sharded_checkpoint(dir + "/sharded", *model, nullptr, nullptr);
+    fsdp::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
     t_load_c = std::min(t_load_c, now_s() - t0);
     // Older checkpoints are deleted outside the timed region, as the raw baseline's old
     // file is: both write fresh files into free space.

@@ -128,7 +128,7 @@ bool trains(gpt::Config cfg, int64_t layers, bool offload, int64_t& params) {
     params = count_params(*model);
     if (offload) {
       auto sharded = fsdp::fully_shard(std::move(model), gpu_options(true, true));
-      fsdp::FusedAdamW opt(sharded->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+      fsdp::FusedAdamW opt(sharded.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
       step_seconds(sharded, opt, rows);
     } else {
       model->to(torch::kCUDA);
@@ -192,9 +192,9 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     auto sharded = fsdp::fully_shard(gpt::GPT(cfg), gpu_options(false, false));
     torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
-    torch::optim::AdamW sharded_opt(sharded->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::optim::AdamW sharded_opt(sharded.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
     auto bf16 = fsdp::fully_shard(gpt::GPT(cfg), gpu_options(false, true));
-    torch::optim::AdamW bf16_opt(bf16->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::optim::AdamW bf16_opt(bf16.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
     for (int i = 0; i < 3; ++i) {
       step_seconds(plain, plain_opt, rows);
       step_seconds(sharded, sharded_opt, rows);
@@ -224,15 +224,14 @@ int main(int argc, char** argv) {
   });
   const int64_t peak_sharded = isolated_peak([&] {
     auto sharded = fsdp::fully_shard(gpt::GPT(cfg), gpu_options(false, false));
-    torch::optim::AdamW opt(sharded->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+    torch::optim::AdamW opt(sharded.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
     step_seconds(sharded, opt, rows);
     reset_peak();
     for (int i = 0; i < 3; ++i) step_seconds(sharded, opt, rows);
   });
   const int64_t peak_off = isolated_peak([&] {
     auto off = fsdp::fully_shard(gpt::GPT(cfg), gpu_options(true, true));
-    fsdp::FusedAdamW opt(off->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
-    off->attach_copy_out(opt);
+    fsdp::FusedAdamW opt(off, torch::optim::AdamWOptions(1e-4));
     step_seconds(off, opt, rows);
     reset_peak();
     for (int i = 0; i < 3; ++i) step_seconds(off, opt, rows);

@@ -7,6 +7,7 @@
 #include "../../examples/gpt/gpt_model.h"
 
 #include <cstdio>
+#include "../../src/internal.h"  // flat-parameter internals
 
 int main() {
   auto pg = fsdp::init_process_group();
@@ -19,18 +20,18 @@ int main() {
   o.process_group = pg;
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::GPT(cfg), o);
-  fsdp::FusedAdamW opt(model->sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  fsdp::FusedAdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   auto rows = torch::randint(0, 256, {4, cfg.block_size + 1}, torch::kLong);
   gpt::loss_on(model, rows).backward();
   opt.step();
 
   int64_t psi = 0, largest_unit = 0, root = 0;
-  for (const auto& f : model->flat_params()) {
+  for (const auto& f : fsdp::detail::flat_params(model)) {
     psi += f.numel;
     if (f.unit_fqn.empty()) root += f.padded_numel * 4;
     else largest_unit = std::max(largest_unit, f.padded_numel * 4);
   }
-  const auto mem = model->memory_stats();
+  const auto mem = model.memory_stats();
   int64_t optim = 0;
   for (auto& kv : opt.state()) {  // the optimizer's real state tensors
     auto& st = static_cast<torch::optim::AdamWParamState&>(*kv.second);

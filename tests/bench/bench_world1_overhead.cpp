@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   auto sharded = fsdp::fully_shard(gpt::GPT(cfg));
   torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-4));
-  torch::optim::AdamW sharded_opt(sharded->sharded_parameters(), torch::optim::AdamWOptions(1e-4));
+  torch::optim::AdamW sharded_opt(sharded.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
   auto rows = torch::randint(0, 256, {8, cfg.block_size + 1}, torch::kLong);
   for (int i = 0; i < 2; ++i) {  // warm-up
     step_seconds(plain, plain_opt, rows);
