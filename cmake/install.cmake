@@ -1,5 +1,5 @@
 # Install rules: the static libraries, the public headers, the tools and a CMake package
-# (find_package(fsdp CONFIG) -> fsdp::fsdp).
+# (find_package(fsdp CONFIG) -> fsdp::fsdp), plus CPack's Debian package (cmake/package.cmake).
 # Included from the top CMakeLists.txt when FSDP_INSTALL is ON. Why static: docs/design.md,
 # "Packaging".
 include(CMakePackageConfigHelpers)
@@ -53,3 +53,7 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/fsdpConfigVersion.cmake
 install(FILES ${PROJECT_BINARY_DIR}/fsdpConfig.cmake ${PROJECT_BINARY_DIR}/fsdpConfigVersion.cmake
         DESTINATION ${FSDP_INSTALL_CMAKEDIR} COMPONENT Development)
 
+# CPack only for the top-level project: a parent project packages itself.
+if(PROJECT_IS_TOP_LEVEL)
+  include(${PROJECT_SOURCE_DIR}/cmake/package.cmake)
+endif()
