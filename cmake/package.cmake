@@ -67,6 +67,8 @@ set(CPACK_PACKAGE_VENDOR "fsdp-libtorch")
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "Fully Sharded Data Parallel training for LibTorch (C++)")
 set(CPACK_PACKAGE_CONTACT "${FSDP_DEB_MAINTAINER}")
+# Configure with -DCMAKE_INSTALL_PREFIX=/usr for Debian's multiarch libdir (GNUInstallDirs;
+# scripts/deb-check.sh does); otherwise the libraries land in /usr/lib, which works too.
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
 set(CPACK_DEBIAN_PACKAGE_NAME libfsdp-libtorch-dev)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
