@@ -124,7 +124,7 @@ finish() {
     remove_root "$WORK"
   fi
   step end "finished"
-  say "times: $(IFS=";"; echo "${TIMES[*]}")"
+  say "times: $(printf '%s; ' "${TIMES[@]}")"
   if [ $rc -eq 0 ]; then say "PASSED in $((SECONDS - START)) s"; else say "FAILED (exit $rc) after $((SECONDS - START)) s"; fi
 }
 trap finish EXIT
