@@ -84,7 +84,7 @@ if [ "$ROOT_ONLY" = 0 ]; then
   (cd "$BUILD" && cpack -G DEB) >"$BUILD/deb-check-cpack.log" 2>&1 ||
     { tail -30 "$BUILD/deb-check-cpack.log" >&2; fail "cpack -G DEB failed (log: $BUILD/deb-check-cpack.log)"; }
   DEBS=("$BUILD"/*.deb)
-  [ ${#DEBS[@]} -eq 1 ] && [ -f "${DEBS[0]}" ] || fail "cpack made no single .deb in $BUILD: ${DEBS[*]}"
+  if [ ${#DEBS[@]} -ne 1 ] || [ ! -f "${DEBS[0]}" ]; then fail "cpack made no single .deb in $BUILD: ${DEBS[*]}"; fi
   DEB="${DEBS[0]}"
   say "package: $(basename "$DEB"); $(dpkg-deb -f "$DEB" Depends | sed 's/^/Depends: /')"
 fi
@@ -117,6 +117,7 @@ WORK="$($SUDO mktemp -d /var/tmp/fsdp-deb-check.XXXXXX)"
 ROOT="$WORK/root"
 finish() {
   local rc=$?
+  [ "$STEP_NAME" = cleanup ] || step cleanup "unmounting and removing the root"
   cleanup
   if [ "$KEEP" = 1 ]; then
     say "kept the root: $ROOT (remove it with: rm -rf --one-file-system $WORK)"
@@ -124,7 +125,9 @@ finish() {
     remove_root "$WORK"
   fi
   step end "finished"
-  say "times: $(printf '%s; ' "${TIMES[@]}")"
+  local times
+  times="$(printf '%s; ' "${TIMES[@]}")"
+  say "times: ${times%; }"
   if [ $rc -eq 0 ]; then say "PASSED in $((SECONDS - START)) s"; else say "FAILED (exit $rc) after $((SECONDS - START)) s"; fi
 }
 trap finish EXIT
