@@ -38,18 +38,9 @@ if [ $# -eq 0 ]; then
   exit 2
 fi
 
-fail() { echo "in-debian13: FAILED: $*" >&2; exit 1; }
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null || fail "this needs root (or sudo) to run debootstrap, mount and chroot"
-  SUDO="sudo"
-fi
-if ! command -v debootstrap >/dev/null && [ ! -x /usr/sbin/debootstrap ]; then
-  echo "[in-debian13] installing debootstrap"
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq debootstrap >/dev/null ||
-    fail "debootstrap is not installed and could not be installed (apt-get install debootstrap)"
-fi
-DEBOOTSTRAP="$(command -v debootstrap || echo /usr/sbin/debootstrap)"
+CHROOT_TAG=in-debian13
+# fail, $SUDO, $DEBOOTSTRAP, mount_in, mount_system, cleanup (the EXIT trap), remove_root.
+. scripts/lib/chroot.sh
 
 VARIANT=cpu
 DEPS_FLAGS=()
@@ -58,48 +49,6 @@ CACHE="${FSDP_DEBIAN13_CACHE:-/var/cache/fsdp-libtorch}"
 ROOT="$CACHE/debian13-$VARIANT"
 # The package list is part of the root's identity: a changed install-deps.sh rebuilds it.
 STAMP="$(sha256sum scripts/install-deps.sh | cut -c1-16)"
-
-MOUNTS=()
-cleanup() {
-  local i
-  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do
-    $SUDO umount "${MOUNTS[$i]}" 2>/dev/null || $SUDO umount -l "${MOUNTS[$i]}" 2>/dev/null ||
-      echo "in-debian13: warning: could not unmount ${MOUNTS[$i]}" >&2
-  done
-  MOUNTS=()
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-mount_in() {  # mount_in ROOT TYPE SOURCE TARGET [OPTIONS]
-  local root="$1" type="$2" src="$3" tgt="$1$4"
-  $SUDO mkdir -p "$tgt"
-  if [ "$type" = bind ]; then
-    $SUDO mount --bind "$src" "$tgt" || fail "cannot bind-mount $src at $tgt (is mount permitted here?)"
-  else
-    $SUDO mount -t "$type" "$src" "$tgt" || fail "cannot mount $type at $tgt (is mount permitted here?)"
-  fi
-  MOUNTS+=("$tgt")
-}
-mount_system() {  # /proc, /dev (with its own /dev/shm), /dev/pts, /sys and a resolver for apt
-  local root="$1"
-  mount_in "$root" proc proc /proc
-  mount_in "$root" bind /dev /dev
-  mount_in "$root" bind /dev/pts /dev/pts
-  mount_in "$root" tmpfs tmpfs /dev/shm
-  mount_in "$root" bind /sys /sys
-  $SUDO cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
-}
-# Removes a root made here. A run killed with SIGKILL leaves its mounts behind (the
-# host's /dev, the project): those are unmounted first, and rm never leaves the root's
-# own file system, so nothing outside the root can be deleted.
-remove_root() {
-  local dir="$1" m
-  [ -e "$dir" ] || return 0
-  while read -r m; do
-    [ -n "$m" ] && [ "$m" != "$dir" ] && { $SUDO umount "$m" 2>/dev/null || $SUDO umount -l "$m"; }
-  done < <(awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r)
-  $SUDO rm -rf --one-file-system "$dir"
-}
 
 if [ "$FRESH" = 1 ] && [ -d "$ROOT" ]; then
   echo "[in-debian13] --fresh: removing $ROOT"
@@ -116,17 +65,7 @@ if [ ! -d "$ROOT" ] || [ "$STALE" = 1 ]; then
   LOG="$CACHE/debootstrap-$VARIANT.log"
   remove_root "$TMP"
   $SUDO mkdir -p "$CACHE"
-  echo "[in-debian13] debootstrap trixie into $TMP (about a minute)"
-  T0=$SECONDS
-  # shellcheck disable=SC2086
-  if ! $SUDO "$DEBOOTSTRAP" --variant=minbase --components=main,contrib,non-free,non-free-firmware \
-         trixie "$TMP" ${FSDP_DEBIAN_MIRROR:-} 2>&1 | $SUDO tee "$LOG" >/dev/null; then
-    tail -20 "$LOG" >&2
-    fail "debootstrap trixie failed (log: $LOG)"
-  fi
-  echo "[in-debian13] debootstrap took $((SECONDS - T0)) s"
-  # The host's apt settings (proxies, validity checks of snapshot mirrors) apply inside too.
-  $SUDO cp -n /etc/apt/apt.conf.d/* "$TMP/etc/apt/apt.conf.d/" 2>/dev/null || true
+  debootstrap_root trixie "$TMP" "$LOG" --components=main,contrib,non-free,non-free-firmware
   mount_system "$TMP"
   mount_in "$TMP" bind "$PROJECT/scripts" /tmp/fsdp-scripts
   $SUDO chroot "$TMP" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
