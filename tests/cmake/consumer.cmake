@@ -1,0 +1,61 @@
+# Builds and runs the user's application in tests/consumer one way, as a user would:
+#
+#   cmake -DMODE=install|package|subdirectory|fetchcontent -DSOURCE=<tree> -DBUILD=<this build>
+#         -DSCRATCH=<dir> -DGENERATOR=<gen> [-DPREFIX=<prefix path>] -P consumer.cmake
+#
+# install: `cmake --install BUILD --prefix SCRATCH/prefix` (the other modes need it:
+# every mode runs the application under the installed fsdp-run).
+# package: the application finds the installed package (find_package(fsdp)).
+# subdirectory, fetchcontent: the application builds the source tree as part of itself.
+# Each built application trains 2 ranks under SCRATCH/prefix/bin/fsdp-run, saves a
+# sharded checkpoint and loads it back (tests/consumer/app.cpp checks what it loaded).
+foreach(v MODE SOURCE BUILD SCRATCH GENERATOR)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "consumer.cmake needs -D${v}=...")
+  endif()
+endforeach()
+set(prefix "${SCRATCH}/prefix")
+
+function(run what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer (${MODE}): ${what} failed (exit ${rc}):\n${ARGN}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+if(MODE STREQUAL "install")
+  file(REMOVE_RECURSE "${prefix}")
+  run("cmake --install" ${CMAKE_COMMAND} --install "${BUILD}" --prefix "${prefix}")
+  foreach(f bin/fsdp-run include/fsdp/fsdp.h include/fsdp/version.h lib/cmake/fsdp/fsdpConfig.cmake)
+    if(NOT EXISTS "${prefix}/${f}")
+      message(FATAL_ERROR "consumer (install): ${prefix}/${f} was not installed")
+    endif()
+  endforeach()
+  message(STATUS "installed into ${prefix}")
+  return()
+endif()
+
+if(NOT EXISTS "${prefix}/bin/fsdp-run")
+  message(FATAL_ERROR "consumer (${MODE}): no ${prefix}/bin/fsdp-run; the install step (MODE=install) runs first")
+endif()
+set(dir "${SCRATCH}/${MODE}")
+set(args -DFSDP_CONSUMER_MODE=${MODE} -DCMAKE_BUILD_TYPE=Release)
+if(MODE STREQUAL "package")
+  list(APPEND args "-DCMAKE_PREFIX_PATH=${prefix};${PREFIX}")
+else()
+  list(APPEND args "-DFSDP_SOURCE_DIR=${SOURCE}" "-DCMAKE_PREFIX_PATH=${PREFIX}")
+  find_program(CCACHE ccache)
+  if(CCACHE)  # the library's sources are compiled again here: rebuilds of the suite reuse them
+    list(APPEND args -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
+  endif()
+endif()
+# Configured and built in place, so that the next run of the suite is incremental.
+run("configure" ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${dir}" -G "${GENERATOR}" ${args})
+run("build" ${CMAKE_COMMAND} --build "${dir}" -j2)
+file(REMOVE_RECURSE "${dir}/ck")
+run("2 ranks under the installed fsdp-run" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/consumer_app" "${dir}/ck")
+message(STATUS "${last_output}")
+if(NOT last_output MATCHES "consumer: fsdp [0-9.]+ .*2 ranks.*: ok")
+  message(FATAL_ERROR "consumer (${MODE}): the application did not report success:\n${last_output}")
+endif()
