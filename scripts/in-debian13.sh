@@ -47,6 +47,14 @@ DEPS_FLAGS=()
 if [ "$CUDA" = 1 ]; then VARIANT=cuda; DEPS_FLAGS=(--cuda); fi
 CACHE="${FSDP_DEBIAN13_CACHE:-/var/cache/fsdp-libtorch}"
 ROOT="$CACHE/debian13-$VARIANT"
+# One run per root at a time: two runs would mount into one root and the first to finish
+# would unmount what the other still uses. A second run waits for the first.
+LOCK="${TMPDIR:-/tmp}/fsdp-libtorch-debian13-$VARIANT.lock"
+exec 9>>"$LOCK"
+if ! flock -n 9; then
+  echo "[in-debian13] another run is using the $VARIANT root; waiting for it (lock $LOCK)"
+  flock 9
+fi
 # The package list is part of the root's identity: a changed install-deps.sh rebuilds it.
 STAMP="$(sha256sum scripts/install-deps.sh | cut -c1-16)"
 
