@@ -2,6 +2,7 @@
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
 #include "optim_state.h"
+#include "safetensors.h"
 #include "tensor_io.h"
 
 #include <fsdp/checkpoint.h>
@@ -129,6 +130,80 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
   }
 }
 
+void export_safetensors(const std::string& dir, const ShardedModel& model, const TrainingState& state,
+                        const SafetensorsOptions& options) {
+  using namespace ckpt;
+  const h5::Elem elem = export_elem(options.dtype);
+  const ProcessGroup& pg = model.sharding_options().process_group;
+  const bool writer = pg.rank() == 0;
+  const auto shards = detail::local_shards(model);
+  const auto buffers = named_buffers_clean(model.as_module());
+  // Every tensor, in order: each flat parameter's original parameters (aliases as copies
+  // of their own), then the buffers. Every rank knows them; rank 0 writes.
+  std::vector<st::Spec> specs;
+  for (const auto& ls : shards) {
+    for (const auto& p : ls.params) specs.push_back({p.fqn, safetensors_dtype(elem), p.shape});
+  }
+  for (const auto& [name, b] : buffers) {
+    specs.push_back({name, safetensors_dtype(buffer_elem(b, elem)), b.sizes().vec()});
+  }
+  std::unique_ptr<st::DirWriter> w;
+  std::string error;
+  // As export_consolidated: on a write error rank 0 stops writing but keeps taking part
+  // in the gathers, so no rank hangs, and everyone throws at the end.
+  auto guarded = [&](const std::function<void()>& fn) {
+    if (!writer || !error.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  };
+  guarded([&] {
+    w = std::make_unique<st::DirWriter>(dir, specs, safetensors_metadata(elem, state.step, state.model_attrs),
+                                        options.max_shard_size);
+  });
+  size_t i = 0;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const LocalShard& ls = shards[k];
+    at::Tensor full = detail::gather_flat(model, k, ls.shard);
+    guarded([&] {
+      // A parameter must arrive whole: DeepSpeed once saved the empty placeholders of
+      // sharded parameters as "the model" (deepspeed#6836).
+      TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn, "' gathered ",
+                  full.numel(), " elements, its table has ", ls.info.numel);
+      for (const auto& p : ls.params) {
+        at::Tensor v = file_bytes(full.narrow(0, p.offset, p.numel), elem);
+        TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ", v.numel(),
+                    " elements, its shape needs ", p.numel);
+        w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
+      }
+    });
+    if (options.verbose && writer) {
+      std::cout << "[fsdp] safetensors export: flat parameter " << k + 1 << "/" << shards.size() << " (unit '"
+                << ls.info.unit_fqn << "')" << std::endl;
+    }
+  }
+  guarded([&] {
+    for (const auto& [name, b] : buffers) {
+      at::Tensor v = file_bytes(b, buffer_elem(b, elem));
+      w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
+    }
+    w->finish();
+  });
+  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
+  pg.broadcast(failed, 0);
+  if (failed.item<float>() > 0) {
+    w.reset();  // removes its unpublished files
+    TORCH_CHECK(false, "export_safetensors to ", dir, " failed",
+                writer ? ": " + error : std::string(" on rank 0 (see its error)"));
+  }
+  if (options.verbose && writer) {
+    std::cout << "[fsdp] safetensors export: " << specs.size() << " tensors in " << w->files().size() << " file"
+              << (w->files().size() == 1 ? "" : "s") << " in " << dir << std::endl;
+  }
+}
+
 LoadReport import_consolidated(const std::string& file, ShardedModel& root, const LoadOptions& options) {
   using namespace ckpt;
   ModelGroup g(file);
@@ -230,6 +305,13 @@ std::map<std::string, AttrValue> consolidated_attributes(const std::string& file
 
 void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
                             const ConsolidateOptions& options) {
+  if (options.format == WeightsFormat::kSafetensors) {
+    TORCH_CHECK(!options.with_optimizer, "consolidate_checkpoint: safetensors holds weights only; "
+                "with_optimizer needs the HDF5 format");
+    ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_elem(options.dtype),
+                                          options.max_shard_size, options.progress);
+    return;
+  }
   ckpt::consolidate_offline(sharded, out_file, ckpt::export_elem(options.dtype), options.with_optimizer,
                             options.progress);
 }

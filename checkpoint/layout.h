@@ -129,6 +129,21 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
                          bool with_optimizer,
                          const std::function<void(size_t, size_t, const std::string&)>& progress);
 
+/// Safetensors exports (Note [Safetensors]): the dtype name of an element type ("F32",
+/// "BF16", "F16", "F64", "I64", "U8").
+const char* safetensors_dtype(h5::Elem e);
+/// The "__metadata__" of a safetensors export, the same live and offline: "format" = "pt"
+/// (what transformers checks), fsdp_format, fsdp_format_version, dtype, step and the
+/// model attributes, all as strings.
+std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t step,
+                                                        const std::map<std::string, AttrValue>& attrs);
+/// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
+/// directory `out_dir` gets what export_safetensors writes from the live model, byte for
+/// byte, reading one parameter at a time.
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, h5::Elem dtype,
+                                     uint64_t max_shard_size,
+                                     const std::function<void(size_t, size_t, const std::string&)>& progress);
+
 /// Describes and verifies a sharded checkpoint directory or a consolidated file.
 std::string inspect(const std::string& path, bool verify);
 

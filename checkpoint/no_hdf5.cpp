@@ -16,6 +16,9 @@ LoadReport load_sharded_checkpoint(const std::string&, ShardedModel&, torch::opt
 std::optional<std::string> latest_checkpoint(const std::string&) { no_hdf5(); }
 void export_consolidated(const std::string&, const ShardedModel&, torch::optim::Optimizer*, const TrainingState&,
                          const ExportOptions&) { no_hdf5(); }
+void export_safetensors(const std::string&, const ShardedModel&, const TrainingState&, const SafetensorsOptions&) {
+  no_hdf5();
+}
 LoadReport import_consolidated(const std::string&, ShardedModel&, const LoadOptions&) { no_hdf5(); }
 LoadReport load_consolidated(const std::string&, torch::nn::Module&, const LoadOptions&) { no_hdf5(); }
 std::map<std::string, AttrValue> consolidated_attributes(const std::string&) { no_hdf5(); }

@@ -1,10 +1,12 @@
 // The consolidated-file writer and offline consolidation. No LibTorch here: the tools
 // built on this start fast and keep about one parameter in memory (see layout.h).
 #include "layout.h"
+#include "safetensors.h"
 
 #include <c10/util/Exception.h>
 
 #include <filesystem>
+#include <sstream>
 
 namespace fs = std::filesystem;
 
@@ -129,6 +131,114 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
     w.abandon();
     throw;
   }
+}
+
+const char* safetensors_dtype(h5::Elem e) {
+  switch (e) {
+    case h5::Elem::kF32: return "F32";
+    case h5::Elem::kBF16: return "BF16";
+    case h5::Elem::kF16: return "F16";
+    case h5::Elem::kF64: return "F64";
+    case h5::Elem::kI64: return "I64";
+    case h5::Elem::kU8: return "U8";
+  }
+  return "U8";
+}
+
+std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t step,
+                                                        const std::map<std::string, AttrValue>& attrs) {
+  std::map<std::string, std::string> m;
+  for (const auto& [k, v] : attrs) {
+    if (const auto* i = std::get_if<int64_t>(&v)) {
+      m[k] = std::to_string(*i);
+    } else if (const auto* d = std::get_if<double>(&v)) {
+      std::ostringstream os;
+      os.precision(17);  // round-trips the double
+      os << *d;
+      m[k] = os.str();
+    } else {
+      m[k] = std::get<std::string>(v);
+    }
+  }
+  // Ours last, so that a model attribute of the same name cannot replace them.
+  m["format"] = "pt";
+  m["fsdp_format"] = kConsolidatedFormat;
+  m["fsdp_format_version"] = std::to_string(kCheckpointFormatVersion);
+  m["dtype"] = h5::elem_name(dtype);
+  m["step"] = std::to_string(step);
+  return m;
+}
+
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, h5::Elem dtype,
+                                     uint64_t max_shard_size,
+                                     const std::function<void(size_t, size_t, const std::string&)>& progress) {
+  ShardedReader src(sharded, 4u << 20);
+  hid_t f0 = src.file(0);
+  const std::string p0 = src.file_path(0);
+  std::map<std::string, AttrValue> attrs;
+  {
+    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
+    for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
+  }
+  // Every tensor, in the live export's order: each flat's table, then the buffers.
+  std::vector<st::Spec> specs;
+  for (const auto& sf : src.flats()) {
+    for (const auto& e : sf.table) specs.push_back({e.fqn, safetensors_dtype(dtype), e.shape});
+  }
+  struct Buffer {
+    std::string name;
+    std::vector<int64_t> shape;
+    h5::Elem stored, mem, out;
+  };
+  std::vector<Buffer> buffers;
+  const std::string bwhere = p0 + ":/buffers";
+  std::unique_ptr<h5::Obj> bg;
+  if (h5::exists(f0, "buffers")) {
+    bg = std::make_unique<h5::Obj>(h5::open_group(f0, "buffers", p0));
+    for (const auto& n : h5::children(*bg, bwhere)) {
+      Buffer b{n, h5::shape_of(*bg, n, bwhere), h5::elem_of(*bg, n, bwhere), {}, {}};
+      const bool floating = b.stored == h5::Elem::kF32 || b.stored == h5::Elem::kF64;
+      b.mem = floating ? h5::Elem::kF32 : b.stored;
+      b.out = floating ? dtype : b.stored;
+      specs.push_back({n, safetensors_dtype(b.out), b.shape});
+      buffers.push_back(std::move(b));
+    }
+  }
+  const size_t total = specs.size();
+  st::DirWriter w(out_dir, specs, safetensors_metadata(dtype, src.step(), attrs), max_shard_size);
+  std::vector<float> buf;
+  std::vector<uint8_t> out;
+  size_t i = 0;
+  for (size_t k = 0; k < src.flats().size(); ++k) {
+    for (const auto& e : src.flats()[k].table) {
+      buf.assign(static_cast<size_t>(e.numel), 0.0f);
+      src.read(k, "param", e.offset, e.numel, buf.data());
+      const uint64_t n = st::nbytes(specs[i]);
+      if (dtype == h5::Elem::kF32) {
+        w.add(i, buf.data(), n);
+      } else {
+        out.resize(n);
+        h5::convert(buf.data(), h5::Elem::kF32, out.data(), dtype, buf.size());
+        w.add(i, out.data(), n);
+      }
+      ++i;
+      if (progress) progress(i, total, e.fqn);
+    }
+  }
+  buf = std::vector<float>();
+  for (const auto& b : buffers) {
+    int64_t numel = 1;
+    for (int64_t d : b.shape) numel *= d;
+    std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
+    h5::read_range(*bg, b.name, 0, numel, raw.data(), b.mem, bwhere);
+    const uint64_t n = st::nbytes(specs[i]);
+    out.resize(n);
+    h5::convert(raw.data(), b.mem, out.data(), b.out, static_cast<size_t>(numel));
+    w.add(i, out.data(), n);
+    ++i;
+    if (progress) progress(i, total, b.name);
+  }
+  w.finish();
 }
 
 }  // namespace fsdp::ckpt

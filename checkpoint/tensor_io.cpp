@@ -38,8 +38,7 @@ std::pair<at::ScalarType, h5::Elem> mem_form(h5::Elem file) {
 }
 }  // namespace
 
-void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
-                  const std::string& where) {
+at::Tensor file_bytes(const at::Tensor& t, h5::Elem file) {
   if (file == h5::Elem::kBF16 || file == h5::Elem::kF16) {
     // Rounded by torch, as `t.to(dtype)` (Note [Float conversion] in h5.cpp); NaN gets the
     // bits h5::convert gives it, which 1.13's vectorized bf16 conversion does not.
@@ -57,6 +56,20 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
         bits.masked_fill_(nan & ~src.signbit(), static_cast<int16_t>(h5::kF16NaN));
       }
     }
+    return c;
+  }
+  switch (file) {
+    case h5::Elem::kF32: return t.detach().to(at::kCPU, at::kFloat).contiguous();
+    case h5::Elem::kF64: return t.detach().to(at::kCPU, at::kDouble).contiguous();
+    case h5::Elem::kI64: return t.detach().to(at::kCPU, at::kLong).contiguous();
+    default: return t.detach().to(at::kCPU, at::kByte).contiguous();
+  }
+}
+
+void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
+                  const std::string& where) {
+  if (file == h5::Elem::kBF16 || file == h5::Elem::kF16) {
+    at::Tensor c = file_bytes(t, file);
     h5::write(loc, name, c.data_ptr(), file, file, c.sizes().vec(), where);
     return;
   }

@@ -18,6 +18,9 @@ std::string dtype_name(c10::ScalarType t);
 /// through fp32/fp64 in memory). NaN is stored as h5::convert stores it.
 void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
                   const std::string& where);
+/// `t` on the CPU, contiguous, with exactly the bytes a file stores for it as `file`
+/// (16-bit floats rounded and NaN stored as write_tensor does).
+at::Tensor file_bytes(const at::Tensor& t, h5::Elem file);
 /// Element type a buffer of dtype `t` is stored as in sharded checkpoints (lossless).
 h5::Elem storage_elem(c10::ScalarType t);
 /// Reads dataset `name` whole into `dst` (any dtype and device; shapes must match).

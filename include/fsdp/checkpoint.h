@@ -110,18 +110,50 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
 /// Reads the root attributes of a consolidated file (format, dtype, step, model attrs).
 std::map<std::string, AttrValue> consolidated_attributes(const std::string& file);
 
+struct SafetensorsOptions {
+  /// Dtype of the exported parameters: kFloat32, kBFloat16 or kFloat16, rounded as
+  /// tensor.to(dtype) rounds.
+  torch::Dtype dtype = torch::kFloat32;
+  /// Most bytes of tensor data in one file (Hugging Face's default, 5 GB). A larger model
+  /// is split into model-00001-of-0000N.safetensors, ... with model.safetensors.index.json.
+  uint64_t max_shard_size = 5'000'000'000;
+  /// Print progress on rank 0.
+  bool verbose = false;
+};
+
+/// Writes the model's weights as safetensors, the format inference tools load, into the
+/// directory `dir` (created when missing): model.safetensors, or shards and an index in
+/// Hugging Face's layout. Names are clean FQNs; floating buffers take `dtype` too. The
+/// header's __metadata__ holds "format" = "pt", fsdp_format, dtype, step and
+/// state.model_attrs (as strings). Collective; rank 0 writes, gathering one flat
+/// parameter at a time, so its extra memory is about one unit's full fp32 parameters.
+/// Files are written under temporary names and published by rename, the index last.
+void export_safetensors(const std::string& dir, const ShardedModel& model, const TrainingState& state,
+                        const SafetensorsOptions& options = {});
+
+/// The formats consolidated weights are written in.
+enum class WeightsFormat {
+  kHdf5,         ///< one HDF5 file (docs/design.md, "Contracts"), optionally with optimizer state
+  kSafetensors,  ///< a directory as export_safetensors writes it
+};
+
 struct ConsolidateOptions {
   /// Dtype of the written parameters: kFloat32, kBFloat16 or kFloat16.
   torch::Dtype dtype = torch::kFloat32;
   /// Also write /optimizer/<FQN>/<state> (the checkpoint must hold optimizer state).
   bool with_optimizer = false;
+  /// kSafetensors: `out_file` names a directory, written as export_safetensors writes it.
+  WeightsFormat format = WeightsFormat::kHdf5;
+  /// kSafetensors: most bytes of tensor data in one file.
+  uint64_t max_shard_size = 5'000'000'000;
   /// Called after each parameter: (done, total, fqn).
   std::function<void(size_t, size_t, const std::string&)> progress;
 };
 
 /// Offline: turns a sharded checkpoint into a consolidated file with no process group,
 /// one parameter at a time (peak memory about one parameter). The output equals what
-/// export_consolidated writes from the live model.
+/// export_consolidated (or, for kSafetensors, export_safetensors) writes from the live
+/// model, byte for byte for safetensors.
 void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
                             const ConsolidateOptions& options = {});
 

@@ -1,6 +1,8 @@
-// fsdp-consolidate: a sharded checkpoint -> one consolidated HDF5 file, offline.
+// fsdp-consolidate: a sharded checkpoint -> one consolidated HDF5 file, or safetensors
+// for inference tools, offline.
 //
 //   fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]
+//   fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]
 //
 // No process group: it reads the rank files one parameter at a time, so its memory
 // stays about one parameter plus a constant whatever the model size.
@@ -30,11 +32,15 @@ double peak_rss_mib() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cxxopts::Options opts("fsdp-consolidate", "Turns a sharded fsdp checkpoint into one consolidated HDF5 file");
-  opts.positional_help("SHARDED_DIR OUT.h5");
+  cxxopts::Options opts("fsdp-consolidate",
+                        "Turns a sharded fsdp checkpoint into one consolidated HDF5 file, or into safetensors");
+  opts.positional_help("SHARDED_DIR OUT.h5|OUT_DIR");
   opts.add_options()
     ("dtype", "dtype of the written parameters: fp32, bf16 or fp16", cxxopts::value<std::string>()->default_value("fp32"))
-    ("with-optimizer", "also write /optimizer/<FQN>/<state>")
+    ("format", "hdf5 (one file) or safetensors (a directory: model.safetensors, or shards and an index)",
+     cxxopts::value<std::string>()->default_value("hdf5"))
+    ("max-shard-size", "safetensors: most bytes of tensor data per file", cxxopts::value<std::string>()->default_value("5000000000"))
+    ("with-optimizer", "also write /optimizer/<FQN>/<state> (hdf5 only)")
     ("q,quiet", "no progress output")
     ("h,help", "show this help")
     ("version", "print the version")
@@ -52,8 +58,9 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!r.count("sharded") || !r.count("out")) {
-      std::cerr << "fsdp-consolidate: error: expected SHARDED_DIR and OUT.h5\n"
-                << "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n";
+      std::cerr << "fsdp-consolidate: error: expected SHARDED_DIR and OUT.h5 (or OUT_DIR with --format safetensors)\n"
+                << "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n"
+                << "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]\n";
       return 2;
     }
     const std::string d = r["dtype"].as<std::string>();
@@ -66,6 +73,30 @@ int main(int argc, char** argv) {
       return 2;
     }
     const bool with_optimizer = r.count("with-optimizer") > 0;
+    const std::string format = r["format"].as<std::string>();
+    if (format != "hdf5" && format != "safetensors") {
+      std::cerr << "fsdp-consolidate: error: --format " << format << " is unknown; use hdf5 or safetensors\n";
+      return 2;
+    }
+    if (format == "safetensors" && with_optimizer) {
+      std::cerr << "fsdp-consolidate: error: --with-optimizer needs --format hdf5: safetensors holds weights only\n";
+      return 2;
+    }
+    uint64_t max_shard = 0;
+    {
+      const std::string m = r["max-shard-size"].as<std::string>();
+      size_t used = 0;
+      try {
+        max_shard = std::stoull(m, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != m.size() || m.empty() || m[0] == '-' || max_shard == 0) {
+        std::cerr << "fsdp-consolidate: error: --max-shard-size " << m
+                  << " is not a positive number of bytes (e.g. 5000000000)\n";
+        return 2;
+      }
+    }
     const bool quiet = r.count("quiet") > 0;
     const auto t0 = std::chrono::steady_clock::now();
     // On a terminal one line updates in place; in a log, a line per 10%.
@@ -84,7 +115,11 @@ int main(int argc, char** argv) {
       }
     };
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
-    fsdp::ckpt::consolidate_offline(in, out, dtype, with_optimizer, progress);
+    if (format == "safetensors") {
+      fsdp::ckpt::consolidate_offline_safetensors(in, out, dtype, max_shard, progress);
+    } else {
+      fsdp::ckpt::consolidate_offline(in, out, dtype, with_optimizer, progress);
+    }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
               << peak_rss_mib() << " MiB" << std::endl;
