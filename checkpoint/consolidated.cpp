@@ -58,6 +58,94 @@ struct ModelGroup {
   }
 };
 
+// Consolidated weights to load, whatever their format: the HDF5 file of the contract, or
+// safetensors (a file, an index, or a directory holding either).
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+  const std::set<std::string>& names() const { return names_; }
+  virtual std::vector<int64_t> shape_of(const std::string& name) const = 0;
+  /// Elements [first, first + count) of `name`, flattened, widened or rounded to fp32.
+  virtual void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const = 0;
+  /// The whole of `name` into `dst` (any dtype and device; shapes already checked).
+  virtual void read_into(const std::string& name, const at::Tensor& dst) const = 0;
+
+ protected:
+  std::set<std::string> names_;
+};
+
+class Hdf5Source : public WeightSource {
+ public:
+  explicit Hdf5Source(const std::string& path) : g_(path) { names_ = g_.names; }
+  std::vector<int64_t> shape_of(const std::string& name) const override { return h5::shape_of(g_.model, name, g_.where); }
+  void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const override {
+    h5::read_range(g_.model, name, first, count, out, h5::Elem::kF32, g_.where);
+  }
+  void read_into(const std::string& name, const at::Tensor& dst) const override {
+    ckpt::read_into(g_.model, name, dst, g_.where);
+  }
+
+ private:
+  ModelGroup g_;
+};
+
+class SafetensorsSource : public WeightSource {
+ public:
+  explicit SafetensorsSource(const std::string& path) : r_(path), where_(path) {
+    for (const auto& [n, e] : r_.entries()) names_.insert(n);
+  }
+  std::vector<int64_t> shape_of(const std::string& name) const override { return r_.entries().at(name).shape; }
+  void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const override {
+    const auto& e = r_.entries().at(name);
+    const h5::Elem from = elem_of(e.dtype, name);
+    TORCH_CHECK(from == h5::Elem::kF32 || from == h5::Elem::kBF16 || from == h5::Elem::kF16 || from == h5::Elem::kF64,
+                where_, ": tensor '", name, "' is ", e.dtype, ", not a floating type a parameter can take");
+    const size_t es = st::dtype_size(e.dtype);
+    if (from == h5::Elem::kF32) {
+      r_.read(name, static_cast<uint64_t>(first) * es, static_cast<uint64_t>(count) * es, out);
+      return;
+    }
+    std::vector<uint8_t> raw(static_cast<size_t>(count) * es);
+    r_.read(name, static_cast<uint64_t>(first) * es, raw.size(), raw.data());
+    h5::convert(raw.data(), from, out, h5::Elem::kF32, static_cast<size_t>(count));
+  }
+  void read_into(const std::string& name, const at::Tensor& dst) const override {
+    const auto& e = r_.entries().at(name);
+    at::Tensor tmp = at::empty(e.shape, at::TensorOptions().dtype(torch_dtype(e.dtype, name)));
+    if (tmp.numel() > 0) r_.read(name, 0, e.end - e.begin, tmp.data_ptr());
+    at::NoGradGuard no_grad;
+    dst.copy_(tmp);
+  }
+
+ private:
+  h5::Elem elem_of(const std::string& d, const std::string& name) const {
+    if (d == "F32") return h5::Elem::kF32;
+    if (d == "BF16") return h5::Elem::kBF16;
+    if (d == "F16") return h5::Elem::kF16;
+    if (d == "F64") return h5::Elem::kF64;
+    if (d == "I64") return h5::Elem::kI64;
+    if (d == "U8") return h5::Elem::kU8;
+    TORCH_CHECK(false, where_, ": tensor '", name, "' is ", d, ", which this library does not load");
+  }
+  at::ScalarType torch_dtype(const std::string& d, const std::string& name) const {
+    static const std::map<std::string, at::ScalarType> m = {
+        {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+        {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+        {"U8", at::kByte},    {"BOOL", at::kBool}};
+    auto it = m.find(d);
+    TORCH_CHECK(it != m.end(), where_, ": tensor '", name, "' is ", d, ", which this library does not load");
+    return it->second;
+  }
+
+  st::Reader r_;
+  std::string where_;
+};
+
+std::unique_ptr<WeightSource> open_weights(const std::string& path) {
+  if (st::is_safetensors(path)) return std::make_unique<SafetensorsSource>(path);
+  return std::make_unique<Hdf5Source>(path);
+}
+
 }  // namespace
 }  // namespace ckpt
 
@@ -206,10 +294,8 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
 
 LoadReport import_consolidated(const std::string& file, ShardedModel& root, const LoadOptions& options) {
   using namespace ckpt;
-  ModelGroup g(file);
-  const h5::Obj& model = g.model;
-  const std::string& where = g.where;
-  const std::set<std::string>& names = g.names;
+  const auto src = open_weights(file);
+  const std::set<std::string>& names = src->names();
   LoadReport report;
   report.path = file;
   const auto shards = detail::local_shards(root);
@@ -223,7 +309,7 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root, cons
         continue;
       }
       used.insert(p.fqn);
-      auto shape = h5::shape_of(model, p.fqn, where);
+      auto shape = src->shape_of(p.fqn);
       if (shape != p.shape) {
         mismatched.push_back(p.fqn + " (file " + describe_shape(shape) + ", model " + describe_shape(p.shape) + ")");
       }
@@ -251,24 +337,22 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root, cons
     for (const auto& p : ls.params) {
       if (!names.count(p.fqn) || !seen.insert(p.offset).second) continue;
       const int64_t lo = std::max(ls.begin, p.offset), hi = std::min(ls.begin + ls.length, p.offset + p.numel);
-      if (lo < hi) h5::read_range(model, p.fqn, lo - p.offset, hi - lo, out + (lo - ls.begin), h5::Elem::kF32, where);
+      if (lo < hi) src->read_f32(p.fqn, lo - p.offset, hi - lo, out + (lo - ls.begin));
     }
     if (ls.length < buf.numel()) buf.narrow(0, ls.length, buf.numel() - ls.length).zero_();
     if (!buf.is_same(dst)) dst.copy_(buf);
     ls.shard.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
   }
   for (const auto& [name, b] : buffers) {
-    if (names.count(name)) read_into(model, name, b, where);
+    if (names.count(name)) src->read_into(name, b);
   }
   return report;
 }
 
 LoadReport load_consolidated(const std::string& file, torch::nn::Module& module, const LoadOptions& options) {
   using namespace ckpt;
-  ModelGroup g(file);
-  const h5::Obj& model = g.model;
-  const std::string& where = g.where;
-  const std::set<std::string>& names = g.names;
+  const auto src = open_weights(file);
+  const std::set<std::string>& names = src->names();
   LoadReport report;
   report.path = file;
   auto tensors = named_parameters_clean(module);
@@ -280,7 +364,7 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
       continue;
     }
     used.insert(name);
-    auto shape = h5::shape_of(model, name, where);
+    auto shape = src->shape_of(name);
     TORCH_CHECK(shape == t.sizes().vec(), "checkpoint ", file, " does not match this model: ", name, " has shape ",
                 describe_shape(shape), " in the file but ", describe_shape(t.sizes().vec()),
                 " in the model. Was it saved from another model?");
@@ -290,13 +374,36 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
   }
   report_mismatch("checkpoint " + file, report.missing, report.unexpected, options.strict);
   for (const auto& [name, t] : tensors) {
-    if (names.count(name)) read_into(model, name, t, where);
+    if (names.count(name)) src->read_into(name, t);
   }
   return report;
 }
 
 std::map<std::string, AttrValue> consolidated_attributes(const std::string& file) {
   using namespace ckpt;
+  if (st::is_safetensors(file)) {
+    // __metadata__ holds strings; numbers come back as numbers.
+    std::map<std::string, AttrValue> out;
+    const st::Reader reader(file);
+    for (const auto& [k, v] : reader.metadata()) {
+      size_t used = 0;
+      try {
+        const long long i = std::stoll(v, &used);
+        if (used == v.size()) {
+          out[k] = static_cast<int64_t>(i);
+          continue;
+        }
+        const double d = std::stod(v, &used);
+        if (used == v.size()) {
+          out[k] = d;
+          continue;
+        }
+      } catch (const std::exception&) {
+      }
+      out[k] = v;
+    }
+    return out;
+  }
   h5::Obj f = open_consolidated(file);
   std::map<std::string, AttrValue> out;
   for (const auto& n : h5::attr_names(f, file)) out[n] = h5::get_attr(f, n, file);

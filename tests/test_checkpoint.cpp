@@ -652,6 +652,58 @@ TEST(SafetensorsExport, AGptSplitOverFilesHoldsExactlyItsFullStateDict) {
   fs::remove_all(dir);
 }
 
+TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict) {
+  const std::string dir = scratch_dir("st_import");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    torch::manual_seed(8);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    SafetensorsOptions so;
+    so.max_shard_size = 40000;  // several files and an index
+    export_safetensors(dir + "/fp32", model, sample_state(2), so);
+    so.dtype = torch::kBFloat16;
+    export_safetensors(dir + "/bf16", model, sample_state(2), so);
+    export_consolidated(dir + "/ref.h5", model, nullptr, sample_state(2));
+  });
+  gpt::GPT reference(small_gpt_config());
+  load_consolidated(dir + "/ref.h5", *reference);
+  run_ranks(3, [&](const ProcessGroup& pg) {
+    torch::manual_seed(99);  // other initial weights: all of them must be replaced
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, never_wrap_policy()));
+    auto report = import_consolidated(dir + "/fp32", model);
+    EXPECT_TRUE(report.missing.empty() && report.unexpected.empty());
+    expect_params_match(full_state_dict(model), *reference, 0.0);
+    import_consolidated(dir + "/bf16/model.safetensors.index.json", model);
+    for (const auto& [name, t] : full_state_dict(model)) {
+      const auto want = named_parameters_clean(*reference);
+      for (const auto& [n, r] : want) {
+        if (n == name) EXPECT_TRUE(torch::equal(t, r.detach().to(torch::kBFloat16).to(torch::kFloat))) << name;
+      }
+    }
+  });
+  // Into a plain module, as inference does.
+  gpt::GPT plain(small_gpt_config());
+  load_consolidated(dir + "/fp32", *plain);
+  for (const auto& [n, t] : named_parameters_clean(*plain)) {
+    for (const auto& [m, r] : named_parameters_clean(*reference)) {
+      if (n == m) EXPECT_TRUE(torch::equal(t, r)) << n;
+    }
+  }
+  auto attrs = consolidated_attributes(dir + "/fp32");
+  EXPECT_EQ(std::get<int64_t>(attrs.at("n_layer")), small_gpt_config().n_layer);
+  EXPECT_EQ(std::get<std::string>(attrs.at("fsdp_format")), "fsdp.consolidated");
+  // Another model's weights: every missing and unexpected name, listed.
+  MlpNet mlp;
+  try {
+    load_consolidated(dir + "/fp32", *mlp);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("inp.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
   const std::string dir = scratch_dir("st_bad");
   auto model = fully_shard(MlpNet());

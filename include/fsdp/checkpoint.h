@@ -99,15 +99,20 @@ struct ExportOptions {
 void export_consolidated(const std::string& file, const ShardedModel& model, torch::optim::Optimizer* optimizer,
                          const TrainingState& state, const ExportOptions& options = {});
 
-/// Loads a consolidated file into a sharded model: each rank reads only its own slice
-/// (HDF5 hyperslabs), no full copy anywhere, no communication.
+/// Loads consolidated weights into a sharded model: each rank reads only its own slice
+/// (HDF5 hyperslabs, or byte ranges of safetensors), no full copy anywhere, no
+/// communication. `file` is the HDF5 file of export_consolidated, or safetensors: a
+/// .safetensors file, a model.safetensors.index.json, or a directory holding either
+/// (what export_safetensors writes, or any other writer's, in F32, BF16, F16 or F64).
 LoadReport import_consolidated(const std::string& file, ShardedModel& model, const LoadOptions& options = {});
 
-/// Loads a consolidated file into a plain (unsharded) module, e.g. for inference.
+/// Loads consolidated weights (HDF5 or safetensors, as import_consolidated) into a plain
+/// (unsharded) module, e.g. for inference.
 LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
                              const LoadOptions& options = {});
 
-/// Reads the root attributes of a consolidated file (format, dtype, step, model attrs).
+/// Reads the root attributes of a consolidated file (format, dtype, step, model attrs);
+/// for safetensors, its __metadata__ (numbers as numbers).
 std::map<std::string, AttrValue> consolidated_attributes(const std::string& file);
 
 struct SafetensorsOptions {

@@ -45,9 +45,18 @@ if(MODE STREQUAL "package")
   list(APPEND args "-DCMAKE_PREFIX_PATH=${prefix};${PREFIX}")
 else()
   list(APPEND args "-DFSDP_SOURCE_DIR=${SOURCE}" "-DCMAKE_PREFIX_PATH=${PREFIX}")
+  # The library's sources are compiled here again. Both modes put its build in
+  # <dir>/fsdp-libtorch and ccache sees paths under SCRATCH relative to the build
+  # directory, so the second mode (and the next run of the suite) reuses the first's
+  # objects and precompiled header instead of compiling them again.
   find_program(CCACHE ccache)
-  if(CCACHE)  # the library's sources are compiled again here: rebuilds of the suite reuse them
-    list(APPEND args -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
+  if(CCACHE)
+    set(launcher "${SCRATCH}/ccache-launcher.sh")
+    file(WRITE "${launcher}" "#!/bin/sh\nCCACHE_BASEDIR='${SCRATCH}' CCACHE_NOHASHDIR=1 "
+         "CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime exec '${CCACHE}' \"$@\"\n")
+    file(CHMOD "${launcher}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ GROUP_EXECUTE
+         WORLD_READ WORLD_EXECUTE)
+    list(APPEND args "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}")
   endif()
 endif()
 # Configured and built in place, so that the next run of the suite is incremental.
