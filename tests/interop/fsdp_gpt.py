@@ -318,7 +318,11 @@ def train(args):
         log.write(json.dumps({"final": True, "peak_rss_kb": [int(t.item()) for t in every]}) + "\n")
         log.close()
     dist.barrier()
-    dist.destroy_process_group()
+    # Leave without tearing down: torch 2.6's Gloo threads at interpreter exit sometimes
+    # abort a rank ("terminate called without an active exception") after all is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse(argv=None):
