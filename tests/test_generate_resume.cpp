@@ -156,6 +156,58 @@ TEST(TrainGptCheckpoint, ResumingAnotherModelFailsWithAMessage) {
       << keep.output;
 }
 
+// --init-from: a fresh run (step 0, new optimizer) from a consolidated file's weights.
+// With a learning rate of 1e-30 a step changes no fp32 weight, so the export after one
+// step is the file itself; without --init-from the same run exports other weights.
+TEST(TrainGptCheckpoint, InitFromStartsFromTheFileAndRejectsAnotherArchitecture) {
+  const std::string dir = temp_dir("init_from");
+  auto first = run_command(run_args(dir, 4, {"--consolidate-to", dir + "/a.h5"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::vector<std::string> still = {"--lr", "1e-30", "--steps", "1", "--log-jsonl", dir + "/b.jsonl"};
+  auto b_args = run_args(dir, 1, {"--init-from", dir + "/a.h5", "--consolidate-to", dir + "/b.h5"});
+  b_args.insert(b_args.end(), still.begin(), still.end());
+  auto b = run_command(b_args);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("train_gpt: initial weights from " + dir + "/a.h5"), std::string::npos) << b.output;
+  EXPECT_EQ(losses(dir + "/b.jsonl").size(), 1u) << "a fresh run from step 0";
+  auto c_args = run_args(dir, 1, {"--consolidate-to", dir + "/c.h5"});
+  c_args.insert(c_args.end(), still.begin(), still.end());
+  auto c = run_command(c_args);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  gpt::Config cfg;
+  cfg.n_layer = 2;
+  cfg.d_model = 32;
+  cfg.n_head = 2;
+  cfg.block_size = 16;
+  auto load = [&](const std::string& f) {
+    gpt::GPT m(cfg);
+    fsdp::load_consolidated(f, *m);
+    return m;
+  };
+  auto a_m = load(dir + "/a.h5"), b_m = load(dir + "/b.h5"), c_m = load(dir + "/c.h5");
+  auto ap = a_m->named_parameters(), bp = b_m->named_parameters(), cp = c_m->named_parameters();
+  bool differs_from_fresh = false;
+  for (const auto& p : ap) {
+    EXPECT_TRUE(torch::equal(p.value(), bp[p.key()])) << p.key();
+    differs_from_fresh = differs_from_fresh || !torch::equal(p.value(), cp[p.key()]);
+  }
+  EXPECT_TRUE(differs_from_fresh) << "the run without --init-from must export its own initial weights";
+
+  // The architecture flags must agree with the file's attributes.
+  auto wrong = run_args(dir, 1, {"--init-from", dir + "/a.h5"});
+  wrong[std::find(wrong.begin(), wrong.end(), "--d-model") - wrong.begin() + 1] = "64";
+  auto r = run_command(wrong);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("train_gpt: error: --d-model 64 but " + dir + "/a.h5 has d_model 32"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+  auto missing = run_command({bin("train_gpt"), "--steps", "1", "--init-from", dir + "/none.h5"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.output.find("train_gpt: error: --init-from " + dir + "/none.h5: cannot open the file"),
+            std::string::npos) << missing.output;
+  fs::remove_all(dir);
+}
+
 struct GenerateCase {
   std::vector<std::string> args;
   int exit_code;

@@ -14,17 +14,20 @@
 #include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <variant>
 
 namespace {
 
@@ -136,6 +139,7 @@ cxxopts::Options make_options() {
     ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
     ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
     ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
+    ("init-from", "start from the weights of this consolidated HDF5 file (step 0, fresh optimizer; the model flags must match its attributes)", cxxopts::value<std::string>()->default_value(""))
     ("consolidate-to", "at the end, write one consolidated HDF5 file here (for generate and other tools)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
@@ -182,6 +186,40 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
   if (s == "none") return fsdp::ShardingStrategy::kNoShard;
   if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
   throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
+}
+
+// --init-from FILE: the architecture flags must agree with the file's attributes, each
+// disagreement named with both values (checked before any rank starts training).
+void check_init_file(const std::string& file, const gpt::Config& cfg) {
+  std::ifstream probe(file, std::ios::binary);
+  if (!probe) throw UsageError("--init-from " + file + ": cannot open the file");
+  std::map<std::string, fsdp::AttrValue> attrs;
+  try {
+    attrs = fsdp::consolidated_attributes(file);
+  } catch (const c10::Error& e) {
+    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" + e.what_without_backtrace() + ")");
+  }
+  const std::pair<const char*, int64_t> want[] = {{"n_layer", cfg.n_layer}, {"n_head", cfg.n_head},
+                                                  {"d_model", cfg.d_model}, {"block_size", cfg.block_size},
+                                                  {"vocab_size", cfg.vocab_size}};
+  for (const auto& [key, value] : want) {
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    // vocab_size has no flag: the byte-level vocabulary is always 256.
+    const std::string ours = (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(value);
+    auto it = attrs.find(key);
+    if (it == attrs.end()) {
+      throw UsageError("--init-from " + file + " has no attribute " + key + "; this run has " + ours +
+                       " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
+    }
+    if (!std::holds_alternative<int64_t>(it->second) || std::get<int64_t>(it->second) != value) {
+      const std::string theirs = std::holds_alternative<int64_t>(it->second) ? std::to_string(std::get<int64_t>(it->second))
+                                 : std::holds_alternative<double>(it->second) ? std::to_string(std::get<double>(it->second))
+                                                                               : std::get<std::string>(it->second);
+      throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
+                       "; give the file's architecture flags or another file");
+    }
+  }
 }
 
 fsdp::WrapPolicy parse_wrap(const std::string& s) {
@@ -372,6 +410,9 @@ int run(int argc, char** argv) {
 
   so.cpu_offload = r.count("cpu-offload") > 0;
 
+  const std::string init_from = r["init-from"].as<std::string>();
+  if (!init_from.empty()) check_init_file(init_from, cfg);
+
   torch::manual_seed(seed);
   auto model = [&] {
     try {
@@ -383,6 +424,13 @@ int run(int argc, char** argv) {
       throw UsageError("--precision fp16: " + what);
     }
   }();
+  // --init-from: the starting weights come from a consolidated file (written by this
+  // program, fsdp-consolidate or another framework with h5py). Loaded before the
+  // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
+  if (!init_from.empty()) {
+    fsdp::import_consolidated(init_from, model);
+    if (main_rank) std::cout << "train_gpt: initial weights from " << init_from << std::endl;
+  }
   std::optional<fsdp::LossScaler> scaler;
   if (precision == "fp16") {
     fsdp::LossScalerOptions lso;
@@ -503,7 +551,7 @@ int run(int argc, char** argv) {
     if (main_rank) {
       if (jsonl.is_open()) {
         nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
-                            {"peak_bytes", peak}, {"comm_bytes", comm}};
+                            {"step_s", dt}, {"peak_bytes", peak}, {"comm_bytes", comm}};
         if (scaler) {
           j["loss_scale"] = scaler->state().scale;
           j["skipped_steps"] = scaler->state().skipped_steps;

@@ -1,0 +1,360 @@
+#!/usr/bin/python3
+"""The GPT of docs/design.md ("Contracts") trained with PyTorch FSDP1: the peer that
+train_gpt is compared with (scripts/compare-pytorch.sh, tests/interop/compare_fsdp.py).
+
+It computes what train_gpt computes, step for step:
+  - weights: --init-from FILE.h5, a consolidated file (h5py), the file train_gpt
+    --init-from loads too; --write-init FILE.h5 writes one (GPT-2 init, from --seed);
+  - batches: train_gpt's sampler (std::mt19937_64, libstdc++'s uniform_int_distribution),
+    reproduced exactly below; rank r of W takes rows [r*B/W, (r+1)*B/W) of the global batch;
+  - loss: mean next-token cross-entropy of this rank's rows; FSDP averages gradients over
+    ranks; the logged loss is the mean over ranks;
+  - AdamW (betas 0.9/0.999, eps 1e-8, decay on every parameter), linear warm-up then
+    cosine to 0.1 x lr (or constant), FSDP's clip_grad_norm_;
+  - --precision bf16: MixedPrecision(param_dtype=bf16, reduce_dtype=bf16), fp32 master
+    weights, logits cast to fp32 before the loss (train_gpt's output_dtype=fp32).
+FSDP1: FULL_SHARD, each Block a unit (ModuleWrapPolicy), device_id=cpu, use_orig_params.
+
+Launch: one process per rank with the torchrun environment (fsdp-run --nproc N -- ...);
+with no RANK set it runs alone (world 1). Writes --log-jsonl (rank 0: per step
+{"step", "loss", "lr", "step_s"}, then {"final": true, "peak_rss_kb": [per rank]}) and,
+with --full-state-to, FSDP's FULL_STATE_DICT (rank0_only; on offload_to_cpu see train()) as a
+consolidated-format HDF5 file. Uses Debian's python3-torch, python3-h5py, python3-numpy.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+ALPHABET = b"abcdefghijklmnopqrstuvwxyz .,;!?"
+MASK64 = (1 << 64) - 1
+
+
+class MT19937_64:
+    """std::mt19937_64, bit for bit."""
+
+    def __init__(self, seed):
+        mt = [0] * 312
+        mt[0] = seed & MASK64
+        for i in range(1, 312):
+            mt[i] = (6364136223846793005 * (mt[i - 1] ^ (mt[i - 1] >> 62)) + i) & MASK64
+        self.mt = mt
+        self.i = 312
+
+    def _twist(self):
+        mt = self.mt
+        for i in range(312):
+            x = (mt[i] & 0xFFFFFFFF80000000) | (mt[(i + 1) % 312] & 0x7FFFFFFF)
+            xa = x >> 1
+            if x & 1:
+                xa ^= 0xB5026F5AA96619E9
+            mt[i] = mt[(i + 156) % 312] ^ xa
+        self.i = 0
+
+    def __call__(self):
+        if self.i >= 312:
+            self._twist()
+        x = self.mt[self.i]
+        self.i += 1
+        x ^= (x >> 29) & 0x5555555555555555
+        x ^= (x << 17) & 0x71D67FFFEDA60000
+        x ^= (x << 37) & 0xFFF7EEE000000000
+        x ^= x >> 43
+        return x & MASK64
+
+
+class Sampler:
+    """train_gpt's synthetic Markov task (class Data in examples/gpt/train_gpt.cpp)."""
+
+    def __init__(self, seed):
+        self.seed = seed
+        g = MT19937_64(seed ^ 0x5EED)
+        # uniform_int_distribution<int>(0, 31) over a 64-bit engine: libstdc++ (GCC 11+)
+        # uses Lemire's method, (g() * 32) >> 64, which never rejects for a power of two.
+        self.next = [((g() * 32) >> 64, (g() * 32) >> 64) for _ in ALPHABET]
+
+    def batch(self, step, rows, block):
+        """(rows, block + 1) token ids for `step`, as a list of lists."""
+        g = MT19937_64((self.seed * 1000003 + step) & MASK64)
+        n = len(ALPHABET)
+        out = []
+        for _ in range(rows):
+            s = g() % n
+            row = []
+            for _ in range(block + 1):
+                row.append(ALPHABET[s])
+                s = self.next[s][0] if g() % 10 < 7 else self.next[s][1]
+            out.append(row)
+        return out
+
+
+def lr_at(step, args):
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "cosine":
+        progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return args.lr
+
+
+def build_model(args):
+    """The GPT of docs/design.md, "Contracts", with the FQNs of examples/gpt/gpt_model.h."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    d, h = args.d_model, args.n_head
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            hd = C // h
+            q, k, v = self.qkv(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in (q, k, v))
+            att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(mask.logical_not(), float("-inf"))
+            att = torch.softmax(att, -1)  # dropout 0: identity
+            y = torch.matmul(att, v).transpose(1, 2).contiguous().view(B, T, C)
+            return self.proj(y)
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(d, 4 * d)
+            self.proj = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(x)))  # exact (erf) GELU
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d, eps=1e-5)
+            self.attn = Attention()
+            self.ln2 = nn.LayerNorm(d, eps=1e-5)
+            self.mlp = Mlp()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(256, d)
+            self.wpe = nn.Embedding(args.block_size, d)
+            self.blocks = nn.ModuleList([Block() for _ in range(args.n_layer)])
+            self.ln_f = nn.LayerNorm(d, eps=1e-5)
+            self.lm_head = nn.Linear(d, 256, bias=False)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.size(1), dtype=torch.long, device=idx.device)
+            x = self.wte(idx) + self.wpe(pos)
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    return GPT(), Block
+
+
+def model_attrs(args):
+    return {"n_layer": args.n_layer, "n_head": args.n_head, "d_model": args.d_model,
+            "block_size": args.block_size, "vocab_size": 256}
+
+
+def write_consolidated(path, tensors, attrs, step):
+    """A consolidated file in the contract format (docs/design.md, "Contracts"), fp32."""
+    import h5py
+    import numpy as np
+
+    tmp = path + ".tmp"
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"] = "fsdp.consolidated"
+        f.attrs["format_version"] = np.int64(1)
+        f.attrs["dtype"] = "float32"
+        f.attrs["step"] = np.int64(step)
+        for k, v in attrs.items():
+            f.attrs[k] = np.int64(v)
+        g = f.create_group("model")
+        for name, t in tensors.items():
+            g.create_dataset(name, data=t.detach().float().cpu().numpy())
+    os.replace(tmp, path)
+
+
+def write_init(args):
+    """GPT-2 style initial weights from --seed, as train_gpt's init_weights does."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    model, _ = build_model(args)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "ln" in n:
+                continue
+            if n.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    write_consolidated(args.write_init, dict(model.named_parameters()), model_attrs(args), 0)
+
+
+def load_init(model, path, args):
+    import h5py
+    import torch
+
+    with h5py.File(path, "r") as f:
+        for key, want in model_attrs(args).items():
+            got = int(f.attrs[key])
+            if got != want:
+                sys.exit(f"fsdp_gpt.py: --{key.replace('_', '-')} {want} but {path} has {key} {got}")
+        params = dict(model.named_parameters())
+        names = set(f["model"].keys())
+        if names != set(params):
+            sys.exit(f"fsdp_gpt.py: {path}: names differ from the model's: {sorted(names ^ set(params))}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(torch.from_numpy(f["model"][n][()]).to(p.dtype))
+
+
+def init_distributed():
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # PyTorch 2.4+ asks for a libuv TCPStore server by default, which Debian's build lacks
+    # (see scripts/torchrun.py): make the store ourselves without it.
+    kw = {"use_libuv": False} if "use_libuv" in (dist.TCPStore.__init__.__doc__ or "") else {}
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timedelta(seconds=120), **kw)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return rank, world
+
+
+def train(args):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import (FullStateDictConfig, MixedPrecision, ShardingStrategy,
+                                        StateDictType)
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world = init_distributed()
+    if args.batch_size % world:
+        sys.exit(f"fsdp_gpt.py: --batch-size {args.batch_size} must be divisible by world size {world}")
+    torch.manual_seed(args.seed)
+    model, Block = build_model(args)
+    load_init(model, args.init_from, args)
+    mp = None
+    if args.precision == "bf16":
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                 use_orig_params=True, sharding_strategy=ShardingStrategy.FULL_SHARD, mixed_precision=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=args.weight_decay)
+
+    # Batches are made before training (pure Python is slow; train_gpt's C++ sampler
+    # costs microseconds inside its step time).
+    sampler = Sampler(args.seed)
+    per = args.batch_size // world
+    batches = [torch.tensor(sampler.batch(s, args.batch_size, args.block_size)[rank * per:(rank + 1) * per],
+                            dtype=torch.long) for s in range(args.steps)]
+
+    log = open(args.log_jsonl, "w") if (rank == 0 and args.log_jsonl) else None
+    model.train()
+    for step in range(args.steps):
+        step_lr = lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = step_lr
+        t0 = time.perf_counter()
+        rows = batches[step]
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = model(x).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        if args.clip_grad > 0:
+            model.clip_grad_norm_(args.clip_grad)
+        opt.step()
+        opt.zero_grad()
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(total)
+        mean = total.item() / world
+        dt = time.perf_counter() - t0
+        if log:
+            log.write(json.dumps({"step": step + 1, "loss": mean, "lr": step_lr, "step_s": dt}) + "\n")
+            log.flush()
+
+    if args.full_state_to:
+        # offload_to_cpu=True would be a no-op here (the model is in host memory) and FSDP1
+        # 2.6 on a CPU device segfaults with it at world >= 2 (handle.to_cpu() on a CPU
+        # flat parameter frees what the clone then reads), and refuses it under NO_SHARD
+        # (world 1). rank0_only still keeps the full copy on rank 0 alone.
+        cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            sd = model.state_dict()
+        if rank == 0:
+            write_consolidated(args.full_state_to, sd, model_attrs(args), args.steps)
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
+    every = [torch.zeros_like(rss) for _ in range(world)]
+    dist.all_gather(every, rss)
+    if log:
+        log.write(json.dumps({"final": True, "peak_rss_kb": [int(t.item()) for t in every]}) + "\n")
+        log.close()
+    dist.barrier()
+    # Leave without tearing down: torch 2.6's Gloo threads at interpreter exit sometimes
+    # abort a rank ("terminate called without an active exception") after all is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--n-layer", type=int, default=2)
+    a("--n-head", type=int, default=4)
+    a("--d-model", type=int, default=64)
+    a("--block-size", type=int, default=32)
+    a("--batch-size", type=int, default=16)
+    a("--steps", type=int, default=200)
+    a("--lr", type=float, default=3e-3)
+    a("--weight-decay", type=float, default=0.01)
+    a("--warmup-steps", type=int, default=10)
+    a("--lr-schedule", choices=["constant", "cosine"], default="cosine")
+    a("--clip-grad", type=float, default=1.0)
+    a("--seed", type=int, default=1337)
+    a("--precision", choices=["fp32", "bf16"], default="fp32")
+    a("--init-from", help="consolidated HDF5 file with the initial weights")
+    a("--write-init", help="write GPT-2 style initial weights from --seed to this file and exit")
+    a("--log-jsonl", default="")
+    a("--full-state-to", default="", help="write FSDP's FULL_STATE_DICT here at the end (HDF5)")
+    args = p.parse_args(argv)
+    if not args.write_init and not args.init_from:
+        p.error("give --init-from FILE (or --write-init FILE)")
+    return args
+
+
+if __name__ == "__main__":
+    a = parse()
+    if a.write_init:
+        write_init(a)
+    else:
+        train(a)
