@@ -25,6 +25,7 @@ COMMON=(
   libcxxopts-dev nlohmann-json3-dev # command-line flags and JSON config
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-h5py              # interop tests: the h5py reader
+  python3-matplotlib                # scripts/compare-pytorch.sh: the pictures
 )
 CPU=(
   libtorch-dev libgloo-dev          # LibTorch (CPU) and the Gloo headers c10d needs
@@ -48,6 +49,10 @@ if [ "$CUDA" = 1 ]; then
 else
   PACKAGES=("${COMMON[@]}" "${CPU[@]}")
 fi
+
+# The reference safetensors reader (the interop test of the safetensors exports; Debian
+# 12 has no package of it, and the test says it skips there).
+if [ "$CODENAME" = trixie ]; then PACKAGES+=(python3-safetensors); fi
 
 if [ "$CODENAME" = trixie ] && [ "$CUDA" = 1 ]; then
   # contrib and non-free hold the CUDA packages.

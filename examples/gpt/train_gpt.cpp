@@ -139,7 +139,7 @@ cxxopts::Options make_options() {
     ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
     ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
     ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
-    ("init-from", "start from the weights of this consolidated HDF5 file (step 0, fresh optimizer; the model flags must match its attributes)", cxxopts::value<std::string>()->default_value(""))
+    ("init-from", "start from these consolidated weights: an HDF5 file, or safetensors (file, index or directory); step 0, fresh optimizer; the model flags must match its attributes", cxxopts::value<std::string>()->default_value(""))
     ("consolidate-to", "at the end, write one consolidated HDF5 file here (for generate and other tools)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
