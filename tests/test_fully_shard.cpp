@@ -177,7 +177,9 @@ TEST(FullyShard, AnEmptyHandleSaysWhatToAssign) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
   }
-  model = fully_shard(Nested());
+  auto sharded = fully_shard(Nested());
+  EXPECT_TRUE(sharded) << "a Sharded<M> converts to bool like either base";
+  model = sharded;
   EXPECT_TRUE(model);
   EXPECT_EQ(model.sharded_parameters().size(), 3u);  // the root, "inner" and "inner.b"
 }

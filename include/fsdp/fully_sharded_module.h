@@ -247,6 +247,8 @@ class Sharded : public FullyShardedModule<M>, public ShardedModel {
   /// Shards `root` and every wrap point inside it that the policy picks.
   Sharded(FullyShardedModule<M> root, const ShardingOptions& options)
       : FullyShardedModule<M>(std::move(root)), ShardedModel(this->ptr(), options) {}
+  /// Both bases can say whether they hold a model; they agree, so `if (model)` asks one.
+  using ShardedModel::operator bool;
 };
 
 /// Shards `module` and every wrap point inside it that the policy picks. Returns the
