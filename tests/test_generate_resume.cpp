@@ -161,7 +161,7 @@ TEST(TrainGptCheckpoint, ResumingAnotherModelFailsWithAMessage) {
 // step is the file itself; without --init-from the same run exports other weights.
 TEST(TrainGptCheckpoint, InitFromStartsFromTheFileAndRejectsAnotherArchitecture) {
   const std::string dir = temp_dir("init_from");
-  auto first = run_command(run_args(dir, 4, {"--consolidate-to", dir + "/a.h5"}));
+  auto first = run_command(run_args(dir, 4, {"--consolidate-to", dir + "/a.h5", "--save-dir", dir + "/ck_a"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
   const std::vector<std::string> still = {"--lr", "1e-30", "--steps", "1", "--log-jsonl", dir + "/b.jsonl"};
   auto b_args = run_args(dir, 1, {"--init-from", dir + "/a.h5", "--consolidate-to", dir + "/b.h5"});
@@ -201,6 +201,20 @@ TEST(TrainGptCheckpoint, InitFromStartsFromTheFileAndRejectsAnotherArchitecture)
   EXPECT_NE(r.output.find("train_gpt: error: --d-model 64 but " + dir + "/a.h5 has d_model 32"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+  // Safetensors, with no architecture flags: the architecture is the file's, and the run
+  // starts from its weights (n_head 2 here; the flag's default is 4).
+  auto st = run_command({bin("fsdp-consolidate"), dir + "/ck_a", dir + "/a_st", "--format", "safetensors"});
+  ASSERT_EQ(st.exit_code, 0) << st.output;
+  auto from_st = run_command({bin("fsdp-run"), "--nproc", "2", "--", bin("train_gpt"), "--init-from", dir + "/a_st",
+                              "--lr", "1e-30", "--steps", "1", "--batch-size", "8", "--consolidate-to",
+                              dir + "/d.h5"});
+  ASSERT_EQ(from_st.exit_code, 0) << from_st.output;
+  EXPECT_NE(from_st.output.find("2 layers, d_model 32"), std::string::npos) << from_st.output;
+  gpt::GPT dm(cfg);
+  fsdp::load_consolidated(dir + "/d.h5", *dm);
+  for (const auto& p : dm->named_parameters()) {
+    EXPECT_TRUE(torch::equal(p.value(), bp[p.key()])) << "from safetensors: " << p.key();
+  }
   auto missing = run_command({bin("train_gpt"), "--steps", "1", "--init-from", dir + "/none.h5"});
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_NE(missing.output.find("train_gpt: error: --init-from " + dir + "/none.h5: cannot open the file"),

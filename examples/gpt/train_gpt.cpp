@@ -139,7 +139,7 @@ cxxopts::Options make_options() {
     ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
     ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
     ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
-    ("init-from", "start from these consolidated weights: an HDF5 file, or safetensors (file, index or directory); step 0, fresh optimizer; the model flags must match its attributes", cxxopts::value<std::string>()->default_value(""))
+    ("init-from", "start from these consolidated weights: an HDF5 file, or safetensors (file, index or directory); step 0, fresh optimizer; the architecture is the file's (model flags given must agree)", cxxopts::value<std::string>()->default_value(""))
     ("consolidate-to", "at the end, write one consolidated HDF5 file here (for generate and other tools)", cxxopts::value<std::string>()->default_value(""));
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
@@ -188,37 +188,40 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
   throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
 }
 
-// --init-from FILE: the architecture flags must agree with the file's attributes, each
-// disagreement named with both values (checked before any rank starts training).
-void check_init_file(const std::string& file, const gpt::Config& cfg) {
-  std::ifstream probe(file, std::ios::binary);
-  if (!probe) throw UsageError("--init-from " + file + ": cannot open the file");
+// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
+// attributes, or a safetensors __metadata__). A flag given on the command line must agree
+// with the file, each disagreement named with both values (checked before any rank
+// starts training).
+void apply_init_file(const std::string& file, gpt::Config& cfg, const cxxopts::ParseResult& r) {
+  if (!std::filesystem::exists(file)) throw UsageError("--init-from " + file + ": cannot open the file");
   std::map<std::string, fsdp::AttrValue> attrs;
   try {
     attrs = fsdp::consolidated_attributes(file);
   } catch (const c10::Error& e) {
     throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" + e.what_without_backtrace() + ")");
   }
-  const std::pair<const char*, int64_t> want[] = {{"n_layer", cfg.n_layer}, {"n_head", cfg.n_head},
-                                                  {"d_model", cfg.d_model}, {"block_size", cfg.block_size},
-                                                  {"vocab_size", cfg.vocab_size}};
-  for (const auto& [key, value] : want) {
+  const std::pair<const char*, int64_t*> fields[] = {{"n_layer", &cfg.n_layer}, {"n_head", &cfg.n_head},
+                                                     {"d_model", &cfg.d_model}, {"block_size", &cfg.block_size},
+                                                     {"vocab_size", &cfg.vocab_size}};
+  for (const auto& [key, field] : fields) {
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     // vocab_size has no flag: the byte-level vocabulary is always 256.
-    const std::string ours = (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(value);
+    const bool given = flag == "vocab-size" || r.count(flag) > 0;
+    const std::string ours = (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
     auto it = attrs.find(key);
     if (it == attrs.end()) {
-      throw UsageError("--init-from " + file + " has no attribute " + key + "; this run has " + ours +
+      throw UsageError("--init-from " + file + " has no attribute " + key +
                        " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
     }
-    if (!std::holds_alternative<int64_t>(it->second) || std::get<int64_t>(it->second) != value) {
+    if (!std::holds_alternative<int64_t>(it->second) || (given && std::get<int64_t>(it->second) != *field)) {
       const std::string theirs = std::holds_alternative<int64_t>(it->second) ? std::to_string(std::get<int64_t>(it->second))
                                  : std::holds_alternative<double>(it->second) ? std::to_string(std::get<double>(it->second))
                                                                                : std::get<std::string>(it->second);
       throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
-                       "; give the file's architecture flags or another file");
+                       "; leave the flag out to take the file's, or give another file");
     }
+    *field = std::get<int64_t>(it->second);
   }
 }
 
@@ -306,6 +309,8 @@ int run(int argc, char** argv) {
   cfg.d_model = r["d-model"].as<int64_t>();
   cfg.block_size = r["block-size"].as<int64_t>();
   cfg.dropout = r["dropout"].as<double>();
+  const std::string init_from = r["init-from"].as<std::string>();
+  if (!init_from.empty()) apply_init_file(init_from, cfg, r);
   const int64_t batch = r["batch-size"].as<int64_t>();
   const int64_t accum = r["grad-accum"].as<int64_t>();
   const int64_t steps = r["steps"].as<int64_t>();
@@ -410,8 +415,6 @@ int run(int argc, char** argv) {
 
   so.cpu_offload = r.count("cpu-offload") > 0;
 
-  const std::string init_from = r["init-from"].as<std::string>();
-  if (!init_from.empty()) check_init_file(init_from, cfg);
 
   torch::manual_seed(seed);
   auto model = [&] {
