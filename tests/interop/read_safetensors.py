@@ -97,6 +97,7 @@ def main():
                 print(f"ok: {tag} {variant}: {len(got)} tensors in {n_files} file(s) equal the HDF5 export")
 
         # A Python GPT from the fp32 tensors writes generate's greedy text.
+        sys.dont_write_bytecode = True  # no __pycache__ in the source tree
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import fsdp_gpt
 
