@@ -1,6 +1,6 @@
 // Benchmark: sharded checkpoint save and load throughput against a raw sequential
 // write and read of the same bytes, in the same run and directory; and fsdp-consolidate's
-// peak RSS against the largest parameter.
+// peak RSS (into HDF5 and into safetensors) against the largest parameter.
 //
 //   bench_checkpoint [--gb 1.0] [--dir DIR]
 //
@@ -186,6 +186,15 @@ int main(int argc, char** argv) {
   std::printf("fsdp-consolidate: peak RSS %.1f MiB, largest parameter %.1f MiB, checkpoint %.0f MiB\n", peak,
               largest, mb);
   metric("consolidate_peak_rss_over_largest_param_mb", peak - largest, "MiB (target <= 64)",
+         "size of the largest parameter (fp32)");
+  // The same into safetensors: one parameter plus a buffer, whatever the model's size.
+  const std::string st_line =
+      stderr_of(self + "/fsdp-consolidate " + dir + "/sharded " + dir + "/st --format safetensors -q");
+  const size_t st_at = st_line.find("peak RSS ");
+  if (st_at == std::string::npos) throw std::runtime_error("no peak RSS in: " + st_line);
+  const double st_peak = std::stod(st_line.substr(st_at + 9));
+  std::printf("fsdp-consolidate --format safetensors: peak RSS %.1f MiB\n", st_peak);
+  metric("consolidate_safetensors_peak_rss_over_largest_param_mb", st_peak - largest, "MiB (target <= 64)",
          "size of the largest parameter (fp32)");
   fs::remove_all(dir);
   return 0;
