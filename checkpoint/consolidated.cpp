@@ -141,6 +141,37 @@ class SafetensorsSource : public WeightSource {
   std::string where_;
 };
 
+// The exports' protocol: rank 0 writes; on a write error it stops writing but keeps
+// taking part in the gathers, so no rank hangs, and every rank throws at the end.
+class Rank0Writes {
+ public:
+  explicit Rank0Writes(const ProcessGroup& pg) : pg_(pg), writer_(pg.rank() == 0) {}
+  bool writer() const { return writer_; }
+  /// Runs `fn` on rank 0 unless an earlier call failed there.
+  void operator()(const std::function<void()>& fn) {
+    if (!writer_ || !error_.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error_ = e.what();
+    }
+  }
+  /// Collective: when rank 0 failed, runs `abandon` there and throws on every rank,
+  /// "<what> failed: <rank 0's error>".
+  void check(const std::string& what, const std::function<void()>& abandon) {
+    at::Tensor failed = at::full({1}, error_.empty() ? 0.0f : 1.0f);
+    pg_.broadcast(failed, 0);
+    if (failed.item<float>() == 0) return;
+    if (writer_) abandon();
+    TORCH_CHECK(false, what, " failed", writer_ ? ": " + error_ : std::string(" on rank 0 (see its error)"));
+  }
+
+ private:
+  const ProcessGroup& pg_;
+  bool writer_;
+  std::string error_;
+};
+
 std::unique_ptr<WeightSource> open_weights(const std::string& path) {
   if (st::is_safetensors(path)) return std::make_unique<SafetensorsSource>(path);
   return std::make_unique<Hdf5Source>(path);
@@ -154,21 +185,10 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
   TORCH_CHECK(!options.with_optimizer || optimizer, "export_consolidated: with_optimizer needs the optimizer");
-  const ProcessGroup& pg = root.sharding_options().process_group;
-  const bool writer = pg.rank() == 0;
+  Rank0Writes guarded(root.sharding_options().process_group);
+  const bool writer = guarded.writer();
   const std::string kind = options.with_optimizer ? optimizer_kind(*optimizer) : "";
   std::unique_ptr<ConsolidatedWriter> w;
-  std::string error;
-  // Rank 0 writes; on a write error it stops writing but keeps taking part in the
-  // gathers, so no rank hangs, and everyone throws at the end.
-  auto guarded = [&](const std::function<void()>& fn) {
-    if (!writer || !error.empty()) return;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  };
   guarded([&] { w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind); });
 
   const auto shards = detail::local_shards(root);
@@ -209,21 +229,17 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
     }
     w->finish();
   });
-  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
-  pg.broadcast(failed, 0);
-  if (failed.item<float>() > 0) {
-    if (writer && w) w->abandon();
-    TORCH_CHECK(false, "export_consolidated to ", file, " failed",
-                writer ? ": " + error : std::string(" on rank 0 (see its error)"));
-  }
+  guarded.check("export_consolidated to " + file, [&] {
+    if (w) w->abandon();
+  });
 }
 
 void export_safetensors(const std::string& dir, const ShardedModel& model, const TrainingState& state,
                         const SafetensorsOptions& options) {
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
-  const ProcessGroup& pg = model.sharding_options().process_group;
-  const bool writer = pg.rank() == 0;
+  Rank0Writes guarded(model.sharding_options().process_group);
+  const bool writer = guarded.writer();
   const auto shards = detail::local_shards(model);
   const auto buffers = named_buffers_clean(model.as_module());
   // Every tensor, in order: each flat parameter's original parameters (aliases as copies
@@ -236,17 +252,6 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
     specs.push_back({name, safetensors_dtype(buffer_elem(b, elem)), b.sizes().vec()});
   }
   std::unique_ptr<st::DirWriter> w;
-  std::string error;
-  // As export_consolidated: on a write error rank 0 stops writing but keeps taking part
-  // in the gathers, so no rank hangs, and everyone throws at the end.
-  auto guarded = [&](const std::function<void()>& fn) {
-    if (!writer || !error.empty()) return;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  };
   guarded([&] {
     w = std::make_unique<st::DirWriter>(dir, specs, safetensors_metadata(elem, state.step, state.model_attrs),
                                         options.max_shard_size);
@@ -279,13 +284,7 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
     }
     w->finish();
   });
-  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
-  pg.broadcast(failed, 0);
-  if (failed.item<float>() > 0) {
-    w.reset();  // removes its unpublished files
-    TORCH_CHECK(false, "export_safetensors to ", dir, " failed",
-                writer ? ": " + error : std::string(" on rank 0 (see its error)"));
-  }
+  guarded.check("export_safetensors to " + dir, [&] { w.reset(); });  // removes its unpublished files
   if (options.verbose && writer) {
     std::cout << "[fsdp] safetensors export: " << specs.size() << " tensors in " << w->files().size() << " file"
               << (w->files().size() == 1 ? "" : "s") << " in " << dir << std::endl;

@@ -12,6 +12,17 @@ namespace fs = std::filesystem;
 
 namespace fsdp::ckpt {
 
+namespace {
+// The model description a sharded checkpoint carries (rank 0's /model_attrs).
+std::map<std::string, AttrValue> model_attrs(ShardedReader& src) {
+  const std::string p0 = src.file_path(0);
+  h5::Obj ma = h5::open_group(src.file(0), "model_attrs", p0);
+  std::map<std::string, AttrValue> attrs;
+  for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
+  return attrs;
+}
+}  // namespace
+
 ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
                                        const std::map<std::string, AttrValue>& attrs,
                                        const std::string& optimizer_kind)
@@ -65,11 +76,7 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
               " holds no optimizer state; drop --with-optimizer");
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  std::map<std::string, AttrValue> attrs;
-  {
-    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
-    for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
-  }
+  const std::map<std::string, AttrValue> attrs = model_attrs(src);
   std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
   if (with_optimizer) {
     h5::Obj og = h5::open_group(f0, "optimizer", p0);
@@ -175,11 +182,7 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
   ShardedReader src(sharded, 4u << 20);
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  std::map<std::string, AttrValue> attrs;
-  {
-    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
-    for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
-  }
+  const std::map<std::string, AttrValue> attrs = model_attrs(src);
   // Every tensor, in the live export's order: each flat's table, then the buffers.
   std::vector<st::Spec> specs;
   for (const auto& sf : src.flats()) {

@@ -28,7 +28,6 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
-#include <sstream>
 
 namespace fs = std::filesystem;
 
@@ -233,18 +232,10 @@ void DirWriter::finish() {
   }
   for (auto& w : writers_) w->publish();
   const fs::path index = fs::path(dir_) / "model.safetensors.index.json";
-  if (files_.size() > 1) {
-    const std::string tmp = index.string() + ".tmp";
-    {
-      std::ofstream out(tmp);
-      out << index_json(specs_, files_);
-      out.flush();
-      TORCH_CHECK(out.good(), "cannot write ", tmp, ". Is the disk full?");
-    }
-    const int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
-    TORCH_CHECK(fd >= 0 && ::fsync(fd) == 0, "cannot fsync ", tmp, ": ", err_text());
-    ::close(fd);
-    publish(tmp, index.string());
+  if (files_.size() > 1) {  // the index: a file of "header" only, written and published alike
+    FileWriter idx(index.string(), index_json(specs_, files_), 0);
+    idx.finish();
+    idx.publish();
   }
   // An earlier export with another number of files leaves files this one does not
   // replace; they would confuse a reader of the directory.

@@ -691,6 +691,22 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
   auto attrs = consolidated_attributes(dir + "/fp32");
   EXPECT_EQ(std::get<int64_t>(attrs.at("n_layer")), small_gpt_config().n_layer);
   EXPECT_EQ(std::get<std::string>(attrs.at("fsdp_format")), "fsdp.consolidated");
+  // Integer data where a parameter needs floats: refused, naming the tensor and its dtype.
+  {
+    fsdp::st::DirWriter w(dir + "/ints", {{"w", "I64", {8, 8}}}, {}, 1u << 20);
+    std::vector<int64_t> ints(64, 3);
+    w.add(0, ints.data(), ints.size() * sizeof(int64_t));
+    w.finish();
+    auto hv = fully_shard(HardValues());
+    try {
+      import_consolidated(dir + "/ints", hv, LoadOptions{true, false});
+      FAIL() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("tensor 'w' is I64, not a floating type a parameter can take"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
   // Another model's weights: every missing and unexpected name, listed.
   MlpNet mlp;
   try {
@@ -725,6 +741,19 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
         << e.what_without_backtrace();
   }
   EXPECT_FALSE(fs::exists(dir + "/x/model.safetensors"));
+  // At 2 ranks every rank throws: rank 0 with its error, the other pointing at rank 0's.
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto m = fully_shard(MlpNet(), options_for(pg));
+    try {
+      export_safetensors(dir + "/y", m, {}, so);
+      FAIL() << "no error";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      const std::string want = pg.rank() == 0 ? "export_safetensors to " + dir + "/y failed: "
+                                              : "export_safetensors to " + dir + "/y failed on rank 0 (see its error)";
+      EXPECT_NE(msg.find(want), std::string::npos) << msg;
+    }
+  });
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   auto r = run_command({tool, dir, dir + "/o", "--format", "onnx"});
   EXPECT_EQ(r.exit_code, 2);

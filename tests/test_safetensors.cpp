@@ -191,6 +191,15 @@ TEST(Safetensors, AnUnfinishedWriterLeavesNoFile) {
     }
   }
   EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+  spit(dir + "/taken", "a file, not a directory");
+  try {
+    DirWriter w(dir + "/taken", kSpecs, {}, 100);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("cannot create the export directory " + dir + "/taken"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
   fs::remove_all(dir);
 }
 
