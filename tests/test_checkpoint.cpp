@@ -100,6 +100,12 @@ std::string error_of(const std::function<void()>& fn) {
   return "<no error>";
 }
 
+// A file's whole contents.
+std::string file_bytes_of(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 TrainingState sample_state(int64_t step) {
   TrainingState st;
   st.step = step;
@@ -398,13 +404,9 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
   EXPECT_NE(a.output.find("parameters (100%)"), std::string::npos) << "no progress shown: " << a.output;
   auto b = run_command({tool, dir, dir + "/off_fp16_opt.h5", "--dtype", "fp16", "--with-optimizer"});
   ASSERT_EQ(b.exit_code, 0) << b.output;
-  auto bytes = [](const std::string& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  EXPECT_EQ(bytes(dir + "/off_fp32.h5"), bytes(dir + "/live_fp32.h5"));
-  EXPECT_EQ(bytes(dir + "/off_fp16_opt.h5"), bytes(dir + "/live_fp16_opt.h5"));
-  EXPECT_GT(bytes(dir + "/off_fp16_opt.h5").size(), 1000u);
+  EXPECT_EQ(file_bytes_of(dir + "/off_fp32.h5"), file_bytes_of(dir + "/live_fp32.h5"));
+  EXPECT_EQ(file_bytes_of(dir + "/off_fp16_opt.h5"), file_bytes_of(dir + "/live_fp16_opt.h5"));
+  EXPECT_GT(file_bytes_of(dir + "/off_fp16_opt.h5").size(), 1000u);
   auto file = run_command({tool, dir + "/live_fp32.h5", dir + "/x.h5"});
   EXPECT_EQ(file.exit_code, 1);
   EXPECT_NE(file.output.find("is a file, but a sharded checkpoint is a directory"), std::string::npos) << file.output;
@@ -512,14 +514,10 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
   HardValues fresh;
   const torch::Tensor w = fresh->w.detach();
   const std::string tool = bin_dir() + "/fsdp-consolidate";
-  auto bytes = [](const std::string& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
   for (const std::string tag : {"bf16", "fp16", "fp32"}) {
     auto r = run_command({tool, dir + "/sharded", dir + "/off_" + tag + ".h5", "--dtype", tag});
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(bytes(dir + "/off_" + tag + ".h5"), bytes(dir + "/live_" + tag + ".h5")) << tag;
+    EXPECT_EQ(file_bytes_of(dir + "/off_" + tag + ".h5"), file_bytes_of(dir + "/live_" + tag + ".h5")) << tag;
   }
   // The float64 buffer in an fp32 export: rounded like torch's to(float), NaN kept.
   {
@@ -553,11 +551,6 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
 
 // ---------------------------------------------------------------------------------
 // Safetensors exports: live and offline byte for byte, values as torch rounds them.
-
-std::string file_bytes_of(const std::string& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 // Every file of a directory, by name, with its bytes.
 std::map<std::string, std::string> dir_bytes(const std::string& dir) {
