@@ -19,6 +19,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -144,6 +145,7 @@ cxxopts::Options make_options() {
   o.add_options("output")
     ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
     ("log-every", "progress line every K steps (0: about 20 lines per run)", cxxopts::value<int64_t>()->default_value("0"))
+    ("io-log", "rank 0 appends one JSON object per checkpoint save, load and consolidated export here ({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)", cxxopts::value<std::string>()->default_value(""))
     ("config", "JSON file with any of these options; flags given here override it", cxxopts::value<std::string>()->default_value(""))
     ("h,help", "show this help");
   return o;
@@ -464,11 +466,27 @@ int run(int argc, char** argv) {
     if (scaler) st.loss_scaler = scaler->state();
     return st;
   };
+  // --io-log: each save, load and export timed on rank 0 from a barrier to a barrier, so
+  // the figure is the slowest rank's (scripts/compare-pytorch.sh compares it with DCP's).
+  const std::string io_log_path = r["io-log"].as<std::string>();
+  std::ofstream io_log;
+  if (main_rank && !io_log_path.empty()) {
+    io_log.open(io_log_path, std::ios::app);
+    if (!io_log) throw UsageError("--io-log " + io_log_path + ": cannot write the file");
+  }
+  auto timed = [&](const char* event, const std::function<std::string()>& op) {
+    if (!io_log_path.empty()) pg.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    const std::string path = op();
+    if (!io_log_path.empty()) pg.barrier();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (io_log.is_open()) io_log << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump() << std::endl;
+  };
   int64_t first_step = 0;
   if (resume) {
     if (auto latest = fsdp::latest_checkpoint(save_dir)) {
       fsdp::TrainingState st;
-      fsdp::load_sharded_checkpoint(save_dir, model, &opt, &st);
+      timed("load", [&] { return fsdp::load_sharded_checkpoint(save_dir, model, &opt, &st).path; });
       if (st.extra.count("seed") && st.extra.at("seed") != std::to_string(seed) && main_rank) {
         std::cout << "train_gpt: warning: the checkpoint was trained with --seed " << st.extra.at("seed")
                   << ", this run uses " << seed << " (the data stream changes)\n";
@@ -576,13 +594,13 @@ int run(int argc, char** argv) {
       }
     }
     if (save_every > 0 && (step + 1) % save_every == 0) {
-      fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(step + 1), save_opts);
+      timed("save", [&] { return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(step + 1), save_opts); });
       last_saved = step + 1;
     }
   }
   const int64_t final_step = std::max(first_step, last_step);
   if (!save_dir.empty() && last_saved != final_step) {
-    fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(final_step), save_opts);
+    timed("save", [&] { return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(final_step), save_opts); });
   }
   if (stop_at > 0 && main_rank) {
     std::cout << "train_gpt: stopped at step " << final_step << " of " << steps << " (--stop-at)"
@@ -590,7 +608,10 @@ int run(int argc, char** argv) {
   }
   if (!consolidate_to.empty()) {
     fsdp::ExportOptions eo;
-    fsdp::export_consolidated(consolidate_to, model, nullptr, training_state(final_step), eo);
+    timed("export", [&] {
+      fsdp::export_consolidated(consolidate_to, model, nullptr, training_state(final_step), eo);
+      return consolidate_to;
+    });
     if (main_rank) std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
   }
   if (scaler) {

@@ -132,6 +132,63 @@ class Runner:
                 "weights": weights}
 
 
+    def io_run(self, impl, m, world, tag, phase, ckpt, export):
+        """A checkpoint run (fp32): phase "save" trains m["steps"] steps, then saves model and
+        optimizer sharded (train_gpt --save-dir / DCP FileSystemWriter) and exports the
+        full weights (--consolidate-to / FULL_STATE_DICT + torch.save); phase "load"
+        builds the model and optimizer afresh and loads that checkpoint (--resume / DCP
+        FileSystemReader), after its files were evicted from the page cache. Returns the
+        events of --io-log: {"save": s, "export": s} or {"load": s}."""
+        init = self.init_file(m)
+        io_log = os.path.join(self.work, f"{tag}_{impl}_{phase}.io.jsonl")
+        if os.path.exists(io_log):
+            os.remove(io_log)
+        common = model_args(m) + ["--precision", "fp32", "--init-from", init, "--io-log", io_log,
+                                  "--log-jsonl", os.path.join(self.work, f"{tag}_{impl}_{phase}.jsonl")]
+        if impl == "cpp":
+            prog = [os.path.join(self.bin_dir, "train_gpt")] + common + ["--save-dir", ckpt, "--keep", "1"]
+            prog += ["--consolidate-to", export] if phase == "save" else ["--resume"]
+        else:
+            prog = [sys.executable, TRAINER] + common
+            prog += ["--dcp-save", ckpt, "--torch-save-to", export] if phase == "save" else ["--dcp-load", ckpt,
+                                                                                             "--steps", "0"]
+        if phase == "load":
+            evict(ckpt)
+        cmd = [os.path.join(self.bin_dir, "fsdp-run"), "--nproc", str(world), "--"] + prog
+        env = dict(os.environ, OMP_NUM_THREADS="1", USE_LIBUV="0")
+        rc, out, _ = run_tree(cmd, env, os.path.join(self.work, f"{tag}_{impl}_{phase}.out"), timeout=900)
+        if rc:
+            raise RuntimeError(f"{impl} {phase} run {tag} failed (exit {rc}): {' '.join(cmd)}\n{out[-4000:]}")
+        events = {}
+        with open(io_log) as f:
+            for line in f:
+                j = json.loads(line)
+                events[j["event"]] = j["seconds"]
+        want = {"save", "export"} if phase == "save" else {"load"}
+        if set(events) != want:
+            raise RuntimeError(f"{impl} {phase} run {tag}: --io-log has {sorted(events)}, expected {sorted(want)}")
+        return events
+
+
+def evict(path):
+    """Drops a checkpoint's files from the page cache (they are fsynced, so their pages are
+    clean and POSIX_FADV_DONTNEED frees them): the next read comes from the disk, cold."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def tree_bytes(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, fs in os.walk(path) for n in fs)
+
+
 def max_rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -226,7 +283,7 @@ def bench(args):
     work = tempfile.mkdtemp(prefix="runs_", dir=args.out)
     r = Runner(args.bin_dir, work)
     rows = []
-    for size, m in sizes.items():
+    for size, m in (sizes.items() if "train" in args.parts else ()):
         for world in args.worlds:
             for precision in args.precisions:
                 tag = f"{size}_w{world}_{precision}"
@@ -253,12 +310,24 @@ def bench(args):
                 rows.append(row)
                 for x in runs["cpp"] + runs["pytorch"]:
                     os.remove(x["weights"])
+    ckpt_rows = ckpt_bench(r, args) if "ckpt" in args.parts else []
     machine = describe_machine()
     runs_json = os.path.join(args.out, "vs_pytorch.json")
     with open(runs_json, "w") as f:
-        json.dump({"machine": machine, "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "rows": rows}, f,
-                  indent=1)
+        json.dump({"machine": machine, "date": time.strftime("%Y-%m-%d"), "quick": args.quick, "rows": rows,
+                   "ckpt_rows": ckpt_rows}, f, indent=1)
     with open(args.results, "a") as f:
+        metric = {"save": "vs_dcp_save", "load": "vs_dcp_load", "export": "vs_fsdp_full_state_export"}
+        what = {"save": "DCP FileSystemWriter (model + optimizer, each rank its shard, fsynced, fresh directory)",
+                "load": "DCP FileSystemReader + set_state_dict (files evicted from the page cache first)",
+                "export": "FSDP FULL_STATE_DICT (rank0_only) + torch.save, fsynced"}
+        for row in ckpt_rows:
+            for op in ("save", "load", "export"):
+                f.write(json.dumps({"metric": metric[op], "world": row["world"], "value": round(row[op]["speedup"], 4),
+                                    "unit": "speed-up (PyTorch seconds / this library's; target >= 2)",
+                                    "baseline": f"{what[op]}, torch {torch_version()}",
+                                    "fsdp_s": round(row[op]["fsdp_s"], 4), "pytorch_s": round(row[op]["pytorch_s"], 4),
+                                    "model": row["model"], "machine": machine}) + "\n")
         for row in rows:
             name = f"{row['size']}_w{row['world']}_{row['precision']}"
             base = f"PyTorch FSDP1 {torch_version()} (same batches, weights, threads per rank)"
@@ -272,9 +341,15 @@ def bench(args):
                                 "baseline": base, "fsdp_mib": round(row["cpp"]["rss_mib"], 1),
                                 "pytorch_mib": round(row["pytorch"]["rss_mib"], 1), "machine": machine}) + "\n")
     print()
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if ckpt_rows:
+        m = ckpt_rows[0]["model"]
+        print(f"\ncheckpoints of a {m['n_layer']}-layer d_model {m['d_model']} GPT after one step (fp32):")
+        print(ckpt_table(ckpt_rows))
     print(f"\nrows appended to {args.results}; runs in {runs_json}")
-    plot(runs_json, args.out)
+    if rows:
+        plot(runs_json, args.out)
     bad = [r for r in rows if not r["losses_agree"]]
     if bad:
         print("LOSSES DISAGREE in: " + ", ".join(f"{r['size']} w{r['world']} {r['precision']}" for r in bad))
@@ -283,6 +358,62 @@ def bench(args):
 
     shutil.rmtree(work)
     return 0
+
+
+# The checkpoint comparison: a model big enough that the disk, not start-up, sets the time
+# (~101 M parameters: 0.4 GB of fp32 weights, 1.2 GB with AdamW's two moments), trained one
+# step so that the optimizer state exists.
+CKPT_MODEL = dict(n_layer=8, n_head=16, d_model=1024, block_size=64, batch_size=4, steps=1, warmup=1, lr=1e-4,
+                  seed=1337)
+CKPT_QUICK = dict(CKPT_MODEL, n_layer=2, d_model=512, n_head=8)
+
+
+def ckpt_bench(r, args):
+    """Save, cold load and full-weights export against DCP and FULL_STATE_DICT + torch.save,
+    alternately (PyTorch, then this library), each pair on the same training state."""
+    m = CKPT_QUICK if args.quick else CKPT_MODEL
+    rows = []
+    for world in args.ckpt_worlds:
+        times = {"cpp": [], "pytorch": []}
+        sizes = {}
+        for rep in range(1 if args.quick else args.reps):
+            for impl in ("pytorch", "cpp"):
+                tag = f"ckpt_w{world}_r{rep}"
+                ckpt = os.path.join(r.work, f"{tag}_{impl}_ckpt")
+                export = os.path.join(r.work, f"{tag}_{impl}_full" + (".h5" if impl == "cpp" else ".pt"))
+                ev = r.io_run(impl, m, world, tag, "save", ckpt, export)
+                ev.update(r.io_run(impl, m, world, tag, "load", ckpt, export))
+                sizes[impl] = {"ckpt_bytes": tree_bytes(ckpt), "export_bytes": tree_bytes(export)}
+                times[impl].append(ev)
+                print(f"  {tag:<24} {impl:<7} save {ev['save']:6.2f} s ({sizes[impl]['ckpt_bytes'] / 1e6:.0f} MB), "
+                      f"cold load {ev['load']:6.2f} s, export {ev['export']:6.2f} s "
+                      f"({sizes[impl]['export_bytes'] / 1e6:.0f} MB)", flush=True)
+                import shutil
+
+                shutil.rmtree(ckpt)
+                os.remove(export)
+        row = {"world": world, "model": {k: m[k] for k in ("n_layer", "n_head", "d_model")}, "sizes": sizes}
+        for op in ("save", "load", "export"):
+            mine = statistics.median(e[op] for e in times["cpp"])
+            theirs = statistics.median(e[op] for e in times["pytorch"])
+            row[op] = {"fsdp_s": mine, "pytorch_s": theirs, "speedup": theirs / mine}
+        rows.append(row)
+    return rows
+
+
+def ckpt_table(rows):
+    out = ["| world | op | fsdp-libtorch | PyTorch | speed-up (PyTorch s / ours) | bytes ours / PyTorch |",
+           "|---|---|---|---|---|---|"]
+    names = {"save": "sharded save (model + AdamW) vs DCP FileSystemWriter",
+             "load": "cold sharded load vs DCP FileSystemReader",
+             "export": "consolidated export vs FULL_STATE_DICT + torch.save"}
+    for r in rows:
+        for op in ("save", "load", "export"):
+            key = "export_bytes" if op == "export" else "ckpt_bytes"
+            out.append(f"| {r['world']} | {names[op]} | {r[op]['fsdp_s']:.2f} s | {r[op]['pytorch_s']:.2f} s "
+                       f"| {r[op]['speedup']:.2f} | {r['sizes']['cpp'][key] / 1e6:.0f} / "
+                       f"{r['sizes']['pytorch'][key] / 1e6:.0f} MB |")
+    return "\n".join(out)
 
 
 def torch_version():
@@ -395,6 +526,9 @@ def main():
     b.add_argument("--reps", type=int, default=2)
     b.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     b.add_argument("--precisions", type=lambda s: s.split(","), default=["fp32", "bf16"])
+    b.add_argument("--parts", type=lambda s: s.split(","), default=["train", "ckpt"],
+                   help="train (step time, RSS), ckpt (save, load, export against DCP and torch.save)")
+    b.add_argument("--ckpt-worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     c = sub.add_parser("plot", help="pictures from a bench run's vs_pytorch.json")
     c.add_argument("runs_json")
     c.add_argument("out_dir")

@@ -277,6 +277,22 @@ def train(args):
     batches = [torch.tensor(sampler.batch(s, args.batch_size, args.block_size)[rank * per:(rank + 1) * per],
                             dtype=torch.long) for s in range(args.steps)]
 
+    io_log = open(args.io_log, "a") if (rank == 0 and args.io_log) else None
+
+    def timed(event, path, op):
+        """Like train_gpt --io-log: from a barrier to a barrier, rank 0 records the time."""
+        dist.barrier()
+        t = time.perf_counter()
+        extra = op() or {}
+        dist.barrier()
+        if io_log:
+            io_log.write(json.dumps(dict({"event": event, "path": path, "seconds": time.perf_counter() - t},
+                                         **extra)) + "\n")
+            io_log.flush()
+
+    if args.dcp_load:
+        timed("load", args.dcp_load, lambda: dcp_load(model, opt, args.dcp_load))
+
     log = open(args.log_jsonl, "w") if (rank == 0 and args.log_jsonl) else None
     model.train()
     for step in range(args.steps):
@@ -301,6 +317,10 @@ def train(args):
             log.write(json.dumps({"step": step + 1, "loss": mean, "lr": step_lr, "step_s": dt}) + "\n")
             log.flush()
 
+    if args.dcp_save:
+        timed("save", args.dcp_save, lambda: dcp_save(model, opt, args.dcp_save))
+    if args.torch_save_to:
+        timed("export", args.torch_save_to, lambda: full_state_torch_save(model, rank, args.torch_save_to))
     if args.full_state_to:
         # offload_to_cpu=True would be a no-op here (the model is in host memory) and FSDP1
         # 2.6 on a CPU device segfaults with it at world >= 2 (handle.to_cpu() on a CPU
@@ -325,6 +345,47 @@ def train(args):
     os._exit(0)
 
 
+def dcp_save(model, opt, path):
+    """Model and optimizer state, each rank its shard, with torch.distributed.checkpoint:
+    what a PyTorch user calls (get_state_dict: SHARDED_STATE_DICT for FSDP), every file
+    fsynced (FileSystemWriter's sync_files, its default)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+
+
+def dcp_load(model, opt, path):
+    """The inverse of dcp_save into a freshly built model and optimizer (get_state_dict
+    makes the optimizer's state to load into, then set_state_dict puts it in place)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    steps = {float(v["step"]) for v in opt.state.values() if "step" in v}
+    return {"optimizer_step": sorted(steps)}
+
+
+def full_state_torch_save(model, rank, path):
+    """FSDP's FULL_STATE_DICT gathered to rank 0 and written with torch.save, fsynced: the
+    PyTorch counterpart of the consolidated export."""
+    import torch
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        sd = model.state_dict()
+    if rank == 0:
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -346,6 +407,10 @@ def parse(argv=None):
     a("--write-init", help="write GPT-2 style initial weights from --seed to this file and exit")
     a("--log-jsonl", default="")
     a("--full-state-to", default="", help="write FSDP's FULL_STATE_DICT here at the end (HDF5)")
+    a("--dcp-save", default="", help="at the end, save model and optimizer with torch.distributed.checkpoint here")
+    a("--dcp-load", default="", help="before training, load model and optimizer from this DCP checkpoint")
+    a("--torch-save-to", default="", help="at the end, FULL_STATE_DICT + torch.save (fsynced) to this file")
+    a("--io-log", default="", help="rank 0 appends {event, path, seconds} per save, load and export here")
     args = p.parse_args(argv)
     if not args.write_init and not args.init_from:
         p.error("give --init-from FILE (or --write-init FILE)")
