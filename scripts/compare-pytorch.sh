@@ -17,8 +17,14 @@
 # vs_pytorch_peak_rss_... (ratios, this library / PyTorch, with the raw figures) to
 # $BUILD/bench/results.jsonl, prints a table, and draws PNGs (loss curves, step-time and
 # RSS bars) into $BUILD/bench/vs_pytorch/ when python3-matplotlib is installed.
+# Then checkpoints (--parts ckpt; --ckpt-worlds 1,2,4): an 8-layer d_model 1024 GPT
+# (~101 M parameters, 1.2 GB with AdamW state) after one step, saved sharded against DCP's
+# FileSystemWriter, loaded cold (files evicted from the page cache) against DCP's
+# FileSystemReader, exported whole against FULL_STATE_DICT + torch.save, each beside the
+# disk's raw write + fsync and cold read of the same bytes: vs_dcp_save, vs_dcp_load,
+# vs_fsdp_full_state_export (speed-ups, PyTorch seconds / this library's).
 # Further flags go to tests/interop/compare_fsdp.py bench (--reps N, --worlds 1,2,
-# --precisions fp32).
+# --precisions fp32, --parts train|ckpt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --plot-only ]; then

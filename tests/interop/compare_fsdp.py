@@ -183,6 +183,52 @@ def evict(path):
                 os.close(fd)
 
 
+def raw_io(ckpt, scratch):
+    """The disk's own speed for a checkpoint's bytes, as its ranks would move them: one
+    thread per rank file (os.write/os.read release the GIL), 64 MiB calls. Write: fresh
+    files of the same sizes, each fsynced; read: the checkpoint's files, evicted first.
+    Returns (write seconds, read seconds)."""
+    import threading
+
+    files = sorted(os.path.join(r, n) for r, _, fs in os.walk(ckpt) for n in fs if n.endswith((".h5", ".distcp")))
+    chunk = bytes(64 << 20)
+    os.makedirs(scratch, exist_ok=True)
+
+    def write(i, n):
+        fd = os.open(os.path.join(scratch, f"raw_{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while n > 0:
+                n -= os.write(fd, memoryview(chunk)[:min(n, len(chunk))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while os.read(fd, 64 << 20):
+                pass
+        finally:
+            os.close(fd)
+
+    def timed(jobs):
+        threads = [threading.Thread(target=f, args=a) for f, a in jobs]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.perf_counter() - t
+
+    w = timed([(write, (i, os.path.getsize(f))) for i, f in enumerate(files)])
+    import shutil
+
+    shutil.rmtree(scratch)
+    evict(ckpt)
+    r = timed([(read, (f,)) for f in files])
+    return w, r
+
+
 def tree_bytes(path):
     if os.path.isfile(path):
         return os.path.getsize(path)
@@ -323,11 +369,14 @@ def bench(args):
                 "export": "FSDP FULL_STATE_DICT (rank0_only) + torch.save, fsynced"}
         for row in ckpt_rows:
             for op in ("save", "load", "export"):
-                f.write(json.dumps({"metric": metric[op], "world": row["world"], "value": round(row[op]["speedup"], 4),
-                                    "unit": "speed-up (PyTorch seconds / this library's; target >= 2)",
-                                    "baseline": f"{what[op]}, torch {torch_version()}",
-                                    "fsdp_s": round(row[op]["fsdp_s"], 4), "pytorch_s": round(row[op]["pytorch_s"], 4),
-                                    "model": row["model"], "machine": machine}) + "\n")
+                rec = {"metric": metric[op], "world": row["world"], "value": round(row[op]["speedup"], 4),
+                       "unit": "speed-up (PyTorch seconds / this library's; target >= 2)",
+                       "baseline": f"{what[op]}, torch {torch_version()}",
+                       "fsdp_s": round(row[op]["fsdp_s"], 4), "pytorch_s": round(row[op]["pytorch_s"], 4),
+                       "model": row["model"], "machine": machine}
+                if op != "export":  # the disk's own time for the same bytes (raw_io)
+                    rec["raw_disk_s"] = round(row["raw_write_s" if op == "save" else "raw_read_s"], 4)
+                f.write(json.dumps(rec) + "\n")
         for row in rows:
             name = f"{row['size']}_w{row['world']}_{row['precision']}"
             base = f"PyTorch FSDP1 {torch_version()} (same batches, weights, threads per rank)"
@@ -382,17 +431,23 @@ def ckpt_bench(r, args):
                 ckpt = os.path.join(r.work, f"{tag}_{impl}_ckpt")
                 export = os.path.join(r.work, f"{tag}_{impl}_full" + (".h5" if impl == "cpp" else ".pt"))
                 ev = r.io_run(impl, m, world, tag, "save", ckpt, export)
+                if impl == "cpp":  # the disk's limit for these bytes, between save and load
+                    ev["raw_write"], ev["raw_read"] = raw_io(ckpt, os.path.join(r.work, "raw"))
                 ev.update(r.io_run(impl, m, world, tag, "load", ckpt, export))
                 sizes[impl] = {"ckpt_bytes": tree_bytes(ckpt), "export_bytes": tree_bytes(export)}
                 times[impl].append(ev)
+                raw = (f"; raw write {ev['raw_write']:.2f} s, raw cold read {ev['raw_read']:.2f} s"
+                       if "raw_write" in ev else "")
                 print(f"  {tag:<24} {impl:<7} save {ev['save']:6.2f} s ({sizes[impl]['ckpt_bytes'] / 1e6:.0f} MB), "
                       f"cold load {ev['load']:6.2f} s, export {ev['export']:6.2f} s "
-                      f"({sizes[impl]['export_bytes'] / 1e6:.0f} MB)", flush=True)
+                      f"({sizes[impl]['export_bytes'] / 1e6:.0f} MB){raw}", flush=True)
                 import shutil
 
                 shutil.rmtree(ckpt)
                 os.remove(export)
-        row = {"world": world, "model": {k: m[k] for k in ("n_layer", "n_head", "d_model")}, "sizes": sizes}
+        row = {"world": world, "model": {k: m[k] for k in ("n_layer", "n_head", "d_model")}, "sizes": sizes,
+               "raw_write_s": statistics.median(e["raw_write"] for e in times["cpp"]),
+               "raw_read_s": statistics.median(e["raw_read"] for e in times["cpp"])}
         for op in ("save", "load", "export"):
             mine = statistics.median(e[op] for e in times["cpp"])
             theirs = statistics.median(e[op] for e in times["pytorch"])
@@ -402,16 +457,18 @@ def ckpt_bench(r, args):
 
 
 def ckpt_table(rows):
-    out = ["| world | op | fsdp-libtorch | PyTorch | speed-up (PyTorch s / ours) | bytes ours / PyTorch |",
-           "|---|---|---|---|---|---|"]
+    out = ["| world | op | fsdp-libtorch | PyTorch | speed-up (PyTorch s / ours) | raw disk, same bytes | "
+           "bytes ours / PyTorch |", "|---|---|---|---|---|---|---|"]
     names = {"save": "sharded save (model + AdamW) vs DCP FileSystemWriter",
              "load": "cold sharded load vs DCP FileSystemReader",
              "export": "consolidated export vs FULL_STATE_DICT + torch.save"}
     for r in rows:
         for op in ("save", "load", "export"):
             key = "export_bytes" if op == "export" else "ckpt_bytes"
+            raw = {"save": f"write + fsync {r['raw_write_s']:.2f} s", "load": f"cold read {r['raw_read_s']:.2f} s",
+                   "export": ""}[op]
             out.append(f"| {r['world']} | {names[op]} | {r[op]['fsdp_s']:.2f} s | {r[op]['pytorch_s']:.2f} s "
-                       f"| {r[op]['speedup']:.2f} | {r['sizes']['cpp'][key] / 1e6:.0f} / "
+                       f"| {r[op]['speedup']:.2f} | {raw} | {r['sizes']['cpp'][key] / 1e6:.0f} / "
                        f"{r['sizes']['pytorch'][key] / 1e6:.0f} MB |")
     return "\n".join(out)
 
