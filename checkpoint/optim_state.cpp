@@ -42,18 +42,22 @@ ParamState adam_state(const State& s) {
   return out;
 }
 
+// Takes the tensors of `st` as they are (the loader made them for this): a copy, or a
+// zero tensor made first and then replaced, would touch every byte of the optimizer
+// state once more (on a virtual machine, first touches of fresh pages cost more than the
+// disk read). Zeros only for a moment the file lacks.
 template <class State>
-std::unique_ptr<State> make_adam_state(const at::Tensor& p, const ParamState& st) {
+std::unique_ptr<State> make_adam_state(const at::Tensor& p, ParamState&& st) {
   auto s = std::make_unique<State>();
   s->step(st.step);
-  s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-  s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-  for (const auto& [name, t] : st.tensors) {
-    if (name == "exp_avg") s->exp_avg(t.clone());
-    else if (name == "exp_avg_sq") s->exp_avg_sq(t.clone());
-    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(t.clone());
+  for (auto& [name, t] : st.tensors) {
+    if (name == "exp_avg") s->exp_avg(std::move(t));
+    else if (name == "exp_avg_sq") s->exp_avg_sq(std::move(t));
+    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(std::move(t));
     else TORCH_CHECK(false, "optimizer state '", name, "' does not belong to Adam/AdamW");
   }
+  if (!s->exp_avg().defined()) s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+  if (!s->exp_avg_sq().defined()) s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
   return s;
 }
 
@@ -91,19 +95,19 @@ ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param
   return out;
 }
 
-void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamState& st) {
+void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, ParamState&& st) {
   auto& state = opt.state();
   const auto key = detail::optim_state_key(state, param);
   const std::string kind = optimizer_kind(opt);
   if (kind == "adamw") {
-    state[key] = make_adam_state<torch::optim::AdamWParamState>(param, st);
+    state[key] = make_adam_state<torch::optim::AdamWParamState>(param, std::move(st));
   } else if (kind == "adam") {
-    state[key] = make_adam_state<torch::optim::AdamParamState>(param, st);
+    state[key] = make_adam_state<torch::optim::AdamParamState>(param, std::move(st));
   } else {
     auto s = std::make_unique<torch::optim::SGDParamState>();
-    for (const auto& [name, t] : st.tensors) {
+    for (auto& [name, t] : st.tensors) {
       TORCH_CHECK(name == "momentum_buffer", "optimizer state '", name, "' does not belong to SGD");
-      s->momentum_buffer(t.clone());
+      s->momentum_buffer(std::move(t));
     }
     state[key] = std::move(s);
   }

@@ -24,8 +24,8 @@ struct ParamState {
 
 /// State of `param` (empty when the optimizer has not stepped it yet).
 ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param);
-/// Replaces the state of `param` (creating it).
-void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, const ParamState& st);
+/// Replaces the state of `param` (creating it) with the tensors of `st`, taken as they are.
+void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, ParamState&& st);
 /// The optimizer's param group and position holding `param`, or {-1, -1}.
 std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& param);
 

@@ -375,12 +375,17 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
       ParamState st;
       h5::Obj og = h5::open_group(src.file(0), flat_group(merged.front().src_flat) + "/optim", src.file_path(0));
       st.step = h5::get_int(og, "step", src.file_path(0));
+      // Uninitialised when the pieces cover the shard (fill zeroes the padding), so each
+      // byte is touched once, by the read; zeros where a parameter is missing from the file.
+      int64_t covered = 0;
+      for (const auto& p : merged) covered += p.n;
       for (const auto& name : sf.optim_states) {
-        at::Tensor t = at::zeros_like(ls.shard.detach());
+        at::Tensor t = covered == ls.length ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
+                                            : at::zeros_like(ls.shard.detach(), at::MemoryFormat::Contiguous);
         fill(t, "optim/" + name);
         st.tensors.emplace_back(name, t);
       }
-      set_param_state(*optimizer, ls.shard, st);
+      set_param_state(*optimizer, ls.shard, std::move(st));
     }
   }
 
