@@ -1,16 +1,21 @@
 // fsdp-run: starts N local ranks with the torchrun environment.
 //
-//   fsdp-run --nproc N [--master-port P] [--tee] -- CMD ARGS...
+//   fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...
 //
 // Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
 // MASTER_PORT (and OMP_NUM_THREADS=1 unless set, as torchrun). SIGINT and SIGTERM are forwarded to every rank. If a rank fails, the
 // others are stopped and fsdp-run exits non-zero, naming the rank and how it ended.
+// --peak-rss-json writes each rank's peak resident memory ({"peak_rss_kb": [...]}, from
+// wait4): the rank process's own, unlike the getrusage(RUSAGE_CHILDREN) or wait4 figure
+// of fsdp-run itself, which keeps the peak of whatever process exec'd fsdp-run (the
+// kernel carries a process's maximum RSS across exec).
 #include <fsdp/version.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +24,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -31,7 +37,7 @@ void on_signal(int sig) { g_signal = sig; }
 
 int usage(const std::string& why) {
   std::cerr << "fsdp-run: error: " << why << "\n"
-            << "usage: fsdp-run --nproc N [--master-port P] [--tee] -- CMD ARGS...\n";
+            << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...\n";
   return 2;
 }
 
@@ -71,6 +77,7 @@ std::string describe(int status) {
 int main(int argc, char** argv) {
   int nproc = -1, port = 0;
   bool tee = false;
+  std::string rss_json;
   int i = 1;
   for (; i < argc; ++i) {
     std::string a = argv[i];
@@ -83,10 +90,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (a == "-h" || a == "--help") {
-      std::cout << "usage: fsdp-run --nproc N [--master-port P] [--tee] -- CMD ARGS...\n"
+      std::cout << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...\n"
                    "  --nproc N        ranks to start on this machine\n"
                    "  --master-port P  rendezvous port (default: a free one)\n"
                    "  --tee            prefix every output line with its rank\n"
+                   "  --peak-rss-json FILE  at the end, write each rank's peak RSS: {\"peak_rss_kb\": [...]}\n"
                    "  --version        print the version\n";
       return 0;
     }
@@ -107,6 +115,10 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--tee") {
       tee = true;
+    } else if (a == "--peak-rss-json" || a.rfind("--peak-rss-json=", 0) == 0) {
+      rss_json = value("--peak-rss-json");
+      if (rss_json.empty()) return usage("--peak-rss-json needs a file name");
+      if (!std::ofstream(rss_json)) return usage("--peak-rss-json " + rss_json + ": cannot write the file");
     } else {
       return usage("unknown option '" + a + "'; put the command after --");
     }
@@ -196,6 +208,7 @@ int main(int argc, char** argv) {
     }
   };
 
+  std::vector<long> peak_rss_kb(static_cast<size_t>(nproc), 0);
   int alive = nproc, exit_code = 0;
   bool stopping = false;
   auto stop_deadline = std::chrono::steady_clock::now();
@@ -213,7 +226,9 @@ int main(int argc, char** argv) {
     for (int r = 0; r < nproc; ++r) {
       if (pids[r] <= 0) continue;
       int status = 0;
-      if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
+      rusage ru{};
+      if (wait4(pids[r], &status, WNOHANG, &ru) != pids[r]) continue;
+      peak_rss_kb[static_cast<size_t>(r)] = ru.ru_maxrss;  // KiB on Linux
       pids[r] = -1;
       --alive;
       bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
@@ -235,5 +250,11 @@ int main(int argc, char** argv) {
     }
   }
   while (tee && std::any_of(pipes.begin(), pipes.end(), [](int fd) { return fd >= 0; })) pump(50);
+  if (!rss_json.empty()) {
+    std::ofstream out(rss_json);
+    out << "{\"peak_rss_kb\": [";
+    for (size_t r = 0; r < peak_rss_kb.size(); ++r) out << (r ? ", " : "") << peak_rss_kb[r];
+    out << "]}\n";
+  }
   return exit_code;
 }

@@ -8,8 +8,10 @@ time and peak RSS measured in the same run.
   compare_fsdp.py plot RUNS.json OUTDIR                     # pictures from a bench run
 
 Both sides run under fsdp-run (one process per rank, the torchrun environment, the same
-OMP_NUM_THREADS per rank). A run's peak RSS is the largest ru_maxrss in its process tree
-(os.wait4 on fsdp-run): the largest rank's. Step time is what each side logs per step
+OMP_NUM_THREADS per rank). A run's peak RSS is the largest rank's ru_maxrss, which
+fsdp-run --peak-rss-json collects with wait4 on each rank. (Not os.wait4 on fsdp-run: the
+kernel carries a process's maximum RSS across exec, so fsdp-run's own figure starts at
+this driver's, ~330 MiB once torch is imported, and hid every rank below it.) Step time is what each side logs per step
 (train_gpt: batch, forward, backward, clip, AdamW, loss all-reduce; fsdp_gpt.py the same,
 its batches made before training); warm-up steps are left out and the median is taken.
 """
@@ -44,7 +46,8 @@ def probe():
 
 
 def run_tree(cmd, env, log_path, timeout):
-    """Runs cmd; returns (exit code, output, peak RSS in KiB of its largest process)."""
+    """Runs cmd; returns (exit code, output, ru_maxrss of cmd's process tree in KiB: not a
+    rank's peak when cmd is fsdp-run, see the module's doc)."""
     with open(log_path, "w") as out:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
@@ -112,15 +115,19 @@ class Runner:
                                                                           "--log-every", str(m["steps"])]
         else:
             prog = [sys.executable, TRAINER] + common + ["--full-state-to", weights]
-        cmd = [os.path.join(self.bin_dir, "fsdp-run"), "--nproc", str(world), "--"] + prog + list(extra)
+        rss_json = os.path.join(self.work, f"{tag}_{impl}.rss.json")
+        cmd = [os.path.join(self.bin_dir, "fsdp-run"), "--nproc", str(world), "--peak-rss-json", rss_json,
+               "--"] + prog + list(extra)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), USE_LIBUV="0")
         t0 = time.time()
-        rc, out, rss = run_tree(cmd, env, os.path.join(self.work, f"{tag}_{impl}.out"), timeout=600)
+        rc, out, _ = run_tree(cmd, env, os.path.join(self.work, f"{tag}_{impl}.out"), timeout=600)
         if rc and self.retry:  # e.g. an abort at teardown: once more
             print(f"  {tag} {impl} failed (exit {rc}); running it again", flush=True)
-            rc, out, rss = run_tree(cmd, env, os.path.join(self.work, f"{tag}_{impl}.out"), timeout=600)
+            rc, out, _ = run_tree(cmd, env, os.path.join(self.work, f"{tag}_{impl}.out"), timeout=600)
         if rc:
             raise RuntimeError(f"{impl} run {tag} failed (exit {rc}): {' '.join(cmd)}\n{out[-4000:]}")
+        with open(rss_json) as f:
+            rss = max(json.load(f)["peak_rss_kb"])
         steps, _ = read_jsonl(log)
         if len(steps) != m["steps"]:
             raise RuntimeError(f"{impl} run {tag}: {len(steps)} steps logged, expected {m['steps']}\n{out[-2000:]}")
