@@ -15,13 +15,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <iterator>
+#include <memory>
+#include <mutex>
 #include <regex>
 #include <set>
+#include <thread>
 
 namespace fs = std::filesystem;
 
@@ -63,64 +69,135 @@ at::Tensor generator_state(at::Generator gen) {
   return at::Tensor(gen.get_state());
 }
 
-void write_rank_file(const std::string& path, const ShardedModel& root, torch::optim::Optimizer* opt,
-                     const TrainingState& state, int rank, int world) {
-  h5::Obj f = h5::create_file(path);
-  const auto shards = detail::local_shards(root);
-  const std::string kind = opt ? optimizer_kind(*opt) : "none";
-  h5::set_attr(f, "format", std::string(kShardedFormat));
-  h5::set_attr(f, "format_version", kCheckpointFormatVersion);
-  h5::set_attr(f, "world_size", int64_t{world});
-  h5::set_attr(f, "rank", int64_t{rank});
-  h5::set_attr(f, "step", state.step);
-  h5::set_attr(f, "shard_group_size", int64_t{shards.empty() ? 1 : shards[0].shard_group_size});
-  h5::set_attr(f, "num_flats", static_cast<int64_t>(shards.size()));
-  h5::set_attr(f, "optimizer", kind);
+}  // namespace
 
-  h5::Obj flats = h5::create_group(f, "flats", path);
-  for (size_t k = 0; k < shards.size(); ++k) {
-    const LocalShard& ls = shards[k];
-    const std::string where = path + ":/" + flat_group(k);
-    h5::Obj g = h5::create_group(f, flat_group(k), path);
-    // A replica (HYBRID_SHARD, NO_SHARD) writes the table but no elements.
-    const int64_t length = ls.writer ? ls.length : 0;
-    TORCH_CHECK(!ls.writer || ls.shard_rank == rank, "internal: writer rank ", rank, " holds chunk ",
-                ls.shard_rank);
-    h5::set_attr(g, "unit_fqn", ls.info.unit_fqn);
-    h5::set_attr(g, "requires_grad", int64_t{ls.info.requires_grad ? 1 : 0});
-    h5::set_attr(g, "numel", ls.info.numel);
-    h5::set_attr(g, "shard_numel", ls.info.shard_numel);
-    h5::set_attr(g, "begin", ls.begin);
-    h5::set_attr(g, "length", length);
-    h5::set_attr(g, "param_dtype", dtype_name(ls.info.param_dtype));
+// Note [Rank snapshot]
+// Everything one rank's file holds, read from the live model in one pass, then written
+// by write_snapshot. A synchronous save takes it as views of the live tensors and writes
+// at once; an asynchronous one copies each tensor into host staging memory (pinned when
+// it comes from a GPU), so that training may change the originals while a thread writes.
+// Either way the file is the same.
+struct RankSnapshot {
+  struct Flat {
+    FlatParamInfo info;
+    int64_t begin = 0, length = 0;
     std::vector<TableEntry> table;
-    for (const auto& p : ls.params) table.push_back(TableEntry{p.fqn, p.offset, p.numel, p.shape});
-    write_table(g, table, where);
-    write_tensor(g, "param", ls.shard.narrow(0, 0, length), h5::Elem::kF32, where);
+    at::Tensor param;  ///< [length] fp32
+    bool has_optim = false;
+    int64_t optim_step = 0, optim_group = 0;
+    std::vector<std::pair<std::string, at::Tensor>> optim;  ///< [length] each
+  };
+  int rank = 0, world = 1;
+  int64_t shard_group_size = 1;
+  std::string optimizer_kind = "none";
+  std::vector<Flat> flats;
+  std::vector<std::map<std::string, AttrValue>> groups;  ///< optimizer hyperparameters
+  TrainingState state;
+  std::vector<std::pair<std::string, at::Tensor>> rng;      ///< "cpu", "cuda_<i>"
+  std::vector<std::pair<std::string, at::Tensor>> buffers;  ///< rank 0 only
+  int64_t staged_bytes = 0;                                 ///< host copies held (async)
+};
+
+RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt, const TrainingState& state,
+                           int rank, int world, bool stage) {
+  RankSnapshot snap;
+  auto keep = [&](const at::Tensor& t) {
+    if (!stage) return t;
+    at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+    host.copy_(t);
+    snap.staged_bytes += static_cast<int64_t>(host.nbytes());
+    return host;
+  };
+  at::NoGradGuard no_grad;
+  const auto shards = detail::local_shards(root);
+  snap.rank = rank;
+  snap.world = world;
+  snap.shard_group_size = shards.empty() ? 1 : shards[0].shard_group_size;
+  snap.optimizer_kind = opt ? optimizer_kind(*opt) : "none";
+  snap.state = state;
+  for (const LocalShard& ls : shards) {
+    RankSnapshot::Flat f;
+    f.info = ls.info;
+    f.begin = ls.begin;
+    // A replica (HYBRID_SHARD, NO_SHARD) writes the table but no elements.
+    f.length = ls.writer ? ls.length : 0;
+    TORCH_CHECK(!ls.writer || ls.shard_rank == rank, "internal: writer rank ", rank, " holds chunk ", ls.shard_rank);
+    for (const auto& p : ls.params) f.table.push_back(TableEntry{p.fqn, p.offset, p.numel, p.shape});
+    f.param = keep(ls.shard.detach().narrow(0, 0, f.length));
     if (opt && ls.info.requires_grad) {
-      TORCH_CHECK(find_param(*opt, ls.shard).first >= 0, "save: the optimizer does not hold the shard of unit '",
-                  ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
+      const int64_t group = find_param(*opt, ls.shard).first;
+      TORCH_CHECK(group >= 0, "save: the optimizer does not hold the shard of unit '", ls.info.unit_fqn,
+                  "'. Build it from model.sharded_parameters().");
       ParamState st = get_param_state(*opt, ls.shard);
       if (!st.tensors.empty()) {
-        h5::Obj og = h5::create_group(g, "optim", where);
-        h5::set_attr(og, "step", st.step);
-        h5::set_attr(og, "group", int64_t{find_param(*opt, ls.shard).first});
-        for (const auto& [name, t] : st.tensors) {
-          write_tensor(og, name, t.reshape({-1}).narrow(0, 0, length), h5::Elem::kF32, where + "/optim");
-        }
+        f.has_optim = true;
+        f.optim_step = st.step;
+        f.optim_group = group;
+        for (const auto& [name, t] : st.tensors) f.optim.emplace_back(name, keep(t.reshape({-1}).narrow(0, 0, f.length)));
       }
     }
+    snap.flats.push_back(std::move(f));
   }
-
   if (opt) {
-    h5::Obj og = h5::create_group(f, "optimizer", path);
-    h5::set_attr(og, "num_groups", static_cast<int64_t>(opt->param_groups().size()));
-    for (size_t g = 0; g < opt->param_groups().size(); ++g) {
-      h5::Obj gg = h5::create_group(og, "group_" + std::to_string(g), path);
-      for (const auto& [k, v] : group_hparams(*opt, g)) h5::set_attr(gg, k, v);
+    for (size_t g = 0; g < opt->param_groups().size(); ++g) snap.groups.push_back(group_hparams(*opt, g));
+  }
+  // generator_state() copies already.
+  snap.rng.emplace_back("cpu", generator_state(at::detail::getDefaultCPUGenerator()));
+  if (torch::cuda::is_available()) {
+    for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i) {
+      auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+      snap.rng.emplace_back("cuda_" + std::to_string(i), generator_state(gen));
+    }
+  }
+  if (rank == 0) {
+    for (const auto& [name, b] : named_buffers_clean(root.as_module())) snap.buffers.emplace_back(name, keep(b));
+  }
+  return snap;
+}
+
+void write_snapshot(const std::string& path, const RankSnapshot& snap) {
+  h5::Obj f = h5::create_file(path);
+  h5::set_attr(f, "format", std::string(kShardedFormat));
+  h5::set_attr(f, "format_version", kCheckpointFormatVersion);
+  h5::set_attr(f, "world_size", int64_t{snap.world});
+  h5::set_attr(f, "rank", int64_t{snap.rank});
+  h5::set_attr(f, "step", snap.state.step);
+  h5::set_attr(f, "shard_group_size", snap.shard_group_size);
+  h5::set_attr(f, "num_flats", static_cast<int64_t>(snap.flats.size()));
+  h5::set_attr(f, "optimizer", snap.optimizer_kind);
+
+  h5::Obj flats = h5::create_group(f, "flats", path);
+  for (size_t k = 0; k < snap.flats.size(); ++k) {
+    const RankSnapshot::Flat& fl = snap.flats[k];
+    const std::string where = path + ":/" + flat_group(k);
+    h5::Obj g = h5::create_group(f, flat_group(k), path);
+    h5::set_attr(g, "unit_fqn", fl.info.unit_fqn);
+    h5::set_attr(g, "requires_grad", int64_t{fl.info.requires_grad ? 1 : 0});
+    h5::set_attr(g, "numel", fl.info.numel);
+    h5::set_attr(g, "shard_numel", fl.info.shard_numel);
+    h5::set_attr(g, "begin", fl.begin);
+    h5::set_attr(g, "length", fl.length);
+    h5::set_attr(g, "param_dtype", dtype_name(fl.info.param_dtype));
+    write_table(g, fl.table, where);
+    write_tensor(g, "param", fl.param, h5::Elem::kF32, where);
+    if (fl.has_optim) {
+      h5::Obj og = h5::create_group(g, "optim", where);
+      h5::set_attr(og, "step", fl.optim_step);
+      h5::set_attr(og, "group", fl.optim_group);
+      for (const auto& [name, t] : fl.optim) write_tensor(og, name, t, h5::Elem::kF32, where + "/optim");
     }
   }
 
+  if (snap.optimizer_kind != "none") {
+    h5::Obj og = h5::create_group(f, "optimizer", path);
+    h5::set_attr(og, "num_groups", static_cast<int64_t>(snap.groups.size()));
+    for (size_t g = 0; g < snap.groups.size(); ++g) {
+      h5::Obj gg = h5::create_group(og, "group_" + std::to_string(g), path);
+      for (const auto& [k, v] : snap.groups[g]) h5::set_attr(gg, k, v);
+    }
+  }
+
+  const TrainingState& state = snap.state;
   h5::Obj sg = h5::create_group(f, "state", path);
   h5::set_attr(sg, "step", state.step);
   h5::Obj sched = h5::create_group(sg, "scheduler", path);
@@ -140,21 +217,17 @@ void write_rank_file(const std::string& path, const ShardedModel& root, torch::o
   for (const auto& [k, v] : state.model_attrs) h5::set_attr(ma, k, v);
 
   h5::Obj rng = h5::create_group(f, "rng", path);
-  write_tensor(rng, "cpu", generator_state(at::detail::getDefaultCPUGenerator()), h5::Elem::kU8, path);
-  if (torch::cuda::is_available()) {
-    for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i) {
-      auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      write_tensor(rng, "cuda_" + std::to_string(i), generator_state(gen), h5::Elem::kU8, path);
-    }
-  }
-  if (rank == 0) {
+  for (const auto& [name, t] : snap.rng) write_tensor(rng, name, t, h5::Elem::kU8, path);
+  if (snap.rank == 0) {
     h5::Obj bg = h5::create_group(f, "buffers", path);
-    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
+    for (const auto& [name, b] : snap.buffers) {
       write_tensor(bg, name, b, storage_elem(b.scalar_type()), path + ":/buffers");
     }
   }
   h5::flush_and_sync(f, path);
 }
+
+namespace {
 
 // Where the target elements come from: target shard position, source flat and position.
 struct Piece {
@@ -193,32 +266,39 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
   return ckpt::resolve_checkpoint_dir(dir);
 }
 
-std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root, torch::optim::Optimizer* optimizer,
-                                    const TrainingState& state, const SaveOptions& options) {
-  using namespace ckpt;
-  TORCH_CHECK(state.step >= 0, "save_sharded_checkpoint: step ", state.step, " is negative");
-  TORCH_CHECK(options.keep_last >= 0, "save_sharded_checkpoint: keep_last ", options.keep_last,
-              " is negative; use 0 to keep every checkpoint");
-  const ProcessGroup& pg = root.sharding_options().process_group;
-  const int rank = pg.rank(), world = pg.size();
-  const auto t0 = std::chrono::steady_clock::now();
+namespace ckpt {
 
-  // Rank 0 picks the name (a new one if this step was saved before) and makes the
-  // temporary directory; everyone learns the name's version from a broadcast.
-  const fs::path base(dir);
+// One save's names: dir/step_<step>[_<version>], written first as dir/.tmp-<name>.
+struct SavePlan {
+  fs::path base, tmp, final_dir;
+};
+
+namespace {
+
+void check_save_args(const TrainingState& state, const SaveOptions& options, const char* fn) {
+  TORCH_CHECK(state.step >= 0, fn, ": step ", state.step, " is negative");
+  TORCH_CHECK(options.keep_last >= 0, fn, ": keep_last ", options.keep_last,
+              " is negative; use 0 to keep every checkpoint");
+}
+
+// Rank 0 picks the name (a new one if this step was saved before) and makes the
+// temporary directory; everyone learns the name's version from a broadcast. Collective.
+SavePlan plan_save(const std::string& dir, int64_t step, const ProcessGroup& pg, const char* fn) {
+  SavePlan plan;
+  plan.base = fs::path(dir);
   char name_buf[64];
-  std::snprintf(name_buf, sizeof(name_buf), "step_%08lld", static_cast<long long>(state.step));
+  std::snprintf(name_buf, sizeof(name_buf), "step_%08lld", static_cast<long long>(step));
   std::string name = name_buf;
   at::Tensor version = at::zeros({1}, at::kLong);
   std::string error;
-  if (rank == 0) {
+  if (pg.rank() == 0) {
     try {
-      fs::create_directories(base);
+      fs::create_directories(plan.base);
       int64_t v = 1;
-      while (fs::exists(base / (v == 1 ? name : name + "_" + std::to_string(v)))) ++v;
+      while (fs::exists(plan.base / (v == 1 ? name : name + "_" + std::to_string(v)))) ++v;
       version[0] = v;
       const std::string chosen = v == 1 ? name : name + "_" + std::to_string(v);
-      const fs::path tmp = base / (".tmp-" + chosen);
+      const fs::path tmp = plan.base / (".tmp-" + chosen);
       fs::remove_all(tmp);  // left by a save that was killed
       fs::create_directories(tmp);
     } catch (const std::exception& e) {
@@ -227,16 +307,235 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
     }
   }
   pg.broadcast(version, 0);
-  TORCH_CHECK(version.item<int64_t>() > 0, "save_sharded_checkpoint: rank 0 cannot prepare ", dir,
-              rank == 0 ? ": " + error : std::string(" (see rank 0's error)"));
+  TORCH_CHECK(version.item<int64_t>() > 0, fn, ": rank 0 cannot prepare ", dir,
+              pg.rank() == 0 ? ": " + error : std::string(" (see rank 0's error)"));
   if (version.item<int64_t>() > 1) name += "_" + std::to_string(version.item<int64_t>());
-  const fs::path tmp = base / (".tmp-" + name);
-  const fs::path final_dir = base / name;
+  plan.tmp = plan.base / (".tmp-" + name);
+  plan.final_dir = plan.base / name;
+  return plan;
+}
+
+// Rank 0, once every rank's file is complete: rename the directory into place, then move
+// `latest`; remove what killed saves left and checkpoints beyond keep_last.
+void publish(const SavePlan& plan, int keep_last) {
+  fsync_path(plan.tmp);
+  fs::rename(plan.tmp, plan.final_dir);
+  fsync_path(plan.base);
+  write_atomically(plan.base / "latest", plan.final_dir.filename().string() + "\n");
+  std::error_code ec;
+  std::vector<std::pair<std::pair<int64_t, int64_t>, fs::path>> done;
+  for (const auto& e : fs::directory_iterator(plan.base)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".tmp-", 0) == 0 && e.path() != plan.tmp) fs::remove_all(e.path(), ec);
+    if (auto key = parse_checkpoint_name(n); key && e.is_directory()) done.emplace_back(*key, e.path());
+  }
+  if (keep_last > 0 && done.size() > static_cast<size_t>(keep_last)) {
+    std::sort(done.begin(), done.end());
+    for (size_t i = 0; i + keep_last < done.size(); ++i) {
+      if (done[i].second != plan.final_dir) fs::remove_all(done[i].second, ec);
+    }
+  }
+}
+
+void report_saved(const SavePlan& plan, int world, std::chrono::steady_clock::time_point t0, const char* how) {
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::cout << "[fsdp] saved checkpoint " << plan.final_dir.string() << " (" << world << " rank files, " << s
+            << " s" << how << ")" << std::endl;
+}
+
+std::string done_marker(int rank) { return ".done-" + rank_file_name(rank); }
+std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); }
+
+std::function<void(const std::string&)>& write_hook() {
+  static std::function<void(const std::string&)> hook;
+  return hook;
+}
+
+}  // namespace
+}  // namespace ckpt
+
+// Note [Asynchronous saves]
+// save_sharded_checkpoint_async does on the calling thread what needs the other ranks or
+// the live tensors: it settles the save before it (below), agrees on the name with them
+// (plan_save) and copies this rank's part into host staging memory (take_snapshot with
+// stage = true, counted in MemoryStats::checkpoint_staging). A thread then writes the
+// rank's file as the synchronous save would, fsyncs it, and drops a marker beside it:
+// .done-rank_NNNNN.h5, or .failed-rank_NNNNN.h5 holding the error. The thread uses no
+// collective (training owns the process group meanwhile): rank 0's thread watches the
+// temporary directory until every rank's marker is there, then publishes (rename, then
+// `latest`). A failure anywhere leaves `latest` where it was and the temporary directory
+// for the next save to remove. The next save on every rank first joins the thread and
+// agrees, in one all-reduce, whether the last save failed anywhere: if it did, that call
+// throws on every rank alike, naming the file, and saves nothing.
+class AsyncSaveJob {
+ public:
+  AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank, int world,
+               const SaveOptions& options)
+      : model_(std::move(model)), plan_(std::move(plan)), snap_(std::move(snap)), rank_(rank), world_(world),
+        options_(options), t0_(std::chrono::steady_clock::now()) {}
+  ~AsyncSaveJob() { join(); }
+
+  void start() { thread_ = std::thread([this] { run(); }); }
+  /// Joins the thread (once), frees the staging copies and returns the error ("": none).
+  const std::string& join() {
+    std::lock_guard<std::mutex> lock(join_mu_);
+    if (thread_.joinable()) thread_.join();
+    if (snap_.staged_bytes > 0) {
+      detail::account_checkpoint_staging(model_, -snap_.staged_bytes);
+      snap_ = ckpt::RankSnapshot();
+    }
+    return error_;
+  }
+  bool finished() const { return finished_.load(); }
+  std::string path() const { return plan_.final_dir.string(); }
+
+ private:
+  void run();
+  bool wait_for_ranks();
+
+  ShardedModel model_;  ///< keeps the model's counters alive for the staging bytes
+  ckpt::SavePlan plan_;
+  ckpt::RankSnapshot snap_;
+  int rank_, world_;
+  SaveOptions options_;
+  std::chrono::steady_clock::time_point t0_;
+  std::thread thread_;
+  std::mutex join_mu_;
+  std::string error_;  ///< written by the thread, read after join
+  std::atomic<bool> finished_{false};
+};
+
+bool AsyncSaveJob::wait_for_ranks() {
+  // No deadline while the files grow: a slow disk is not a failure. Stalled for the
+  // collective timeout (FSDP_TIMEOUT_S, default 300 s), it gives up.
+  const char* env = std::getenv("FSDP_TIMEOUT_S");
+  const double stall_s = env ? std::atof(env) : 300.0;
+  auto last_change = std::chrono::steady_clock::now();
+  uintmax_t last_bytes = 0;
+  for (;;) {
+    int done = 0;
+    uintmax_t bytes = 0;
+    for (int r = 0; r < world_; ++r) {
+      if (fs::exists(plan_.tmp / ckpt::failed_marker(r))) {
+        std::ifstream in(plan_.tmp / ckpt::failed_marker(r));
+        std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        error_ = "rank " + std::to_string(r) + ": " + text;
+        return false;
+      }
+      if (fs::exists(plan_.tmp / ckpt::done_marker(r))) ++done;
+      std::error_code ec;
+      const auto n = fs::file_size(plan_.tmp / ckpt::rank_file_name(r), ec);
+      if (!ec) bytes += n;
+    }
+    if (done == world_) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (bytes != last_bytes) {
+      last_bytes = bytes;
+      last_change = now;
+    } else if (std::chrono::duration<double>(now - last_change).count() > stall_s) {
+      error_ = "waited " + std::to_string(static_cast<int64_t>(stall_s)) + " s for the other ranks' files in " +
+               plan_.tmp.string() + " (" + std::to_string(done) + " of " + std::to_string(world_) +
+               " complete) without progress";
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void AsyncSaveJob::run() {
+  using namespace ckpt;
+  const std::string file = (plan_.tmp / rank_file_name(rank_)).string();
+  try {
+    if (write_hook()) write_hook()(file);
+    write_snapshot(file, snap_);
+    write_atomically(plan_.tmp / done_marker(rank_), "");
+  } catch (const std::exception& e) {
+    error_ = std::string("writing ") + file + " failed: " + e.what();
+    try {
+      write_atomically(plan_.tmp / failed_marker(rank_), error_);
+    } catch (const std::exception&) {
+      // rank 0 then waits until its stall limit, and says so
+    }
+  }
+  if (rank_ == 0) {
+    try {
+      if (error_.empty() && wait_for_ranks()) {
+        for (int r = 0; r < world_; ++r) fs::remove(plan_.tmp / done_marker(r));
+        publish(plan_, options_.keep_last);
+        if (options_.verbose) report_saved(plan_, world_, t0_, ", in the background");
+      }
+    } catch (const std::exception& e) {
+      error_ = std::string("publishing ") + plan_.final_dir.string() + " failed: " + e.what();
+    }
+    if (!error_.empty()) {
+      std::error_code ec;
+      fs::remove_all(plan_.tmp, ec);
+    }
+  }
+  finished_ = true;
+}
+
+namespace ckpt {
+namespace {
+
+std::mutex in_flight_mu;
+std::shared_ptr<AsyncSaveJob> in_flight;  ///< the last asynchronous save, until the next save settles it
+
+// Joins the last asynchronous save and has every rank agree whether it failed anywhere;
+// throws on every rank alike if it did. Collective when a save was in flight (on every
+// rank alike: saves are collective).
+void settle_previous(const ProcessGroup& pg, const char* fn) {
+  std::shared_ptr<AsyncSaveJob> job;
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mu);
+    job = std::move(in_flight);
+  }
+  if (!job) return;
+  const std::string error = job->join();
+  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
+  pg.all_reduce_max(failed);
+  TORCH_CHECK(failed.item<float>() == 0, fn, ": the asynchronous save of ", job->path(), " failed",
+              error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
+              ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
+              "again to save.");
+}
+
+}  // namespace
+
+void wait_for_async_save() {
+  std::shared_ptr<AsyncSaveJob> job;
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mu);
+    job = in_flight;
+  }
+  if (job) job->join();
+}
+
+}  // namespace ckpt
+
+namespace detail {
+void set_async_save_write_hook(std::function<void(const std::string&)> hook) {
+  ckpt::write_hook() = std::move(hook);
+}
+}  // namespace detail
+
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root, torch::optim::Optimizer* optimizer,
+                                    const TrainingState& state, const SaveOptions& options) {
+  using namespace ckpt;
+  const char* fn = "save_sharded_checkpoint";
+  check_save_args(state, options, fn);
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  const int rank = pg.rank(), world = pg.size();
+  const auto t0 = std::chrono::steady_clock::now();
+  settle_previous(pg, fn);
+  const SavePlan plan = plan_save(dir, state.step, pg, fn);
 
   // Every rank writes its own file at once; no data moves between ranks.
   at::Tensor failed = at::zeros({1}, at::kFloat);
+  std::string error;
   try {
-    write_rank_file((tmp / rank_file_name(rank)).string(), root, optimizer, state, rank, world);
+    write_snapshot((plan.tmp / rank_file_name(rank)).string(),
+                   take_snapshot(root, optimizer, state, rank, world, /*stage=*/false));
   } catch (const std::exception& e) {
     error = e.what();
     failed[0] = 1;
@@ -245,52 +544,97 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   if (failed.item<float>() > 0) {
     if (rank == 0) {
       std::error_code ec;
-      fs::remove_all(tmp, ec);
+      fs::remove_all(plan.tmp, ec);
     }
     TORCH_CHECK(false, "save_sharded_checkpoint to ", dir, " failed",
                 error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
                 ". The previous checkpoint is untouched.");
   }
 
-  // Rank 0 publishes: rename the complete directory into place, then move `latest`.
   if (rank == 0) {
     try {
-      fsync_path(tmp);
-      fs::rename(tmp, final_dir);
-      fsync_path(base);
-      write_atomically(base / "latest", name + "\n");
-      std::error_code ec;
-      // Directories of saves that were killed, and checkpoints beyond keep_last.
-      std::vector<std::pair<std::pair<int64_t, int64_t>, fs::path>> done;
-      for (const auto& e : fs::directory_iterator(base)) {
-        const std::string n = e.path().filename().string();
-        if (n.rfind(".tmp-", 0) == 0 && e.path() != tmp) fs::remove_all(e.path(), ec);
-        if (auto key = parse_checkpoint_name(n); key && e.is_directory()) done.emplace_back(*key, e.path());
-      }
-      if (options.keep_last > 0 && done.size() > static_cast<size_t>(options.keep_last)) {
-        std::sort(done.begin(), done.end());
-        for (size_t i = 0; i + options.keep_last < done.size(); ++i) {
-          if (done[i].second != final_dir) fs::remove_all(done[i].second, ec);
-        }
-      }
+      publish(plan, options.keep_last);
     } catch (const std::exception& e) {
       error = e.what();
       failed[0] = 1;
     }
   }
   pg.broadcast(failed, 0);
-  TORCH_CHECK(failed.item<float>() == 0, "save_sharded_checkpoint: rank 0 could not publish ", final_dir.string(),
-              rank == 0 ? ": " + error : std::string(" (see rank 0's error)"));
-  if (options.verbose && rank == 0) {
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cout << "[fsdp] saved checkpoint " << final_dir.string() << " (" << world << " rank files, " << s
-              << " s)" << std::endl;
-  }
-  return final_dir.string();
+  TORCH_CHECK(failed.item<float>() == 0, "save_sharded_checkpoint: rank 0 could not publish ",
+              plan.final_dir.string(), rank == 0 ? ": " + error : std::string(" (see rank 0's error)"));
+  if (options.verbose && rank == 0) report_saved(plan, world, t0, "");
+  return plan.final_dir.string();
 }
+
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
+                                        torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                        const SaveOptions& options) {
+  using namespace ckpt;
+  const char* fn = "save_sharded_checkpoint_async";
+  check_save_args(state, options, fn);
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  const int rank = pg.rank(), world = pg.size();
+  settle_previous(pg, fn);
+  const SavePlan plan = plan_save(dir, state.step, pg, fn);
+  // The copy is made on every rank before any rank goes on training: a rank that fails
+  // here (out of host memory, say) fails the call everywhere, and nothing is written.
+  at::Tensor failed = at::zeros({1}, at::kFloat);
+  std::string error;
+  RankSnapshot snap;
+  try {
+    snap = take_snapshot(root, optimizer, state, rank, world, /*stage=*/true);
+  } catch (const std::exception& e) {
+    error = e.what();
+    failed[0] = 1;
+  }
+  pg.all_reduce_max(failed);
+  if (failed.item<float>() > 0) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(plan.tmp, ec);
+    }
+    TORCH_CHECK(false, fn, " to ", dir, " failed",
+                error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
+                ". The previous checkpoint is untouched.");
+  }
+  detail::account_checkpoint_staging(root, snap.staged_bytes);
+  auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world, options);
+  job->start();
+  {
+    std::lock_guard<std::mutex> lock(in_flight_mu);
+    in_flight = job;
+  }
+  return AsyncSave(job);
+}
+
+AsyncSave::AsyncSave(std::shared_ptr<AsyncSaveJob> job) : job_(std::move(job)) {}
+AsyncSave::AsyncSave(AsyncSave&&) noexcept = default;
+AsyncSave& AsyncSave::operator=(AsyncSave&& other) noexcept {
+  if (this != &other) {
+    if (job_) job_->join();
+    job_ = std::move(other.job_);
+  }
+  return *this;
+}
+AsyncSave::~AsyncSave() {
+  if (job_) job_->join();
+}
+
+std::string AsyncSave::wait() {
+  TORCH_CHECK(job_, "AsyncSave::wait: this handle holds no save");
+  const std::string& error = job_->join();
+  TORCH_CHECK(error.empty(), "the asynchronous save of ", job_->path(), " failed: ", error,
+              ". `latest` still names the checkpoint before it.");
+  return job_->path();
+}
+
+bool AsyncSave::done() const { return !job_ || job_->finished(); }
+
+std::string AsyncSave::path() const { return job_ ? job_->path() : std::string(); }
 
 LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, torch::optim::Optimizer* optimizer,
                                    TrainingState* state, const LoadOptions& options) {
+  ckpt::wait_for_async_save();  // the save just made is complete before anything reads
   using namespace ckpt;
   const ProcessGroup& pg = root.sharding_options().process_group;
   ShardedReader src(path);

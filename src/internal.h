@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,6 +85,11 @@ torch::Tensor gather_flat(const ShardedModel& model, size_t index, const torch::
 int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer);
 /// Gathers that used an optimizer's copy (attach_copy_out) instead of a cast.
 int64_t copy_out_gathers(const ShardedModel& model);
+/// Adds `delta` bytes (negative: releases) to MemoryStats::checkpoint_staging.
+void account_checkpoint_staging(const ShardedModel& model, int64_t delta);
+/// Tests only: called by an asynchronous save's thread with the file it is about to
+/// write; a throw there fails that rank's save as a disk error would. Empty: none.
+void set_async_save_write_hook(std::function<void(const std::string&)> hook);
 /// Turns the tree under `root` into units; `root` becomes the root unit.
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
 /// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.

@@ -80,7 +80,7 @@ MemoryStats ShardedModel::memory_stats() const {
 void ShardedModel::reset_peak_memory() {
   auto& m = runtime_of(*this).acct().mem;
   for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
-                          &m.checkpoint_buffers, &m.offload_buffers}) {
+                          &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
     c->peak = c->current;
   }
 }
@@ -185,6 +185,15 @@ int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer) {
     }
   }
   return n;
+}
+
+void account_checkpoint_staging(const ShardedModel& model, int64_t delta) {
+  auto& c = runtime_of(model).acct().mem.checkpoint_staging;
+  if (delta >= 0) {
+    Accounting::alloc(c, delta);
+  } else {
+    Accounting::release(c, -delta);
+  }
 }
 
 int64_t copy_out_gathers(const ShardedModel& model) {

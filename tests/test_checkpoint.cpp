@@ -830,21 +830,39 @@ TEST(CrashSaver, SavesUntilKilled) {
     step = st.step;
   }
   const int64_t stop = std::getenv("FSDP_CRASH_SAVER_ONCE") ? step + 1 : INT64_MAX;
+  const bool async = std::getenv("FSDP_CRASH_SAVER_ASYNC") != nullptr;
+  if (const char* flag = std::getenv("FSDP_CRASH_SAVER_SIGNAL")) {
+    // The background thread announces each write and lingers in it, so that the test's
+    // kill lands inside one on purpose.
+    const std::string path = flag;
+    fsdp::detail::set_async_save_write_hook([path](const std::string&) {
+      std::ofstream(path) << "writing\n";
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    });
+  }
   SaveOptions so;
   so.keep_last = 2;
+  AsyncSave pending;
   while (step < stop) {
     ++step;
     fill_with(model, step);
-    save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
+    if (async) {
+      pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(step), so);
+      fill_with(model, -step);  // training goes on: the save must hold `step` regardless
+    } else {
+      save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
+    }
     std::cout << "saved " << step << std::endl;
   }
 }
 
-pid_t start_saver(const std::string& dir, bool once) {
+pid_t start_saver(const std::string& dir, bool once, bool async = false, const std::string& signal = "") {
   pid_t pid = fork();
   if (pid == 0) {
     setenv("FSDP_CRASH_SAVER_DIR", dir.c_str(), 1);
     if (once) setenv("FSDP_CRASH_SAVER_ONCE", "1", 1);
+    if (async) setenv("FSDP_CRASH_SAVER_ASYNC", "1", 1);
+    if (!signal.empty()) setenv("FSDP_CRASH_SAVER_SIGNAL", signal.c_str(), 1);
     const std::string self = bin_dir() + "/test_checkpoint";
     int devnull = ::open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
@@ -881,6 +899,163 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
   }
   EXPECT_EQ(kills_mid_run, 20);
   EXPECT_GT(last_step, 1) << "no save ever completed: the kill times are too short to test anything";
+}
+
+// The same with asynchronous saves, half the kills aimed into a background write (the
+// thread announces it), half at random moments: every checkpoint `latest` names loads,
+// whole, with the values of its own step (the staging copy, not what training wrote after).
+TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
+  const std::string dir = scratch_dir("crash_async");
+  const std::string signal = dir + ".writing";
+  int status = 0;
+  pid_t first = start_saver(dir, /*once=*/true, /*async=*/true);
+  waitpid(first, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  std::mt19937 rng(2024);
+  auto model = fully_shard(MlpNet(64, 512, 8, 64));
+  int64_t last_step = 1, aimed = 0, killed_writing = 0;
+  for (int round = 0; round < 20; ++round) {
+    fs::remove(signal);
+    const bool aim = round % 2 == 0;
+    pid_t pid = start_saver(dir, false, true, aim ? signal : "");
+    if (aim) {
+      // The first write is announced within seconds (start-up, a load, one snapshot).
+      for (int i = 0; i < 3000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no background write began";
+      // Well inside the 300 ms the write lingers, even on a loaded machine.
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
+      ++aimed;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "round " << round << ": the saver ended before the kill";
+    // A kill inside a write leaves its temporary directory behind (the next save removes it).
+    bool tmp_left = false;
+    for (const auto& e : fs::directory_iterator(dir)) tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
+    killed_writing += aim && tmp_left ? 1 : 0;
+    TrainingState st;
+    ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
+    EXPECT_GE(st.step, last_step) << "latest went backwards";
+    last_step = st.step;
+    for (auto& p : model.sharded_parameters()) {
+      ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>())
+          << "round " << round << ": checkpoint " << st.step << " does not hold its own step's values";
+    }
+    EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
+  }
+  EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the background write";
+  EXPECT_GT(last_step, 1) << "no save ever completed";
+  fs::remove(signal);
+}
+
+// ---------------------------------------------------------------------------------
+// Asynchronous saves (Note [Asynchronous saves]).
+
+// What the async save of step 3 must hold: the state at the call, though training goes
+// on before the save is waited for. Rank r's flat shards and AdamW moments are staged,
+// and rank 0's buffers: checkpoint_staging counts exactly those bytes until the wait.
+void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
+  const auto cfg = small_gpt_config();
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
+  auto opt = make_adamw(model);
+  for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
+  torch::manual_seed(42 + pg.rank());
+  int64_t expected_staging = 0;
+  for (const auto& ls : fsdp::detail::local_shards(model)) {
+    const int64_t length = ls.writer ? ls.length : 0;
+    expected_staging += 4 * length * (1 + (ls.info.requires_grad ? 2 : 0));  // param, exp_avg, exp_avg_sq
+  }
+  if (pg.rank() == 0) {
+    for (const auto& b : model.as_module().buffers()) expected_staging += static_cast<int64_t>(b.nbytes());
+  }
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3));
+  EXPECT_EQ(pending.path(), dir + "/step_00000003");
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging);
+  const auto rng_after_save = torch::rand({4});
+  std::vector<double> uninterrupted;
+  // Training changes every shard and moment while the thread may still be writing.
+  for (int64_t s = 3; s < 6; ++s) uninterrupted.push_back(train_step(model, opt, s, pg));
+  EXPECT_EQ(pending.wait(), dir + "/step_00000003");
+  EXPECT_TRUE(pending.done());
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, expected_staging);
+  pg.barrier();  // rank 0's wait() returns once published; the others' once written
+  EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir + "/step_00000003")) names.push_back(e.path().filename().string());
+  EXPECT_EQ(names.size(), static_cast<size_t>(pg.size())) << "markers left in the checkpoint";
+
+  torch::manual_seed(7);
+  auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
+  torch::optim::AdamW opt2(model2.sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
+  TrainingState st;
+  torch::manual_seed(999);
+  load_sharded_checkpoint(dir, model2, &opt2, &st);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the RNG state of the call was not saved";
+  EXPECT_EQ(st.step, 3);
+  EXPECT_EQ(st.extra, sample_state(3).extra);
+  for (int64_t s = 3; s < 6; ++s) {
+    EXPECT_EQ(train_step(model2, opt2, s, pg), uninterrupted[static_cast<size_t>(s - 3)])
+        << "step " << s << " differs after resuming from the asynchronous save";
+  }
+}
+
+TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtTwoRanks) {
+  const std::string dir = scratch_dir("async");
+  run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtOneRank) {
+  const std::string dir = scratch_dir("async");
+  run_ranks(1, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+// A write that fails in the background (a full disk, injected on rank 1): wait() says so
+// on each rank, `latest` stays at the previous checkpoint, the next save throws on every
+// rank naming the file and saves nothing, and the save after it works.
+TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
+  const std::string dir = scratch_dir("async_fail");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    fsdp::detail::set_async_save_write_hook([&](const std::string& file) {
+      if (pg.rank() == 1) throw std::runtime_error("No space left on device (injected)");
+      (void)file;
+    });
+    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    const std::string waited = error_of([&] { pending.wait(); });
+    const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
+    EXPECT_NE(waited.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << waited;
+    EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"), std::string::npos)
+        << waited;
+    if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
+    fsdp::detail::set_async_save_write_hook({});
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+
+    const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos) << next;
+    EXPECT_NE(next.find("this call saved nothing"), std::string::npos) << next;
+    pg.barrier();
+    EXPECT_FALSE(fs::exists(dir + "/step_00000003"));
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+
+    AsyncSave again = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    EXPECT_EQ(again.wait(), dir + "/step_00000003");
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+    std::sort(left.begin(), left.end());
+    EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001", "step_00000003"}));
+  });
 }
 
 // ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <variant>
@@ -70,6 +71,47 @@ struct LoadReport {
 std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& model,
                                     torch::optim::Optimizer* optimizer, const TrainingState& state,
                                     const SaveOptions& options = {});
+
+class AsyncSaveJob;  // the engine's (opaque)
+
+/// The handle of a save_sharded_checkpoint_async: one save in flight per process.
+/// Destroying it (or assigning another to it) waits for the save; a failure is then
+/// reported by the next save, on every rank.
+class [[nodiscard]] AsyncSave {
+ public:
+  AsyncSave() = default;  ///< no save
+  AsyncSave(AsyncSave&&) noexcept;
+  AsyncSave& operator=(AsyncSave&&) noexcept;  ///< waits for the save this handle held
+  ~AsyncSave();                                ///< waits for the save (never throws)
+
+  /// Blocks until this rank's file is on disk (on rank 0: until the checkpoint is
+  /// published and `latest` names it) and returns the checkpoint's path. Throws if the
+  /// save failed, naming the file; `latest` then still names the checkpoint before it.
+  /// Not collective.
+  std::string wait();
+  /// Whether the background work has finished (successfully or not), without waiting.
+  bool done() const;
+  /// Where the checkpoint will be: `dir`/step_<step>.
+  std::string path() const;
+
+ private:
+  explicit AsyncSave(std::shared_ptr<AsyncSaveJob> job);
+  friend AsyncSave save_sharded_checkpoint_async(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
+                                                 const TrainingState&, const SaveOptions&);
+  std::shared_ptr<AsyncSaveJob> job_;
+};
+
+/// save_sharded_checkpoint that returns as soon as this rank's shards, optimizer state,
+/// RNG and training state are copied into host staging memory (pinned when they come from
+/// a GPU; counted in MemoryStats::checkpoint_staging until the save is waited for). A
+/// background thread writes the same files as save_sharded_checkpoint, with the same
+/// checksums and atomic publish; training may change the model meanwhile. Collective.
+/// One save in flight: the next save (either kind) first waits for this one and, if it
+/// failed on any rank, throws on every rank, naming the file, without saving; `latest`
+/// never names a checkpoint that is not complete.
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& model,
+                                        torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                        const SaveOptions& options = {});
 
 /// Loads a sharded checkpoint saved at any world size and under any wrap policy.
 /// `path` is a checkpoint directory or a directory holding a `latest` marker. Each rank

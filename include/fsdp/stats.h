@@ -24,6 +24,9 @@ struct MemoryStats {
   /// added into existing gradients (at most two units' at a time). With cpu_offload,
   /// sharded_params and grad_shards are host memory.
   MemoryCounter offload_buffers;
+  /// Host copies of this rank's checkpoint state that an asynchronous save writes in the
+  /// background (save_sharded_checkpoint_async), held until the save is waited for.
+  MemoryCounter checkpoint_staging;
 };
 
 /// Bytes moved by collectives. A collective is counted by the size of its full
