@@ -138,6 +138,7 @@ cxxopts::Options make_options() {
     ("save-dir", "save sharded checkpoints here (every rank writes its own file)", cxxopts::value<std::string>()->default_value(""))
     ("save-every", "save every K steps (0: only at the end)", cxxopts::value<int64_t>()->default_value("0"))
     ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
+    ("async-save", "save in the background: training waits only while this rank's state is copied to host memory")
     ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
     ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
     ("init-from", "start from these consolidated weights: an HDF5 file, or safetensors (file, index or directory); step 0, fresh optimizer; the architecture is the file's (model flags given must agree)", cxxopts::value<std::string>()->default_value(""))
@@ -396,8 +397,9 @@ int run(int argc, char** argv) {
                      std::to_string(steps) + " (0: run all steps)");
   }
   if (keep < 0) throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
-  if ((resume || save_every > 0) && save_dir.empty()) {
-    throw UsageError(std::string(resume ? "--resume" : "--save-every") + " needs --save-dir DIR");
+  if ((resume || save_every > 0 || r.count("async-save")) && save_dir.empty()) {
+    throw UsageError(std::string(resume ? "--resume" : save_every > 0 ? "--save-every" : "--async-save") +
+                     " needs --save-dir DIR");
   }
   // Output locations are checked now, not after hours of training.
   if (!save_dir.empty()) {
@@ -502,6 +504,16 @@ int run(int argc, char** argv) {
   save_opts.keep_last = static_cast<int>(keep);
   save_opts.verbose = true;
   int64_t last_saved = first_step;
+  const bool async_save = r.count("async-save") > 0;
+  fsdp::AsyncSave pending;  // --async-save: the save in flight
+  auto save = [&](int64_t at_step) {
+    timed("save", [&] {
+      if (!async_save) return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(at_step), save_opts);
+      pending = fsdp::save_sharded_checkpoint_async(save_dir, model, &opt, training_state(at_step), save_opts);
+      return pending.path();
+    });
+    last_saved = at_step;
+  };
 
   std::ofstream jsonl;
   if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
@@ -594,13 +606,15 @@ int run(int argc, char** argv) {
       }
     }
     if (save_every > 0 && (step + 1) % save_every == 0) {
-      timed("save", [&] { return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(step + 1), save_opts); });
-      last_saved = step + 1;
+      save(step + 1);
     }
   }
   const int64_t final_step = std::max(first_step, last_step);
   if (!save_dir.empty() && last_saved != final_step) {
-    timed("save", [&] { return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(final_step), save_opts); });
+    save(final_step);
+  }
+  if (async_save && !pending.path().empty()) {
+    timed("save_wait", [&] { return pending.wait(); });
   }
   if (stop_at > 0 && main_rank) {
     std::cout << "train_gpt: stopped at step " << final_step << " of " << steps << " (--stop-at)"
