@@ -33,6 +33,15 @@ std::vector<double> losses(const std::string& log) {
   return out;
 }
 
+std::vector<std::string> nonempty_lines(const std::string& path) {
+  std::ifstream f(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(f, line);) {
+    if (!line.empty()) out.push_back(line);
+  }
+  return out;
+}
+
 // Two ranks, a small model, a constant schedule (so a shorter first run has the same
 // learning rates as the long one), dropout on (so the RNG state must be restored too).
 std::vector<std::string> run_args(const std::string& dir, int steps, const std::vector<std::string>& extra) {
@@ -89,6 +98,37 @@ TEST(TrainGptCheckpoint, ResumeContinuesExactlyLikeAnUninterruptedRun) {
   ASSERT_EQ(s1.exit_code, 0) << s1.output;
   EXPECT_EQ(s1.output, s1b.output) << "sampling with a seed must be reproducible";
   EXPECT_NE(s1.output, s2.output) << "another seed should sample another text";
+}
+
+// --async-save writes the same checkpoints in the background: a run saving every 3 steps
+// asynchronously, then resumed, continues exactly like the uninterrupted run; --io-log
+// records what training waited for each save, and the wait at the end.
+TEST(TrainGptCheckpoint, AsyncSavesResumeExactlyLikeAnUninterruptedRun) {
+  const std::string dir = temp_dir("resume_async");
+  auto full = run_command(run_args(dir, 9, {"--log-jsonl", dir + "/full.jsonl"}));
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  auto first = run_command(run_args(dir, 9, {"--save-dir", dir + "/ck", "--save-every", "3", "--async-save",
+                                             "--stop-at", "6", "--io-log", dir + "/io.jsonl"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("in the background"), std::string::npos) << first.output;
+  std::vector<std::string> events;
+  for (const auto& line : nonempty_lines(dir + "/io.jsonl")) events.push_back(nlohmann::json::parse(line).at("event"));
+  EXPECT_EQ(events, (std::vector<std::string>{"save", "save", "save_wait"}));
+  EXPECT_TRUE(fs::exists(dir + "/ck/step_00000003/rank_00001.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/ck/step_00000006/rank_00001.h5"));
+  auto second = run_command(run_args(dir, 9, {"--save-dir", dir + "/ck", "--resume", "--async-save", "--log-jsonl",
+                                              dir + "/resumed.jsonl"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from " + dir + "/ck/step_00000006 at step 6"), std::string::npos)
+      << second.output;
+  auto a = losses(dir + "/full.jsonl"), b = losses(dir + "/resumed.jsonl");
+  ASSERT_EQ(a.size(), 9u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(b[i], a[i + 6]) << "step " << i + 7;
+  EXPECT_TRUE(fs::exists(dir + "/ck/step_00000009/rank_00000.h5"));
+  auto bad = run_command({bin("train_gpt"), "--async-save", "--steps", "1"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--async-save needs --save-dir DIR"), std::string::npos) << bad.output;
 }
 
 // fp16: the loss scaler's state travels with the checkpoint. The scale starts at 2^24,
