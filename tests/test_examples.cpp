@@ -262,9 +262,50 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--steps", "10", "--stop-at", "11"}, "train_gpt: error: --stop-at 11 must be between 1 and --steps 10 (0: run all steps)"},
         BadInput{{"--save-every", "-1", "--save-dir", "/tmp/x"}, "train_gpt: error: --save-every -1 must not be negative"},
         BadInput{{"--save-every", "5"}, "train_gpt: error: --save-every needs --save-dir DIR"},
+        BadInput{{"--val-fraction", "1"}, "train_gpt: error: --val-fraction 1 must be at least 0 and below 1 (0: no validation)"},
         BadInput{{"--save-dir", "/proc/fsdp_no"}, "train_gpt: error: --save-dir /proc/fsdp_no: cannot create the directory"},
         BadInput{{"--consolidate-to", "/nonexistent/dir/w.h5"}, "train_gpt: error: --consolidate-to /nonexistent/dir/w.h5: the directory /nonexistent/dir does not exist"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
+
+// --data holds out its last --val-fraction for validation: a text whose training part
+// is "ab" repeated and whose held-out tenth is all 'z' trains to a low loss while the
+// validation loss stays high (the model never saw a 'z'); had training read the held-out
+// part, 'z' would be predicted. Validation losses come on the progress steps only, and a
+// split too small for a block is an error naming both parts.
+TEST(TrainGpt, DataHoldsOutItsLastFractionForTheValidationLoss) {
+  const std::string text_path = temp_path("val") + ".txt";
+  {
+    std::ofstream f(text_path);
+    for (int i = 0; i < 900; ++i) f << "ab";
+    f << std::string(200, 'z');  // 2000 bytes: the last 10% are the z's
+  }
+  auto log = temp_path("val_log");
+  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", bin("train_gpt"), "--data", text_path, "--steps", "30",
+                        "--log-every", "10", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "16",
+                        "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "5", "--lr-schedule", "constant",
+                        "--log-jsonl", log});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("1800 bytes to train on, 200 held out for validation"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| val loss "), std::string::npos) << r.output;
+  auto steps = read_jsonl(log);
+  ASSERT_EQ(steps.size(), 30u);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    EXPECT_EQ(steps[i].contains("val_loss"), (i + 1) % 10 == 0) << steps[i].dump();
+  }
+  const double train = steps.back().at("loss").get<double>(), val = steps.back().at("val_loss").get<double>();
+  EXPECT_LT(train, 0.1) << "alternating a and b is easy to learn";
+  EXPECT_GT(val, 3.0) << "the held-out z's must be unseen (train loss " << train << ")";
+
+  const std::string small = temp_path("val_small") + ".txt";
+  std::ofstream(small) << std::string(100, 'a');
+  auto bad = run_command({bin("train_gpt"), "--data", small, "--steps", "1"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("train_gpt: error: --data " + small + " (100 bytes) split by --val-fraction leaves 90 "
+                            "bytes to train on and 10 to validate on; each needs --block-size + 2 = 34"),
+            std::string::npos) << bad.output;
+  auto none = run_command({bin("train_gpt"), "--data", small, "--steps", "1", "--val-fraction", "0"});
+  EXPECT_EQ(none.exit_code, 0) << none.output;
+}
 
 // fp16 on CPU: where the linked LibTorch has the kernels (2.x), train_gpt trains at
 // world 2 with the dynamic loss scaler; where it has not (1.13), it refuses, naming the

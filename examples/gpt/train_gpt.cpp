@@ -43,13 +43,16 @@ const std::string kAlphabet = "abcdefghijklmnopqrstuvwxyz .,;!?";
 /// Byte-level batches, identical on every rank and world size for a given step.
 class Data {
  public:
-  Data(uint64_t seed, const std::string& path) : seed_(seed), synthetic_(path.empty()) {
+  /// With a file, its last `val_fraction` is held out for validation (val_batch).
+  Data(uint64_t seed, const std::string& path, double val_fraction = 0)
+      : seed_(seed), synthetic_(path.empty()), path_(path) {
     if (!synthetic_) {
       std::ifstream f(path, std::ios::binary);
       if (!f) throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
       std::stringstream ss;
       ss << f.rdbuf();
       text_ = ss.str();
+      train_end_ = text_.size() - static_cast<size_t>(static_cast<double>(text_.size()) * val_fraction);
       return;
     }
     std::mt19937_64 g(seed ^ 0x5eedULL);
@@ -64,6 +67,31 @@ class Data {
       throw UsageError("--data holds " + std::to_string(text_.size()) + " bytes, fewer than --block-size + 2 = " +
                        std::to_string(block + 2) + "; use a longer file or a smaller --block-size");
     }
+    const auto need = static_cast<size_t>(block + 2);
+    if (!synthetic() && validates() && (train_end_ < need || text_.size() - train_end_ < need)) {
+      throw UsageError("--data " + path_ + " (" + std::to_string(text_.size()) + " bytes) split by --val-fraction "
+                       "leaves " + std::to_string(train_end_) + " bytes to train on and " +
+                       std::to_string(text_.size() - train_end_) + " to validate on; each needs --block-size + 2 = " +
+                       std::to_string(need) + ". Use a longer file, another --val-fraction, or 0 for none");
+    }
+  }
+
+  /// Whether a validation split is held out (a file and --val-fraction > 0).
+  bool validates() const { return !synthetic() && train_end_ < text_.size(); }
+  size_t train_bytes() const { return synthetic() ? 0 : train_end_; }
+  size_t val_bytes() const { return synthetic() ? 0 : text_.size() - train_end_; }
+
+  /// (rows, block + 1) tokens from the held-out part: validation batch `i` (fixed by the seed).
+  torch::Tensor val_batch(int64_t i, int64_t rows, int64_t block) const {
+    std::mt19937_64 g((seed_ ^ 0x7a11da7eULL) * 1000003ULL + static_cast<uint64_t>(i));
+    auto out = torch::empty({rows, block + 1}, torch::kLong);
+    auto a = out.accessor<int64_t, 2>();
+    const size_t span = text_.size() - train_end_ - static_cast<size_t>(block) - 1;
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t start = train_end_ + g() % span;
+      for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
+    }
+    return out;
   }
 
   /// (rows, block + 1) tokens for `step`.
@@ -79,7 +107,7 @@ class Data {
           s = (g() % 10 < 7) ? next_[s].first : next_[s].second;
         }
       } else {
-        uint64_t start = g() % (text_.size() - block - 1);
+        uint64_t start = g() % (train_end_ - block - 1);
         for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
       }
     }
@@ -101,7 +129,9 @@ class Data {
  private:
   uint64_t seed_;
   bool synthetic_;  ///< no --data: the Markov task (an empty file is an error, not this)
+  std::string path_;
   std::string text_;
+  size_t train_end_ = 0;  ///< text_[0, train_end_) trains; the rest validates
   std::vector<std::pair<int, int>> next_;  ///< per character: likely (p=0.7) and other (0.3) successor
 };
 
@@ -125,7 +155,8 @@ cxxopts::Options make_options() {
     ("lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))
     ("clip-grad", "clip the global gradient norm to this (0: off)", cxxopts::value<double>()->default_value("1.0"))
     ("seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))
-    ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""));
+    ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""))
+    ("val-fraction", "with --data: hold out this last fraction of the file; its loss is printed as training goes (0: none)", cxxopts::value<double>()->default_value("0.1"));
   o.add_options("sharding")
     ("precision", "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over fp32 masters; fp16 with a dynamic loss scale)", cxxopts::value<std::string>()->default_value("fp32"))
     ("loss-scale-power", "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)", cxxopts::value<int>()->default_value("16"))
@@ -372,7 +403,13 @@ int run(int argc, char** argv) {
   so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());
   so.checkpoint_policy = parse_checkpointing(r["activation-checkpointing"].as<std::string>());
 
-  Data data(seed, r["data"].as<std::string>());
+  const double val_fraction = r["val-fraction"].as<double>();
+  if (!(val_fraction >= 0 && val_fraction < 1)) {
+    std::ostringstream v;
+    v << val_fraction;
+    throw UsageError("--val-fraction " + v.str() + " must be at least 0 and below 1 (0: no validation)");
+  }
+  Data data(seed, r["data"].as<std::string>(), val_fraction);
   data.check(cfg.block_size);
 
   fsdp::ProcessGroup pg = fsdp::init_process_group();
@@ -539,6 +576,26 @@ int run(int argc, char** argv) {
     std::cout << std::flush;
   }
 
+  // Validation loss over the held-out part: the same 4 batches every time, each rank its
+  // rows, no gradients, dropout off; the mean over ranks and batches.
+  auto val_loss = [&]() {
+    constexpr int64_t kValBatches = 4;
+    torch::NoGradGuard no_grad;
+    model->eval();
+    auto sum = torch::zeros({1}, torch::kDouble);
+    for (int64_t i = 0; i < kValBatches; ++i) {
+      auto rows = data.val_batch(i, batch, cfg.block_size);
+      auto mine = rows.narrow(0, pg.rank() * (batch / world), batch / world);
+      sum += gpt::loss_on(model, mine).to(torch::kDouble).reshape({1});
+    }
+    model->train();
+    pg.all_reduce_sum(sum);
+    return sum.item<double>() / static_cast<double>(world * kValBatches);
+  };
+  if (main_rank && data.validates()) {
+    std::cout << "train_gpt: " << r["data"].as<std::string>() << ": " << data.train_bytes() << " bytes to train on, "
+              << data.val_bytes() << " held out for validation (--val-fraction " << val_fraction << ")" << std::endl;
+  }
   const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>() : std::max<int64_t>(1, steps / 20);
   const int64_t micro = batch / accum;
   const auto t0 = std::chrono::steady_clock::now();
@@ -581,20 +638,24 @@ int run(int argc, char** argv) {
     auto mem = model.memory_stats();
     const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak + mem.comm_buffers.peak;
     const int64_t comm = model.comm_stats().step.total_bytes();
+    const bool progress = (step + 1) % log_every == 0 || step + 1 == last_step;
+    const double vloss = data.validates() && progress ? val_loss() : std::nan("");  // collective
     if (main_rank) {
       if (jsonl.is_open()) {
         nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
                             {"step_s", dt}, {"peak_bytes", peak}, {"comm_bytes", comm}};
+        if (!std::isnan(vloss)) j["val_loss"] = vloss;
         if (scaler) {
           j["loss_scale"] = scaler->state().scale;
           j["skipped_steps"] = scaler->state().skipped_steps;
         }
         jsonl << j.dump() << "\n" << std::flush;
       }
-      if ((step + 1) % log_every == 0 || step + 1 == last_step) {
+      if (progress) {
         double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(last_step - step - 1);
         std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed << std::setprecision(4) << loss
+                  << (std::isnan(vloss) ? std::string() : " | val loss " + std::to_string(vloss).substr(0, 6))
                   << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed << " | "
                   << std::setprecision(0) << tok_s << " tok/s | engine peak " << human_bytes(static_cast<double>(peak))
                   << " | comm " << human_bytes(static_cast<double>(comm)) << "/step"
