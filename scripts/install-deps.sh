@@ -26,6 +26,7 @@ COMMON=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-h5py              # interop tests: the h5py reader
   python3-matplotlib                # scripts/compare-pytorch.sh: the pictures
+  fortunes                          # the demo's English text (quotations; BSD licence)
 )
 CPU=(
   libtorch-dev libgloo-dev          # LibTorch (CPU) and the Gloo headers c10d needs
