@@ -9,7 +9,7 @@
 # demo trains on the synthetic task instead and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-1000}
+STEPS=${STEPS:-800}
 HALF=$((STEPS / 2))
 B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh sets its own
 OUT="$B/demo"
