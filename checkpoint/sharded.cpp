@@ -343,6 +343,23 @@ void report_saved(const SavePlan& plan, int world, std::chrono::steady_clock::ti
             << " s" << how << ")" << std::endl;
 }
 
+// Every rank's outcome of one step of a save (`error`: this rank's, "" for none), agreed
+// with a MAX all-reduce; after a failure anywhere, rank 0 removes the temporary directory
+// and every rank throws alike, naming this rank's error or pointing at another's.
+void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* fn, const std::string& dir,
+                      const std::string& error) {
+  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
+  pg.all_reduce_max(failed);
+  if (failed.item<float>() == 0) return;
+  if (pg.rank() == 0) {
+    std::error_code ec;
+    fs::remove_all(plan.tmp, ec);
+  }
+  TORCH_CHECK(false, fn, " to ", dir, " failed",
+              error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
+              ". The previous checkpoint is untouched.");
+}
+
 std::string done_marker(int rank) { return ".done-" + rank_file_name(rank); }
 std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); }
 
@@ -531,26 +548,16 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   const SavePlan plan = plan_save(dir, state.step, pg, fn);
 
   // Every rank writes its own file at once; no data moves between ranks.
-  at::Tensor failed = at::zeros({1}, at::kFloat);
   std::string error;
   try {
     write_snapshot((plan.tmp / rank_file_name(rank)).string(),
                    take_snapshot(root, optimizer, state, rank, world, /*stage=*/false));
   } catch (const std::exception& e) {
     error = e.what();
-    failed[0] = 1;
   }
-  pg.all_reduce_max(failed);
-  if (failed.item<float>() > 0) {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(plan.tmp, ec);
-    }
-    TORCH_CHECK(false, "save_sharded_checkpoint to ", dir, " failed",
-                error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
-                ". The previous checkpoint is untouched.");
-  }
+  agree_or_abandon(pg, plan, fn, dir, error);
 
+  at::Tensor failed = at::zeros({1}, at::kFloat);
   if (rank == 0) {
     try {
       publish(plan, options.keep_last);
@@ -578,25 +585,14 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
   const SavePlan plan = plan_save(dir, state.step, pg, fn);
   // The copy is made on every rank before any rank goes on training: a rank that fails
   // here (out of host memory, say) fails the call everywhere, and nothing is written.
-  at::Tensor failed = at::zeros({1}, at::kFloat);
   std::string error;
   RankSnapshot snap;
   try {
     snap = take_snapshot(root, optimizer, state, rank, world, /*stage=*/true);
   } catch (const std::exception& e) {
     error = e.what();
-    failed[0] = 1;
   }
-  pg.all_reduce_max(failed);
-  if (failed.item<float>() > 0) {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(plan.tmp, ec);
-    }
-    TORCH_CHECK(false, fn, " to ", dir, " failed",
-                error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
-                ". The previous checkpoint is untouched.");
-  }
+  agree_or_abandon(pg, plan, fn, dir, error);
   detail::account_checkpoint_staging(root, snap.staged_bytes);
   auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world, options);
   job->start();

@@ -1009,6 +1009,14 @@ TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtTwoRanks) {
   run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
 }
 
+TEST(AsyncCheckpoint, AnEmptyHandleHoldsNoSave) {
+  AsyncSave none;
+  EXPECT_TRUE(none.done());
+  EXPECT_EQ(none.path(), "");
+  const std::string msg = error_of([&] { none.wait(); });
+  EXPECT_NE(msg.find("AsyncSave::wait: this handle holds no save"), std::string::npos) << msg;
+}
+
 TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtOneRank) {
   const std::string dir = scratch_dir("async");
   run_ranks(1, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });

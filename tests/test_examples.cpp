@@ -220,6 +220,28 @@ TEST(FsdpRun, BadArgumentsAreUsageErrors) {
   r = run_command({bin("fsdp-run"), "--nproc", "2", "--foo", "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("fsdp-run: error: unknown option '--foo'; put the command after --"), std::string::npos);
+  r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", "/nonexistent/dir/rss.json", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: --peak-rss-json /nonexistent/dir/rss.json: cannot write the file"),
+            std::string::npos) << r.output;
+  r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json=", "--", "true"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("fsdp-run: error: --peak-rss-json needs a file name"), std::string::npos) << r.output;
+}
+
+// --peak-rss-json: one figure per rank, each that rank's own peak. A rank that holds
+// 256 MiB more than the other shows it; fsdp-run's own figure would not tell them apart.
+TEST(FsdpRun, PeakRssJsonHasEachRanksOwnPeak) {
+  const std::string json = temp_path("rss") + ".json";
+  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", json, "--", "/usr/bin/python3", "-c",
+                        "import os; b = bytearray((256 << 20) if os.environ['RANK'] == '1' else 0); "
+                        "b[::4096] = b'x' * len(b[::4096])"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(std::ifstream(json));
+  const auto kb = j.at("peak_rss_kb").get<std::vector<int64_t>>();
+  ASSERT_EQ(kb.size(), 2u) << j.dump();
+  EXPECT_GT(kb[0], 0);
+  EXPECT_GT(kb[1] - kb[0], 200 * 1024) << j.dump();  // KiB
 }
 
 struct BadInput {
