@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -87,6 +88,10 @@ int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer);
 int64_t copy_out_gathers(const ShardedModel& model);
 /// Adds `delta` bytes (negative: releases) to MemoryStats::checkpoint_staging.
 void account_checkpoint_staging(const ShardedModel& model, int64_t delta);
+/// The host buffers `model`'s last asynchronous save staged into, by what they held
+/// ("flat_3/param", ...), kept for the next save to copy into (SaveOptions::keep_staging);
+/// counted in MemoryStats::checkpoint_staging. The model owns them: they go with it.
+std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel& model);
 /// Tests only: called by an asynchronous save's thread with the file it is about to
 /// write; a throw there fails that rank's save as a disk error would. Empty: none.
 void set_async_save_write_hook(std::function<void(const std::string&)> hook);

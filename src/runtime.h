@@ -52,6 +52,9 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   void set_no_sync(bool on) { no_sync_ = on; }
   /// Non-root units not in the sharded state.
   int gathered_non_root() const;
+  /// Host buffers the last asynchronous save staged into, kept for the next one
+  /// (detail::checkpoint_staging_pool); they go with the model.
+  std::map<std::string, at::Tensor>& staging_pool() { return staging_pool_; }
 
  private:
   void prefetch_from(const Unit& u, int direction);
@@ -71,6 +74,7 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   bool iteration_open_ = false;               ///< a training forward began, backward not done
   bool callback_queued_ = false;              ///< end-of-backward callback queued
   bool no_sync_ = false;                      ///< see NoSyncScope
+  std::map<std::string, at::Tensor> staging_pool_;
 };
 
 }  // namespace fsdp::detail

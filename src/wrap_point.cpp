@@ -196,6 +196,10 @@ void account_checkpoint_staging(const ShardedModel& model, int64_t delta) {
   }
 }
 
+std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel& model) {
+  return runtime_of(model).staging_pool();
+}
+
 int64_t copy_out_gathers(const ShardedModel& model) {
   int64_t n = 0;
   for (const auto& u : runtime_of(model).units()) {

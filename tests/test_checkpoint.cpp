@@ -981,8 +981,11 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
   for (int64_t s = 3; s < 6; ++s) uninterrupted.push_back(train_step(model, opt, s, pg));
   EXPECT_EQ(pending.wait(), dir + "/step_00000003");
   EXPECT_TRUE(pending.done());
-  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging) << "kept for the next save";
   EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, expected_staging);
+  release_checkpoint_staging(model);
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
   pg.barrier();  // rank 0's wait() returns once published; the others' once written
   EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
   std::vector<std::string> names;
@@ -1007,6 +1010,90 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
 TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtTwoRanks) {
   const std::string dir = scratch_dir("async");
   run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+// Note [Staging reuse]: the second save copies into the first one's buffers (the same
+// memory, so the counter never holds two snapshots) and still writes its own step's
+// values; buffers a save no longer needs are freed; keep_staging = false and
+// release_checkpoint_staging give the memory back.
+TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) {
+  const std::string dir = scratch_dir("async_reuse");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    const auto cfg = small_gpt_config();
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
+    auto opt = make_adamw(model);
+    train_step(model, opt, 0, pg);
+    int64_t param_bytes = 0, optim_bytes = 0;
+    for (const auto& ls : fsdp::detail::local_shards(model)) {
+      const int64_t length = ls.writer ? ls.length : 0;
+      param_bytes += 4 * length;
+      if (ls.info.requires_grad) optim_bytes += 2 * 4 * length;  // exp_avg, exp_avg_sq
+    }
+    if (pg.rank() == 0) {
+      for (const auto& b : model.as_module().buffers()) param_bytes += static_cast<int64_t>(b.nbytes());
+    }
+    auto stats = [&] { return model.memory_stats().checkpoint_staging; };
+    auto addresses = [&] {
+      std::map<std::string, const void*> a;
+      for (const auto& [key, t] : fsdp::detail::checkpoint_staging_pool(model)) a[key] = t.data_ptr();
+      return a;
+    };
+
+    // Without the optimizer: parameters (and rank 0's buffers) only.
+    AsyncSave first = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1));
+    first.wait();
+    EXPECT_EQ(stats().current, param_bytes);
+    const auto kept = addresses();
+    EXPECT_FALSE(kept.empty());
+
+    // With it: the parameters' buffers are reused, the moments' are new.
+    train_step(model, opt, 1, pg);
+    std::vector<torch::Tensor> expected;
+    for (const auto& ls : fsdp::detail::local_shards(model)) expected.push_back(ls.shard.narrow(0, 0, ls.length).clone());
+    AsyncSave second = save_sharded_checkpoint_async(dir, model, &opt, sample_state(2));
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    EXPECT_EQ(stats().peak, param_bytes + optim_bytes) << "the first save's buffers were not reused";
+    train_step(model, opt, 2, pg);  // changes every shard while the second save may write
+    second.wait();
+    const auto now = addresses();
+    for (const auto& [key, ptr] : kept) {
+      ASSERT_TRUE(now.count(key)) << key;
+      EXPECT_EQ(now.at(key), ptr) << key << " was allocated afresh";
+    }
+    EXPECT_GT(now.size(), kept.size());
+
+    // The reused buffers held the second save's values.
+    pg.barrier();
+    torch::manual_seed(5);
+    auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
+    load_sharded_checkpoint(dir, model2, nullptr, nullptr);
+    const auto loaded = fsdp::detail::local_shards(model2);
+    ASSERT_EQ(loaded.size(), expected.size());
+    for (size_t k = 0; k < expected.size(); ++k) {
+      EXPECT_TRUE(torch::equal(loaded[k].shard.narrow(0, 0, loaded[k].length), expected[k])) << k;
+    }
+
+    // Without the optimizer again: its moments' buffers are freed.
+    AsyncSave third = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    third.wait();
+    EXPECT_EQ(stats().current, param_bytes);
+
+    SaveOptions no_keep;
+    no_keep.keep_staging = false;
+    AsyncSave fourth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(4), no_keep);
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    fourth.wait();
+    EXPECT_EQ(stats().current, 0);
+    EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
+
+    AsyncSave fifth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(5));
+    fifth.wait();
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    release_checkpoint_staging(model);
+    EXPECT_EQ(stats().current, 0);
+    EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
+  });
 }
 
 TEST(AsyncCheckpoint, AnEmptyHandleHoldsNoSave) {
@@ -1045,7 +1132,8 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
-    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+    EXPECT_GT(model.memory_stats().checkpoint_staging.current, 0);
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, model.memory_stats().checkpoint_staging.peak);
 
     const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
     EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir + "/step_00000002 failed"),

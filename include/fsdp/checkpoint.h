@@ -46,6 +46,12 @@ struct SaveOptions {
   int keep_last = 0;
   /// Print progress on rank 0.
   bool verbose = false;
+  /// Asynchronous saves: keep the host staging buffers once the save is written, for the
+  /// next asynchronous save to copy into. Copying into memory already touched is several
+  /// times faster than into fresh pages, and that copy is what training waits for. The
+  /// kept bytes (one snapshot at most) stay in MemoryStats::checkpoint_staging;
+  /// release_checkpoint_staging() frees them. False: freed when the save is waited for.
+  bool keep_staging = true;
 };
 
 struct LoadOptions {
@@ -103,7 +109,8 @@ class [[nodiscard]] AsyncSave {
 
 /// save_sharded_checkpoint that returns as soon as this rank's shards, optimizer state,
 /// RNG and training state are copied into host staging memory (pinned when they come from
-/// a GPU; counted in MemoryStats::checkpoint_staging until the save is waited for). A
+/// a GPU; counted in MemoryStats::checkpoint_staging, and kept for the next save unless
+/// SaveOptions::keep_staging is false). A
 /// background thread writes the same files as save_sharded_checkpoint, with the same
 /// checksums and atomic publish; training may change the model meanwhile. Collective.
 /// One save in flight: the next save (either kind) first waits for this one and, if it
@@ -112,6 +119,11 @@ class [[nodiscard]] AsyncSave {
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& model,
                                         torch::optim::Optimizer* optimizer, const TrainingState& state,
                                         const SaveOptions& options = {});
+
+/// Waits for the asynchronous save in flight, if any, and frees the staging buffers that
+/// `model`'s asynchronous saves keep for the next one (SaveOptions::keep_staging). Not
+/// collective; the next asynchronous save allocates afresh.
+void release_checkpoint_staging(const ShardedModel& model);
 
 /// Loads a sharded checkpoint saved at any world size and under any wrap policy.
 /// `path` is a checkpoint directory or a directory holding a `latest` marker. Each rank
@@ -166,6 +178,12 @@ struct SafetensorsOptions {
   uint64_t max_shard_size = 5'000'000'000;
   /// Print progress on rank 0.
   bool verbose = false;
+  /// Asynchronous saves: keep the host staging buffers once the save is written, for the
+  /// next asynchronous save to copy into. Copying into memory already touched is several
+  /// times faster than into fresh pages, and that copy is what training waits for. The
+  /// kept bytes (one snapshot at most) stay in MemoryStats::checkpoint_staging;
+  /// release_checkpoint_staging() frees them. False: freed when the save is waited for.
+  bool keep_staging = true;
 };
 
 /// Writes the model's weights as safetensors, the format inference tools load, into the

@@ -25,7 +25,8 @@ struct MemoryStats {
   /// sharded_params and grad_shards are host memory.
   MemoryCounter offload_buffers;
   /// Host copies of this rank's checkpoint state that an asynchronous save writes in the
-  /// background (save_sharded_checkpoint_async), held until the save is waited for.
+  /// background (save_sharded_checkpoint_async), then kept for the next one to copy into
+  /// (SaveOptions::keep_staging) until release_checkpoint_staging().
   MemoryCounter checkpoint_staging;
 };
 

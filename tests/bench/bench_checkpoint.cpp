@@ -163,16 +163,25 @@ int main(int argc, char** argv) {
   }
   // Asynchronous saves: how long training waits (the staging copy and the name agreement)
   // against the synchronous save's whole time, and how long the background write takes.
-  double t_blocked = 1e30, t_async_total = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
+  // The first save stages into fresh memory; the later ones into the buffers it kept
+  // (SaveOptions::keep_staging, Note [Staging reuse]): that is what a training run sees
+  // from its second save on, and what the metric reports.
+  double t_blocked_first = 0, t_blocked = 1e30, t_async_total = 1e30;
+  for (int rep = 0; rep < 4; ++rep) {
     if (auto latest = fsdp::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
     st.step = 100 + rep;
     const double t0 = now_s();
     fsdp::AsyncSave pending = fsdp::save_sharded_checkpoint_async(dir + "/sharded", model, nullptr, st);
-    t_blocked = std::min(t_blocked, now_s() - t0);
+    const double blocked = now_s() - t0;
     pending.wait();
-    t_async_total = std::min(t_async_total, now_s() - t0);
+    if (rep == 0) {
+      t_blocked_first = blocked;
+    } else {
+      t_blocked = std::min(t_blocked, blocked);
+      t_async_total = std::min(t_async_total, now_s() - t0);
+    }
   }
+  fsdp::release_checkpoint_staging(model);
   std::printf("%-40s %10s %10s\n", "", "seconds", "MiB/s");
   std::printf("%-40s %10.3f %10.0f\n", "raw write (write + fsync)", t_raw_w, mb / t_raw_w);
   std::printf("%-40s %10.3f %10.0f\n", "sharded save (HDF5, checksums, fsync)", t_save, mb / t_save);
@@ -182,10 +191,12 @@ int main(int argc, char** argv) {
   std::printf("%-40s %10.3f %10.0f\n", "sharded load, warm (verify checksums)", t_load, mb / t_load);
   metric("ckpt_save_vs_raw", t_raw_w / t_save, "throughput ratio (target >= 0.8)",
          "raw sequential write() + fsync of the same bytes, same directory, same run");
+  std::printf("%-40s %10.3f %10s\n", "async save: blocked, first (fresh memory)", t_blocked_first, "");
   std::printf("%-40s %10.3f %10s\n", "async save: training blocked", t_blocked, "");
   std::printf("%-40s %10.3f %10.0f\n", "async save: until on disk", t_async_total, mb / t_async_total);
   metric("async_save_blocked_fraction", t_blocked / t_save, "fraction (target <= 0.15)",
-         "the synchronous save of the same state, same run (best of 5 vs best of 3)");
+         "the synchronous save of the same state, same run (best of 5 vs best of saves 2-4, which reuse "
+         "the first one's staging buffers)");
   metric("ckpt_load_vs_raw", t_raw_rc / t_load_c, "throughput ratio (target >= 0.8)",
          "raw sequential read() of the same bytes, both evicted from the page cache first, same run");
   metric("ckpt_load_vs_raw_warm", t_raw_r / t_load, "throughput ratio",
