@@ -9,7 +9,7 @@ namespace fsdp {
 /// One tracked allocation class.
 struct MemoryCounter {
   int64_t current = 0;  ///< bytes held now
-  int64_t peak = 0;     ///< most bytes held at once since the last reset_peaks()
+  int64_t peak = 0;     ///< most bytes held at once since the last ShardedModel::reset_peak_memory()
 };
 
 /// Bytes the engine itself holds, by class.

@@ -15,9 +15,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -84,6 +86,34 @@ void evict(const std::string& path) {
   } else {
     one(path);
   }
+}
+
+// A field of /proc/self/status in MiB ("VmRSS", "VmHWM").
+double proc_status_mib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  throw std::runtime_error("no " + field + " in /proc/self/status");
+}
+
+// Runs `fn` and returns how far this process's resident memory rose above where it was
+// before, in MiB: the peak (VmHWM) is reset first by writing 5 to /proc/self/clear_refs.
+template <class F>
+double rss_growth_mib(F&& fn) {
+  {
+    std::ofstream clear("/proc/self/clear_refs");
+    clear << "5";
+    if (!clear) {
+      std::fprintf(stderr, "cannot reset the peak RSS (/proc/self/clear_refs): live export memory not measured\n");
+      fn();
+      return std::nan("");
+    }
+  }
+  const double before = proc_status_mib("VmRSS");
+  fn();
+  return proc_status_mib("VmHWM") - before;
 }
 
 // Runs a command and returns its stderr (the peak-RSS line of fsdp-consolidate).
@@ -222,6 +252,23 @@ int main(int argc, char** argv) {
   std::printf("fsdp-consolidate --format safetensors: peak RSS %.1f MiB\n", st_peak);
   metric("consolidate_safetensors_peak_rss_over_largest_param_mb", st_peak - largest, "MiB (target <= 64)",
          "size of the largest parameter (fp32)");
+  // The live exports: rank 0 gathers one unit at a time, so it grows by about one unit's
+  // full fp32 parameters (here one layer, the largest parameter too) plus a write buffer.
+  model.reset_peak_memory();
+  const double live_h5 =
+      rss_growth_mib([&] { fsdp::export_consolidated(dir + "/live.h5", model, nullptr, st); });
+  const double live_h5_counted = static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
+  model.reset_peak_memory();
+  const double live_st = rss_growth_mib([&] { fsdp::export_safetensors(dir + "/live_st", model, st); });
+  const double live_st_counted = static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
+  std::printf("export_consolidated (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n", live_h5,
+              live_h5_counted);
+  std::printf("export_safetensors (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n", live_st,
+              live_st_counted);
+  metric("export_live_rss_growth_over_largest_unit_mb", live_h5 - largest, "MiB (target <= 64)",
+         "one unit's full fp32 parameters (the largest)");
+  metric("export_safetensors_live_rss_growth_over_largest_unit_mb", live_st - largest, "MiB (target <= 64)",
+         "one unit's full fp32 parameters (the largest)");
   fs::remove_all(dir);
   return 0;
 }
