@@ -28,6 +28,7 @@
 #include <mutex>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 namespace fs = std::filesystem;
@@ -63,6 +64,12 @@ std::optional<std::pair<int64_t, int64_t>> parse_checkpoint_name(const std::stri
   std::smatch m;
   if (!std::regex_match(name, m, re)) return std::nullopt;
   return std::make_pair(std::stoll(m[1].str()), m[2].matched ? std::stoll(m[2].str()) : int64_t{1});
+}
+
+// detail::set_async_save_hook's hook (tests only).
+std::function<void(const std::string&, const std::string&)>& save_hook() {
+  static std::function<void(const std::string&, const std::string&)> hook;
+  return hook;
 }
 
 at::Tensor generator_state(at::Generator gen) {
@@ -128,6 +135,7 @@ class Stager {
   at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap) {
     const bool pinned = t.is_cuda();
     const std::string key = pinned ? what + "@pinned" : what;
+    if (save_hook()) save_hook()("stage", key);
     at::Tensor host;
     auto it = spare_.find(key);
     if (it != spare_.end() && it->second.sizes() == t.sizes() && it->second.scalar_type() == t.scalar_type()) {
@@ -427,11 +435,6 @@ void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* 
 std::string done_marker(int rank) { return ".done-" + rank_file_name(rank); }
 std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); }
 
-std::function<void(const std::string&)>& write_hook() {
-  static std::function<void(const std::string&)> hook;
-  return hook;
-}
-
 }  // namespace
 }  // namespace ckpt
 
@@ -451,9 +454,9 @@ std::function<void(const std::string&)>& write_hook() {
 class AsyncSaveJob {
  public:
   AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank, int world,
-               const SaveOptions& options)
+               double stall_s, const SaveOptions& options)
       : model_(std::move(model)), plan_(std::move(plan)), snap_(std::move(snap)), rank_(rank), world_(world),
-        options_(options), t0_(std::chrono::steady_clock::now()) {}
+        stall_s_(stall_s), options_(options), t0_(std::chrono::steady_clock::now()) {}
   ~AsyncSaveJob() { join(); }
 
   void start() { thread_ = std::thread([this] { run(); }); }
@@ -482,6 +485,7 @@ class AsyncSaveJob {
   ckpt::SavePlan plan_;
   ckpt::RankSnapshot snap_;
   int rank_, world_;
+  double stall_s_;  ///< rank 0 gives up on the others' files after this long without progress
   SaveOptions options_;
   std::chrono::steady_clock::time_point t0_;
   std::thread thread_;
@@ -492,9 +496,8 @@ class AsyncSaveJob {
 
 bool AsyncSaveJob::wait_for_ranks() {
   // No deadline while the files grow: a slow disk is not a failure. Stalled for the
-  // collective timeout (FSDP_TIMEOUT_S, default 300 s), it gives up.
-  const char* env = std::getenv("FSDP_TIMEOUT_S");
-  const double stall_s = env ? std::atof(env) : 300.0;
+  // process group's collective timeout (FSDP_TIMEOUT_S, default 300 s), it gives up.
+  const double stall_s = stall_s_;
   auto last_change = std::chrono::steady_clock::now();
   uintmax_t last_bytes = 0;
   for (;;) {
@@ -518,9 +521,10 @@ bool AsyncSaveJob::wait_for_ranks() {
       last_bytes = bytes;
       last_change = now;
     } else if (std::chrono::duration<double>(now - last_change).count() > stall_s) {
-      error_ = "waited " + std::to_string(static_cast<int64_t>(stall_s)) + " s for the other ranks' files in " +
-               plan_.tmp.string() + " (" + std::to_string(done) + " of " + std::to_string(world_) +
-               " complete) without progress";
+      std::ostringstream msg;
+      msg << "waited " << stall_s << " s (the process group's timeout, FSDP_TIMEOUT_S) for the other ranks' files in "
+          << plan_.tmp.string() << " without progress: " << done << " of " << world_ << " complete";
+      error_ = msg.str();
       return false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -531,7 +535,7 @@ void AsyncSaveJob::run() {
   using namespace ckpt;
   const std::string file = (plan_.tmp / rank_file_name(rank_)).string();
   try {
-    if (write_hook()) write_hook()(file);
+    if (save_hook()) save_hook()("write", file);
     write_snapshot(file, snap_);
     write_atomically(plan_.tmp / done_marker(rank_), "");
   } catch (const std::exception& e) {
@@ -546,6 +550,7 @@ void AsyncSaveJob::run() {
     try {
       if (error_.empty() && wait_for_ranks()) {
         for (int r = 0; r < world_; ++r) fs::remove(plan_.tmp / done_marker(r));
+        if (save_hook()) save_hook()("publish", plan_.final_dir.string());
         publish(plan_, options_.keep_last);
         if (options_.verbose) report_saved(plan_, world_, t0_, ", in the background");
       }
@@ -599,8 +604,8 @@ void wait_for_async_save() {
 }  // namespace ckpt
 
 namespace detail {
-void set_async_save_write_hook(std::function<void(const std::string&)> hook) {
-  ckpt::write_hook() = std::move(hook);
+void set_async_save_hook(std::function<void(const std::string&, const std::string&)> hook) {
+  ckpt::save_hook() = std::move(hook);
 }
 }  // namespace detail
 
@@ -676,7 +681,7 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
     }
     throw;
   }
-  auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world, options);
+  auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world, pg.timeout_s(), options);
   job->start();
   {
     std::lock_guard<std::mutex> lock(in_flight_mu);

@@ -60,6 +60,8 @@ class Backend : public BackendCore {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string name() const = 0;
+  /// How long a collective waits for the other ranks before it fails.
+  virtual double timeout_s() const { return 300.0; }
   /// full (size()*shard.numel()) <- every rank's shard, in rank order. Asynchronous.
   virtual std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) = 0;
   /// shard <- this rank's chunk of the sum of `full` over ranks. `full` may be clobbered.

@@ -52,6 +52,7 @@ class GlooBackend : public Backend {
   int rank() const override { return init_.rank; }
   int size() const override { return init_.size; }
   std::string name() const override { return "gloo"; }
+  double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
     // Gathering moves bytes, so any dtype travels as bytes; 1.13 Gloo has no

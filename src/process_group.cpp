@@ -94,6 +94,7 @@ detail::Backend& impl(const ProcessGroup& pg) { return *EngineAccess::backend(pg
 int ProcessGroup::rank() const { return impl(*this).rank(); }
 int ProcessGroup::size() const { return impl(*this).size(); }
 std::string ProcessGroup::backend_name() const { return impl(*this).name(); }
+double ProcessGroup::timeout_s() const { return impl(*this).timeout_s(); }
 
 void ProcessGroup::all_gather(const torch::Tensor& full, const torch::Tensor& shard) const {
   TORCH_CHECK(full.is_contiguous() && shard.is_contiguous(), "all_gather needs contiguous tensors");

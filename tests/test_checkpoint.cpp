@@ -835,7 +835,8 @@ TEST(CrashSaver, SavesUntilKilled) {
     // The background thread announces each write and lingers in it, so that the test's
     // kill lands inside one on purpose.
     const std::string path = flag;
-    fsdp::detail::set_async_save_write_hook([path](const std::string&) {
+    fsdp::detail::set_async_save_hook([path](const std::string& step, const std::string&) {
+      if (step != "write") return;
       std::ofstream(path) << "writing\n";
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
     });
@@ -1117,8 +1118,8 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-    fsdp::detail::set_async_save_write_hook([&](const std::string& file) {
-      if (pg.rank() == 1) throw std::runtime_error("No space left on device (injected)");
+    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& file) {
+      if (step == "write" && pg.rank() == 1) throw std::runtime_error("No space left on device (injected)");
       (void)file;
     });
     AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
@@ -1128,7 +1129,7 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"), std::string::npos)
         << waited;
     if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
-    fsdp::detail::set_async_save_write_hook({});
+    fsdp::detail::set_async_save_hook({});
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
@@ -1151,6 +1152,117 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
     std::sort(left.begin(), left.end());
     EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001", "step_00000003"}));
+  });
+}
+
+// Rank 1's background write stalls (its thread holds back until rank 0 has given up):
+// rank 0's thread waits the process group's timeout (3 s here) without the files growing,
+// says so naming the directory and the count, and removes the temporary directory; rank
+// 1's write then fails; the next save throws on both and `latest` stays.
+TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
+  const std::string dir = scratch_dir("async_stall");
+  const std::string tmp = dir + "/.tmp-step_00000002";
+  run_ranks(
+      2,
+      [&](const ProcessGroup& pg) {
+        ASSERT_EQ(pg.timeout_s(), 3.0);
+        auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+        save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+        fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& file) {
+          if (step != "write" || pg.rank() != 1) return;
+          const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (fs::exists(tmp) && std::chrono::steady_clock::now() < give_up) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+          (void)file;
+        });
+        const auto t0 = std::chrono::steady_clock::now();
+        AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+        const std::string waited = error_of([&] { pending.wait(); });
+        const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (pg.rank() == 0) {
+          EXPECT_NE(waited.find("waited 3 s (the process group's timeout, FSDP_TIMEOUT_S) for the other ranks' files in " +
+                                tmp + " without progress: 1 of 2 complete"),
+                    std::string::npos)
+              << waited;
+          EXPECT_GE(waited_s, 3.0);
+          EXPECT_LT(waited_s, 20.0);
+        } else {
+          EXPECT_NE(waited.find("writing " + tmp + "/rank_00001.h5 failed"), std::string::npos) << waited;
+        }
+        EXPECT_FALSE(fs::exists(tmp));
+        fsdp::detail::set_async_save_hook({});
+        const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+        EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
+        pg.barrier();
+        EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+        EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
+      },
+      300, {"FSDP_TIMEOUT_S=3"});
+}
+
+// Staging fails on rank 1 halfway (out of host memory, injected at its second flat, with
+// the last save's buffers in hand): the call throws on both ranks before either goes on
+// training, nothing is written, and rank 1 holds no staging memory afterwards (what it
+// had staged and what it kept are both freed and uncounted). The next save works.
+TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
+  const std::string dir = scratch_dir("async_stage");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1)).wait();
+    const int64_t snapshot_bytes = model.memory_stats().checkpoint_staging.current;
+    ASSERT_GT(snapshot_bytes, 0);
+    int staged = 0;
+    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string&) {
+      if (step == "stage" && pg.rank() == 1 && ++staged == 2) throw std::runtime_error("out of host memory (injected)");
+    });
+    const std::string msg = error_of([&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
+    fsdp::detail::set_async_save_hook({});
+    EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)" : "on another rank (see its error)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, pg.rank() == 1 ? 0 : snapshot_bytes);
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, snapshot_bytes);
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
+    EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(), dir + "/step_00000002");
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, snapshot_bytes);
+  });
+}
+
+// Publishing fails on rank 0 (the rename or `latest`, injected): rank 0's wait() names
+// the directory; rank 1, whose file was written, learns it at the next save, which throws
+// on both; nothing of the save is left and `latest` stays.
+TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
+  const std::string dir = scratch_dir("async_publish");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& what) {
+      if (step == "publish" && what == dir + "/step_00000002") throw std::runtime_error("rename: Input/output error (injected)");
+    });
+    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    if (pg.rank() == 0) {
+      const std::string waited = error_of([&] { pending.wait(); });
+      EXPECT_NE(waited.find("publishing " + dir + "/step_00000002 failed: rename: Input/output error (injected)"),
+                std::string::npos)
+          << waited;
+      EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
+    } else {
+      EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
+    }
+    fsdp::detail::set_async_save_hook({});
+    const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
+    if (pg.rank() == 1) EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+    std::sort(left.begin(), left.end());
+    EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001"}));
   });
 }
 

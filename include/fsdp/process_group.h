@@ -48,6 +48,9 @@ class ProcessGroup {
   int size() const;
   /// "gloo", "nccl" or "single".
   std::string backend_name() const;
+  /// How long a collective waits for the other ranks before it fails, in seconds
+  /// (ProcessGroupOptions::timeout_s, or FSDP_TIMEOUT_S when set); 300 for a single process.
+  double timeout_s() const;
 
   /// Gathers every rank's `shard` into `full` (size() * shard.numel() elements, rank
   /// order). Both tensors are contiguous and of the same dtype.

@@ -33,6 +33,7 @@ class NcclBackend : public Backend {
   int rank() const override { return init_.rank; }
   int size() const override { return init_.size; }
   std::string name() const override { return "nccl"; }
+  double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
     at::Tensor out = full;

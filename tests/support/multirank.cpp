@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -141,7 +142,8 @@ CommandResult run_command(const std::vector<std::string>& argv, const std::vecto
   return r;
 }
 
-void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s) {
+void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s,
+               const std::vector<std::string>& env) {
   // A test may call run_ranks several times. Calls are numbered within the test; a rank
   // process runs only the body of the call that started it, then ends (exit status 0
   // when its checks passed), so test code after that call runs in the test process only.
@@ -175,12 +177,18 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     int fd = mkstemp(tmpl);
     close(fd);
     outs.emplace_back(tmpl);
-    pids.push_back(spawn({self_exe(), "--gtest_filter=" + filter},
-                         {"FSDP_TEST_RANK_PROCESS=1", "RANK=" + std::to_string(r),
-                          "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
-                          "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                          "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1", "FSDP_TEST_RANK_CALL=" + std::to_string(index)},
-                         tmpl));
+    std::vector<std::string> vars = {"FSDP_TEST_RANK_PROCESS=1", "RANK=" + std::to_string(r),
+                                     "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                                     "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                                     "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1",
+                                     "FSDP_TEST_RANK_CALL=" + std::to_string(index)};
+    for (const auto& kv : env) {  // the caller's value replaces a default of the same name
+      const std::string name = kv.substr(0, kv.find('=') + 1);
+      vars.erase(std::remove_if(vars.begin(), vars.end(), [&](const std::string& v) { return v.rfind(name, 0) == 0; }),
+                 vars.end());
+      vars.push_back(kv);
+    }
+    pids.push_back(spawn({self_exe(), "--gtest_filter=" + filter}, vars, tmpl));
   }
   std::vector<int> codes(world, -1);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);

@@ -17,8 +17,11 @@ namespace fsdp::testing {
 /// True inside a rank process started by run_ranks.
 bool is_rank_process();
 
-/// Runs `body` on `world` ranks (see above). `timeout_s` bounds the whole run.
-void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s = 300);
+/// Runs `body` on `world` ranks (see above). `timeout_s` bounds the whole run. `env`
+/// ("NAME=value") is set in the ranks, over the defaults (e.g. "FSDP_TIMEOUT_S=3"; 60
+/// otherwise).
+void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s = 300,
+               const std::vector<std::string>& env = {});
 
 /// A TCP port that was free a moment ago on 127.0.0.1.
 int free_port();
