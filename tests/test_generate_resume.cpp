@@ -321,7 +321,9 @@ INSTANTIATE_TEST_SUITE_P(
         GenerateCase{{"--weights", "/etc/os-release", "--prompt", "a", "--max-new-tokens", "3"}, 1,
                      "is not an HDF5 file"},
         GenerateCase{{"--weights", "MLP", "--prompt", "a", "--max-new-tokens", "3"}, 1,
-                     "has no integer root attribute 'n_layer': it is not a GPT checkpoint from train_gpt"}),
+                     "has no integer root attribute 'n_layer': it is not a GPT checkpoint from train_gpt"},
+        GenerateCase{{"--weights", "W", "--prompt", "a", "--max-new-tokens", "3", "--threads", "0"}, 2,
+                     "generate: error: --threads 0 must be positive"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 }  // namespace
