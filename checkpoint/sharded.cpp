@@ -66,7 +66,7 @@ std::optional<std::pair<int64_t, int64_t>> parse_checkpoint_name(const std::stri
   return std::make_pair(std::stoll(m[1].str()), m[2].matched ? std::stoll(m[2].str()) : int64_t{1});
 }
 
-// detail::set_async_save_hook's hook (tests only).
+// detail::set_save_hook's hook (tests only).
 std::function<void(const std::string&, const std::string&)>& save_hook() {
   static std::function<void(const std::string&, const std::string&)> hook;
   return hook;
@@ -604,7 +604,7 @@ void wait_for_async_save() {
 }  // namespace ckpt
 
 namespace detail {
-void set_async_save_hook(std::function<void(const std::string&, const std::string&)> hook) {
+void set_save_hook(std::function<void(const std::string&, const std::string&)> hook) {
   ckpt::save_hook() = std::move(hook);
 }
 }  // namespace detail
@@ -623,8 +623,9 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   // Every rank writes its own file at once; no data moves between ranks.
   std::string error;
   try {
-    write_snapshot((plan.tmp / rank_file_name(rank)).string(),
-                   take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr));
+    const std::string file = (plan.tmp / rank_file_name(rank)).string();
+    if (save_hook()) save_hook()("write", file);
+    write_snapshot(file, take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr));
   } catch (const std::exception& e) {
     error = e.what();
   }

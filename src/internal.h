@@ -92,11 +92,12 @@ void account_checkpoint_staging(const ShardedModel& model, int64_t delta);
 /// ("flat_3/param", ...), kept for the next save to copy into (SaveOptions::keep_staging);
 /// counted in MemoryStats::checkpoint_staging. The model owns them: they go with it.
 std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel& model);
-/// Tests only: called by an asynchronous save with (step, what): ("stage", the buffer's
-/// key) before each staging copy on the calling thread, ("write", the rank file) in its
-/// thread, and on rank 0 ("publish", the checkpoint directory). A throw there fails that
+/// Tests only: called by a save with (step, what): ("write", the rank file) before it is
+/// written (by an asynchronous save in its thread), and by an asynchronous save also with
+/// ("stage", the buffer's key) before each staging copy and, on rank 0, with ("publish",
+/// the checkpoint directory). A throw there fails that
 /// step as running out of memory or a disk error would. Empty: none.
-void set_async_save_hook(std::function<void(const std::string&, const std::string&)> hook);
+void set_save_hook(std::function<void(const std::string&, const std::string&)> hook);
 /// Turns the tree under `root` into units; `root` becomes the root unit.
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
 /// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.

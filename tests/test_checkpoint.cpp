@@ -818,10 +818,9 @@ void fill_with(const ShardedModel& model, int64_t step) {
   for (auto& p : model.sharded_parameters()) p.fill_(static_cast<float>(step));
 }
 
-// Run in a child process: saves checkpoints step after step until killed.
-TEST(CrashSaver, SavesUntilKilled) {
-  const char* dir = std::getenv("FSDP_CRASH_SAVER_DIR");
-  if (dir == nullptr) GTEST_SKIP() << "helper for CrashSafety (runs only when started by it)";
+// The child process of the crash tests (main() runs it when FSDP_CRASH_SAVER_DIR is
+// set): saves checkpoints step after step until killed.
+void crash_saver(const char* dir) {
   auto model = fully_shard(MlpNet(64, 512, 8, 64));
   int64_t step = 0;
   if (latest_checkpoint(dir)) {
@@ -832,10 +831,10 @@ TEST(CrashSaver, SavesUntilKilled) {
   const int64_t stop = std::getenv("FSDP_CRASH_SAVER_ONCE") ? step + 1 : INT64_MAX;
   const bool async = std::getenv("FSDP_CRASH_SAVER_ASYNC") != nullptr;
   if (const char* flag = std::getenv("FSDP_CRASH_SAVER_SIGNAL")) {
-    // The background thread announces each write and lingers in it, so that the test's
-    // kill lands inside one on purpose.
+    // Each save announces the write of its rank file and lingers in it (in the background
+    // thread for an asynchronous one), so that the test's kill lands inside one on purpose.
     const std::string path = flag;
-    fsdp::detail::set_async_save_hook([path](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook([path](const std::string& step, const std::string&) {
       if (step != "write") return;
       std::ofstream(path) << "writing\n";
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -867,27 +866,43 @@ pid_t start_saver(const std::string& dir, bool once, bool async = false, const s
     const std::string self = bin_dir() + "/test_checkpoint";
     int devnull = ::open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
-    execl(self.c_str(), self.c_str(), "--gtest_filter=CrashSaver.SavesUntilKilled", nullptr);
+    execl(self.c_str(), self.c_str(), nullptr);
     _exit(127);
   }
   return pid;
 }
 
+// Half the kills are aimed into the write of a rank file (the saver announces it), half
+// land at random moments: after each, the newest complete checkpoint loads, whole.
 TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
   const std::string dir = scratch_dir("crash");
+  const std::string signal = dir + ".writing";
   int status = 0;
   pid_t first = start_saver(dir, /*once=*/true);
   waitpid(first, &status, 0);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   std::mt19937 rng(12345);
   auto model = fully_shard(MlpNet(64, 512, 8, 64));
-  int64_t last_step = 1, kills_mid_run = 0;
+  int64_t last_step = 1, aimed = 0, killed_writing = 0;
   for (int round = 0; round < 20; ++round) {
-    pid_t pid = start_saver(dir, false);
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+    fs::remove(signal);
+    const bool aim = round % 2 == 0;
+    pid_t pid = start_saver(dir, false, false, aim ? signal : "");
+    if (aim) {
+      for (int i = 0; i < 3000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no write began";
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
+      ++aimed;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+    }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
-    kills_mid_run += WIFSIGNALED(status) ? 1 : 0;
+    ASSERT_TRUE(WIFSIGNALED(status)) << "round " << round << ": the saver ended before the kill";
+    // A kill inside a save leaves its temporary directory behind (the next save removes it).
+    bool tmp_left = false;
+    for (const auto& e : fs::directory_iterator(dir)) tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
+    killed_writing += aim && tmp_left ? 1 : 0;
     // The previous complete checkpoint loads, whole and consistent.
     TrainingState st;
     ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
@@ -898,8 +913,9 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
     }
     EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
   }
-  EXPECT_EQ(kills_mid_run, 20);
+  EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the write";
   EXPECT_GT(last_step, 1) << "no save ever completed: the kill times are too short to test anything";
+  fs::remove(signal);
 }
 
 // The same with asynchronous saves, half the kills aimed into a background write (the
@@ -1118,7 +1134,7 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& file) {
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
       if (step == "write" && pg.rank() == 1) throw std::runtime_error("No space left on device (injected)");
       (void)file;
     });
@@ -1129,7 +1145,7 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"), std::string::npos)
         << waited;
     if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
-    fsdp::detail::set_async_save_hook({});
+    fsdp::detail::set_save_hook({});
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
@@ -1168,7 +1184,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
         ASSERT_EQ(pg.timeout_s(), 3.0);
         auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
         save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-        fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& file) {
+        fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
           if (step != "write" || pg.rank() != 1) return;
           const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (fs::exists(tmp) && std::chrono::steady_clock::now() < give_up) {
@@ -1191,7 +1207,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
           EXPECT_NE(waited.find("writing " + tmp + "/rank_00001.h5 failed"), std::string::npos) << waited;
         }
         EXPECT_FALSE(fs::exists(tmp));
-        fsdp::detail::set_async_save_hook({});
+        fsdp::detail::set_save_hook({});
         const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
         EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
         pg.barrier();
@@ -1213,11 +1229,11 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     const int64_t snapshot_bytes = model.memory_stats().checkpoint_staging.current;
     ASSERT_GT(snapshot_bytes, 0);
     int staged = 0;
-    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
       if (step == "stage" && pg.rank() == 1 && ++staged == 2) throw std::runtime_error("out of host memory (injected)");
     });
     const std::string msg = error_of([&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
-    fsdp::detail::set_async_save_hook({});
+    fsdp::detail::set_save_hook({});
     EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos) << msg;
     EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)" : "on another rank (see its error)"),
               std::string::npos)
@@ -1240,7 +1256,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-    fsdp::detail::set_async_save_hook([&](const std::string& step, const std::string& what) {
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& what) {
       if (step == "publish" && what == dir + "/step_00000002") throw std::runtime_error("rename: Input/output error (injected)");
     });
     AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
@@ -1253,7 +1269,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
     } else {
       EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
     }
-    fsdp::detail::set_async_save_hook({});
+    fsdp::detail::set_save_hook({});
     const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
     EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
     if (pg.rank() == 1) EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
@@ -1420,3 +1436,12 @@ TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
 }
 
 }  // namespace
+
+int main(int argc, char** argv) {
+  if (const char* dir = std::getenv("FSDP_CRASH_SAVER_DIR")) {
+    crash_saver(dir);
+    return 0;
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
