@@ -8,6 +8,7 @@
 // continuation goes to stdout; errors go to stderr (exit 2: bad flags, 1: bad file).
 #include <fsdp/checkpoint.h>
 
+#include "cli.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -17,9 +18,7 @@
 
 namespace {
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using gpt::UsageError;
 
 int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std::string& key,
                  const std::string& file) {
@@ -117,19 +116,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::cerr << "generate: error: " << e.what() << std::endl;
-    return 2;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "generate: error: " << e.what() << "; see --help" << std::endl;
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "generate: error: " << e.what_without_backtrace() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "generate: error: " << e.what() << std::endl;
-    return 1;
-  }
+  return gpt::program_main("generate", [&] { return run(argc, argv); });
 }

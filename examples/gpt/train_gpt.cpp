@@ -9,6 +9,7 @@
 // the start; a GPT that learns the chain approaches the conditional entropy.
 #include <fsdp/fsdp.h>
 
+#include "cli.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -32,9 +33,7 @@
 
 namespace {
 
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
+using gpt::UsageError;
 
 // ---- data -------------------------------------------------------------------
 
@@ -701,19 +700,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const UsageError& e) {
-    std::cerr << "train_gpt: error: " << e.what() << std::endl;
-    return 2;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "train_gpt: error: " << e.what() << "; see --help" << std::endl;
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "train_gpt: error: " << e.what_without_backtrace() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "train_gpt: error: " << e.what() << std::endl;
-    return 1;
-  }
+  return gpt::program_main("train_gpt", [&] { return run(argc, argv); });
 }

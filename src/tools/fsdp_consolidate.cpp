@@ -10,7 +10,7 @@
 
 #include <fsdp/version.h>
 
-#include <c10/util/Exception.h>
+#include "tool_main.h"
 
 #include <cxxopts.hpp>
 
@@ -29,9 +29,8 @@ double peak_rss_mib() {
   }
   return 0;
 }
-}  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   cxxopts::Options opts("fsdp-consolidate",
                         "Turns a sharded fsdp checkpoint into one consolidated HDF5 file, or into safetensors");
   opts.positional_help("SHARDED_DIR OUT.h5|OUT_DIR");
@@ -47,7 +46,7 @@ int main(int argc, char** argv) {
     ("sharded", "", cxxopts::value<std::string>())
     ("out", "", cxxopts::value<std::string>());
   opts.parse_positional({"sharded", "out"});
-  try {
+  {
     auto r = opts.parse(argc, argv);
     if (r.count("help")) {
       std::cout << opts.help() << std::endl;
@@ -58,10 +57,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (!r.count("sharded") || !r.count("out")) {
-      std::cerr << "fsdp-consolidate: error: expected SHARDED_DIR and OUT.h5 (or OUT_DIR with --format safetensors)\n"
-                << "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n"
-                << "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]\n";
-      return 2;
+      throw fsdp::tools::UsageError(
+          "expected SHARDED_DIR and OUT.h5 (or OUT_DIR with --format safetensors)\n"
+          "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n"
+          "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]");
     }
     const std::string d = r["dtype"].as<std::string>();
     fsdp::h5::Elem dtype;
@@ -69,18 +68,15 @@ int main(int argc, char** argv) {
     else if (d == "bf16") dtype = fsdp::h5::Elem::kBF16;
     else if (d == "fp16") dtype = fsdp::h5::Elem::kF16;
     else {
-      std::cerr << "fsdp-consolidate: error: --dtype " << d << " is unknown; use fp32, bf16 or fp16\n";
-      return 2;
+      throw fsdp::tools::UsageError("--dtype " + d + " is unknown; use fp32, bf16 or fp16");
     }
     const bool with_optimizer = r.count("with-optimizer") > 0;
     const std::string format = r["format"].as<std::string>();
     if (format != "hdf5" && format != "safetensors") {
-      std::cerr << "fsdp-consolidate: error: --format " << format << " is unknown; use hdf5 or safetensors\n";
-      return 2;
+      throw fsdp::tools::UsageError("--format " + format + " is unknown; use hdf5 or safetensors");
     }
     if (format == "safetensors" && with_optimizer) {
-      std::cerr << "fsdp-consolidate: error: --with-optimizer needs --format hdf5: safetensors holds weights only\n";
-      return 2;
+      throw fsdp::tools::UsageError("--with-optimizer needs --format hdf5: safetensors holds weights only");
     }
     uint64_t max_shard = 0;
     {
@@ -92,9 +88,7 @@ int main(int argc, char** argv) {
         used = 0;
       }
       if (used != m.size() || m.empty() || m[0] == '-' || max_shard == 0) {
-        std::cerr << "fsdp-consolidate: error: --max-shard-size " << m
-                  << " is not a positive number of bytes (e.g. 5000000000)\n";
-        return 2;
+        throw fsdp::tools::UsageError("--max-shard-size " + m + " is not a positive number of bytes (e.g. 5000000000)");
       }
     }
     const bool quiet = r.count("quiet") > 0;
@@ -115,23 +109,25 @@ int main(int argc, char** argv) {
       }
     };
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
-    if (format == "safetensors") {
-      fsdp::ckpt::consolidate_offline_safetensors(in, out, dtype, max_shard, progress);
-    } else {
-      fsdp::ckpt::consolidate_offline(in, out, dtype, with_optimizer, progress);
+    try {
+      if (format == "safetensors") {
+        fsdp::ckpt::consolidate_offline_safetensors(in, out, dtype, max_shard, progress);
+      } else {
+        fsdp::ckpt::consolidate_offline(in, out, dtype, with_optimizer, progress);
+      }
+    } catch (...) {
+      if (tty && !quiet) std::cerr << "\n";  // end the progress line before the error
+      throw;
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
               << peak_rss_mib() << " MiB" << std::endl;
     return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "fsdp-consolidate: error: " << e.what() << "\n";
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "\nfsdp-consolidate: error: " << e.what_without_backtrace() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "\nfsdp-consolidate: error: " << e.what() << std::endl;
-    return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fsdp::tools::tool_main("fsdp-consolidate", [&] { return run(argc, argv); });
 }

@@ -11,6 +11,8 @@
 #include <fsdp/version.h>
 #include <fsdp/estimate.h>
 
+#include "tool_main.h"
+
 #include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 
@@ -22,8 +24,8 @@
 
 namespace {
 
-// Bad input: exit status 2 with this message (main).
-[[noreturn]] void bad_input(const std::string& msg) { throw std::invalid_argument(msg); }
+// Bad input: exit status 2 with this message (tool_main).
+[[noreturn]] void bad_input(const std::string& msg) { throw fsdp::tools::UsageError(msg); }
 
 std::string human(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -218,7 +220,12 @@ int run(int argc, char** argv) {
     return 0;
   }
   const auto in = read_input(r);
-  const auto est = fsdp::estimate_memory(in);
+  fsdp::MemoryEstimate est;
+  try {
+    est = fsdp::estimate_memory(in);
+  } catch (const std::invalid_argument& e) {  // it names the flag's value and the fix
+    bad_input(e.what());
+  }
   if (r.count("json")) {
     print_json(in, est);
   } else {
@@ -230,13 +237,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::invalid_argument& e) {
-    std::cerr << "fsdp-estimate: error: " << e.what() << std::endl;
-    return 2;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "fsdp-estimate: error: " << e.what() << "; see --help" << std::endl;
-    return 2;
-  }
+  return fsdp::tools::tool_main("fsdp-estimate", [&] { return run(argc, argv); });
 }

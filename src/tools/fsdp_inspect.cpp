@@ -8,13 +8,15 @@
 #include <fsdp/version.h>
 #include "../../checkpoint/layout.h"
 
-#include <c10/util/Exception.h>
+#include "tool_main.h"
 
 #include <cxxopts.hpp>
 
 #include <iostream>
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   cxxopts::Options opts("fsdp-inspect", "Describes and verifies an fsdp checkpoint");
   opts.positional_help("CHECKPOINT");
   opts.add_options()
@@ -23,30 +25,22 @@ int main(int argc, char** argv) {
     ("version", "print the version")
     ("path", "", cxxopts::value<std::string>());
   opts.parse_positional({"path"});
-  try {
-    auto r = opts.parse(argc, argv);
-    if (r.count("help")) {
-      std::cout << opts.help() << std::endl;
-      return 0;
-    }
-    if (r.count("version")) {
-      std::cout << fsdp::version_line("fsdp-inspect") << std::endl;
-      return 0;
-    }
-    if (!r.count("path")) {
-      std::cerr << "fsdp-inspect: error: expected CHECKPOINT\nusage: fsdp-inspect CHECKPOINT [--no-verify]\n";
-      return 2;
-    }
-    std::cout << fsdp::ckpt::inspect(r["path"].as<std::string>(), r.count("no-verify") == 0);
+  auto r = opts.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << opts.help() << std::endl;
     return 0;
-  } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "fsdp-inspect: error: " << e.what() << "\n";
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "fsdp-inspect: error: " << e.what_without_backtrace() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "fsdp-inspect: error: " << e.what() << std::endl;
-    return 1;
   }
+  if (r.count("version")) {
+    std::cout << fsdp::version_line("fsdp-inspect") << std::endl;
+    return 0;
+  }
+  if (!r.count("path")) throw fsdp::tools::UsageError("expected CHECKPOINT\nusage: fsdp-inspect CHECKPOINT [--no-verify]");
+  std::cout << fsdp::ckpt::inspect(r["path"].as<std::string>(), r.count("no-verify") == 0);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fsdp::tools::tool_main("fsdp-inspect", [&] { return run(argc, argv); });
 }

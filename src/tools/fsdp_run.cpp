@@ -10,6 +10,7 @@
 // of fsdp-run itself, which keeps the peak of whatever process exec'd fsdp-run (the
 // kernel carries a process's maximum RSS across exec).
 #include <fsdp/version.h>
+#include "tool_main.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -72,9 +73,7 @@ std::string describe(int status) {
   return "ended with status " + std::to_string(status);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int nproc = -1, port = 0;
   bool tee = false;
   std::string rss_json;
@@ -257,4 +256,10 @@ int main(int argc, char** argv) {
     out << "]}\n";
   }
   return exit_code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fsdp::tools::tool_main("fsdp-run", [&] { return run(argc, argv); });
 }
