@@ -1,6 +1,7 @@
 // The consolidated-file writer and offline consolidation. No LibTorch here: the tools
 // built on this start fast and keep about one parameter in memory (see layout.h).
 #include "layout.h"
+#include "publish.h"
 #include "safetensors.h"
 
 #include <c10/util/Exception.h>
@@ -56,7 +57,7 @@ void ConsolidatedWriter::finish() {
   optim = h5::Obj();
   model = h5::Obj();
   file = h5::Obj();
-  fs::rename(tmp, path);
+  publish_atomically(tmp, path);
 }
 
 void ConsolidatedWriter::abandon() {

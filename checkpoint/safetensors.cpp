@@ -15,6 +15,8 @@
 // data}, "weight_map": {name: file}}, as transformers writes and reads it.
 #include "safetensors.h"
 
+#include "publish.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -179,18 +181,8 @@ void FileWriter::finish() {
 
 void FileWriter::publish() {
   TORCH_CHECK(finished_, "internal: publishing unfinished ", path_);
-  fsdp::st::publish(tmp_, path_);
+  ckpt::publish_atomically(tmp_, path_);
   published_ = true;
-}
-
-void publish(const std::string& tmp, const std::string& path) {
-  TORCH_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ", err_text());
-  const std::string dir = fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string();
-  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(d >= 0, "cannot open directory ", dir, " to fsync it: ", err_text());
-  const int rc = ::fsync(d);
-  ::close(d);
-  TORCH_CHECK(rc == 0, "cannot fsync directory ", dir, ": ", err_text());
 }
 
 DirWriter::DirWriter(std::string dir, std::vector<Spec> specs, std::map<std::string, std::string> metadata,

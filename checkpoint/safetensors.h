@@ -96,9 +96,6 @@ class DirWriter {
   size_t in_file_ = 0;    ///< tensors of it written so far
 };
 
-/// Renames `tmp` to `path` and fsyncs the directory, so the rename survives a crash.
-void publish(const std::string& tmp, const std::string& path);
-
 /// Where one tensor lives: its file (index into Reader::files()), dtype, shape and data
 /// range relative to the end of that file's header.
 struct Entry {

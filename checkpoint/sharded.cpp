@@ -1,6 +1,7 @@
 // Sharded checkpoints: parallel save, exact resume, resharding across world sizes and
 // wrap policies (layout in layout.h).
 #include "optim_state.h"
+#include "publish.h"
 #include "tensor_io.h"
 
 #include <fsdp/checkpoint.h>
@@ -36,27 +37,6 @@ namespace fs = std::filesystem;
 namespace fsdp {
 namespace ckpt {
 namespace {
-
-void fsync_path(const fs::path& p) {
-  int fd = ::open(p.c_str(), O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
-
-// Writes `text` to `target` atomically: a temporary file, fsync, rename, fsync the directory.
-void write_atomically(const fs::path& target, const std::string& text) {
-  const fs::path tmp = target.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    TORCH_CHECK(out.good(), "cannot write ", tmp.string(), ": is the disk full?");
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, target);
-  fsync_path(target.parent_path());
-}
 
 // step_00000100 or step_00000100_2 (a second save at the same step): (step, version).
 std::optional<std::pair<int64_t, int64_t>> parse_checkpoint_name(const std::string& name) {
@@ -391,8 +371,7 @@ SavePlan plan_save(const std::string& dir, int64_t step, const ProcessGroup& pg,
 // `latest`; remove what killed saves left and checkpoints beyond keep_last.
 void publish(const SavePlan& plan, int keep_last) {
   fsync_path(plan.tmp);
-  fs::rename(plan.tmp, plan.final_dir);
-  fsync_path(plan.base);
+  publish_atomically(plan.tmp, plan.final_dir);
   write_atomically(plan.base / "latest", plan.final_dir.filename().string() + "\n");
   std::error_code ec;
   std::vector<std::pair<std::pair<int64_t, int64_t>, fs::path>> done;

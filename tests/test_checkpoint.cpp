@@ -7,6 +7,7 @@
 #include "support/multirank.h"
 
 #include "../checkpoint/crc32c.h"
+#include "../checkpoint/publish.h"
 #include "../checkpoint/safetensors.h"
 
 #include <hdf5.h>
@@ -1280,6 +1281,51 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
     std::sort(left.begin(), left.end());
     EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001"}));
   });
+}
+
+// ---------------------------------------------------------------------------------
+// Note [Atomic publish]: one helper, used by every writer.
+
+TEST(AtomicPublish, WritesWholeOrNotAtAllAndNamesWhatFailed) {
+  const std::string dir = scratch_dir("publish");
+  fs::create_directories(dir);
+  fsdp::ckpt::write_atomically(dir + "/latest", "step_00000001\n");
+  fsdp::ckpt::write_atomically(dir + "/latest", "step_00000002\n");
+  std::ifstream in(dir + "/latest");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "step_00000002\n");
+  EXPECT_FALSE(fs::exists(dir + "/latest.tmp"));
+
+  std::string msg = error_of([&] { fsdp::ckpt::publish_atomically(dir + "/absent", dir + "/target"); });
+  EXPECT_NE(msg.find("cannot rename " + dir + "/absent to " + dir + "/target: No such file or directory"),
+            std::string::npos) << msg;
+  msg = error_of([&] { fsdp::ckpt::fsync_path(dir + "/absent"); });
+  EXPECT_NE(msg.find("cannot open " + dir + "/absent to fsync it: No such file or directory"), std::string::npos)
+      << msg;
+  // A directory is published whole, as the sharded save does.
+  fs::create_directories(dir + "/.tmp-step");
+  std::ofstream(dir + "/.tmp-step/rank_00000.h5") << "x";
+  fsdp::ckpt::publish_atomically(dir + "/.tmp-step", dir + "/step");
+  EXPECT_TRUE(fs::exists(dir + "/step/rank_00000.h5"));
+  EXPECT_FALSE(fs::exists(dir + "/.tmp-step"));
+}
+
+// No writer renames into place on its own (the second implementation, and the one that
+// did not fsync the directory, are gone): rename(2) is called in publish.cpp only.
+TEST(AtomicPublish, EveryWriterInCheckpointUsesTheOneHelper) {
+  std::vector<std::string> offenders;
+  int scanned = 0;
+  for (const auto& e : fs::directory_iterator(std::string(FSDP_SOURCE_DIR) + "/checkpoint")) {
+    if (e.path().filename() == "publish.cpp") continue;
+    ++scanned;
+    std::ifstream in(e.path());
+    std::string line;
+    for (int n = 1; std::getline(in, line); ++n) {
+      if (line.find("rename(") != std::string::npos) offenders.push_back(e.path().filename().string() + ":" + std::to_string(n));
+    }
+  }
+  EXPECT_GE(scanned, 10) << "checkpoint/ not found under " << FSDP_SOURCE_DIR;
+  EXPECT_TRUE(offenders.empty()) << ::testing::PrintToString(offenders);
 }
 
 // ---------------------------------------------------------------------------------
