@@ -1,6 +1,7 @@
 // Consolidated checkpoints: one HDF5 file in the layout of docs/design.md, "Contracts", written
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
+#include "agree.h"
 #include "optim_state.h"
 #include "safetensors.h"
 #include "tensor_io.h"
@@ -159,11 +160,9 @@ class Rank0Writes {
   /// Collective: when rank 0 failed, runs `abandon` there and throws on every rank,
   /// "<what> failed: <rank 0's error>".
   void check(const std::string& what, const std::function<void()>& abandon) {
-    at::Tensor failed = at::full({1}, error_.empty() ? 0.0f : 1.0f);
-    pg_.broadcast(failed, 0);
-    if (failed.item<float>() == 0) return;
+    if (!rank0_failed(pg_, error_)) return;
     if (writer_) abandon();
-    TORCH_CHECK(false, what, " failed", writer_ ? ": " + error_ : std::string(" on rank 0 (see its error)"));
+    TORCH_CHECK(false, what, " failed", failure_detail(error_, " on rank 0 (see its error)"));
   }
 
  private:

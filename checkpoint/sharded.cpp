@@ -1,5 +1,6 @@
 // Sharded checkpoints: parallel save, exact resume, resharding across world sizes and
 // wrap policies (layout in layout.h).
+#include "agree.h"
 #include "optim_state.h"
 #include "publish.h"
 #include "tensor_io.h"
@@ -341,26 +342,18 @@ SavePlan plan_save(const std::string& dir, int64_t step, const ProcessGroup& pg,
   char name_buf[64];
   std::snprintf(name_buf, sizeof(name_buf), "step_%08lld", static_cast<long long>(step));
   std::string name = name_buf;
-  at::Tensor version = at::zeros({1}, at::kLong);
-  std::string error;
-  if (pg.rank() == 0) {
-    try {
-      fs::create_directories(plan.base);
-      int64_t v = 1;
-      while (fs::exists(plan.base / (v == 1 ? name : name + "_" + std::to_string(v)))) ++v;
-      version[0] = v;
-      const std::string chosen = v == 1 ? name : name + "_" + std::to_string(v);
-      const fs::path tmp = plan.base / (".tmp-" + chosen);
-      fs::remove_all(tmp);  // left by a save that was killed
-      fs::create_directories(tmp);
-    } catch (const std::exception& e) {
-      error = e.what();
-      version[0] = -1;
-    }
-  }
+  at::Tensor version = at::ones({1}, at::kLong);
+  rank0_tries(pg, std::string(fn) + ": preparing " + dir, [&] {
+    fs::create_directories(plan.base);
+    int64_t v = 1;
+    while (fs::exists(plan.base / (v == 1 ? name : name + "_" + std::to_string(v)))) ++v;
+    version[0] = v;
+    const std::string chosen = v == 1 ? name : name + "_" + std::to_string(v);
+    const fs::path tmp = plan.base / (".tmp-" + chosen);
+    fs::remove_all(tmp);  // left by a save that was killed
+    fs::create_directories(tmp);
+  });
   pg.broadcast(version, 0);
-  TORCH_CHECK(version.item<int64_t>() > 0, fn, ": rank 0 cannot prepare ", dir,
-              pg.rank() == 0 ? ": " + error : std::string(" (see rank 0's error)"));
   if (version.item<int64_t>() > 1) name += "_" + std::to_string(version.item<int64_t>());
   plan.tmp = plan.base / (".tmp-" + name);
   plan.final_dir = plan.base / name;
@@ -399,15 +392,12 @@ void report_saved(const SavePlan& plan, int world, std::chrono::steady_clock::ti
 // and every rank throws alike, naming this rank's error or pointing at another's.
 void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* fn, const std::string& dir,
                       const std::string& error) {
-  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
-  pg.all_reduce_max(failed);
-  if (failed.item<float>() == 0) return;
+  if (!any_rank_failed(pg, error)) return;
   if (pg.rank() == 0) {
     std::error_code ec;
     fs::remove_all(plan.tmp, ec);
   }
-  TORCH_CHECK(false, fn, " to ", dir, " failed",
-              error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
+  TORCH_CHECK(false, fn, " to ", dir, " failed", failure_detail(error, " on another rank (see its error)"),
               ". The previous checkpoint is untouched.");
 }
 
@@ -561,11 +551,8 @@ void settle_previous(const ProcessGroup& pg, const char* fn) {
   }
   if (!job) return;
   const std::string error = job->join();
-  at::Tensor failed = at::full({1}, error.empty() ? 0.0f : 1.0f);
-  pg.all_reduce_max(failed);
-  TORCH_CHECK(failed.item<float>() == 0, fn, ": the asynchronous save of ", job->path(), " failed",
-              error.empty() ? std::string(" on another rank (see its error)") : ": " + error,
-              ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
+  TORCH_CHECK(!any_rank_failed(pg, error), fn, ": the asynchronous save of ", job->path(), " failed",
+              failure_detail(error, " on another rank (see its error)"), ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
               "again to save.");
 }
 
@@ -610,18 +597,10 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   }
   agree_or_abandon(pg, plan, fn, dir, error);
 
-  at::Tensor failed = at::zeros({1}, at::kFloat);
-  if (rank == 0) {
-    try {
-      publish(plan, options.keep_last);
-    } catch (const std::exception& e) {
-      error = e.what();
-      failed[0] = 1;
-    }
-  }
-  pg.broadcast(failed, 0);
-  TORCH_CHECK(failed.item<float>() == 0, "save_sharded_checkpoint: rank 0 could not publish ",
-              plan.final_dir.string(), rank == 0 ? ": " + error : std::string(" (see rank 0's error)"));
+  rank0_tries(pg, std::string(fn) + ": publishing " + plan.final_dir.string(), [&] {
+    if (save_hook()) save_hook()("publish", plan.final_dir.string());
+    publish(plan, options.keep_last);
+  });
   if (options.verbose && rank == 0) report_saved(plan, world, t0, "");
   return plan.final_dir.string();
 }

@@ -93,9 +93,9 @@ void account_checkpoint_staging(const ShardedModel& model, int64_t delta);
 /// counted in MemoryStats::checkpoint_staging. The model owns them: they go with it.
 std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel& model);
 /// Tests only: called by a save with (step, what): ("write", the rank file) before it is
-/// written (by an asynchronous save in its thread), and by an asynchronous save also with
-/// ("stage", the buffer's key) before each staging copy and, on rank 0, with ("publish",
-/// the checkpoint directory). A throw there fails that
+/// written (by an asynchronous save in its thread), on rank 0 with ("publish", the
+/// checkpoint directory), and by an asynchronous save with ("stage", the buffer's key)
+/// before each staging copy. A throw there fails that
 /// step as running out of memory or a disk error would. Empty: none.
 void set_save_hook(std::function<void(const std::string&, const std::string&)> hook);
 /// Turns the tree under `root` into units; `root` becomes the root unit.

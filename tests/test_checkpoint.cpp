@@ -1283,6 +1283,40 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
   });
 }
 
+// Note [Agreed outcomes]: what rank 0 alone does in a synchronous save (prepare the
+// directory, publish) fails on every rank alike, rank 0 naming the cause, the others
+// pointing at it; nothing is left behind and `latest` stays.
+TEST(ShardedCheckpoint, RankZeroFailuresFailTheSaveOnEveryRank) {
+  const std::string dir = scratch_dir("rank0_fails");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    if (pg.rank() == 0) {
+      fs::create_directories(dir);
+      std::ofstream(dir + "/file") << "not a directory";
+    }
+    pg.barrier();
+    std::string msg = error_of([&] { save_sharded_checkpoint(dir + "/file/ck", model, nullptr, sample_state(1)); });
+    EXPECT_NE(msg.find("save_sharded_checkpoint: preparing " + dir + "/file/ck failed" +
+                       (pg.rank() == 0 ? ": " : " on rank 0 (see its error)")),
+              std::string::npos)
+        << msg;
+
+    save_sharded_checkpoint(dir + "/ck", model, nullptr, sample_state(1));
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+      if (step == "publish") throw std::runtime_error("rename: Input/output error (injected)");
+    });
+    msg = error_of([&] { save_sharded_checkpoint(dir + "/ck", model, nullptr, sample_state(2)); });
+    fsdp::detail::set_save_hook({});
+    const std::string head = "save_sharded_checkpoint: publishing " + dir + "/ck/step_00000002 failed";
+    EXPECT_NE(msg.find(pg.rank() == 0 ? head + ": rename: Input/output error (injected)"
+                                      : head + " on rank 0 (see its error)"),
+              std::string::npos)
+        << msg;
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir + "/ck"), dir + "/ck/step_00000001");
+  });
+}
+
 // ---------------------------------------------------------------------------------
 // Note [Atomic publish]: one helper, used by every writer.
 
