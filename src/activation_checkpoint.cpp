@@ -9,8 +9,12 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+
 namespace fsdp {
 namespace {
+
+std::atomic<int64_t> recomputes{0};
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -100,6 +104,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       inputs.push_back(d);
     }
     // Recompute under the forward's RNG state, then put the current state back.
+    recomputes.fetch_add(1, std::memory_order_relaxed);
     RngState now = RngState::capture(inputs);
     rng->state.restore();
     variable_list outputs;
@@ -132,6 +137,8 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<
   // As a TensorList, so that autograd sees every input as a variable.
   return CheckpointFunction::apply(c10::make_intrusive<FnCapsule>(fn), anchor, at::TensorList(inputs));
 }
+
+int64_t activation_recomputes() { return recomputes.load(std::memory_order_relaxed); }
 
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input) {
   TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");

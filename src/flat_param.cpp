@@ -103,6 +103,7 @@ std::shared_ptr<Work> FlatParam::gather() {
   MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
   if (cfg_.offload) {
     staging_ = cfg_.transfers->to_device(input, cfg_.param_dtype);
+    cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
     input = staging_;
   } else if (cfg_.param_dtype != at::kFloat && !fresh) {
     staging_ = input.to(cfg_.param_dtype);
@@ -236,6 +237,7 @@ void FlatParam::finish_reduce() {
     // copy on a CPU device). A first gradient becomes the gradient shard as it is; one
     // that must be added waits in landing_ (Note [Offload transfers]).
     Transfers::HostCopy host = cfg_.transfers->to_host(g);
+    cfg_.acct->count_offload(/*to_device=*/false, bytes_of(shard_numel_, at::kFloat));
     if (!shard_.grad().defined()) {
       shard_.mutable_grad() = host.value;
       grad_landed_ = std::move(host.wait);

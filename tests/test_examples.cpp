@@ -141,6 +141,11 @@ TEST(TrainGpt, ActivationCheckpointingLeavesTheLossesUnchanged) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
   EXPECT_EQ(losses(plain), losses(ckpt));  // recompute restores the RNG: bit-identical
+  // ... and checkpointing did run: each of the 2 blocks recomputed once per step.
+  const auto with = read_jsonl(ckpt), without = read_jsonl(plain);
+  ASSERT_EQ(with.size(), 5u);
+  for (const auto& j : with) EXPECT_EQ(j.at("recomputes").get<int64_t>(), 2 * j.at("step").get<int64_t>()) << j;
+  for (const auto& j : without) EXPECT_EQ(j.at("recomputes").get<int64_t>(), 0) << j;
 }
 
 TEST(TrainGpt, CpuOffloadGivesTheSameLossesAtTwoRanks) {
@@ -159,6 +164,25 @@ TEST(TrainGpt, CpuOffloadGivesTheSameLossesAtTwoRanks) {
   auto la = losses(a), lb = losses(b);
   ASSERT_EQ(la.size(), 8u);
   EXPECT_EQ(la, lb);
+  // ... and offload did run: every step copies each gradient shard back to the host (the
+  // same bytes each step, at least this rank's half of the fp32 parameters) and each
+  // shard to the device at least once for its gathers; without offload, nothing.
+  const std::string out = rb.output;
+  const size_t at = out.find(" parameters, ");
+  ASSERT_NE(at, std::string::npos) << out;
+  const int64_t params = std::stoll(out.substr(out.rfind(' ', at - 1) + 1, at));
+  const auto on = read_jsonl(b), off = read_jsonl(a);
+  const int64_t to_host = on.front().at("offload_to_host_bytes").get<int64_t>();
+  EXPECT_GE(2 * to_host, 4 * params);
+  EXPECT_LE(2 * to_host, 4 * params + 4 * 2 * 16) << "more than the padding of a few units";
+  for (const auto& j : on) {
+    EXPECT_EQ(j.at("offload_to_host_bytes").get<int64_t>(), to_host) << j;
+    EXPECT_GE(j.at("offload_to_device_bytes").get<int64_t>(), to_host) << j;
+  }
+  for (const auto& j : off) {
+    EXPECT_EQ(j.at("offload_to_host_bytes").get<int64_t>(), 0) << j;
+    EXPECT_EQ(j.at("offload_to_device_bytes").get<int64_t>(), 0) << j;
+  }
 }
 
 TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {

@@ -34,8 +34,11 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
   FusedAdamW opt_plain(plain.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   FusedAdamW opt_off(off.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   for (auto& p : off.sharded_parameters()) EXPECT_TRUE(p.is_cpu());
-  int64_t largest_shard = 0;
-  for (const auto& f : fsdp::detail::flat_params(off)) largest_shard = std::max(largest_shard, f.shard_numel);
+  int64_t largest_shard = 0, trainable_shard_bytes = 0;
+  for (const auto& f : fsdp::detail::flat_params(off)) {
+    largest_shard = std::max(largest_shard, f.shard_numel);
+    if (f.requires_grad) trainable_shard_bytes += 4 * f.shard_numel;
+  }
   for (int64_t s = 0; s < 5; ++s) {
     auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
     auto lp = gpt::loss_on(plain, rows), lo = gpt::loss_on(off, rows);
@@ -56,6 +59,13 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
     EXPECT_LE(m.offload_buffers.peak, 2 * largest_shard * elem + 2 * largest_shard * 4);
     EXPECT_EQ(plain.memory_stats().offload_buffers.peak, 0);
     EXPECT_EQ(m.sharded_params.current, plain.memory_stats().sharded_params.current);
+    // The copies themselves: every gather's input went to the device (a shard in
+    // param_dtype, one per all-gather), every fp32 gradient shard came back once.
+    const auto c = off.comm_stats().step;
+    EXPECT_EQ(c.offload_to_host_bytes, trainable_shard_bytes) << "step " << s;
+    EXPECT_GT(c.offload_to_device_bytes, 0);
+    if (pg.size() > 1) EXPECT_EQ(c.offload_to_device_bytes * pg.size(), c.all_gather_bytes) << "step " << s;
+    EXPECT_EQ(plain.comm_stats().total.offload_to_device_bytes + plain.comm_stats().total.offload_to_host_bytes, 0);
   }
   auto a = full_state_dict(plain), b = full_state_dict(off);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;

@@ -636,13 +636,19 @@ int run(int argc, char** argv) {
     const double tok_s = static_cast<double>(batch * cfg.block_size) / dt;
     auto mem = model.memory_stats();
     const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak + mem.comm_buffers.peak;
-    const int64_t comm = model.comm_stats().step.total_bytes();
+    const fsdp::CommStats step_comm = model.comm_stats().step;
+    const int64_t comm = step_comm.total_bytes();
     const bool progress = (step + 1) % log_every == 0 || step + 1 == last_step;
     const double vloss = data.validates() && progress ? val_loss() : std::nan("");  // collective
     if (main_rank) {
       if (jsonl.is_open()) {
         nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
-                            {"step_s", dt}, {"peak_bytes", peak}, {"comm_bytes", comm}};
+                            {"step_s", dt}, {"peak_bytes", peak}, {"comm_bytes", comm},
+                            // What shows the features ran: regions recomputed so far (this
+                            // rank), and this step's offload copies.
+                            {"recomputes", fsdp::activation_recomputes()},
+                            {"offload_to_device_bytes", step_comm.offload_to_device_bytes},
+                            {"offload_to_host_bytes", step_comm.offload_to_host_bytes}};
         if (!std::isnan(vloss)) j["val_loss"] = vloss;
         if (scaler) {
           j["loss_scale"] = scaler->state().scale;

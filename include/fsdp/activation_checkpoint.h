@@ -25,4 +25,8 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<
 /// One tensor in, one out.
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input);
 
+/// How many times backward has recomputed a checkpointed region in this process, on any
+/// thread (ShardingOptions::activation_checkpointing wraps each chosen unit in one).
+int64_t activation_recomputes();
+
 }  // namespace fsdp

@@ -42,7 +42,13 @@ struct CommStats {
   int64_t all_gather_calls = 0;
   int64_t reduce_scatter_calls = 0;
   int64_t all_reduce_calls = 0;
+  /// cpu_offload: bytes copied from the host shards to the device for gathers (in
+  /// param_dtype), and fp32 gradient shards copied back to the host. Not collectives:
+  /// not in total_bytes(). An explicit copy even when the device is the CPU.
+  int64_t offload_to_device_bytes = 0;
+  int64_t offload_to_host_bytes = 0;
 
+  /// Bytes moved by collectives.
   int64_t total_bytes() const {
     return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
   }
