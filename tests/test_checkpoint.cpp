@@ -1244,6 +1244,7 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
+    pg.barrier();  // both have looked before the next save makes that directory again
     EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(), dir + "/step_00000002");
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current, snapshot_bytes);
   });
