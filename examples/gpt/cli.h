@@ -7,10 +7,26 @@
 
 #include <cxxopts.hpp>
 
-#include <iostream>
+#include <unistd.h>
+
+#include <cerrno>
 #include <stdexcept>
+#include <string>
 
 namespace gpt {
+
+/// Writes "<program>: error: <message>\n" to stderr in one write(2): the ranks of a job
+/// share one stderr, and a message written piecewise (as `std::cerr <<` does) came out
+/// interleaved with another rank's ("train_gpttrain_gpt: error: : error: ...").
+inline void print_error(const char* program, const std::string& message) {
+  const std::string line = std::string(program) + ": error: " + message + "\n";
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t n = ::write(2, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
 
 /// A command line that cannot be run as given: the program exits 2.
 struct UsageError : std::runtime_error {
@@ -24,16 +40,16 @@ int program_main(const char* program, Run&& run) {
   try {
     return run();
   } catch (const UsageError& e) {
-    std::cerr << program << ": error: " << e.what() << std::endl;
+    print_error(program, e.what());
     return 2;
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << program << ": error: " << e.what() << "; see --help" << std::endl;
+    print_error(program, std::string(e.what()) + "; see --help");
     return 2;
   } catch (const c10::Error& e) {
-    std::cerr << program << ": error: " << e.what_without_backtrace() << std::endl;
+    print_error(program, e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << program << ": error: " << e.what() << std::endl;
+    print_error(program, e.what());
     return 1;
   }
 }

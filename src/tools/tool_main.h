@@ -5,12 +5,27 @@
 
 #include <cxxopts.hpp>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <exception>
-#include <iostream>
 #include <stdexcept>
 #include <string>
 
 namespace fsdp::tools {
+
+/// Writes "<tool>: error: <message>\n" to stderr in one write(2): every rank of a job
+/// shares the launcher's stderr, and a message written piecewise (as `std::cerr <<` does)
+/// came out interleaved with another rank's ("train_gpttrain_gpt: error: : error: ...").
+inline void print_error(const char* tool, const std::string& message) {
+  const std::string line = std::string(tool) + ": error: " + message + "\n";
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t n = ::write(2, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
 
 /// A command line that cannot be run as given: the tool exits 2.
 struct UsageError : std::invalid_argument {
@@ -31,13 +46,13 @@ int tool_main(const char* tool, Run&& run) noexcept {
     try {
       return run();
     } catch (const UsageError& e) {
-      std::cerr << tool << ": error: " << e.what() << std::endl;
+      print_error(tool, e.what());
       return 2;
     } catch (const cxxopts::exceptions::exception& e) {
-      std::cerr << tool << ": error: " << e.what() << "; see --help" << std::endl;
+      print_error(tool, std::string(e.what()) + "; see --help");
       return 2;
     } catch (const std::exception& e) {
-      std::cerr << tool << ": error: " << without_backtrace(e.what()) << std::endl;
+      print_error(tool, without_backtrace(e.what()));
       return 1;
     }
   } catch (...) {  // printing failed, or something not derived from std::exception
