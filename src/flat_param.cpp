@@ -1,5 +1,7 @@
 #include "flat_param.h"
 
+#include "collective_trace.h"
+
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
@@ -44,6 +46,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   at::Tensor flat = at::zeros({padded_}, fp32);
   for (const auto& s : slots_) flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
   if (broadcast_group != nullptr && broadcast_group->size() > 1) {
+    CollectiveLabel label(label_());
     broadcast_group->broadcast(flat, 0);
     cfg_.acct->count(Collective::kBroadcast, bytes_of(padded_, at::kFloat));
   }
@@ -112,6 +115,7 @@ std::shared_ptr<Work> FlatParam::gather() {
   if (staging_.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
   std::shared_ptr<Work> work;
+  CollectiveLabel label(label_());
   auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
   std::function<void()> join;
   if (cfg_.offload) {
@@ -210,6 +214,7 @@ void FlatParam::reduce_grad() {
   if (cfg_.shard_group->size() > 1) {
     reduce_out_ = at::empty({shard_numel_}, reduce_in_.options());
     cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
+    CollectiveLabel label(label_());
     reduce_work_ = cfg_.shard_group->reduce_scatter_sum(reduce_in_, reduce_out_);
   } else {
     reduce_work_ = std::make_shared<DoneWork>();
@@ -225,6 +230,7 @@ void FlatParam::finish_reduce() {
   reduce_out_ = at::Tensor();
   if (cfg_.replicate_group->size() > 1) {
     cfg_.acct->count(Collective::kAllReduce, bytes_of(shard_numel_, cfg_.reduce_dtype));
+    CollectiveLabel label(label_());
     cfg_.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
   }
   reduce_in_ = at::Tensor();
@@ -287,6 +293,7 @@ at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
   at::Tensor out = at::empty({padded_}, opts);
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
+  CollectiveLabel label(label_());
   cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
   return out;
 }

@@ -43,6 +43,7 @@ struct FlatConfig {
   bool offload = false;                      ///< shards and their grads live on the host
   std::shared_ptr<Transfers> transfers;      ///< host <-> device copies (with offload)
   Accounting* acct = nullptr;
+  std::string label;                         ///< what its collectives are for ("unit 'blocks.0'")
 };
 
 class FlatParam {
@@ -119,6 +120,8 @@ class FlatParam {
   at::Tensor gather_like(const at::Tensor& shard_like) const;
 
  private:
+  /// What this flat's collectives are for, in the collective trace.
+  std::string label_() const { return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)"; }
   std::vector<ParamSlot> slots_;
   bool trainable_;
   FlatConfig cfg_;

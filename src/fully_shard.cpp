@@ -249,6 +249,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
     Unit& unit = rt->add_unit(n->fqn);
     unit.keep_fp32 = n->keep_fp32;
     FlatConfig unit_cfg = cfg;
+    unit_cfg.label = n->fqn.empty() ? std::string("the root unit") : "unit '" + n->fqn + "'";
     if (n->keep_fp32) unit_cfg.param_dtype = at::kFloat;
     std::vector<ParamSlot> trainable, frozen;
     std::map<c10::TensorImpl*, ParamSlot*> seen;

@@ -2,6 +2,7 @@
 #include <fsdp/process_group.h>
 
 #include "backend.h"
+#include "collective_trace.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -140,6 +141,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
                 "' is not a positive number of seconds");
   }
   TORCH_CHECK(timeout_s > 0, "ProcessGroupOptions::timeout_s=", timeout_s, " must be positive");
+  detail::desync_debug_enabled();  // a bad FSDP_DEBUG fails here, before the rendezvous
   std::string backend = options.backend;
   TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl",
               "ProcessGroupOptions::backend='", backend, "' is unknown; use auto, gloo or nccl");
@@ -222,8 +224,10 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.timeout = timeout;
   init.master_addr = e.master_addr;
   init.device_index = e.local_rank;
-  return EngineAccess::make_group(backend == "nccl" ? detail::make_nccl_backend(init)
-                                        : detail::make_gloo_backend(init));
+  // Every collective of the job is numbered and kept in the ring its errors print
+  // (Note [Collective trace]).
+  return EngineAccess::make_group(detail::make_traced_backend(
+      backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init), e.rank));
 }
 
 }  // namespace fsdp

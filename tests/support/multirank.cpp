@@ -24,6 +24,12 @@ extern char** environ;
 
 namespace fsdp::testing {
 namespace {
+bool g_skip_final_barrier = false;
+}  // namespace
+
+void skip_final_barrier() { g_skip_final_barrier = true; }
+
+namespace {
 
 std::string self_exe() {
   char buf[4096];
@@ -163,8 +169,9 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     ProcessGroup pg = init_process_group();
     EXPECT_EQ(pg.size(), world);
     if (pg.size() == world) body(pg);
-    // Rank 0 serves the store: nobody leaves before everyone is done with it.
-    pg.barrier();
+    // Rank 0 serves the store: nobody leaves before everyone is done with it (unless the
+    // body broke the group on purpose, see skip_final_barrier()).
+    if (!g_skip_final_barrier) pg.barrier();
     std::cout << "[fsdp rank body done]" << std::endl;
     std::fflush(nullptr);
     std::_Exit(::testing::Test::HasFailure() ? 1 : 0);

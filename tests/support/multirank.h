@@ -23,6 +23,10 @@ bool is_rank_process();
 void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, int timeout_s = 300,
                const std::vector<std::string>& env = {});
 
+/// Called in a rank's body that left its process group unusable on purpose (a
+/// collective timed out): the rank exits after the body without the closing barrier.
+void skip_final_barrier();
+
 /// A TCP port that was free a moment ago on 127.0.0.1.
 int free_port();
 
