@@ -198,6 +198,35 @@ TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
   EXPECT_LT(secs, 10.0);
 }
 
+// A rank of a real training job killed mid-step: the survivor is left inside a
+// collective (its own timeout is 300 s), and fsdp-run ends the job within seconds,
+// naming the rank. Rank 1 is killed by a watcher once the log (rank 0's) shows two steps.
+TEST(FsdpRun, ARankKilledMidStepEndsTheTrainingJobWithinSecondsNamingIt) {
+  const std::string log = temp_path("killed_mid_step");
+  std::string train;
+  for (const auto& a : small_run(log, 100000)) train += "'" + a + "' ";
+  auto lines = [](const std::string& path) {  // the survivor may have been stopped mid-line
+    std::ifstream f(path);
+    size_t n = 0;
+    for (std::string line; std::getline(f, line);) n += line.empty() ? 0 : 1;
+    return n;
+  };
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then (while [ \"$(cat '" + log +
+      "' 2>/dev/null | wc -l)\" -lt 2 ]; do sleep 0.05; done; kill -9 $$) & fi; exec " + train;
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c", script}, {"FSDP_TIMEOUT_S=300"}, 120);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 137) << r.output;
+  EXPECT_NE(r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 1 rank(s)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_GE(lines(log), 2u) << "rank 0 was not training when rank 1 died";
+  EXPECT_LT(lines(log), 100000u);
+  EXPECT_LT(secs, 30.0) << r.output;
+}
+
 TEST(FsdpRun, ARankExitingNonZeroIsNamedWithItsCode) {
   auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c",
                         "if [ \"$RANK\" = 0 ]; then exit 3; else sleep 60; fi"}, {}, 30);
