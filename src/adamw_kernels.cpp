@@ -6,8 +6,10 @@
 //   v = v * b2 + ((1 - b2) * g) * g               (addcmul's order)
 //   p = p - (step_size * m) / (sqrt(v) / sqrt(1 - b2^t) + eps)   (addcdiv's order)
 // with step_size = lr / (1 - b1^t) and IEEE sqrt and division (no reciprocal
-// approximations), so results agree with torch's to float rounding. Each element is read once (p, g, m, v) and written once
-// (p, m, v, and the optional 16-bit copy).
+// approximations), so results agree with torch's to float rounding. Each element is read
+// once (p, g, m, v) and written once (p, m, v, and the optional 16-bit copy).
+// That arithmetic is written once, in adamw_body.inc, over a vector-traits type; the
+// scalar, AVX2 and AVX-512 builds differ only in their traits below.
 #include "adamw_kernels.h"
 
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized inside their own helpers.
@@ -25,96 +27,121 @@
 namespace fsdp::detail {
 namespace {
 
-inline void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t begin,
-                         int64_t end, uint16_t* out, CopyOut kind) {
-  for (int64_t i = begin; i < end; ++i) {
-    const float gi = g[i];
-    float pi = p[i] * c.decay;
-    const float mi = std::fma(gi, c.one_minus_beta1, m[i] * c.beta1);
-    const float vi = v[i] * c.beta2 + (c.one_minus_beta2 * gi) * gi;
-    const float denom = std::sqrt(vi) / c.sqrt_bc2 + c.eps;
-    pi = pi - (c.step_size * mi) / denom;
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if (kind == CopyOut::kBF16) out[i] = c10::BFloat16(pi).x;
-    if (kind == CopyOut::kF16) out[i] = c10::Half(pi).x;
-  }
+// Plain floats: the reference the vector builds must match bit for bit, and the tail of
+// every vector loop.
+struct ScalarTraits {
+  using T = float;
+  static constexpr int64_t kWidth = 1;
+  static T load(const float* x) { return *x; }
+  static void store(float* x, T a) { *x = a; }
+  static T set1(float a) { return a; }
+  static T add(T a, T b) { return a + b; }
+  static T sub(T a, T b) { return a - b; }
+  static T mul(T a, T b) { return a * b; }
+  static T div(T a, T b) { return a / b; }
+  static T sqrt(T a) { return std::sqrt(a); }
+  static T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
+  static void store_bf16(uint16_t* o, T a) { *o = c10::BFloat16(a).x; }
+  static void store_f16(uint16_t* o, T a) { *o = c10::Half(a).x; }
+};
+
+namespace scalar {
+#include "adamw_body.inc"
+}  // namespace scalar
+
+void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
+                  CopyOut kind) {
+  scalar::adamw_body<ScalarTraits>(c, p, g, m, v, n, out, kind);
+}
+
+/// The scalar build from element `i` on (a vector loop's tail).
+void tail(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t i, int64_t n, uint16_t* out,
+          CopyOut kind) {
+  if (i < n) scalar_range(c, p + i, g + i, m + i, v + i, n - i, out == nullptr ? nullptr : out + i, kind);
 }
 
 #if defined(__x86_64__)
 
-// bf16 with round-to-nearest-even, as c10::BFloat16 (NaN becomes 0x7FC0).
-__attribute__((target("avx512f,avx512bw"))) inline __m256i bf16_avx512(__m512 x) {
-  __m512i u = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+namespace avx512 {
 
-__attribute__((target("avx512f,avx512bw"))) void avx512_range(const AdamWConstants& c, float* p, const float* g,
-                                                              float* m, float* v, int64_t n, uint16_t* out,
-                                                              CopyOut kind) {
-  const __m512 decay = _mm512_set1_ps(c.decay), b1 = _mm512_set1_ps(c.beta1), omb1 = _mm512_set1_ps(c.one_minus_beta1);
-  const __m512 b2 = _mm512_set1_ps(c.beta2), omb2 = _mm512_set1_ps(c.one_minus_beta2);
-  const __m512 sbc2 = _mm512_set1_ps(c.sqrt_bc2), eps = _mm512_set1_ps(c.eps), ss = _mm512_set1_ps(c.step_size);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gi = _mm512_loadu_ps(g + i);
-    const __m512 pi0 = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
-    const __m512 mi = _mm512_fmadd_ps(gi, omb1, _mm512_mul_ps(_mm512_loadu_ps(m + i), b1));
-    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), b2), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), sbc2), eps);
-    const __m512 pi = _mm512_sub_ps(pi0, _mm512_div_ps(_mm512_mul_ps(ss, mi), denom));
-    _mm512_storeu_ps(p + i, pi);
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
-    if (kind == CopyOut::kBF16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_avx512(pi));
-    } else if (kind == CopyOut::kF16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT));
-    }
+struct Traits {
+  using T = __m512;
+  static constexpr int64_t kWidth = 16;
+  static T load(const float* x) { return _mm512_loadu_ps(x); }
+  static void store(float* x, T a) { _mm512_storeu_ps(x, a); }
+  static T set1(float a) { return _mm512_set1_ps(a); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T sqrt(T a) { return _mm512_sqrt_ps(a); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  // bf16 with round-to-nearest-even, as c10::BFloat16 (NaN becomes 0x7FC0).
+  static void store_bf16(uint16_t* o, T x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
   }
-  scalar_range(c, p, g, m, v, i, n, out, kind);
-}
-
-__attribute__((target("avx2,fma,f16c"))) inline __m128i bf16_avx2(__m256 x) {
-  __m256i u = _mm256_castps_si256(x);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // Pack the low 16 bits of the eight lanes.
-  __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-  return _mm_packus_epi32(lo, hi);
-}
-
-__attribute__((target("avx2,fma,f16c"))) void avx2_range(const AdamWConstants& c, float* p, const float* g, float* m,
-                                                         float* v, int64_t n, uint16_t* out, CopyOut kind) {
-  const __m256 decay = _mm256_set1_ps(c.decay), b1 = _mm256_set1_ps(c.beta1), omb1 = _mm256_set1_ps(c.one_minus_beta1);
-  const __m256 b2 = _mm256_set1_ps(c.beta2), omb2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 sbc2 = _mm256_set1_ps(c.sqrt_bc2), eps = _mm256_set1_ps(c.eps), ss = _mm256_set1_ps(c.step_size);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gi = _mm256_loadu_ps(g + i);
-    const __m256 pi0 = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-    const __m256 mi = _mm256_fmadd_ps(gi, omb1, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
-    const __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), b2), _mm256_mul_ps(_mm256_mul_ps(omb2, gi), gi));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), sbc2), eps);
-    const __m256 pi = _mm256_sub_ps(pi0, _mm256_div_ps(_mm256_mul_ps(ss, mi), denom));
-    _mm256_storeu_ps(p + i, pi);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-    if (kind == CopyOut::kBF16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bf16_avx2(pi));
-    } else if (kind == CopyOut::kF16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT));
-    }
+  static void store_f16(uint16_t* o, T x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
-  scalar_range(c, p, g, m, v, i, n, out, kind);
+};
+
+#include "adamw_body.inc"
+
+void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
+           CopyOut kind) {
+  tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
 }
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+struct Traits {
+  using T = __m256;
+  static constexpr int64_t kWidth = 8;
+  static T load(const float* x) { return _mm256_loadu_ps(x); }
+  static void store(float* x, T a) { _mm256_storeu_ps(x, a); }
+  static T set1(float a) { return _mm256_set1_ps(a); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T sqrt(T a) { return _mm256_sqrt_ps(a); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_bf16(uint16_t* o, T x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // Pack the low 16 bits of the eight lanes.
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packus_epi32(lo, hi));
+  }
+  static void store_f16(uint16_t* o, T x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+#include "adamw_body.inc"
+
+void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
+           CopyOut kind) {
+  tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
 
 #endif
 
@@ -146,10 +173,10 @@ const char* isa_name(KernelIsa isa) {
 void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
                   uint16_t* out, CopyOut kind) {
 #if defined(__x86_64__)
-  if (isa == KernelIsa::kAvx512) return avx512_range(c, p, g, m, v, n, out, kind);
-  if (isa == KernelIsa::kAvx2) return avx2_range(c, p, g, m, v, n, out, kind);
+  if (isa == KernelIsa::kAvx512) return avx512::range(c, p, g, m, v, n, out, kind);
+  if (isa == KernelIsa::kAvx2) return avx2::range(c, p, g, m, v, n, out, kind);
 #endif
-  scalar_range(c, p, g, m, v, 0, n, out, kind);
+  scalar_range(c, p, g, m, v, n, out, kind);
 }
 
 }  // namespace fsdp::detail
