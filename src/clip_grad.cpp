@@ -14,12 +14,7 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
   auto& rt = EngineAccess::runtime(model);
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (auto& u : rt.units()) {
-    for (auto& f : u->flats()) {
-      if (f->trainable() && f->shard().grad().defined()) grads.push_back(f->shard().grad());
-    }
-  }
+  std::vector<at::Tensor> grads = rt.grad_shards();
   // Each shard group holds the model once (padding is zero), and replicas across
   // groups hold the same values, so reducing over the shard group gives the global norm.
   auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(rt.options().device));

@@ -46,7 +46,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   at::Tensor flat = at::zeros({padded_}, fp32);
   for (const auto& s : slots_) flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
   if (broadcast_group != nullptr && broadcast_group->size() > 1) {
-    CollectiveLabel label(label_());
+    CollectiveLabel label(this->label());
     broadcast_group->broadcast(flat, 0);
     cfg_.acct->count(Collective::kBroadcast, bytes_of(padded_, at::kFloat));
   }
@@ -67,16 +67,12 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   // is the full parameter: the views point into the shard itself, gathers and frees are
   // no-ops, and the optimizer's in-place updates are what the model computes with.
   // At world size 1 the gradient needs no reduction either, so the originals' .grad()
-  // are views into the fp32 gradient shard and autograd accumulates into it in place.
+  // are views into the fp32 gradient shard and autograd accumulates into it in place
+  // (GradBuffer::direct()).
   alias_ = g == 1 && cfg_.param_dtype == at::kFloat && !cfg_.offload;
-  direct_ = alias_ && cfg_.world_size == 1 && cfg_.reduce_dtype == at::kFloat && trainable_;
   full_ = alias_ ? shard_.detach() : at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
-  if (alias_) {
-    full_allocated_ = true;
-  } else {
-    free_storage(full_);
-  }
+  if (!alias_) free_storage(full_);
 }
 
 FlatParam::~FlatParam() {
@@ -86,9 +82,8 @@ FlatParam::~FlatParam() {
 
 std::shared_ptr<Work> FlatParam::gather() {
   if (alias_) return std::make_shared<DoneWork>();
-  if (!full_allocated_) {
+  if (!full_allocated()) {
     alloc_storage(full_, static_cast<size_t>(full_bytes()));
-    full_allocated_ = true;
     Accounting::alloc(cfg_.acct->mem.gathered_params, full_bytes());
   }
   at::NoGradGuard no_grad;
@@ -102,176 +97,41 @@ std::shared_ptr<Work> FlatParam::gather() {
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
-  // host is the device; Note [Offload transfers]).
+  // host is the device; Note [Offload transfers]). The work returned keeps it alive.
   MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
+  at::Tensor staging;
   if (cfg_.offload) {
-    staging_ = cfg_.transfers->to_device(input, cfg_.param_dtype);
+    staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
     cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
-    input = staging_;
+    input = staging;
   } else if (cfg_.param_dtype != at::kFloat && !fresh) {
-    staging_ = input.to(cfg_.param_dtype);
-    input = staging_;
+    staging = input.to(cfg_.param_dtype);
+    input = staging;
   }
-  if (staging_.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
+  if (staging.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
   std::shared_ptr<Work> work;
-  CollectiveLabel label(label_());
+  CollectiveLabel label(this->label());
   auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
   std::function<void()> join;
   if (cfg_.offload) {
-    join = cfg_.transfers->on_stream(issue, staging_);
+    join = cfg_.transfers->on_stream(issue, staging);
   } else {
     issue();
   }
-  if (!staging_.defined()) return work;
-  return std::make_shared<ThenWork>(work, [this, counter, join]() {
+  if (!staging.defined()) return work;
+  const int64_t staged_bytes = bytes_of(shard_numel_, cfg_.param_dtype);
+  // `staging` is freed with this function object, once the work has run it.
+  return std::make_shared<ThenWork>(work, [counter, join, staged_bytes, staging]() {
     if (join) join();
-    staging_ = at::Tensor();
-    Accounting::release(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
+    Accounting::release(*counter, staged_bytes);
   });
 }
 
 void FlatParam::release() {
-  if (alias_ || !full_allocated_) return;
+  if (alias_ || !full_allocated()) return;  // aliased: the buffer is the shard itself
   free_storage(full_);
-  full_allocated_ = false;
   Accounting::release(cfg_.acct->mem.gathered_params, full_bytes());
-}
-
-void FlatParam::link_grads() {
-  if (!direct_) return;
-  at::NoGradGuard no_grad;
-  if (!shard_.grad().defined()) {
-    shard_.mutable_grad() = at::zeros_like(shard_);
-  }
-  const auto& g = shard_.grad();
-  for (auto& s : slots_) {
-    const auto& pg = s.param.grad();
-    if (pg.defined() && pg.data_ptr() == g.data_ptr<float>() + s.offset) continue;
-    s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
-  }
-}
-
-bool FlatParam::take_grad(size_t slot) {
-  TORCH_INTERNAL_ASSERT(trainable_ && slot < slots_.size());
-  at::NoGradGuard no_grad;
-  if (direct_) {
-    // Normally already accumulated in place into the gradient shard (link_grads()); a
-    // gradient that arrived elsewhere (no pre-backward hook ran) is added here.
-    auto& s = slots_[slot];
-    const auto& pg = s.param.grad();
-    if (!shard_.grad().defined()) shard_.mutable_grad() = at::zeros_like(shard_);
-    const auto& g = shard_.grad();
-    if (pg.defined() && pg.data_ptr() != g.data_ptr<float>() + s.offset) {
-      g.narrow(0, s.offset, s.numel).view(s.shape).add_(pg);
-      s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
-    }
-    return ++grads_taken_ == static_cast<int>(slots_.size());
-  }
-  auto& p = slots_[slot].param;
-  if (!grad_full_.defined()) {
-    // Not zero-filled: each slot is written once below, and reduce_grad() zeroes the
-    // slots that never reported and the padding.
-    grad_full_ = at::empty({padded_}, shard_.options().dtype(cfg_.reduce_dtype));
-    written_.assign(slots_.size(), false);
-    Accounting::alloc(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
-  }
-  auto dst = grad_full_.narrow(0, slots_[slot].offset, slots_[slot].numel).view(slots_[slot].shape);
-  if (p.grad().defined()) {
-    if (written_[slot]) {
-      dst.add_(p.grad());
-    } else {
-      dst.copy_(p.grad());
-    }
-    written_[slot] = true;
-    p.mutable_grad() = at::Tensor();
-  }
-  ++grads_taken_;
-  return grads_taken_ == static_cast<int>(slots_.size());
-}
-
-void FlatParam::reduce_grad() {
-  if (direct_) {
-    grads_taken_ = 0;
-    return;
-  }
-  if (!grad_full_.defined()) return;
-  finish_reduce();  // an earlier reduction of this flat lands first
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    if (!written_[i]) grad_full_.narrow(0, slots_[i].offset, slots_[i].numel).zero_();
-  }
-  if (padded_ > numel_) grad_full_.narrow(0, numel_, padded_ - numel_).zero_();
-  // Note [Overlapped reduction]
-  // The reduce-scatter is issued here and finished by finish_reduce(), which the runtime
-  // calls when the next flat starts its reduction (or at the end of backward), so the
-  // collective runs while backward computes the next unit. The flat gradient stays
-  // alive (and counted in comm_buffers) until then.
-  reduce_in_ = std::move(grad_full_);
-  grad_full_ = at::Tensor();
-  grads_taken_ = 0;
-  reduce_out_ = reduce_in_;
-  if (cfg_.shard_group->size() > 1) {
-    reduce_out_ = at::empty({shard_numel_}, reduce_in_.options());
-    cfg_.acct->count(Collective::kReduceScatter, bytes_of(padded_, cfg_.reduce_dtype));
-    CollectiveLabel label(label_());
-    reduce_work_ = cfg_.shard_group->reduce_scatter_sum(reduce_in_, reduce_out_);
-  } else {
-    reduce_work_ = std::make_shared<DoneWork>();
-  }
-}
-
-void FlatParam::finish_reduce() {
-  if (!reduce_work_) return;
-  reduce_work_->wait();
-  reduce_work_.reset();
-  at::NoGradGuard no_grad;
-  at::Tensor out = std::move(reduce_out_);
-  reduce_out_ = at::Tensor();
-  if (cfg_.replicate_group->size() > 1) {
-    cfg_.acct->count(Collective::kAllReduce, bytes_of(shard_numel_, cfg_.reduce_dtype));
-    CollectiveLabel label(label_());
-    cfg_.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
-  }
-  reduce_in_ = at::Tensor();
-  Accounting::release(cfg_.acct->mem.comm_buffers, bytes_of(padded_, cfg_.reduce_dtype));
-
-  at::Tensor g = out.to(at::kFloat);
-  if (cfg_.world_size > 1) g.div_(static_cast<double>(cfg_.world_size));
-  if (cfg_.offload) {
-    // The fp32 gradient shard goes back to the host on the transfer stream (an explicit
-    // copy on a CPU device). A first gradient becomes the gradient shard as it is; one
-    // that must be added waits in landing_ (Note [Offload transfers]).
-    Transfers::HostCopy host = cfg_.transfers->to_host(g);
-    cfg_.acct->count_offload(/*to_device=*/false, bytes_of(shard_numel_, at::kFloat));
-    if (!shard_.grad().defined()) {
-      shard_.mutable_grad() = host.value;
-      grad_landed_ = std::move(host.wait);
-    } else {
-      Accounting::alloc(cfg_.acct->mem.offload_buffers, bytes_of(shard_numel_, at::kFloat));
-      landing_.push_back(std::move(host));
-    }
-    return;
-  }
-  if (!shard_.grad().defined()) {
-    shard_.mutable_grad() = g;
-  } else {
-    shard_.mutable_grad().add_(g);
-  }
-}
-
-void FlatParam::land_grads() {
-  if (grad_landed_) {
-    grad_landed_();
-    grad_landed_ = {};
-  }
-  at::NoGradGuard no_grad;
-  for (auto& copy : landing_) {
-    if (copy.wait) copy.wait();
-    shard_.mutable_grad().add_(copy.value);
-    Accounting::release(cfg_.acct->mem.offload_buffers, bytes_of(shard_numel_, at::kFloat));
-  }
-  landing_.clear();
 }
 
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
@@ -293,7 +153,7 @@ at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
   at::Tensor out = at::empty({padded_}, opts);
   if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
-  CollectiveLabel label(label_());
+  CollectiveLabel label(this->label());
   cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
   return out;
 }

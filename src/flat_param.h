@@ -68,41 +68,20 @@ class FlatParam {
   at::ScalarType param_dtype() const { return cfg_.param_dtype; }
   int64_t full_bytes() const { return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype)); }
 
-  /// Restores the full buffer's storage and issues the all-gather into it.
+  /// Restores the full buffer's storage and issues the all-gather into it. The returned
+  /// work holds the gather's staging buffer (the shard cast to param_dtype, or copied to
+  /// the device with offload) until it completes.
   std::shared_ptr<Work> gather();
   /// Frees the full buffer's storage; the parameter views stay, the bytes go.
   void release();
 
-  /// Adds one original parameter's gradient into the flat gradient buffer and frees it.
-  /// Returns true once every trainable slot has reported in this backward.
-  bool take_grad(size_t slot);
-  /// True when some slot has reported in the current backward pass.
-  bool has_pending_grad() const { return grads_taken_ > 0; }
-  /// True when gradients are held unreduced (pending, or kept across passes by no_sync).
-  bool has_unreduced_grad() const { return grads_taken_ > 0 || grad_full_.defined(); }
-  /// Ends a backward pass without reducing: the flat gradient stays and later passes add
-  /// to it (no_sync).
-  void end_pass() { grads_taken_ = 0; }
-  /// Points each original parameter's .grad() into the gradient shard (world size 1,
-  /// see Note [Group of one]); called before backward. No-op otherwise.
-  void link_grads();
-  /// Issues the reduce-scatter (sum) of the flat gradient; finish_reduce() completes it
-  /// (Note [Overlapped reduction]).
-  void reduce_grad();
-  /// True while a reduction issued by reduce_grad() is not finished.
-  bool reducing() const { return reduce_work_ != nullptr; }
-  /// Waits for the reduction (and, across replicas, all-reduces) and adds the result
-  /// divided by the world size into the fp32 gradient shard. With offload it travels to
-  /// the host on the transfer stream; one that must be added to an existing gradient
-  /// waits for land_grads() (Note [Offload transfers]). No-op when nothing is pending.
-  void finish_reduce();
-  /// True when offloaded gradient copies wait to be added into the gradient shard.
-  bool has_landing() const { return !landing_.empty(); }
-  /// Waits for the offloaded gradient copies and adds the waiting ones into the gradient
-  /// shard.
-  void land_grads();
+  /// Group of one in fp32 (Note [Group of one]): the full buffer is the shard itself.
+  bool aliased() const { return alias_; }
+  const FlatConfig& config() const { return cfg_; }
+  /// What this flat's collectives are for, in the collective trace.
+  std::string label() const { return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)"; }
 
-  /// Keeps the accumulators that fire take_grad() (AutogradMeta keeps weak refs only).
+  /// Keeps the accumulators whose hooks take the gradients (AutogradMeta keeps weak refs only).
   std::vector<GradAccumulator>& grad_accumulators() { return grad_accs_; }
 
   /// The host tensor (param_dtype, shard-sized) an optimizer may fill with the updated
@@ -120,8 +99,9 @@ class FlatParam {
   at::Tensor gather_like(const at::Tensor& shard_like) const;
 
  private:
-  /// What this flat's collectives are for, in the collective trace.
-  std::string label_() const { return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)"; }
+  /// Whether the full buffer currently has its storage (always, when aliased).
+  bool full_allocated() const { return alias_ || full_.storage().nbytes() != 0; }
+
   std::vector<ParamSlot> slots_;
   bool trainable_;
   FlatConfig cfg_;
@@ -130,21 +110,10 @@ class FlatParam {
   int64_t shard_numel_ = 0;  ///< padded_ / group size
   at::Tensor shard_;         ///< fp32 leaf, shard_numel_ elements
   at::Tensor full_;          ///< param_dtype, padded_ elements; storage freed when sharded
-  bool full_allocated_ = false;
   bool alias_ = false;       ///< group of one in fp32: full_ is the shard's own storage
-  bool direct_ = false;      ///< world size 1 in fp32: grads accumulate straight into the shard's
-  std::vector<bool> written_;  ///< slots whose gradient arrived since the last reduce
-  at::Tensor staging_;       ///< shard cast to param_dtype while a gather is in flight
   at::Tensor lowp_;          ///< optimizer-written param_dtype copy of the shard (copy_out_target)
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;
-  at::Tensor grad_full_;     ///< reduce_dtype, padded_ elements, while gradients arrive
-  at::Tensor reduce_in_;      ///< flat gradient under reduction (reduce_dtype, padded_)
-  at::Tensor reduce_out_;    ///< its reduced shard (reduce_dtype, shard_numel_)
-  std::shared_ptr<Work> reduce_work_;  ///< the reduction in flight, until finish_reduce()
-  std::vector<Transfers::HostCopy> landing_;  ///< offloaded gradient copies to add once landed
-  std::function<void()> grad_landed_;  ///< waits for the copy that became the gradient shard
-  int grads_taken_ = 0;      ///< slots reported since the last reduce
   std::vector<GradAccumulator> grad_accs_;
 };
 

@@ -272,12 +272,11 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
       if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
     }
     if (!trainable.empty()) {
-      unit.flats().push_back(std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
+      unit.add_flat(std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
     }
     if (!frozen.empty()) {
-      unit.flats().push_back(std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
+      unit.add_flat(std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
     }
-    unit.register_grad_hooks();
   }
   rt->set_flat_config(cfg);
   for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);

@@ -32,12 +32,7 @@ void LossScaler::unscale_() {
   auto& rt = EngineAccess::runtime(model_);
   at::NoGradGuard no_grad;
   bool bad = false;
-  std::vector<at::Tensor> grads;
-  for (auto& u : rt.units()) {
-    for (auto& f : u->flats()) {
-      if (f->trainable() && f->shard().grad().defined()) grads.push_back(f->shard().grad());
-    }
-  }
+  std::vector<at::Tensor> grads = rt.grad_shards();
   for (auto& g : grads) {
     if (!bad && !g.isfinite().all().item<bool>()) bad = true;
   }

@@ -6,7 +6,30 @@
 
 namespace fsdp::detail {
 
+const char* to_string(TrainingState s) {
+  switch (s) {
+    case TrainingState::kIdle:
+      return "idle";
+    case TrainingState::kForward:
+      return "forward";
+    case TrainingState::kBackward:
+      return "backward";
+  }
+  return "?";
+}
+
 Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {}
+
+Runtime::~Runtime() {
+  comm_.reset();  // waits for gathers in flight into the flat parameters' buffers
+  for (auto& u : units_) u->detach();
+}
+
+void Runtime::set_flat_config(const FlatConfig& cfg) {
+  TORCH_INTERNAL_ASSERT(comm_ == nullptr, "set_flat_config: the runtime is configured once");
+  flat_cfg_ = cfg;
+  comm_ = std::make_unique<CommContext>(&acct_, cfg.transfers);
+}
 
 Unit& Runtime::add_unit(const std::string& fqn) {
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), this));
@@ -35,7 +58,7 @@ void Runtime::attach(WrapPointImpl& wp, Unit& u) {
 int Runtime::gathered_non_root() const {
   int n = 0;
   for (const auto& u : units_) {
-    if (!u->is_root() && u->state() != UnitState::kSharded) ++n;
+    if (!u->is_root() && u->state() != ShardedState::kSharded) ++n;
   }
   return n;
 }
@@ -72,14 +95,14 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
     Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
                           : neighbour(u, direction * k);
     if (next == nullptr) return;
-    if (next->is_root() || next->state() != UnitState::kSharded || next->grads_reduced) continue;
+    if (next->is_root() || next->state() != ShardedState::kSharded || next->grads_reduced) continue;
     next->start_gather();
   }
 }
 
 void Runtime::pre_forward(Unit& u) {
-  if (u.is_root() && at::GradMode::is_enabled() && !iteration_open_) {
-    iteration_open_ = true;
+  if (u.is_root() && at::GradMode::is_enabled() && training_state_ == TrainingState::kIdle) {
+    training_state_ = TrainingState::kForward;  // a new iteration: its own step counters
     acct_.comm.step = CommStats();
   }
   if (!order_frozen_ && std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
@@ -110,8 +133,8 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
 }
 
 void Runtime::queue_end_of_backward() {
-  if (callback_queued_) return;
-  callback_queued_ = true;
+  if (training_state_ == TrainingState::kBackward) return;
+  training_state_ = TrainingState::kBackward;
   auto self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
 }
@@ -119,61 +142,42 @@ void Runtime::queue_end_of_backward() {
 void Runtime::pre_backward(Unit& u) {
   queue_end_of_backward();
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
-  for (auto& f : u.flats()) f->link_grads();
+  u.link_grads();
   u.unshard();
   prefetch_from(u, -1);
 }
 
 void Runtime::end_of_backward() {
+  TORCH_INTERNAL_ASSERT(training_state_ == TrainingState::kBackward, "end of backward while ",
+                        to_string(training_state_));
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
-  if (reducing_ != nullptr) reducing_->finish_reduce();
-  reducing_ = nullptr;
-  if (flat_cfg_.transfers) {
-    // Offloaded gradients: every copy lands before an optimizer step can read them.
-    flat_cfg_.transfers->wait_host();
-    for (auto& u : units_) {
-      for (auto& f : u->flats()) f->land_grads();
-    }
-    landing_ = nullptr;
-  }
+  comm_->finish_backward();
   for (auto& u : units_) {
     u->reshard();
+    u->unlink_grads();
     u->grads_reduced = false;
   }
-  callback_queued_ = false;
-  iteration_open_ = false;
+  training_state_ = TrainingState::kIdle;
   order_frozen_ = true;
   sync_grad_counter();
 }
 
-void Runtime::reduce_started(FlatParam& f) {
-  if (reducing_ != nullptr && reducing_ != &f) {
-    reducing_->finish_reduce();
-    land_before(*reducing_);
+void Runtime::wait_transfers() { comm_->wait_transfers(); }
+
+std::vector<at::Tensor> Runtime::grad_shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    for (const auto& f : u->flats()) {
+      if (f->trainable() && f->shard().grad().defined()) out.push_back(f->shard().grad());
+    }
   }
-  land_before(f);  // its own earlier reduction may have finished in reduce_grad()
-  reducing_ = f.reducing() ? &f : nullptr;
-}
-
-void Runtime::land_before(FlatParam& f) {
-  if (!f.has_landing()) return;
-  if (landing_ != nullptr && landing_ != &f) landing_->land_grads();
-  landing_ = &f;
-}
-
-void Runtime::wait_transfers() {
-  if (flat_cfg_.transfers) flat_cfg_.transfers->wait_host();
+  return out;
 }
 
 void Runtime::sync_grad_counter() {
   int64_t bytes = 0;
-  for (const auto& u : units_) {
-    for (const auto& f : u->flats()) {
-      const auto& g = f->shard().grad();
-      if (g.defined()) bytes += g.numel() * static_cast<int64_t>(g.element_size());
-    }
-  }
+  for (const auto& g : grad_shards()) bytes += static_cast<int64_t>(g.nbytes());
   auto& c = acct_.mem.grad_shards;
   c.current = bytes;
   c.peak = std::max(c.peak, bytes);

@@ -1,12 +1,13 @@
 #pragma once
 // The runtime shared by all units of one sharded model: options, groups, counters,
-// the recorded forward order, and the per-iteration state machine.
+// the communication context, the recorded forward order, and the training state.
 
 #include <fsdp/fully_sharded_module.h>
 
 #include "internal.h"
 
 #include "accounting.h"
+#include "comm_context.h"
 #include "unit.h"
 
 #include <memory>
@@ -14,9 +15,19 @@
 
 namespace fsdp::detail {
 
+/// Where an iteration is. kIdle -> kForward (a training forward of the root) ->
+/// kBackward (the first gradient or pre-backward hook queued end_of_backward()) ->
+/// kIdle (end_of_backward()). Forwards inside backward (activation checkpointing's
+/// recomputation) leave it in kBackward.
+enum class TrainingState { kIdle, kForward, kBackward };
+
+const char* to_string(TrainingState s);
+
 class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
  public:
   explicit Runtime(ShardingOptions options);
+  /// Waits for what is still in flight before the units and their buffers go.
+  ~Runtime();
 
   const ShardingOptions& options() const { return options_; }
   Accounting& acct() { return acct_; }
@@ -26,7 +37,12 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
 
   /// Points `wp` at its unit (and, for the root, at this runtime).
   void attach(WrapPointImpl& wp, Unit& u);
-  void set_flat_config(const FlatConfig& cfg) { flat_cfg_ = cfg; }
+  /// Sets the groups and dtypes the units were built with, and makes the communication
+  /// context (with cfg.transfers under offload).
+  void set_flat_config(const FlatConfig& cfg);
+  /// Every collective and transfer in flight (Note [Communication context]).
+  CommContext& comm() { return *comm_; }
+  TrainingState training_state() const { return training_state_; }
   /// Adds a unit (the first call makes the root).
   Unit& add_unit(const std::string& fqn);
 
@@ -38,13 +54,11 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   void queue_end_of_backward();
   void end_of_backward();
 
-  /// After `f` issued its reduction: finishes the reductions issued before it (Note
-  /// [Overlapped reduction]) and, with offload, lands the gradient copies that earlier
-  /// units left waiting (Note [Offload transfers]).
-  void reduce_started(FlatParam& f);
   /// With offload: blocks until no copy from or to the host shards is in flight, so the
   /// caller may write them (Note [Offload transfers]).
   void wait_transfers();
+  /// The gradient shards the trainable flat parameters hold (those defined), in unit order.
+  std::vector<at::Tensor> grad_shards() const;
   /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
   void sync_grad_counter();
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
@@ -58,8 +72,6 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
 
  private:
   void prefetch_from(const Unit& u, int direction);
-  /// With offload: lands the copies other flats left waiting once `f` has some.
-  void land_before(FlatParam& f);
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
 
@@ -67,13 +79,11 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   FlatConfig flat_cfg_;
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
-  FlatParam* reducing_ = nullptr;             ///< the flat whose reduction is in flight
-  FlatParam* landing_ = nullptr;              ///< the flat whose offloaded grads wait to land
+  std::unique_ptr<CommContext> comm_;         ///< set by set_flat_config()
+  TrainingState training_state_ = TrainingState::kIdle;
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded
-  bool iteration_open_ = false;               ///< a training forward began, backward not done
-  bool callback_queued_ = false;              ///< end-of-backward callback queued
-  bool no_sync_ = false;                      ///< see NoSyncScope
+  bool no_sync_ = false;                      ///< see NoSyncScope (a mode, not a state)
   std::map<std::string, at::Tensor> staging_pool_;
 };
 

@@ -7,25 +7,64 @@
 
 namespace fsdp::detail {
 
-const char* to_string(UnitState s) {
+const char* to_string(ShardedState s) {
   switch (s) {
-    case UnitState::kSharded:
+    case ShardedState::kSharded:
       return "sharded";
-    case UnitState::kGathering:
+    case ShardedState::kGathering:
       return "gathering";
-    case UnitState::kUnsharded:
+    case ShardedState::kUnsharded:
       return "unsharded";
   }
   return "?";
 }
 
-Unit::~Unit() {
-  for (auto& w : pending_) {
-    try {
-      w->wait();
-    } catch (const std::exception&) {
-      // A failed collective (e.g. a peer died) leaves nothing in flight to wait for.
-    }
+namespace {
+
+// Fires after AccumulateGrad has written an original parameter's .grad(): the
+// post-backward trigger of docs/design.md, "The engine".
+class PostAccumulateHook : public torch::autograd::FunctionPostHook {
+ public:
+  PostAccumulateHook(Unit* unit, size_t flat, size_t slot) : unit_(unit), flat_(flat), slot_(slot) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    unit_->on_param_grad(flat_, slot_);
+    return outputs;
+  }
+
+ private:
+  Unit* unit_;
+  size_t flat_;
+  size_t slot_;
+};
+
+}  // namespace
+
+Runtime& Unit::runtime() const {
+  TORCH_CHECK(rt_ != nullptr, "FSDP unit ", display_name(),
+              ": the sharded model it belonged to has been destroyed; keep the handle "
+              "fully_shard() returned alive while its modules are used");
+  return *rt_;
+}
+
+void Unit::detach() {
+  grads_.clear();  // they refer to the flat parameters
+  flats_.clear();
+  state_ = ShardedState::kSharded;
+  rt_ = nullptr;
+}
+
+void Unit::add_flat(std::unique_ptr<FlatParam> flat) {
+  const size_t index = flats_.size();
+  FlatParam& f = *flat;
+  flats_.push_back(std::move(flat));
+  grads_.push_back(f.trainable() ? std::make_unique<GradBuffer>(f) : nullptr);
+  if (!f.trainable()) return;
+  for (size_t i = 0; i < f.slots().size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(f.slots()[i].param);
+    TORCH_INTERNAL_ASSERT(acc != nullptr, "no grad accumulator for ", f.slots()[i].fqn);
+    acc->add_post_hook(std::make_unique<PostAccumulateHook>(this, index, i));
+    f.grad_accumulators().push_back(std::move(acc));
   }
 }
 
@@ -43,74 +82,56 @@ int64_t Unit::full_bytes() const {
 }
 
 void Unit::start_gather() {
-  if (state_ != UnitState::kSharded) return;
-  for (auto& f : flats_) pending_.push_back(f->gather());
-  state_ = UnitState::kGathering;
+  if (state_ != ShardedState::kSharded) return;
+  std::vector<std::shared_ptr<Work>> works;
+  for (auto& f : flats_) works.push_back(f->gather());
+  runtime().comm().add_gathers(*this, std::move(works));
+  state_ = ShardedState::kGathering;
 }
 
 void Unit::unshard() {
-  if (state_ == UnitState::kUnsharded) return;
+  if (state_ == ShardedState::kUnsharded) return;
   start_gather();
-  for (auto& w : pending_) w->wait();
-  pending_.clear();
-  state_ = UnitState::kUnsharded;
+  runtime().comm().wait_gathers(*this);
+  state_ = ShardedState::kUnsharded;
 }
 
 void Unit::reshard() {
-  if (state_ == UnitState::kSharded) return;
-  for (auto& w : pending_) w->wait();
-  pending_.clear();
+  if (state_ == ShardedState::kSharded) return;
+  runtime().comm().wait_gathers(*this);
   for (auto& f : flats_) f->release();
-  state_ = UnitState::kSharded;
+  state_ = ShardedState::kSharded;
 }
 
-namespace {
-
-// Fires after AccumulateGrad has written an original parameter's .grad(): the
-// post-backward trigger of docs/design.md, "The engine".
-class PostAccumulateHook : public torch::autograd::FunctionPostHook {
- public:
-  PostAccumulateHook(Unit* unit, FlatParam* flat, size_t slot) : unit_(unit), flat_(flat), slot_(slot) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    unit_->on_param_grad(*flat_, slot_);
-    return outputs;
-  }
-
- private:
-  Unit* unit_;
-  FlatParam* flat_;
-  size_t slot_;
-};
-
-}  // namespace
-
-void Unit::register_grad_hooks() {
-  for (auto& f : flats_) {
-    if (!f->trainable()) continue;
-    for (size_t i = 0; i < f->slots().size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(f->slots()[i].param);
-      TORCH_INTERNAL_ASSERT(acc != nullptr, "no grad accumulator for ", f->slots()[i].fqn);
-      acc->add_post_hook(std::make_unique<PostAccumulateHook>(this, f.get(), i));
-      f->grad_accumulators().push_back(std::move(acc));
-    }
+void Unit::link_grads() {
+  for (auto& g : grads_) {
+    if (g) g->link();
   }
 }
 
-void Unit::on_param_grad(FlatParam& flat, size_t slot) {
-  TORCH_CHECK(state_ == UnitState::kUnsharded, "FSDP unit ", display_name(),
+void Unit::unlink_grads() {
+  for (auto& g : grads_) {
+    if (g) g->unlink();
+  }
+}
+
+void Unit::reduce(size_t i) {
+  if (runtime().no_sync()) {
+    grads_[i]->end_pass();  // keep the unsharded gradient; a later backward reduces it
+  } else {
+    runtime().comm().reduce(*flats_[i], grads_[i]->take_for_reduction());
+  }
+}
+
+void Unit::on_param_grad(size_t flat, size_t slot) {
+  TORCH_CHECK(state_ == ShardedState::kUnsharded, "FSDP unit ", display_name(),
               ": a gradient arrived while the unit is ", to_string(state_),
               ". Its parameters were used outside a call through its wrap point; call the "
               "wrapped module only through FullyShardedModule.");
-  rt_->queue_end_of_backward();  // also when no unit output had a pre-backward hook
-  if (!flat.take_grad(slot)) return;
-  if (rt_->no_sync()) {
-    flat.end_pass();  // keep the unsharded gradient; a later backward reduces it
-  } else {
-    flat.reduce_grad();
-    rt_->reduce_started(flat);
-    rt_->sync_grad_counter();
-  }
+  runtime().queue_end_of_backward();  // also when no unit output had a pre-backward hook
+  if (!grads_.at(flat)->take(slot)) return;
+  reduce(flat);
+  if (!runtime().no_sync()) runtime().sync_grad_counter();
   grads_reduced = true;
   // Note [Frozen parameters and reshard]
   // Frozen parameters have no accumulator to tell us when backward is done with them:
@@ -121,21 +142,20 @@ void Unit::on_param_grad(FlatParam& flat, size_t slot) {
 
 void Unit::flush_grads() {
   bool any = false;
-  for (auto& f : flats_) {
-    if (!f->trainable()) continue;
-    if (rt_->no_sync()) {
-      f->end_pass();
+  for (size_t i = 0; i < flats_.size(); ++i) {
+    if (!grads_[i]) continue;
+    if (runtime().no_sync()) {
+      grads_[i]->end_pass();
       continue;
     }
-    if (f->has_unreduced_grad()) {
-      f->reduce_grad();
-      rt_->reduce_started(*f);
+    if (grads_[i]->unreduced()) {
+      reduce(i);
       any = true;
     }
   }
   if (any) {
     grads_reduced = true;
-    rt_->sync_grad_counter();
+    runtime().sync_grad_counter();
   }
 }
 

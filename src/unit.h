@@ -1,7 +1,9 @@
 #pragma once
-// A unit: the flat parameters of one wrap point, with its sharded/unsharded state.
+// A unit: the flat parameters of one wrap point, their gradient buffers, and whether
+// their full parameters are in place (its ShardedState).
 
 #include "flat_param.h"
+#include "grad_buffer.h"
 #include "internal.h"
 
 #include <memory>
@@ -12,29 +14,37 @@ namespace fsdp::detail {
 
 class Runtime;
 
-enum class UnitState {
+/// Where a unit's full parameters are. Transitions: kSharded -> kGathering
+/// (start_gather) -> kUnsharded (unshard) -> kSharded (reshard); unshard() may also go
+/// from kSharded straight to kUnsharded, and reshard() from kGathering (after waiting).
+enum class ShardedState {
   kSharded,    ///< only the fp32 shard is held
   kGathering,  ///< an all-gather is in flight (prefetch); wait before use
   kUnsharded,  ///< full parameters are in place
 };
 
-const char* to_string(UnitState s);
+const char* to_string(ShardedState s);
 
 class Unit : public UnitCore {
  public:
   Unit(std::string fqn, int index, Runtime* runtime) : fqn_(std::move(fqn)), index_(index), rt_(runtime) {}
-  /// Waits for gathers still in flight: their buffers go with the flat parameters.
-  ~Unit();
 
   const std::string& fqn() const { return fqn_; }
   /// "<root>" for the root, else the FQN; for messages.
   std::string display_name() const { return fqn_.empty() ? "<root>" : "'" + fqn_ + "'"; }
   int index() const { return index_; }
-  Runtime& runtime() const { return *rt_; }
+  /// The runtime of the model; an error once the model is gone (detach()).
+  Runtime& runtime() const;
+  /// Called by the runtime's destructor: frees the flat parameters while the counters
+  /// they report to still exist (wrap points, which hold units, may outlive the
+  /// runtime) and forgets the runtime.
+  void detach();
   bool is_root() const { return index_ == 0; }
-  UnitState state() const { return state_; }
-  std::vector<std::unique_ptr<FlatParam>>& flats() { return flats_; }
+  ShardedState state() const { return state_; }
   const std::vector<std::unique_ptr<FlatParam>>& flats() const { return flats_; }
+  /// Adds a flat parameter (trainable ones first, then frozen) and, for a trainable one,
+  /// its gradient buffer and the hooks that fill it.
+  void add_flat(std::unique_ptr<FlatParam> flat);
   bool has_frozen() const;
   int64_t full_bytes() const;
 
@@ -45,11 +55,16 @@ class Unit : public UnitCore {
   /// Frees the full parameters (waits for an in-flight gather first). Idempotent.
   void reshard();
 
+  /// Before backward: points the original parameters' .grad() into the gradient shards
+  /// where gradients accumulate in place (GradBuffer::link()).
+  void link_grads();
+  /// After backward: the gradient shards become the only owners of the gradient bytes
+  /// (GradBuffer::unlink()).
+  void unlink_grads();
   /// One original parameter's gradient has been accumulated. When the last trainable
-  /// one arrives, the unit's gradients are reduced (and, if allowed, it reshards).
-  void on_param_grad(FlatParam& flat, size_t slot);
-  /// Attaches post-accumulate hooks to every trainable original parameter.
-  void register_grad_hooks();
+  /// one of a flat parameter arrives, its gradient is reduced (and, if allowed, the unit
+  /// reshards).
+  void on_param_grad(size_t flat, size_t slot);
   /// Reduces whatever gradients arrived (unused parameters count as zero).
   void flush_grads();
 
@@ -58,12 +73,15 @@ class Unit : public UnitCore {
   bool keep_fp32 = false;      ///< excluded from mixed precision (MixedPrecision::keep_fp32_policy)
 
  private:
+  /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync).
+  void reduce(size_t i);
+
   std::string fqn_;
   int index_;
   Runtime* rt_;
-  UnitState state_ = UnitState::kSharded;
-  std::vector<std::unique_ptr<FlatParam>> flats_;  ///< trainable first, then frozen
-  std::vector<std::shared_ptr<Work>> pending_;     ///< in-flight gathers
+  ShardedState state_ = ShardedState::kSharded;
+  std::vector<std::unique_ptr<FlatParam>> flats_;   ///< trainable first, then frozen
+  std::vector<std::unique_ptr<GradBuffer>> grads_;  ///< one per flat; null for frozen ones
 };
 
 }  // namespace fsdp::detail

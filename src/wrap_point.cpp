@@ -309,7 +309,7 @@ FullParamsScope::~FullParamsScope() {
   const bool writeback = options_.writeback && kept && rt.options().mixed_precision.param_dtype == at::kFloat;
   at::NoGradGuard no_grad;
   for (auto& u : rt.units()) {
-    if (writeback && u->state() == detail::UnitState::kUnsharded) {
+    if (writeback && u->state() == detail::ShardedState::kUnsharded) {
       for (auto& f : u->flats()) {
         const int64_t r = rt.flat_config().shard_group->rank();
         f->shard().copy_(f->full().narrow(0, r * f->shard_numel(), f->shard_numel()));

@@ -1,0 +1,160 @@
+#include "comm_context.h"
+
+#include "collective_trace.h"
+
+#include <algorithm>
+
+namespace fsdp::detail {
+
+CommContext::CommContext(Accounting* acct, std::shared_ptr<Transfers> transfers)
+    : acct_(acct), transfers_(std::move(transfers)) {}
+
+CommContext::~CommContext() {
+  for (auto& [unit, work] : gathers_) {
+    try {
+      work->wait();
+    } catch (const std::exception&) {
+      // A failed collective (e.g. a peer died) leaves nothing in flight to wait for.
+    }
+  }
+}
+
+void CommContext::add_gathers(const Unit& unit, std::vector<std::shared_ptr<Work>> works) {
+  for (auto& w : works) gathers_.emplace_back(&unit, std::move(w));
+}
+
+void CommContext::wait_gathers(const Unit& unit) {
+  // In issue order; a gather leaves the list once waited for (a failed one stays for
+  // the destructor).
+  for (auto it = gathers_.begin(); it != gathers_.end();) {
+    if (it->first != &unit) {
+      ++it;
+      continue;
+    }
+    it->second->wait();
+    it = gathers_.erase(it);
+  }
+}
+
+void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
+  if (grad.defined()) {
+    // An earlier reduction of this flat parameter adds into the same gradient shard
+    // first (then it is the only one in flight).
+    if (!reductions_.empty() && reductions_.front().flat == &flat) finish_oldest();
+    // Note [Overlapped reduction]
+    // The reduce-scatter is issued here and finished when the next flat parameter has
+    // issued its own (or at the end of backward), so the collective runs while backward
+    // computes the next unit. The flat gradient stays alive (and counted in
+    // comm_buffers) until then.
+    const FlatConfig& cfg = flat.config();
+    Reduction r{&flat, grad, grad, nullptr};
+    if (cfg.shard_group->size() > 1) {
+      at::NoGradGuard no_grad;
+      r.out = at::empty({flat.shard_numel()}, grad.options());
+      acct_->count(Collective::kReduceScatter, static_cast<int64_t>(grad.nbytes()));
+      CollectiveLabel label(flat.label());
+      r.work = cfg.shard_group->reduce_scatter_sum(r.in, r.out);
+    } else {
+      r.work = std::make_shared<DoneWork>();
+    }
+    reductions_.push_back(std::move(r));
+  }
+  // The reduction issued before, by another flat parameter, finishes while this one runs.
+  while (!reductions_.empty() && reductions_.front().flat != &flat) {
+    FlatParam* previous = reductions_.front().flat;
+    finish_oldest();
+    park(*previous);
+  }
+  park(flat);  // its own earlier reduction may have finished above
+}
+
+void CommContext::finish_oldest() {
+  Reduction r = std::move(reductions_.front());
+  reductions_.erase(reductions_.begin());
+  r.work->wait();
+  FlatParam& flat = *r.flat;
+  const FlatConfig& cfg = flat.config();
+  at::NoGradGuard no_grad;
+  at::Tensor out = std::move(r.out);
+  if (cfg.replicate_group->size() > 1) {
+    acct_->count(Collective::kAllReduce, static_cast<int64_t>(out.nbytes()));
+    CollectiveLabel label(flat.label());
+    cfg.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
+  }
+  Accounting::release(acct_->mem.comm_buffers, static_cast<int64_t>(r.in.nbytes()));
+  r.in = at::Tensor();
+
+  at::Tensor g = out.to(at::kFloat);
+  if (cfg.world_size > 1) g.div_(static_cast<double>(cfg.world_size));
+  const at::Tensor& shard = flat.shard();
+  if (transfers_) {
+    // The fp32 gradient shard goes back to the host on the transfer stream (an explicit
+    // copy on a CPU device). A first gradient becomes the gradient shard as it is; one
+    // that must be added waits for land() (Note [Offload transfers]).
+    Transfers::HostCopy host = transfers_->to_host(g);
+    acct_->count_offload(/*to_device=*/false, static_cast<int64_t>(g.nbytes()));
+    if (!shard.grad().defined()) {
+      shard.mutable_grad() = host.value;
+      landing_of(flat).first = std::move(host.wait);
+    } else {
+      Accounting::alloc(acct_->mem.offload_buffers, static_cast<int64_t>(g.nbytes()));
+      landing_of(flat).to_add.push_back(std::move(host));
+    }
+    return;
+  }
+  if (!shard.grad().defined()) {
+    shard.mutable_grad() = g;
+  } else {
+    shard.mutable_grad().add_(g);
+  }
+}
+
+CommContext::Landing& CommContext::landing_of(FlatParam& flat) {
+  auto it = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == &flat; });
+  if (it != landing_.end()) return *it;
+  landing_.push_back(Landing{&flat, {}, {}});
+  return landing_.back();
+}
+
+void CommContext::park(FlatParam& flat) {
+  auto it = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == &flat; });
+  if (it == landing_.end() || it->to_add.empty()) return;
+  if (parked_ != nullptr && parked_ != &flat) {
+    auto p = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == parked_; });
+    TORCH_INTERNAL_ASSERT(p != landing_.end());
+    land(*p);
+    landing_.erase(p);
+  }
+  parked_ = &flat;
+}
+
+void CommContext::land(Landing& l) {
+  if (l.first) {
+    l.first();
+    l.first = {};
+  }
+  at::NoGradGuard no_grad;
+  const at::Tensor& shard = l.flat->shard();
+  for (auto& copy : l.to_add) {
+    if (copy.wait) copy.wait();
+    shard.mutable_grad().add_(copy.value);
+    Accounting::release(acct_->mem.offload_buffers, static_cast<int64_t>(copy.value.nbytes()));
+  }
+  l.to_add.clear();
+}
+
+void CommContext::finish_backward() {
+  while (!reductions_.empty()) finish_oldest();
+  if (!transfers_) return;
+  // Offloaded gradients: every copy lands before an optimizer step can read them.
+  transfers_->wait_host();
+  for (auto& l : landing_) land(l);
+  landing_.clear();
+  parked_ = nullptr;
+}
+
+void CommContext::wait_transfers() {
+  if (transfers_) transfers_->wait_host();
+}
+
+}  // namespace fsdp::detail
