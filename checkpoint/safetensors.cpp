@@ -255,6 +255,17 @@ bool is_safetensors(const std::string& path) {
 }
 
 Reader::Reader(const std::string& path) {
+  // A malformed file throws from here, where no destructor closes what was opened
+  // (found by fuzzing: every rejected file leaked its descriptor).
+  try {
+    open(path);
+  } catch (...) {
+    for (int fd : fds_) ::close(fd);
+    throw;
+  }
+}
+
+void Reader::open(const std::string& path) {
   fs::path p(path);
   if (fs::is_directory(p)) {
     p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json" : p / "model.safetensors";

@@ -124,6 +124,7 @@ class Reader {
   void read(const std::string& name, uint64_t offset, uint64_t n, void* out) const;
 
  private:
+  void open(const std::string& path);
   void open_file(const std::string& path, bool take_metadata);
 
   std::vector<std::string> files_;
