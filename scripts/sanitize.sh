@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds with AddressSanitizer + UndefinedBehaviorSanitizer (GCC, -DFSDP_SANITIZE=ON)
+# into build-sanitize/ and runs the test suite there: an invalid access, a leak or
+# undefined behaviour in this project's code fails the test that ran it.
+#
+#   scripts/sanitize.sh                          # the whole suite
+#   scripts/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's and the
+#                                                # checkpoints' test binaries only
+#   scripts/sanitize.sh -R Desync                # extra arguments go to ctest
+#
+# Not run here: the Consumer.* tests, which build separate projects against the
+# installed package with their own (unsanitized) flags and so cannot link an
+# instrumented libfsdp; scripts/test.sh runs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B="${FSDP_SANITIZE_BUILD_DIR:-build-sanitize}"
+targets=()
+labels=()
+if [ "${1:-}" = "--engine-and-checkpoint" ]; then
+  shift
+  targets=(test_parity test_memory_comm test_desync test_fully_shard test_offload test_checkpoint test_safetensors)
+  labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
+fi
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=ON >/dev/null
+if [ ${#targets[@]} -gt 0 ]; then
+  cmake --build "$B" -j2 --target "${targets[@]}"
+else
+  cmake --build "$B" -j2
+fi
+# Every child process (ranks, tools) inherits these through the environment.
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+ctest --test-dir "$B" --output-on-failure -j2 -E '^Consumer\.' "${labels[@]}" "$@"
