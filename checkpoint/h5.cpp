@@ -17,6 +17,10 @@
 #include <thread>
 
 namespace fsdp::h5 {
+
+/// Longest fixed-length string attribute a reader accepts: ours are names and short
+/// values; a larger size read from a file means the file is corrupted.
+constexpr size_t kMaxStringAttr = size_t{1} << 20;
 namespace {
 
 // HDF5 prints its error stack to stderr by default; the checkpoint code reports errors
@@ -434,7 +438,11 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
         H5free_memory(s);
         return out;
       }
-      std::string s(H5Tget_size(t), '\0');
+      // The size comes from the file: a corrupt one asked for 660 GB (found by fuzzing).
+      const size_t size = H5Tget_size(t);
+      TORCH_CHECK(size > 0 && size <= kMaxStringAttr, where, ": attribute '", name, "' claims a string of ", size,
+                  " bytes: the file is corrupted");
+      std::string s(size, '\0');
       TORCH_CHECK(H5Aread(a, t, s.data()) >= 0, where, ": attribute '", name, "': ", reason());
       s.resize(std::strlen(s.c_str()));
       return s;
@@ -623,6 +631,10 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   const Elem file = elem_of(loc, name, where);
   const size_t fsize = H5Tget_size(ftype), msize = H5Tget_size(mem_type(mem));
   const int64_t block = get_int(ds, kCrcBlockAttr, where);
+  // Both come from the file; checked before dividing by them (fuzzing found a division
+  // by zero for each).
+  TORCH_CHECK(fsize > 0 && block >= static_cast<int64_t>(fsize), where, ": dataset '", name,
+              "' has checksum blocks of ", block, " bytes for elements of ", fsize, " bytes: the file is corrupted");
   const int64_t per_block = block / static_cast<int64_t>(fsize);
   const int64_t blocks = (numel + per_block - 1) / per_block;
   TORCH_CHECK(per_block > 0 && static_cast<int64_t>(crcs.size()) == blocks, where, ": dataset '", name,
@@ -707,9 +719,26 @@ bool verify(hid_t loc, const std::string& name, const std::string& where) {
   return true;
 }
 
+namespace {
+// A table's length comes from the file and sizes an allocation before anything is read:
+// a corrupt one asked for 660 GB (found by fuzzing). Tables are stored uncompressed, so
+// one that claims more bytes than the whole file is corrupt.
+void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem, const std::string& where) {
+  const hid_t fid = H5Iget_file_id(loc);
+  hsize_t file_bytes = 0;
+  const bool known = fid >= 0 && H5Fget_filesize(fid, &file_bytes) >= 0;
+  if (fid >= 0) H5Fclose(fid);
+  if (!known) return;
+  TORCH_CHECK(numel >= 0 && static_cast<double>(numel) * static_cast<double>(elem) <= static_cast<double>(file_bytes),
+              where, ": dataset '", name, "' claims ", numel, " elements of ", elem, " bytes in a file of ", file_bytes,
+              " bytes: the file is corrupted");
+}
+}  // namespace
+
 std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where) {
   auto shape = shape_of(loc, name, where);
   TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
+  check_fits_in_file(loc, name, shape[0], 1, where);
   std::string joined(static_cast<size_t>(shape[0]), '\0');
   read_range(loc, name, 0, shape[0], joined.data(), Elem::kU8, where);
   std::vector<std::string> out;
@@ -726,6 +755,7 @@ std::vector<std::string> read_strings(hid_t loc, const std::string& name, const 
 std::vector<int64_t> read_i64(hid_t loc, const std::string& name, const std::string& where) {
   auto shape = shape_of(loc, name, where);
   TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
+  check_fits_in_file(loc, name, shape[0], sizeof(int64_t), where);
   std::vector<int64_t> out(static_cast<size_t>(shape[0]));
   read_range(loc, name, 0, shape[0], out.data(), Elem::kI64, where);
   return out;
