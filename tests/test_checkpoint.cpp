@@ -844,6 +844,8 @@ void crash_saver(const char* dir) {
   SaveOptions so;
   so.keep_last = 2;
   AsyncSave pending;
+  const char* progress = std::getenv("FSDP_CRASH_SAVER_PROGRESS");
+  int64_t returned = 0;
   while (step < stop) {
     ++step;
     fill_with(model, step);
@@ -854,13 +856,18 @@ void crash_saver(const char* dir) {
       save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
     }
     std::cout << "saved " << step << std::endl;
+    // How many save calls have returned (an asynchronous one returns before its write).
+    if (progress != nullptr) std::ofstream(std::string(progress) + ".tmp") << ++returned << "\n";
+    if (progress != nullptr) fs::rename(std::string(progress) + ".tmp", progress);
   }
 }
 
-pid_t start_saver(const std::string& dir, bool once, bool async = false, const std::string& signal = "") {
+pid_t start_saver(const std::string& dir, bool once, bool async = false, const std::string& signal = "",
+                  const std::string& progress = "") {
   pid_t pid = fork();
   if (pid == 0) {
     setenv("FSDP_CRASH_SAVER_DIR", dir.c_str(), 1);
+    if (!progress.empty()) setenv("FSDP_CRASH_SAVER_PROGRESS", progress.c_str(), 1);
     if (once) setenv("FSDP_CRASH_SAVER_ONCE", "1", 1);
     if (async) setenv("FSDP_CRASH_SAVER_ASYNC", "1", 1);
     if (!signal.empty()) setenv("FSDP_CRASH_SAVER_SIGNAL", signal.c_str(), 1);
@@ -873,8 +880,21 @@ pid_t start_saver(const std::string& dir, bool once, bool async = false, const s
   return pid;
 }
 
+// Waits up to two minutes until the saver's progress file counts `n` returned saves.
+bool wait_for_saves(const std::string& progress, int64_t n) {
+  for (int i = 0; i < 60000; ++i) {
+    std::ifstream f(progress);
+    int64_t k = 0;
+    if (f >> k && k >= n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return false;
+}
+
 // Half the kills are aimed into the write of a rank file (the saver announces it), half
-// land at random moments: after each, the newest complete checkpoint loads, whole.
+// land at random moments of the save loop (after its first `saves_first` saves returned,
+// so that each such round makes progress however slow the machine: it may run under
+// sanitizers): after each, the newest complete checkpoint loads, whole.
 TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
   const std::string dir = scratch_dir("crash");
   const std::string signal = dir + ".writing";
@@ -888,14 +908,17 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
   for (int round = 0; round < 20; ++round) {
     fs::remove(signal);
     const bool aim = round % 2 == 0;
-    pid_t pid = start_saver(dir, false, false, aim ? signal : "");
+    const std::string progress = dir + ".progress";
+    fs::remove(progress);
+    pid_t pid = start_saver(dir, false, false, aim ? signal : "", progress);
     if (aim) {
-      for (int i = 0; i < 3000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      for (int i = 0; i < 30000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
       ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no write began";
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
       ++aimed;
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+      ASSERT_TRUE(wait_for_saves(progress, 1)) << "round " << round << ": no save returned";
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
@@ -935,16 +958,20 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
   for (int round = 0; round < 20; ++round) {
     fs::remove(signal);
     const bool aim = round % 2 == 0;
-    pid_t pid = start_saver(dir, false, true, aim ? signal : "");
+    const std::string progress = dir + ".progress";
+    fs::remove(progress);
+    pid_t pid = start_saver(dir, false, true, aim ? signal : "", progress);
     if (aim) {
-      // The first write is announced within seconds (start-up, a load, one snapshot).
-      for (int i = 0; i < 3000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      // The first write is announced after start-up, a load and one snapshot.
+      for (int i = 0; i < 30000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
       ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no background write began";
       // Well inside the 300 ms the write lingers, even on a loaded machine.
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
       ++aimed;
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(50, 1500)(rng)));
+      // Two returned calls: the second waited for the first's write, now complete.
+      ASSERT_TRUE(wait_for_saves(progress, 2)) << "round " << round << ": no save returned";
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
@@ -1503,6 +1530,29 @@ TEST_F(BadCheckpoint, FormatVersionFromTheFuture) {
   const std::string msg = load_error();
   EXPECT_NE(msg.find(p + " has format_version 99; this build reads versions 1 to 1"), std::string::npos) << msg;
   EXPECT_NE(msg.find("newer fsdp"), std::string::npos) << msg;
+}
+
+// Sizes read from the file are checked before they divide or size anything: fuzzing
+// found a checksum block smaller than one element (a division by zero). Its input, and
+// the other sizes it found, replay in tests/fuzz/regressions/rank_file.
+TEST_F(BadCheckpoint, AChecksumBlockSmallerThanAnElementIsRefused) {
+  const std::string p = ckpt + "/rank_00001.h5";
+  hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  hid_t ds = H5Dopen2(f, "flats/00000/param", H5P_DEFAULT);
+  ASSERT_GE(ds, 0);
+  hid_t a = H5Aopen(ds, "fsdp_crc_block", H5P_DEFAULT);
+  ASSERT_GE(a, 0);
+  const int64_t two = 2;  // bytes, for 4-byte fp32 elements
+  H5Awrite(a, H5T_NATIVE_INT64, &two);
+  H5Aclose(a);
+  H5Dclose(ds);
+  H5Fclose(f);
+  const std::string msg = load_error();
+  EXPECT_NE(msg.find(p), std::string::npos) << msg;
+  EXPECT_NE(msg.find(p + ": dataset 'flats/00000/param' has checksum blocks of 2 bytes for elements of 4 bytes: the file is corrupted"),
+            std::string::npos)
+      << msg;
 }
 
 TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
