@@ -9,6 +9,7 @@
 #include <fsdp/process_group.h>
 
 #include "internal.h"
+#include "reshard_plan.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -281,14 +282,6 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
 }
 
 namespace {
-
-// Where the target elements come from: target shard position, source flat and position.
-struct Piece {
-  int64_t dst = 0;
-  size_t src_flat = 0;
-  int64_t src = 0;
-  int64_t n = 0;
-};
 
 // Every name, as the strict-load error promises.
 std::string list(const std::vector<std::string>& v) {
@@ -726,28 +719,15 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < shards.size(); ++k) {
     const LocalShard& ls = shards[k];
-    // The pieces of [begin, begin + length) that the checkpoint has, merged where both
-    // sides are contiguous (an unchanged layout becomes one read).
-    std::vector<Piece> pieces;
-    std::set<int64_t> seen_offsets;
-    for (const auto& p : ls.params) {
-      auto it = src.by_fqn().find(p.fqn);
-      if (it == src.by_fqn().end() || !seen_offsets.insert(p.offset).second) continue;
-      const int64_t lo = std::max(ls.begin, p.offset), hi = std::min(ls.begin + ls.length, p.offset + p.numel);
-      if (lo >= hi) continue;
-      const auto& e = src.flats()[it->second.first].table[it->second.second];
-      pieces.push_back(Piece{lo - ls.begin, it->second.first, e.offset + (lo - p.offset), hi - lo});
-    }
-    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.dst < b.dst; });
-    std::vector<Piece> merged;
-    for (const auto& p : pieces) {
-      if (!merged.empty() && merged.back().src_flat == p.src_flat && merged.back().dst + merged.back().n == p.dst &&
-          merged.back().src + merged.back().n == p.src) {
-        merged.back().n += p.n;
-      } else {
-        merged.push_back(p);
-      }
-    }
+    // The pieces of [begin, begin + length) that the checkpoint has (reshard_plan.h).
+    std::vector<TargetParam> targets;
+    for (const auto& p : ls.params) targets.push_back(TargetParam{p.fqn, p.offset, p.numel});
+    const std::vector<Piece> merged =
+        plan_shard_read(ls.begin, ls.length, targets, [&](const std::string& fqn) -> std::optional<SourceParam> {
+          auto it = src.by_fqn().find(fqn);
+          if (it == src.by_fqn().end()) return std::nullopt;
+          return SourceParam{it->second.first, src.flats()[it->second.first].table[it->second.second].offset};
+        });
     auto fill = [&](const at::Tensor& dst, const std::string& dataset) {
       at::Tensor buf = dst.device().is_cpu() && dst.is_contiguous() ? dst : dst.to(at::kCPU).contiguous();
       float* out = buf.data_ptr<float>();
@@ -770,10 +750,8 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
       st.step = h5::get_int(og, "step", src.file_path(0));
       // Uninitialised when the pieces cover the shard (fill zeroes the padding), so each
       // byte is touched once, by the read; zeros where a parameter is missing from the file.
-      int64_t covered = 0;
-      for (const auto& p : merged) covered += p.n;
       for (const auto& name : sf.optim_states) {
-        at::Tensor t = covered == ls.length ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
+        at::Tensor t = covered(merged) == ls.length ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
                                             : at::zeros_like(ls.shard.detach(), at::MemoryFormat::Contiguous);
         fill(t, "optim/" + name);
         st.tensors.emplace_back(name, t);
