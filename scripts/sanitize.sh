@@ -18,7 +18,8 @@ targets=()
 labels=()
 if [ "${1:-}" = "--engine-and-checkpoint" ]; then
   shift
-  targets=(test_parity test_memory_comm test_desync test_fully_shard test_offload test_checkpoint test_safetensors)
+  targets=(test_parity test_memory_comm test_desync test_fully_shard test_offload test_checkpoint test_safetensors
+           test_reshard_plan)
   labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
 fi
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=ON >/dev/null
