@@ -51,7 +51,8 @@ for t in "${targets[@]}"; do
   runs=$(grep -Eo 'stat::number_of_executed_units: [0-9]+' "$log" | awk '{s+=$2} END {print s+0}' || true)
   [ "$runs" -gt 0 ] || runs=$( (grep -Eo '^#[0-9]+' "$log" || echo 0) | tail -1 | tr -d '#:')
   # Seconds it really ran (it stops early when it finds something in normal mode).
-  ran=$( (grep -Eo 'Done [0-9]+ runs in [0-9]+ second' "$log" | awk '{print $5}'; grep -Eo 'fuzzed for [0-9]+ seconds' "$log" | awk '{print $3}') | tail -1)
+  ran=$( (grep -Eo 'Done [0-9]+ runs in [0-9]+ second' "$log" || true; grep -Eo 'fuzzed for [0-9]+ seconds' "$log" || true) |
+        grep -Eo '[0-9]+ second' | tail -1 | grep -Eo '[0-9]+' || true)
   ours=0 hdf5=0 flaky=0
   for c in "$crashes"/crash-* "$crashes"/timeout-* "$crashes"/leak-* "$crashes"/oom-*; do
     [ -e "$c" ] || continue
