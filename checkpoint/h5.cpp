@@ -601,7 +601,11 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
   if (nd > 0) H5Sget_simple_extent_dims(fspace, dims.data(), nullptr);
   int64_t numel = 1;
-  for (hsize_t d : dims) numel *= static_cast<int64_t>(d);
+  for (hsize_t d : dims) {
+    // The dimensions come from the file: their product must not overflow (fuzzing).
+    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX) && !__builtin_mul_overflow(numel, static_cast<int64_t>(d), &numel),
+                where, ": dataset '", name, "' claims more elements than fit in 64 bits: the file is corrupted");
+  }
   TORCH_CHECK(begin >= 0 && begin + count <= numel, where, ": dataset '", name, "' holds ", numel,
               " elements; elements [", begin, ", ", begin + count, ") were asked for");
   auto fail = [&](const std::string& what) {
@@ -636,7 +640,7 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   TORCH_CHECK(fsize > 0 && block >= static_cast<int64_t>(fsize), where, ": dataset '", name,
               "' has checksum blocks of ", block, " bytes for elements of ", fsize, " bytes: the file is corrupted");
   const int64_t per_block = block / static_cast<int64_t>(fsize);
-  const int64_t blocks = (numel + per_block - 1) / per_block;
+  const int64_t blocks = numel / per_block + (numel % per_block != 0 ? 1 : 0);  // no overflow for a huge block
   TORCH_CHECK(per_block > 0 && static_cast<int64_t>(crcs.size()) == blocks, where, ": dataset '", name,
               "' has ", crcs.size(), " checksums for ", blocks, " blocks: the file is corrupted");
   // Every block the range touches is read whole and verified. The blocks that lie inside
