@@ -56,6 +56,15 @@ hid_t bf16_type() {
 
 Obj dataset(hid_t loc, const std::string& name, const std::string& where) {
   quiet();
+  // Our writers make hard links only; a soft or external link in a damaged file could
+  // name any object, or any file on this machine, and is not followed.
+  H5L_info_t link{};
+  if (H5Lget_info(loc, name.c_str(), &link, H5P_DEFAULT) < 0) {
+    H5Eclear2(H5E_DEFAULT);  // missing: H5Dopen2 says so below
+  } else if (link.type != H5L_TYPE_HARD) {
+    TORCH_CHECK(false, where, ": '", name, "' is ", link.type == H5L_TYPE_SOFT ? "a soft" : "an external",
+                " link, not a dataset: checkpoint files hold none, the file is corrupted");
+  }
   hid_t id = H5Dopen2(loc, name.c_str(), H5P_DEFAULT);
   TORCH_CHECK(id >= 0, where, ": dataset '", name, "' is missing or unreadable (", reason(), ")");
   return Obj(id, H5Dclose);
@@ -152,6 +161,8 @@ std::vector<uint32_t> read_crcs(hid_t ds, const std::string& where, const std::s
   Obj a(H5Aopen(ds, kCrcAttr, H5P_DEFAULT), H5Aclose);
   Obj sp(H5Aget_space(a), H5Sclose);
   const hssize_t n = H5Sget_simple_extent_npoints(sp);
+  // The count comes from the file and sizes the allocation below.
+  check_fits_in_file(ds, name + "'s checksums", n, sizeof(uint32_t), where);
   std::vector<uint32_t> out(static_cast<size_t>(std::max<hssize_t>(n, 0)));
   TORCH_CHECK(n > 0 && H5Aread(a, H5T_NATIVE_UINT32, out.data()) >= 0, where, ": the checksums of dataset '", name,
               "' are unreadable: the file is corrupted");
@@ -358,24 +369,49 @@ bool exists(hid_t loc, const std::string& name) {
   }
 }
 
+// Note [Listing a group]
+// One iteration in the index's native order, sorted here: for a group of more than 8
+// links (dense storage: a B-tree over a heap), an ordered request (H5_ITER_INC, or
+// H5Lget_name_by_idx) makes libhdf5 1.10 first build a table of every link, which costs
+// a table per name asked for, and whose error path frees uninitialized entries when a
+// corrupt heap object stops the build (a crash inside libhdf5 that fuzzing hit in most of
+// its malformed consolidated files). The native walk of the creation-order B-tree
+// builds no table; a damaged link is then an error.
 std::vector<std::string> children(hid_t group, const std::string& where) {
-  H5G_info_t info{};
-  TORCH_CHECK(H5Gget_info(group, &info) >= 0, where, ": cannot list group: ", reason());
-  std::vector<std::string> out;
-  for (hsize_t i = 0; i < info.nlinks; ++i) {
-    H5_index_t idx = H5_INDEX_CRT_ORDER;
-    ssize_t n = H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
-    if (n < 0) {  // creation order not tracked (a file from another writer): name order
-      H5Eclear2(H5E_DEFAULT);
-      idx = H5_INDEX_NAME;
-      n = H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT);
-    }
-    TORCH_CHECK(n >= 0, where, ": cannot list group: ", reason());
-    std::string s(static_cast<size_t>(n) + 1, '\0');
-    H5Lget_name_by_idx(group, ".", idx, H5_ITER_INC, i, s.data(), s.size(), H5P_DEFAULT);
-    s.resize(static_cast<size_t>(n));
-    out.push_back(std::move(s));
+  quiet();
+  struct Link {
+    std::string name;
+    int64_t corder;
+  };
+  struct Walk {
+    std::vector<Link> links;
+    bool corder_valid = true;
+  };
+  auto collect = [](hid_t, const char* name, const H5L_info_t* info, void* data) -> herr_t {
+    auto* w = static_cast<Walk*>(data);
+    w->links.push_back({name, info->corder});
+    w->corder_valid = w->corder_valid && info->corder_valid;
+    return 0;
+  };
+  Walk w;
+  hsize_t idx = 0;
+  if (H5Literate(group, H5_INDEX_CRT_ORDER, H5_ITER_NATIVE, &idx, collect, &w) < 0) {
+    // Creation order not tracked (a file from another writer): name order.
+    H5Eclear2(H5E_DEFAULT);
+    w = Walk{};
+    w.corder_valid = false;
+    idx = 0;
+    TORCH_CHECK(H5Literate(group, H5_INDEX_NAME, H5_ITER_NATIVE, &idx, collect, &w) >= 0, where,
+                ": cannot list group: ", reason());
   }
+  if (w.corder_valid) {
+    std::stable_sort(w.links.begin(), w.links.end(), [](const Link& a, const Link& b) { return a.corder < b.corder; });
+  } else {
+    std::sort(w.links.begin(), w.links.end(), [](const Link& a, const Link& b) { return a.name < b.name; });
+  }
+  std::vector<std::string> out;
+  out.reserve(w.links.size());
+  for (auto& l : w.links) out.push_back(std::move(l.name));
   return out;
 }
 
@@ -415,6 +451,12 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
   TORCH_CHECK(has_attr(obj, name), where, ": attribute '", name, "' is missing");
   Obj a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
   TORCH_CHECK(a.valid(), where, ": attribute '", name, "' is unreadable (", reason(), ")");
+  // The value is read into one variable below: H5Aread writes every value the
+  // attribute's dataspace holds, so a corrupt one of several values overflowed it.
+  Obj space(H5Aget_space(a), H5Sclose);
+  const hssize_t values = H5Sget_simple_extent_npoints(space);
+  TORCH_CHECK(values == 1, where, ": attribute '", name, "' holds ", values,
+              " values where one is expected: the file is corrupted");
   Obj t(H5Aget_type(a), H5Tclose);
   switch (H5Tget_class(t)) {
     case H5T_INTEGER: {
@@ -485,6 +527,12 @@ std::vector<std::string> attr_names(hid_t obj, const std::string& where) {
 
 Kind kind_of(hid_t loc, const std::string& name, const std::string& where) {
   quiet();
+  // A soft or external link is not followed: our files hold none, and an external link in
+  // a damaged file names any file on this machine.
+  H5L_info_t link{};
+  TORCH_CHECK(H5Lget_info(loc, name.c_str(), &link, H5P_DEFAULT) >= 0, where, ": link '", name,
+              "' is unreadable: the file is corrupted (", reason(), ")");
+  if (link.type != H5L_TYPE_HARD) return Kind::kOther;
   Obj o(H5Oopen(loc, name.c_str(), H5P_DEFAULT), H5Oclose);
   TORCH_CHECK(o.valid(), where, ": object '", name, "' is unreadable: the file is corrupted (", reason(), ")");
   switch (H5Iget_type(o)) {
@@ -492,6 +540,19 @@ Kind kind_of(hid_t loc, const std::string& name, const std::string& where) {
     case H5I_DATASET: return Kind::kDataset;
     default: return Kind::kOther;
   }
+}
+
+std::string object_id(hid_t obj, const std::string& where) {
+  // HDF5 1.12 replaced object addresses by tokens, and H5Oget_info2 by H5Oget_info3.
+#if H5_VERSION_GE(1, 12, 0)
+  H5O_info2_t info{};
+  TORCH_CHECK(H5Oget_info3(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (", reason(), ")");
+  return std::string(reinterpret_cast<const char*>(&info.token), sizeof(info.token));
+#else
+  H5O_info_t info{};
+  TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (", reason(), ")");
+  return std::to_string(info.addr);
+#endif
 }
 
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
@@ -566,7 +627,24 @@ std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::str
   TORCH_CHECK(nd >= 0, where, ": dataset '", name, "' has no readable shape (", reason(), ")");
   std::vector<hsize_t> dims(static_cast<size_t>(nd));
   H5Sget_simple_extent_dims(space, dims.data(), nullptr);
+  for (hsize_t d : dims) {
+    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX), where, ": dataset '", name, "' claims a dimension of ", d,
+                ": the file is corrupted");
+  }
   return std::vector<int64_t>(dims.begin(), dims.end());
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where, const std::string& name) {
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) {
+      std::string text;
+      for (int64_t e : shape) text += (text.empty() ? "" : ", ") + std::to_string(e);
+      TORCH_CHECK(false, where, ": dataset '", name, "' has shape [", text,
+                  "]: more elements than fit in 64 bits, the file is corrupted");
+    }
+  }
+  return numel;
 }
 
 Elem elem_of(hid_t loc, const std::string& name, const std::string& where) {
@@ -634,6 +712,15 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   Obj ftype(H5Dget_type(ds), H5Tclose);
   const Elem file = elem_of(loc, name, where);
   const size_t fsize = H5Tget_size(ftype), msize = H5Tget_size(mem_type(mem));
+  // Elements are moved in the stored type (HDF5 converts nothing), into buffers sized
+  // for `file`'s type: a stored size that differs (a 16-byte integer is elem_of's kI64)
+  // wrote past them.
+  TORCH_CHECK(fsize == H5Tget_size(file_type(file)), where, ": dataset '", name, "' stores ", elem_name(file),
+              " elements of ", fsize, " bytes: the file is corrupted");
+  // Checksummed datasets are ours, stored contiguous and uncompressed: all of them lies in
+  // the file. A larger claim (a damaged dataspace) would have verify() read fill values
+  // for as long as it claims.
+  check_fits_in_file(loc, name, numel, fsize, where);
   const int64_t block = get_int(ds, kCrcBlockAttr, where);
   // Both come from the file; checked before dividing by them (fuzzing found a division
   // by zero for each).
@@ -696,7 +783,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
     if (k >= d0 && k < d1) continue;
     const int64_t b0 = k * per_block, n = std::min(per_block, numel - b0);
     const int64_t lo = std::max(begin, b0), hi = std::min(begin + count, b0 + n);
-    tmp.resize(static_cast<size_t>(per_block) * std::max(fsize, msize));
+    // Sized by the block's elements, not per_block: the block size comes from the file.
+    tmp.resize(static_cast<size_t>(n) * std::max(fsize, msize));
     if (io_linear(ds, fspace, dims, b0, n, tmp.data(), ftype, /*write=*/false) < 0) {
       fail("the file is truncated or corrupted");
     }
@@ -708,11 +796,7 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
 
 bool verify(hid_t loc, const std::string& name, const std::string& where) {
   Obj ds = dataset(loc, name, where);
-  const int64_t numel = [&] {
-    int64_t n = 1;
-    for (int64_t d : shape_of(loc, name, where)) n *= d;
-    return n;
-  }();
+  const int64_t numel = numel_of(shape_of(loc, name, where), where, name);
   if (numel == 0) return true;  // nothing to check
   if (read_crcs(ds, where, name).empty()) return false;
   const Elem e = elem_of(loc, name, where);
@@ -723,7 +807,6 @@ bool verify(hid_t loc, const std::string& name, const std::string& where) {
   return true;
 }
 
-namespace {
 // A table's length comes from the file and sizes an allocation before anything is read:
 // a corrupt one asked for 660 GB (found by fuzzing). Tables are stored uncompressed, so
 // one that claims more bytes than the whole file is corrupt.
@@ -737,7 +820,6 @@ void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_
               where, ": dataset '", name, "' claims ", numel, " elements of ", elem, " bytes in a file of ", file_bytes,
               " bytes: the file is corrupted");
 }
-}  // namespace
 
 std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where) {
   auto shape = shape_of(loc, name, where);

@@ -71,8 +71,12 @@ std::string get_string(hid_t obj, const std::string& name, const std::string& wh
 std::vector<std::string> attr_names(hid_t obj, const std::string& where);
 
 enum class Kind { kGroup, kDataset, kOther };
-/// What the child `name` of `loc` is; an unreadable object is an error naming it.
+/// What the child `name` of `loc` is; an unreadable object is an error naming it. A soft
+/// or external link (our files hold none) is kOther: it is not followed.
 Kind kind_of(hid_t loc, const std::string& name, const std::string& where);
+/// The identity of object `obj` in its file (its header's address): the same for every
+/// link that reaches it, so a walk can tell a group it has already entered.
+std::string object_id(hid_t obj, const std::string& where);
 
 /// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`:
 /// contiguous, with block CRC32C checksums (Note [Block checksums] in h5.cpp).
@@ -84,6 +88,12 @@ void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v
 
 /// Shape and stored element type of a dataset.
 std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where);
+/// The element count of dataset `name`'s `shape` (read from a file, so corrupt in a
+/// damaged one): a product past int64 is an error naming `where` and `name`.
+int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where, const std::string& name);
+/// Checks that `numel` elements of `elem` bytes fit in the file holding `loc`, before
+/// anything is sized by a count read from that file (our datasets are never compressed).
+void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem, const std::string& where);
 Elem elem_of(hid_t loc, const std::string& name, const std::string& where);
 /// Reads elements [begin, begin + count) of the dataset in row-major order into `out`
 /// (as `mem`), with hyperslab selections; every checksum block the range touches is read

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <iomanip>
+#include <set>
 #include <sstream>
 
 namespace fs = std::filesystem;
@@ -37,12 +38,17 @@ std::string attr_text(const AttrValue& v) {
   return "\"" + std::get<std::string>(v) + "\"";
 }
 
-void verify_tree(hid_t group, const std::string& where, std::vector<std::string>* unchecked = nullptr) {
+// Every dataset under `group`, recursively. `entered` holds the groups already walked: a
+// damaged file can link a group into itself, which our writers never do.
+void verify_tree(hid_t group, const std::string& where, std::vector<std::string>* unchecked,
+                 std::set<std::string>& entered) {
+  TORCH_CHECK(entered.insert(h5::object_id(group, where)).second, where,
+              ": this group is reached twice (a link cycle): the file is corrupted");
   for (const auto& c : h5::children(group, where)) {
     const h5::Kind kind = h5::kind_of(group, c, where);
     if (kind == h5::Kind::kGroup) {
       h5::Obj g = h5::open_group(group, c, where);
-      verify_tree(g, where + "/" + c, unchecked);
+      verify_tree(g, where + "/" + c, unchecked, entered);
     } else if (kind == h5::Kind::kDataset) {
       if (!h5::verify(group, c, where) && unchecked) unchecked->push_back(where + "/" + c);
     }
@@ -61,9 +67,9 @@ std::string inspect_consolidated(const std::string& file, bool verify) {
   os << "  /model: " << names.size() << " tensors\n";
   for (const auto& n : names) {
     auto shape = h5::shape_of(model, n, file + ":/model");
-    int64_t numel = 1;
-    for (int64_t d : shape) numel *= d;
-    total += numel;
+    const int64_t numel = h5::numel_of(shape, file + ":/model", n);
+    TORCH_CHECK(!__builtin_add_overflow(total, numel, &total), file,
+                ":/model: more elements than fit in 64 bits: the file is corrupted");
     os << "    " << n << " " << describe_shape(shape) << " " << h5::elem_name(h5::elem_of(model, n, file)) << "\n";
   }
   os << "  elements: " << total << "\n";
@@ -74,7 +80,8 @@ std::string inspect_consolidated(const std::string& file, bool verify) {
   }
   if (verify) {
     std::vector<std::string> unchecked;
-    verify_tree(f, file + ":", &unchecked);
+    std::set<std::string> entered;
+    verify_tree(f, file + ":", &unchecked, entered);
     os << "  verified: every dataset read back";
     if (unchecked.empty()) {
       os << " and every checksum matched\n";
@@ -132,7 +139,8 @@ std::string inspect_sharded(const std::string& path, bool verify) {
         TORCH_CHECK(h5::shape_of(g, "param", where) == std::vector<int64_t>{want_len}, where,
                     ": dataset 'param' should hold ", want_len, " elements");
       }
-      verify_tree(f, p + ":");
+      std::set<std::string> entered;
+      verify_tree(f, p + ":", nullptr, entered);
     }
     os << "  verified: " << src.world_size() << " rank files complete, every dataset read back and every "
        << "checksum matched\n";

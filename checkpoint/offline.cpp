@@ -124,8 +124,8 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
       const std::string where = p0 + ":/buffers";
       for (const auto& n : h5::children(bg, where)) {
         const auto shape = h5::shape_of(bg, n, where);
-        int64_t numel = 1;
-        for (int64_t d : shape) numel *= d;
+        const int64_t numel = h5::numel_of(shape, where, n);
+        h5::check_fits_in_file(bg, n, numel, 1, where);  // before sizing `raw` by it
         const h5::Elem stored = h5::elem_of(bg, n, where);
         const bool floating = stored == h5::Elem::kF32 || stored == h5::Elem::kF64;
         const h5::Elem mem = floating ? h5::Elem::kF32 : stored;
@@ -231,8 +231,8 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
   }
   buf = std::vector<float>();
   for (const auto& b : buffers) {
-    int64_t numel = 1;
-    for (int64_t d : b.shape) numel *= d;
+    const int64_t numel = h5::numel_of(b.shape, bwhere, b.name);
+    h5::check_fits_in_file(*bg, b.name, numel, 1, bwhere);  // before sizing `raw` by it
     std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
     h5::read_range(*bg, b.name, 0, numel, raw.data(), b.mem, bwhere);
     const uint64_t n = st::nbytes(specs[i]);

@@ -1555,6 +1555,48 @@ TEST_F(BadCheckpoint, AChecksumBlockSmallerThanAnElementIsRefused) {
       << msg;
 }
 
+// Links and attributes of shapes our writers never make (fuzzing met each): a group
+// linked into itself, a dataset replaced by an external link to another file, and a
+// one-value attribute holding several.
+TEST_F(BadCheckpoint, LinkCyclesForeignLinksAndManyValuedAttributesAreRefused) {
+  const std::string p0 = ckpt + "/rank_00000.h5", p1 = ckpt + "/rank_00001.h5";
+  hid_t f = H5Fopen(p1.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  ASSERT_GE(H5Lcreate_hard(f, "/", f, "flats/loop", H5P_DEFAULT, H5P_DEFAULT), 0);
+  H5Fclose(f);
+  auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(p1 + ":/flats/loop: this group is reached twice (a link cycle): the file is corrupted"),
+            std::string::npos)
+      << r.output;
+
+  f = H5Fopen(p1.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  ASSERT_GE(H5Ldelete(f, "flats/loop", H5P_DEFAULT), 0);
+  ASSERT_GE(H5Ldelete(f, "flats/00000/param", H5P_DEFAULT), 0);
+  ASSERT_GE(H5Lcreate_external(p0.c_str(), "/flats/00000/param", f, "flats/00000/param", H5P_DEFAULT, H5P_DEFAULT), 0);
+  H5Fclose(f);
+  std::string msg = load_error();
+  EXPECT_NE(msg.find(p1 + ": 'flats/00000/param' is an external link, not a dataset"), std::string::npos) << msg;
+
+  f = H5Fopen(p0.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  ASSERT_GE(H5Adelete(f, "step"), 0);
+  const hsize_t two = 2;
+  hid_t space = H5Screate_simple(1, &two, nullptr);
+  hid_t a = H5Acreate2(f, "step", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+  ASSERT_GE(a, 0);
+  const int64_t steps[2] = {5, 6};
+  H5Awrite(a, H5T_NATIVE_INT64, steps);
+  H5Aclose(a);
+  H5Sclose(space);
+  H5Fclose(f);
+  msg = load_error();
+  EXPECT_NE(msg.find(p0 + ": attribute 'step' holds 2 values where one is expected: the file is corrupted"),
+            std::string::npos)
+      << msg;
+}
+
 TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
   auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
