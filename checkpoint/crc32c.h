@@ -1,5 +1,5 @@
 #pragma once
-// Block checksum for checkpoint datasets (Note [Block checksums] in h5.cpp).
+// Block checksum for checkpoint datasets (Note [Block checksums] in h5_checksums.cpp).
 //
 // crc_block(p, n): four CRC32C (Castagnoli) lanes over interleaved 8-byte words (word i
 // goes to lane i % 4), each started at 0xFFFFFFFF; bytes after the last whole 32-byte

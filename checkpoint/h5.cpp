@@ -1,34 +1,34 @@
-// HDF5 helpers for checkpoints (see h5.h).
-#include "h5.h"
-#include "crc32c.h"
+// HDF5 helpers for checkpoints (see h5.h): errors, identifiers, element types, files,
+// groups, links and attributes. Datasets are in h5_dataset.cpp (the map in h5_detail.h).
+#include "h5_detail.h"
 
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <mutex>
-#include <thread>
 
 namespace fsdp::h5 {
 
 /// Longest fixed-length string attribute a reader accepts: ours are names and short
 /// values; a larger size read from a file means the file is corrupted.
 constexpr size_t kMaxStringAttr = size_t{1} << 20;
-namespace {
 
+namespace detail {
 // HDF5 prints its error stack to stderr by default; the checkpoint code reports errors
 // itself, with HDF5's reason folded into one line.
 void quiet() {
   static std::once_flag once;
   std::call_once(once, [] { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); });
 }
+}  // namespace detail
+
+using detail::quiet;
+
+namespace {
 
 herr_t collect(unsigned n, const H5E_error2_t* e, void* data) {
   auto* out = static_cast<std::string*>(data);
@@ -52,121 +52,6 @@ hid_t make_bf16() {
 hid_t bf16_type() {
   static hid_t t = make_bf16();
   return t;
-}
-
-Obj dataset(hid_t loc, const std::string& name, const std::string& where) {
-  quiet();
-  // Our writers make hard links only; a soft or external link in a damaged file could
-  // name any object, or any file on this machine, and is not followed.
-  H5L_info_t link{};
-  if (H5Lget_info(loc, name.c_str(), &link, H5P_DEFAULT) < 0) {
-    H5Eclear2(H5E_DEFAULT);  // missing: H5Dopen2 says so below
-  } else if (link.type != H5L_TYPE_HARD) {
-    TORCH_CHECK(false, where, ": '", name, "' is ", link.type == H5L_TYPE_SOFT ? "a soft" : "an external",
-                " link, not a dataset: checkpoint files hold none, the file is corrupted");
-  }
-  hid_t id = H5Dopen2(loc, name.c_str(), H5P_DEFAULT);
-  TORCH_CHECK(id >= 0, where, ": dataset '", name, "' is missing or unreadable (", reason(), ")");
-  return Obj(id, H5Dclose);
-}
-
-Obj space_of(const Obj& ds) { return Obj(H5Dget_space(ds), H5Sclose); }
-
-// Boxes (start, count) covering linear elements [a, b) of a row-major array of `dims`.
-void boxes(const std::vector<hsize_t>& dims, size_t d, std::vector<hsize_t> prefix, hsize_t a, hsize_t b,
-           std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>>& out) {
-  if (a >= b) return;
-  const size_t n = dims.size();
-  hsize_t row = 1;
-  for (size_t i = d + 1; i < n; ++i) row *= dims[i];
-  auto emit = [&](hsize_t first, hsize_t count) {
-    std::vector<hsize_t> start(prefix), cnt(prefix.size(), 1);
-    start.push_back(first);
-    cnt.push_back(count);
-    for (size_t i = d + 1; i < n; ++i) {
-      start.push_back(0);
-      cnt.push_back(dims[i]);
-    }
-    out.emplace_back(std::move(start), std::move(cnt));
-  };
-  if (d + 1 == n) {
-    emit(a, b - a);
-    return;
-  }
-  hsize_t ra = a / row, rb = b / row;
-  if (ra == rb) {  // inside one row
-    prefix.push_back(ra);
-    boxes(dims, d + 1, prefix, a % row, b % row, out);
-    return;
-  }
-  if (a % row != 0) {
-    auto p = prefix;
-    p.push_back(ra);
-    boxes(dims, d + 1, p, a % row, row, out);
-    ++ra;
-  }
-  if (rb > ra) emit(ra, rb - ra);
-  if (b % row != 0) {
-    prefix.push_back(rb);
-    boxes(dims, d + 1, prefix, 0, b % row, out);
-  }
-}
-
-// Reads or writes elements [first, first + n) of a dataset, in row-major order, through
-// a 1-D memory buffer of `type`.
-herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64_t first, int64_t n, void* buf,
-                 hid_t type, bool write) {
-  hsize_t count = static_cast<hsize_t>(n);
-  Obj mspace(H5Screate_simple(1, &count, nullptr), H5Sclose);
-  hsize_t numel = 1;
-  for (hsize_t d : dims) numel *= d;
-  const bool all = dims.empty() || (first == 0 && count == numel);
-  if (!all) {
-    std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>> bx;
-    boxes(dims, 0, {}, static_cast<hsize_t>(first), static_cast<hsize_t>(first + n), bx);
-    bool first_box = true;
-    for (auto& b : bx) {
-      H5Sselect_hyperslab(fspace, first_box ? H5S_SELECT_SET : H5S_SELECT_OR, b.first.data(), nullptr,
-                          b.second.data(), nullptr);
-      first_box = false;
-    }
-  }
-  const hid_t ms = all ? H5S_ALL : mspace.id();
-  const hid_t fs = all ? H5S_ALL : fspace;
-  return write ? H5Dwrite(ds, type, ms, fs, H5P_DEFAULT, buf) : H5Dread(ds, type, ms, fs, H5P_DEFAULT, buf);
-}
-
-// Note [Block checksums]
-// Every dataset with elements carries CRC32C checksums of its bytes as stored, one per
-// block of at least 4 MiB (at most 8192 blocks), in the attributes fsdp_crc32c (uint32
-// array) and fsdp_crc_block (block size in bytes). Readers verify every block a read
-// touches, so a range read (resharding) checks only what it reads. Contiguous storage
-// with our own checksum instead of HDF5's chunked Fletcher32 filter lets HDF5 move data
-// straight between the file and the caller's buffer: the filter pipeline copied every
-// chunk and ran at about a quarter of raw write speed.
-constexpr const char* kCrcAttr = "fsdp_crc32c";
-constexpr const char* kCrcBlockAttr = "fsdp_crc_block";
-
-size_t block_bytes(size_t total, size_t esize) {
-  size_t b = std::max<size_t>(4u << 20, (total + 8191) / 8192);
-  const size_t unit = 64 * esize;  // whole elements, and whole 32-byte lanes
-  return (b + unit - 1) / unit * unit;
-}
-
-std::vector<uint32_t> read_crcs(hid_t ds, const std::string& where, const std::string& name) {
-  if (H5Aexists(ds, kCrcAttr) <= 0) {
-    H5Eclear2(H5E_DEFAULT);
-    return {};
-  }
-  Obj a(H5Aopen(ds, kCrcAttr, H5P_DEFAULT), H5Aclose);
-  Obj sp(H5Aget_space(a), H5Sclose);
-  const hssize_t n = H5Sget_simple_extent_npoints(sp);
-  // The count comes from the file and sizes the allocation below.
-  check_fits_in_file(ds, name + "'s checksums", n, sizeof(uint32_t), where);
-  std::vector<uint32_t> out(static_cast<size_t>(std::max<hssize_t>(n, 0)));
-  TORCH_CHECK(n > 0 && H5Aread(a, H5T_NATIVE_UINT32, out.data()) >= 0, where, ": the checksums of dataset '", name,
-              "' are unreadable: the file is corrupted");
-  return out;
 }
 
 }  // namespace
@@ -228,69 +113,6 @@ hid_t file_type(Elem e) {
   }
   return -1;
 }
-
-// Note [Float conversion]
-// No float conversion is left to HDF5: its conversion of float32 to 16-bit floats
-// rounds ties away from zero, where torch's Tensor::to rounds them to even, so an export
-// differed from `tensor.to(dtype)` in the last bit of every exact tie (seen on an Intel
-// Xeon, where such ties came up in a GPT's weights). The conversions here are c10's
-// scalar ones, which Tensor::to's vectorized loops match bit for bit: round to nearest
-// even, also into subnormals and to infinity on overflow. NaN is the one value whose
-// bits differ between LibTorch versions (bf16: 0xffff in 1.13's vectorized path, 0x7fc0
-// in 2.6's); here it is always the quiet NaN of c10's scalar rule, 0x7fc0 (bf16) or
-// 0x7e00 (fp16), with the sign of the input for fp16. c10 only: the offline tools use it.
-void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
-  if (from == to) {
-    std::memcpy(dst, src, n * H5Tget_size(mem_type(from)));
-    return;
-  }
-  const bool half = from == Elem::kBF16 || from == Elem::kF16 || to == Elem::kBF16 || to == Elem::kF16;
-  if (from == Elem::kF32 && half) {
-    const auto* in = static_cast<const float*>(src);
-    auto* out = static_cast<uint16_t*>(dst);
-    // NaN is set here, not left to c10: with F16C, c10::Half keeps NaN payloads.
-    if (to == Elem::kBF16) {
-      for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? kBF16NaN : c10::BFloat16(in[i]).x;
-    } else {
-      for (size_t i = 0; i < n; ++i) {
-        out[i] = std::isnan(in[i]) ? static_cast<uint16_t>(kF16NaN | (std::signbit(in[i]) ? 0x8000 : 0))
-                                    : c10::Half(in[i]).x;
-      }
-    }
-  } else if (to == Elem::kF32 && half) {
-    const auto* in = static_cast<const uint16_t*>(src);
-    auto* out = static_cast<float*>(dst);
-    if (from == Elem::kBF16) {
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
-    } else {
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
-    }
-  } else if (from == Elem::kF64 && to == Elem::kF32) {
-    // A float64 buffer (or another writer's float64 dataset) read as float32: the C++
-    // cast rounds to nearest even, as Tensor::to does.
-    const auto* in = static_cast<const double*>(src);
-    auto* out = static_cast<float*>(dst);
-    for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
-  } else if (from == Elem::kF32 && to == Elem::kF64) {
-    const auto* in = static_cast<const float*>(src);
-    auto* out = static_cast<double*>(dst);
-    for (size_t i = 0; i < n; ++i) out[i] = static_cast<double>(in[i]);
-  } else {
-    TORCH_CHECK(false, "cannot convert ", elem_name(from), " to ", elem_name(to));
-  }
-}
-
-namespace {
-// convert(), with an error that names the file and the dataset.
-void convert_named(const void* src, Elem from, void* dst, Elem to, size_t n, const std::string& where,
-                   const std::string& name) {
-  try {
-    convert(src, from, dst, to, n);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, where, ": dataset '", name, "': ", e.what_without_backtrace());
-  }
-}
-}  // namespace
 
 hid_t mem_type(Elem e) {
   switch (e) {
@@ -553,298 +375,6 @@ std::string object_id(hid_t obj, const std::string& where) {
   TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (", reason(), ")");
   return std::to_string(info.addr);
 #endif
-}
-
-void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
-           const std::vector<int64_t>& shape, const std::string& where) {
-  quiet();
-  std::vector<hsize_t> dims(shape.begin(), shape.end());
-  Obj space = dims.empty() ? Obj(H5Screate(H5S_SCALAR), H5Sclose)
-                           : Obj(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-  Obj dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-  H5Pset_obj_track_times(dcpl, false);
-  // Contiguous storage: HDF5 writes and reads it straight from and into the caller's
-  // buffer. Integrity comes from our block checksums (Note [Block checksums]).
-  Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT), H5Dclose);
-  TORCH_CHECK(ds.valid(), where, ": cannot create dataset '", name, "': ", reason());
-  int64_t numel = 1;
-  for (hsize_t d : dims) numel *= static_cast<int64_t>(d);
-  if (numel == 0) return;
-  const size_t fsize = H5Tget_size(file_type(file));
-  const size_t block = block_bytes(static_cast<size_t>(numel) * fsize, fsize);
-  const int64_t per_block = static_cast<int64_t>(block / fsize);
-  std::vector<uint32_t> crcs;
-  if (mem == file) {
-    const auto* bytes = static_cast<const uint8_t*>(data);
-    const size_t total = static_cast<size_t>(numel) * fsize;
-    for (size_t off = 0; off < total; off += block) crcs.push_back(crc_block(bytes + off, std::min(block, total - off)));
-    TORCH_CHECK(H5Dwrite(ds, mem_type(mem), H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, where,
-                ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
-  } else {
-    // Converted block by block (Note [Float conversion]), so the checksum covers the
-    // bytes in the file.
-    const size_t msize = H5Tget_size(mem_type(mem));
-    std::vector<uint8_t> buf(static_cast<size_t>(per_block) * fsize);
-    Obj fspace(H5Dget_space(ds), H5Sclose);
-    for (int64_t first = 0; first < numel; first += per_block) {
-      const int64_t n = std::min(per_block, numel - first);
-      convert_named(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem, buf.data(), file,
-                    static_cast<size_t>(n), where, name);
-      crcs.push_back(crc_block(buf.data(), static_cast<size_t>(n) * fsize));
-      TORCH_CHECK(io_linear(ds, fspace, dims, first, n, buf.data(), file_type(file), /*write=*/true) >= 0, where,
-                  ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
-    }
-  }
-  set_attr(ds, kCrcBlockAttr, static_cast<int64_t>(block));
-  hsize_t nb = crcs.size();
-  Obj aspace(H5Screate_simple(1, &nb, nullptr), H5Sclose);
-  Obj attr(H5Acreate2(ds, kCrcAttr, H5T_STD_U32LE, aspace, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  TORCH_CHECK(attr.valid() && H5Awrite(attr, H5T_NATIVE_UINT32, crcs.data()) >= 0, where,
-              ": cannot write the checksums of '", name, "': ", reason());
-}
-
-void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
-                   const std::string& where) {
-  // Names joined by newlines in one uint8 dataset, so the checksum filter covers them
-  // (variable-length strings live in a heap that Fletcher32 does not see).
-  std::string joined;
-  for (const auto& s : v) {
-    TORCH_CHECK(s.find('\n') == std::string::npos, where, ": name '", s, "' contains a newline");
-    joined += s;
-    joined += '\n';
-  }
-  write(loc, name, joined.data(), Elem::kU8, Elem::kU8, {static_cast<int64_t>(joined.size())}, where);
-}
-
-void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v, const std::string& where) {
-  write(loc, name, v.data(), Elem::kI64, Elem::kI64, {static_cast<int64_t>(v.size())}, where);
-}
-
-std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where) {
-  Obj ds = dataset(loc, name, where);
-  Obj space = space_of(ds);
-  int nd = H5Sget_simple_extent_ndims(space);
-  TORCH_CHECK(nd >= 0, where, ": dataset '", name, "' has no readable shape (", reason(), ")");
-  std::vector<hsize_t> dims(static_cast<size_t>(nd));
-  H5Sget_simple_extent_dims(space, dims.data(), nullptr);
-  for (hsize_t d : dims) {
-    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX), where, ": dataset '", name, "' claims a dimension of ", d,
-                ": the file is corrupted");
-  }
-  return std::vector<int64_t>(dims.begin(), dims.end());
-}
-
-int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where, const std::string& name) {
-  int64_t numel = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) {
-      std::string text;
-      for (int64_t e : shape) text += (text.empty() ? "" : ", ") + std::to_string(e);
-      TORCH_CHECK(false, where, ": dataset '", name, "' has shape [", text,
-                  "]: more elements than fit in 64 bits, the file is corrupted");
-    }
-  }
-  return numel;
-}
-
-Elem elem_of(hid_t loc, const std::string& name, const std::string& where) {
-  Obj ds = dataset(loc, name, where);
-  Obj t(H5Dget_type(ds), H5Tclose);
-  const size_t size = H5Tget_size(t);
-  switch (H5Tget_class(t)) {
-    case H5T_FLOAT: {
-      if (size == 4) return Elem::kF32;
-      if (size == 8) return Elem::kF64;
-      if (size == 2) {
-        size_t spos, epos, esize, mpos, msize;
-        H5Tget_fields(t, &spos, &epos, &esize, &mpos, &msize);
-        return esize == 8 ? Elem::kBF16 : Elem::kF16;
-      }
-      break;
-    }
-    case H5T_INTEGER:
-      return size == 1 ? Elem::kU8 : Elem::kI64;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, where, ": dataset '", name, "' has an unsupported element type");
-}
-
-void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
-                const std::string& where) {
-  if (count <= 0) return;
-  Obj ds = dataset(loc, name, where);
-  Obj fspace = space_of(ds);
-  int nd = H5Sget_simple_extent_ndims(fspace);
-  std::vector<hsize_t> dims(static_cast<size_t>(std::max(nd, 0)));
-  if (nd > 0) H5Sget_simple_extent_dims(fspace, dims.data(), nullptr);
-  int64_t numel = 1;
-  for (hsize_t d : dims) {
-    // The dimensions come from the file: their product must not overflow (fuzzing).
-    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX) && !__builtin_mul_overflow(numel, static_cast<int64_t>(d), &numel),
-                where, ": dataset '", name, "' claims more elements than fit in 64 bits: the file is corrupted");
-  }
-  TORCH_CHECK(begin >= 0 && begin + count <= numel, where, ": dataset '", name, "' holds ", numel,
-              " elements; elements [", begin, ", ", begin + count, ") were asked for");
-  auto fail = [&](const std::string& what) {
-    TORCH_CHECK(false, where, ": cannot read dataset '", name, "': ", what, " (", reason(), ")");
-  };
-  const std::vector<uint32_t> crcs = read_crcs(ds, where, name);
-  if (crcs.empty()) {
-    // No checksums (a file from another writer). HDF5 reads the elements in the file's
-    // type (swapping bytes if need be); floats are then converted here (Note [Float
-    // conversion]). Integers are widened by HDF5, which is exact.
-    const Elem file = elem_of(loc, name, where);
-    const bool floats = file != Elem::kI64 && file != Elem::kU8;
-    if (mem == file || !floats) {
-      if (io_linear(ds, fspace, dims, begin, count, out, mem_type(mem), /*write=*/false) < 0) {
-        fail("the file is truncated or corrupted");
-      }
-      return;
-    }
-    std::vector<uint8_t> raw(static_cast<size_t>(count) * H5Tget_size(file_type(file)));
-    if (io_linear(ds, fspace, dims, begin, count, raw.data(), file_type(file), /*write=*/false) < 0) {
-      fail("the file is truncated or corrupted");
-    }
-    convert_named(raw.data(), file, out, mem, static_cast<size_t>(count), where, name);
-    return;
-  }
-  Obj ftype(H5Dget_type(ds), H5Tclose);
-  const Elem file = elem_of(loc, name, where);
-  const size_t fsize = H5Tget_size(ftype), msize = H5Tget_size(mem_type(mem));
-  // Elements are moved in the stored type (HDF5 converts nothing), into buffers sized
-  // for `file`'s type: a stored size that differs (a 16-byte integer is elem_of's kI64)
-  // wrote past them.
-  TORCH_CHECK(fsize == H5Tget_size(file_type(file)), where, ": dataset '", name, "' stores ", elem_name(file),
-              " elements of ", fsize, " bytes: the file is corrupted");
-  // Checksummed datasets are ours, stored contiguous and uncompressed: all of them lies in
-  // the file. A larger claim (a damaged dataspace) would have verify() read fill values
-  // for as long as it claims.
-  check_fits_in_file(loc, name, numel, fsize, where);
-  const int64_t block = get_int(ds, kCrcBlockAttr, where);
-  // Both come from the file; checked before dividing by them (fuzzing found a division
-  // by zero for each).
-  TORCH_CHECK(fsize > 0 && block >= static_cast<int64_t>(fsize), where, ": dataset '", name,
-              "' has checksum blocks of ", block, " bytes for elements of ", fsize, " bytes: the file is corrupted");
-  const int64_t per_block = block / static_cast<int64_t>(fsize);
-  const int64_t blocks = numel / per_block + (numel % per_block != 0 ? 1 : 0);  // no overflow for a huge block
-  TORCH_CHECK(per_block > 0 && static_cast<int64_t>(crcs.size()) == blocks, where, ": dataset '", name,
-              "' has ", crcs.size(), " checksums for ", blocks, " blocks: the file is corrupted");
-  // Every block the range touches is read whole and verified. The blocks that lie inside
-  // the range and need no conversion are read straight into `out` with one read, then
-  // verified on two threads; the (at most two) edge blocks and converted ones go
-  // through a buffer.
-  auto* dst = static_cast<uint8_t*>(out);
-  auto check = [&](int64_t k, const uint8_t* buf, int64_t n) {
-    if (crc_block(buf, static_cast<size_t>(n) * fsize) != crcs[static_cast<size_t>(k)]) {
-      TORCH_CHECK(false, where, ": checksum mismatch in dataset '", name, "' (block ", k, " of ", blocks,
-                  "): the file is corrupted");
-    }
-  };
-  const int64_t k_first = begin / per_block, k_last = (begin + count - 1) / per_block;
-  int64_t d0 = k_first, d1 = k_last + 1;  // direct blocks [d0, d1)
-  if (mem != file) {
-    d1 = d0;
-  } else {
-    if (begin % per_block != 0) ++d0;
-    if ((begin + count) % per_block != 0 && begin + count != numel) --d1;
-  }
-  if (d1 > d0) {
-    // Pieces of 4 blocks: while piece i is verified on a second thread, piece i + 1 is
-    // read, so checking costs little more than reading.
-    std::string error;
-    auto verify_blocks = [&](int64_t from, int64_t to) {
-      try {
-        for (int64_t k = from; k < to; ++k) {
-          const int64_t b0 = k * per_block;
-          check(k, dst + static_cast<size_t>(b0 - begin) * fsize, std::min(per_block, numel - b0));
-        }
-      } catch (const c10::Error& e) {
-        error = e.what_without_backtrace();
-      }
-    };
-    std::thread verifier;
-    for (int64_t p0 = d0; p0 < d1; p0 += 4) {
-      const int64_t p1 = std::min(d1, p0 + 4);
-      const int64_t e0 = p0 * per_block, e1 = std::min(p1 * per_block, numel);
-      if (io_linear(ds, fspace, dims, e0, e1 - e0, dst + static_cast<size_t>(e0 - begin) * msize, ftype,
-                    /*write=*/false) < 0) {
-        if (verifier.joinable()) verifier.join();
-        fail("the file is truncated or corrupted");
-      }
-      if (verifier.joinable()) verifier.join();
-      verifier = std::thread(verify_blocks, p0, p1);
-    }
-    if (verifier.joinable()) verifier.join();
-    TORCH_CHECK(error.empty(), error);
-  }
-  std::vector<uint8_t> tmp;
-  for (int64_t k = k_first; k <= k_last; ++k) {
-    if (k >= d0 && k < d1) continue;
-    const int64_t b0 = k * per_block, n = std::min(per_block, numel - b0);
-    const int64_t lo = std::max(begin, b0), hi = std::min(begin + count, b0 + n);
-    // Sized by the block's elements, not per_block: the block size comes from the file.
-    tmp.resize(static_cast<size_t>(n) * std::max(fsize, msize));
-    if (io_linear(ds, fspace, dims, b0, n, tmp.data(), ftype, /*write=*/false) < 0) {
-      fail("the file is truncated or corrupted");
-    }
-    check(k, tmp.data(), n);
-    convert_named(tmp.data() + static_cast<size_t>(lo - b0) * fsize, file, dst + static_cast<size_t>(lo - begin) * msize,
-                  mem, static_cast<size_t>(hi - lo), where, name);
-  }
-}
-
-bool verify(hid_t loc, const std::string& name, const std::string& where) {
-  Obj ds = dataset(loc, name, where);
-  const int64_t numel = numel_of(shape_of(loc, name, where), where, name);
-  if (numel == 0) return true;  // nothing to check
-  if (read_crcs(ds, where, name).empty()) return false;
-  const Elem e = elem_of(loc, name, where);
-  std::vector<uint8_t> buf(static_cast<size_t>(std::min<int64_t>(numel, int64_t{1} << 20)) * 8);
-  for (int64_t pos = 0; pos < numel; pos += int64_t{1} << 20) {
-    read_range(loc, name, pos, std::min<int64_t>(int64_t{1} << 20, numel - pos), buf.data(), e, where);
-  }
-  return true;
-}
-
-// A table's length comes from the file and sizes an allocation before anything is read:
-// a corrupt one asked for 660 GB (found by fuzzing). Tables are stored uncompressed, so
-// one that claims more bytes than the whole file is corrupt.
-void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem, const std::string& where) {
-  const hid_t fid = H5Iget_file_id(loc);
-  hsize_t file_bytes = 0;
-  const bool known = fid >= 0 && H5Fget_filesize(fid, &file_bytes) >= 0;
-  if (fid >= 0) H5Fclose(fid);
-  if (!known) return;
-  TORCH_CHECK(numel >= 0 && static_cast<double>(numel) * static_cast<double>(elem) <= static_cast<double>(file_bytes),
-              where, ": dataset '", name, "' claims ", numel, " elements of ", elem, " bytes in a file of ", file_bytes,
-              " bytes: the file is corrupted");
-}
-
-std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where) {
-  auto shape = shape_of(loc, name, where);
-  TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
-  check_fits_in_file(loc, name, shape[0], 1, where);
-  std::string joined(static_cast<size_t>(shape[0]), '\0');
-  read_range(loc, name, 0, shape[0], joined.data(), Elem::kU8, where);
-  std::vector<std::string> out;
-  size_t pos = 0;
-  while (pos < joined.size()) {
-    size_t nl = joined.find('\n', pos);
-    TORCH_CHECK(nl != std::string::npos, where, ": dataset '", name, "' is malformed (no final newline)");
-    out.push_back(joined.substr(pos, nl - pos));
-    pos = nl + 1;
-  }
-  return out;
-}
-
-std::vector<int64_t> read_i64(hid_t loc, const std::string& name, const std::string& where) {
-  auto shape = shape_of(loc, name, where);
-  TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
-  check_fits_in_file(loc, name, shape[0], sizeof(int64_t), where);
-  std::vector<int64_t> out(static_cast<size_t>(shape[0]));
-  read_range(loc, name, 0, shape[0], out.data(), Elem::kI64, where);
-  return out;
 }
 
 }  // namespace fsdp::h5

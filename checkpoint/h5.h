@@ -40,7 +40,7 @@ hid_t file_type(Elem e);  ///< owned by this module; do not close
 hid_t mem_type(Elem e);   ///< native in-memory type (bf16 uses the file layout)
 
 /// Converts `n` elements between float32 and a 16-bit float or float64 (Note [Float
-/// conversion] in h5.cpp): narrowing rounds to nearest, ties to even, as torch's
+/// conversion] in h5_convert.cpp): narrowing rounds to nearest, ties to even, as torch's
 /// Tensor::to does, and gives 16-bit floats one quiet NaN (per sign for fp16); widening
 /// is exact. Equal types copy. Other pairs throw.
 void convert(const void* src, Elem from, void* dst, Elem to, size_t n);
@@ -79,7 +79,7 @@ Kind kind_of(hid_t loc, const std::string& name, const std::string& where);
 std::string object_id(hid_t obj, const std::string& where);
 
 /// Writes a dataset of `shape` from `data` (laid out as `mem`), stored as `file`:
-/// contiguous, with block CRC32C checksums (Note [Block checksums] in h5.cpp).
+/// contiguous, with block CRC32C checksums (Note [Block checksums] in h5_checksums.cpp).
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
            const std::vector<int64_t>& shape, const std::string& where);
 void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,

@@ -40,7 +40,7 @@ std::pair<at::ScalarType, h5::Elem> mem_form(h5::Elem file) {
 
 at::Tensor file_bytes(const at::Tensor& t, h5::Elem file) {
   if (file == h5::Elem::kBF16 || file == h5::Elem::kF16) {
-    // Rounded by torch, as `t.to(dtype)` (Note [Float conversion] in h5.cpp); NaN gets the
+    // Rounded by torch, as `t.to(dtype)` (Note [Float conversion] in h5_convert.cpp); NaN gets the
     // bits h5::convert gives it, which 1.13's vectorized bf16 conversion does not.
     const auto dtype = file == h5::Elem::kBF16 ? at::kBFloat16 : at::kHalf;
     at::Tensor src = t.detach().to(at::kCPU);

@@ -356,6 +356,45 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
   });
 }
 
+// A consolidated file from another writer (h5py, say) carries no block checksums: it
+// loads the same, 16-bit floats converted as torch rounds, and inspect says what it
+// could not check.
+TEST(ConsolidatedCheckpoint, AFileWithoutChecksumsLoadsAndInspectSaysSo) {
+  const std::string dir = scratch_dir("no_checksums");
+  torch::manual_seed(5);
+  gpt::GPT source(small_gpt_config());
+  auto model = fully_shard(source);
+  ExportOptions eo;
+  eo.dtype = torch::kBFloat16;
+  export_consolidated(dir + "/bf16.h5", model, nullptr, sample_state(1), eo);
+  auto full = as_map(full_state_dict(model));
+  // Strip every dataset's checksum attributes.
+  const std::string p = dir + "/bf16.h5";
+  hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0);
+  int stripped = 0;
+  for (const auto& [name, t] : full) {
+    hid_t ds = H5Dopen2(f, ("model/" + name).c_str(), H5P_DEFAULT);
+    ASSERT_GE(ds, 0) << name;
+    ASSERT_GE(H5Adelete(ds, "fsdp_crc32c"), 0) << name;
+    ASSERT_GE(H5Adelete(ds, "fsdp_crc_block"), 0) << name;
+    H5Dclose(ds);
+    ++stripped;
+  }
+  H5Fclose(f);
+  gpt::GPT plain(small_gpt_config());
+  load_consolidated(p, *plain);
+  for (const auto& [name, t] : named_parameters_clean(*plain)) {
+    EXPECT_TRUE(torch::equal(full.at(name).to(torch::kBFloat16).to(torch::kFloat32), t)) << name;
+  }
+  auto r = run_command({bin_dir() + "/fsdp-inspect", p});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("verified: every dataset read back; " + std::to_string(stripped) +
+                          " datasets carry no checksums (written by another tool)"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(ConsolidatedCheckpoint, StrictLoadListsEveryMismatchAndNonStrictReportsThem) {
   const std::string dir = scratch_dir("strict");
   torch::manual_seed(0);
@@ -417,7 +456,7 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
 }
 
 // ---------------------------------------------------------------------------------
-// 16-bit exports round as torch's Tensor::to does (Note [Float conversion] in h5.cpp),
+// 16-bit exports round as torch's Tensor::to does (Note [Float conversion] in h5_convert.cpp),
 // on values built to be hard: exact ties both ways and both signs, ties into and out of
 // subnormals, overflow to infinity, infinities and NaNs.
 
