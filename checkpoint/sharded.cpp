@@ -3,6 +3,7 @@
 #include "agree.h"
 #include "optim_state.h"
 #include "publish.h"
+#include "rank_parts.h"
 #include "tensor_io.h"
 
 #include <fsdp/checkpoint.h>
@@ -10,9 +11,6 @@
 
 #include "internal.h"
 #include "reshard_plan.h"
-
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Generator.h>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -52,11 +50,6 @@ std::optional<std::pair<int64_t, int64_t>> parse_checkpoint_name(const std::stri
 std::function<void(const std::string&, const std::string&)>& save_hook() {
   static std::function<void(const std::string&, const std::string&)> hook;
   return hook;
-}
-
-at::Tensor generator_state(at::Generator gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return at::Tensor(gen.get_state());
 }
 
 }  // namespace
@@ -193,14 +186,7 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
   if (opt) {
     for (size_t g = 0; g < opt->param_groups().size(); ++g) snap.groups.push_back(group_hparams(*opt, g));
   }
-  // generator_state() copies already.
-  snap.rng.emplace_back("cpu", generator_state(at::detail::getDefaultCPUGenerator()));
-  if (torch::cuda::is_available()) {
-    for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i) {
-      auto gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      snap.rng.emplace_back("cuda_" + std::to_string(i), generator_state(gen));
-    }
-  }
+  snap.rng = capture_rng();
   if (rank == 0) {
     for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
       snap.buffers.emplace_back(name, keep("buffer/" + name, b));
@@ -242,42 +228,11 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
     }
   }
 
-  if (snap.optimizer_kind != "none") {
-    h5::Obj og = h5::create_group(f, "optimizer", path);
-    h5::set_attr(og, "num_groups", static_cast<int64_t>(snap.groups.size()));
-    for (size_t g = 0; g < snap.groups.size(); ++g) {
-      h5::Obj gg = h5::create_group(og, "group_" + std::to_string(g), path);
-      for (const auto& [k, v] : snap.groups[g]) h5::set_attr(gg, k, v);
-    }
-  }
-
-  const TrainingState& state = snap.state;
-  h5::Obj sg = h5::create_group(f, "state", path);
-  h5::set_attr(sg, "step", state.step);
-  h5::Obj sched = h5::create_group(sg, "scheduler", path);
-  for (const auto& [k, v] : state.scheduler) h5::set_attr(sched, k, v);
-  h5::Obj extra = h5::create_group(sg, "extra", path);
-  for (const auto& [k, v] : state.extra) h5::set_attr(extra, k, v);
-  if (state.loss_scaler) {
-    const auto& ls = *state.loss_scaler;
-    h5::Obj lg = h5::create_group(sg, "loss_scaler", path);
-    h5::set_attr(lg, "scale", ls.scale);
-    h5::set_attr(lg, "iteration", ls.iteration);
-    h5::set_attr(lg, "last_overflow_iteration", ls.last_overflow_iteration);
-    h5::set_attr(lg, "hysteresis_left", int64_t{ls.hysteresis_left});
-    h5::set_attr(lg, "skipped_steps", ls.skipped_steps);
-  }
-  h5::Obj ma = h5::create_group(f, "model_attrs", path);
-  for (const auto& [k, v] : state.model_attrs) h5::set_attr(ma, k, v);
-
-  h5::Obj rng = h5::create_group(f, "rng", path);
-  for (const auto& [name, t] : snap.rng) write_tensor(rng, name, t, h5::Elem::kU8, path);
-  if (snap.rank == 0) {
-    h5::Obj bg = h5::create_group(f, "buffers", path);
-    for (const auto& [name, b] : snap.buffers) {
-      write_tensor(bg, name, b, storage_elem(b.scalar_type()), path + ":/buffers");
-    }
-  }
+  // The other parts, in the file's order (rank_parts.h).
+  if (snap.optimizer_kind != "none") write_optimizer_groups(f, snap.groups, path);
+  write_training_state(f, snap.state, path);
+  write_rng(f, snap.rng, path);
+  if (snap.rank == 0) write_buffers(f, snap.buffers, path);
   h5::flush_and_sync(f, path);
 }
 
@@ -760,84 +715,16 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
     }
   }
 
-  // Buffers are replicated: every rank reads rank 0's copy.
+  // The other parts (rank_parts.h). Buffers are replicated: every rank reads rank 0's
+  // copy, as it does the optimizer's groups and the training state.
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  std::set<std::string> file_buffers;
-  if (h5::exists(f0, "buffers")) {
-    h5::Obj bg = h5::open_group(f0, "buffers", p0);
-    for (const auto& n : h5::children(bg, p0 + ":/buffers")) file_buffers.insert(n);
-    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
-      if (!file_buffers.count(name)) {
-        report.missing.push_back(name);
-        continue;
-      }
-      read_into(bg, name, b, p0 + ":/buffers");
-      file_buffers.erase(name);
-    }
-    for (const auto& n : file_buffers) report.unexpected.push_back(n);
-  }
+  read_buffers(f0, p0, root.as_module(), report.missing, report.unexpected);
   report_mismatch(what, report.missing, report.unexpected, options.strict);
-
-  if (optimizer) {
-    h5::Obj og = h5::open_group(f0, "optimizer", p0);
-    const int64_t groups = h5::get_int(og, "num_groups", p0);
-    TORCH_CHECK(groups == static_cast<int64_t>(optimizer->param_groups().size()), what, " holds ", groups,
-                " optimizer param groups but the optimizer has ", optimizer->param_groups().size());
-    for (int64_t g = 0; g < groups; ++g) {
-      h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), p0);
-      std::map<std::string, AttrValue> hp;
-      for (const auto& n : h5::attr_names(gg, p0)) hp[n] = h5::get_attr(gg, n, p0);
-      set_group_hparams(*optimizer, static_cast<size_t>(g), hp);
-    }
-  }
-
-  if (state) {
-    const std::string where = p0 + ":/state";
-    h5::Obj sg = h5::open_group(f0, "state", p0);
-    *state = TrainingState{};
-    state->step = h5::get_int(sg, "step", where);
-    h5::Obj sched = h5::open_group(sg, "scheduler", where);
-    for (const auto& n : h5::attr_names(sched, where)) state->scheduler[n] = h5::get_double(sched, n, where);
-    h5::Obj extra = h5::open_group(sg, "extra", where);
-    for (const auto& n : h5::attr_names(extra, where)) state->extra[n] = h5::get_string(extra, n, where);
-    if (h5::exists(sg, "loss_scaler")) {
-      h5::Obj lg = h5::open_group(sg, "loss_scaler", where);
-      LossScalerState ls;
-      ls.scale = h5::get_double(lg, "scale", where);
-      ls.iteration = h5::get_int(lg, "iteration", where);
-      ls.last_overflow_iteration = h5::get_int(lg, "last_overflow_iteration", where);
-      ls.hysteresis_left = static_cast<int>(h5::get_int(lg, "hysteresis_left", where));
-      ls.skipped_steps = h5::get_int(lg, "skipped_steps", where);
-      state->loss_scaler = ls;
-    }
-    h5::Obj ma = h5::open_group(f0, "model_attrs", p0);
-    for (const auto& n : h5::attr_names(ma, p0)) state->model_attrs[n] = h5::get_attr(ma, n, p0);
-  }
-
+  if (optimizer) read_optimizer_groups(f0, p0, *optimizer, what);
+  if (state) *state = read_training_state(f0, p0);
   // RNG streams belong to ranks: restore them only when the ranks are the same.
-  if (options.restore_rng && src.world_size() == pg.size()) {
-    const int r = pg.rank();
-    hid_t f = src.file(r);
-    const std::string pr = src.file_path(r);
-    h5::Obj rng = h5::open_group(f, "rng", pr);
-    auto restore = [&](at::Generator gen, const std::string& ds) {
-      auto shape = h5::shape_of(rng, ds, pr);
-      at::Tensor st = at::empty(shape, at::kByte);
-      h5::read_range(rng, ds, 0, st.numel(), st.data_ptr(), h5::Elem::kU8, pr + ":/rng");
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(st);
-    };
-    restore(at::detail::getDefaultCPUGenerator(), "cpu");
-    if (torch::cuda::is_available()) {
-      for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i) {
-        const std::string ds = "cuda_" + std::to_string(i);
-        if (h5::exists(rng, ds)) {
-          restore(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))), ds);
-        }
-      }
-    }
-  }
+  if (options.restore_rng && src.world_size() == pg.size()) restore_rng(src.file(pg.rank()), src.file_path(pg.rank()));
   return report;
 }
 
