@@ -9,7 +9,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 
 #include <filesystem>
 #include <iostream>
@@ -25,11 +25,13 @@ void report_mismatch(const std::string& what, const std::vector<std::string>& mi
 
 namespace {
 
-h5::Elem export_elem(torch::Dtype d) {
+ExportDtype export_dtype(torch::Dtype d) {
   TORCH_CHECK(d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kFloat16, "export dtype ",
               c10::toString(d), " is not supported; use float32, bfloat16 or float16");
-  return elem_of_dtype(d);
+  return d == torch::kFloat32 ? ExportDtype::kF32 : d == torch::kBFloat16 ? ExportDtype::kBF16 : ExportDtype::kF16;
 }
+
+h5::Elem export_elem(torch::Dtype d) { return elem_of(export_dtype(d)); }
 
 h5::Elem buffer_elem(const at::Tensor& b, h5::Elem dtype) {
   return b.is_floating_point() ? dtype : storage_elem(b.scalar_type());
@@ -413,11 +415,11 @@ void consolidate_checkpoint(const std::string& sharded, const std::string& out_f
   if (options.format == WeightsFormat::kSafetensors) {
     TORCH_CHECK(!options.with_optimizer, "consolidate_checkpoint: safetensors holds weights only; "
                 "with_optimizer needs the HDF5 format");
-    ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_elem(options.dtype),
+    ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_dtype(options.dtype),
                                           options.max_shard_size, options.progress);
     return;
   }
-  ckpt::consolidate_offline(sharded, out_file, ckpt::export_elem(options.dtype), options.with_optimizer,
+  ckpt::consolidate_offline(sharded, out_file, ckpt::export_dtype(options.dtype), options.with_optimizer,
                             options.progress);
 }
 

@@ -24,6 +24,8 @@
 
 #include "h5.h"
 
+#include "internal/offline.h"
+
 #include <functional>
 
 #include <map>
@@ -124,10 +126,8 @@ struct ConsolidatedWriter {
   void abandon();
 };
 
-/// Offline consolidation (fsdp-consolidate): no process group, one parameter at a time.
-void consolidate_offline(const std::string& sharded, const std::string& out_file, h5::Elem dtype,
-                         bool with_optimizer,
-                         const std::function<void(size_t, size_t, const std::string&)>& progress);
+/// The element type of `d` in files.
+h5::Elem elem_of(ExportDtype d);
 
 /// Safetensors exports (Note [Safetensors]): the dtype name of an element type ("F32",
 /// "BF16", "F16", "F64", "I64", "U8").
@@ -137,14 +137,4 @@ const char* safetensors_dtype(h5::Elem e);
 /// model attributes, all as strings.
 std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t step,
                                                         const std::map<std::string, AttrValue>& attrs);
-/// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
-/// directory `out_dir` gets what export_safetensors writes from the live model, byte for
-/// byte, reading one parameter at a time.
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, h5::Elem dtype,
-                                     uint64_t max_shard_size,
-                                     const std::function<void(size_t, size_t, const std::string&)>& progress);
-
-/// Describes and verifies a sharded checkpoint directory or a consolidated file.
-std::string inspect(const std::string& path, bool verify);
-
 }  // namespace fsdp::ckpt

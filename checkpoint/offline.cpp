@@ -68,9 +68,18 @@ void ConsolidatedWriter::abandon() {
   fs::remove(tmp, ec);
 }
 
-void consolidate_offline(const std::string& sharded, const std::string& out_file, h5::Elem dtype,
-                         bool with_optimizer,
-                         const std::function<void(size_t, size_t, const std::string&)>& progress) {
+h5::Elem elem_of(ExportDtype d) {
+  switch (d) {
+    case ExportDtype::kF32: return h5::Elem::kF32;
+    case ExportDtype::kBF16: return h5::Elem::kBF16;
+    case ExportDtype::kF16: return h5::Elem::kF16;
+  }
+  TORCH_CHECK(false, "internal: export dtype ", static_cast<int>(d));
+}
+
+void consolidate_offline(const std::string& sharded, const std::string& out_file, ExportDtype export_dtype,
+                         bool with_optimizer, const Progress& progress) {
+  const h5::Elem dtype = elem_of(export_dtype);
   // A small chunk cache: memory stays about one parameter whatever the model size.
   ShardedReader src(sharded, 4u << 20);
   TORCH_CHECK(!with_optimizer || src.optimizer() != "none", "checkpoint ", src.dir(),
@@ -177,9 +186,9 @@ std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t 
   return m;
 }
 
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, h5::Elem dtype,
-                                     uint64_t max_shard_size,
-                                     const std::function<void(size_t, size_t, const std::string&)>& progress) {
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, ExportDtype export_dtype,
+                                     uint64_t max_shard_size, const Progress& progress) {
+  const h5::Elem dtype = elem_of(export_dtype);
   ShardedReader src(sharded, 4u << 20);
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);

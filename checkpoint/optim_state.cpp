@@ -1,7 +1,7 @@
 // Optimizer state adaptor (see optim_state.h).
 #include "optim_state.h"
 
-#include "optim_key.h"
+#include "internal/optim_key.h"
 
 
 namespace fsdp::ckpt {

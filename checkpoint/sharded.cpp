@@ -9,7 +9,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 #include "reshard_plan.h"
 
 #include <fcntl.h>

@@ -7,7 +7,7 @@
 // versions, and exposes the few collectives the engine needs. Gloo and NCCL live in
 // their own files; CMake swaps in a stand-in that throws when one is not built.
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>

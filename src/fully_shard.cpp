@@ -1,7 +1,7 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters.
 #include <fsdp/fully_sharded_module.h>
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 
 #include "runtime.h"
 

@@ -2,8 +2,8 @@
 #include <fsdp/fused_adamw.h>
 
 #include "adamw_kernels.h"
-#include "internal.h"
-#include "optim_key.h"
+#include "internal/sharded_model.h"
+#include "internal/optim_key.h"
 
 #include <ATen/Parallel.h>
 

@@ -4,7 +4,7 @@
 
 #include <fsdp/fully_sharded_module.h>
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 
 #include "accounting.h"
 #include "comm_context.h"

@@ -4,7 +4,7 @@
 
 #include "flat_param.h"
 #include "grad_buffer.h"
-#include "internal.h"
+#include "internal/sharded_model.h"
 
 #include <memory>
 #include <string>

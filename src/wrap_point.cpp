@@ -3,7 +3,7 @@
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/fused_adamw.h>
 
-#include "internal.h"
+#include "internal/sharded_model.h"
 #include "runtime.h"
 
 namespace fsdp {

@@ -25,7 +25,7 @@
 #include <fstream>
 #include <random>
 #include <thread>
-#include "../src/internal.h"  // flat-parameter internals the assertions read
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 namespace fs = std::filesystem;
 using namespace fsdp;

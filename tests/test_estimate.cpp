@@ -12,7 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
-#include "../src/internal.h"  // flat-parameter internals the assertions read
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;

@@ -3,7 +3,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
-#include "../src/internal.h"  // flat sizes, for the exact byte count
+#include "../src/internal/sharded_model.h"  // flat sizes, for the exact byte count
 
 #include <map>
 

@@ -7,7 +7,7 @@
 #include "support/models.h"
 #include "support/multirank.h"
 
-#include "../src/optim_key.h"
+#include "../src/internal/optim_key.h"
 
 #include <gtest/gtest.h>
 

@@ -5,7 +5,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
-#include "../src/internal.h"  // flat-parameter internals the assertions read
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;

@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include <map>
-#include "../src/internal.h"  // flat-parameter internals the assertions read
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;

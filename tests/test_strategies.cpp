@@ -8,7 +8,7 @@
 
 #include <limits>
 #include <set>
-#include "../src/internal.h"  // flat-parameter internals the assertions read
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;

@@ -6,7 +6,7 @@
 //
 // No process group: it reads the rank files one parameter at a time, so its memory
 // stays about one parameter plus a constant whatever the model size.
-#include "../../checkpoint/layout.h"
+#include "internal/offline.h"
 
 #include <fsdp/version.h>
 
@@ -63,10 +63,10 @@ int run(int argc, char** argv) {
           "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]");
     }
     const std::string d = r["dtype"].as<std::string>();
-    fsdp::h5::Elem dtype;
-    if (d == "fp32") dtype = fsdp::h5::Elem::kF32;
-    else if (d == "bf16") dtype = fsdp::h5::Elem::kBF16;
-    else if (d == "fp16") dtype = fsdp::h5::Elem::kF16;
+    fsdp::ckpt::ExportDtype dtype;
+    if (d == "fp32") dtype = fsdp::ckpt::ExportDtype::kF32;
+    else if (d == "bf16") dtype = fsdp::ckpt::ExportDtype::kBF16;
+    else if (d == "fp16") dtype = fsdp::ckpt::ExportDtype::kF16;
     else {
       throw fsdp::tools::UsageError("--dtype " + d + " is unknown; use fp32, bf16 or fp16");
     }

@@ -7,7 +7,7 @@
 #include "../../examples/gpt/gpt_model.h"
 
 #include <cstdio>
-#include "../../src/internal.h"  // flat-parameter internals
+#include "../../src/internal/sharded_model.h"  // flat-parameter internals
 
 int main() {
   auto pg = fsdp::init_process_group();

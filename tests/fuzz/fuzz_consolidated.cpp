@@ -3,6 +3,7 @@
 // .h5 file.
 #include "fuzz_support.h"
 #include "layout.h"
+#include "internal/offline.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = fuzz::scratch() + "/model.h5";

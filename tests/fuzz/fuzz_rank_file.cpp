@@ -4,6 +4,7 @@
 // (fsdp-inspect --verify's path).
 #include "fuzz_support.h"
 #include "layout.h"
+#include "internal/offline.h"
 
 #include <vector>
 

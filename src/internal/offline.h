@@ -1,0 +1,32 @@
+#pragma once
+// What the offline tools (src/tools: fsdp-consolidate, fsdp-inspect) call in checkpoint/,
+// without LibTorch: fsdp_ckpt_core implements it (offline.cpp, inspect.cpp). The public
+// consolidate_checkpoint and inspect_checkpoint (<fsdp/checkpoint.h>) call the same.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace fsdp::ckpt {
+
+/// The element type of exported weights.
+enum class ExportDtype { kF32, kBF16, kF16 };
+
+/// Called after each parameter with (done, total, its FQN).
+using Progress = std::function<void(size_t, size_t, const std::string&)>;
+
+/// Offline consolidation into one HDF5 file (fsdp-consolidate): no process group, one
+/// parameter at a time.
+void consolidate_offline(const std::string& sharded, const std::string& out_file, ExportDtype dtype,
+                         bool with_optimizer, const Progress& progress);
+/// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
+/// directory `out_dir` gets what export_safetensors writes from the live model, byte for
+/// byte, reading one parameter at a time.
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, ExportDtype dtype,
+                                     uint64_t max_shard_size, const Progress& progress);
+
+/// Describes and verifies a sharded checkpoint directory or a consolidated file.
+std::string inspect(const std::string& path, bool verify);
+
+}  // namespace fsdp::ckpt
