@@ -2,6 +2,7 @@
 # Runs a command in a Debian 13 (trixie) root on this machine, with this project inside:
 #
 #   scripts/in-debian13.sh [--cuda] [--fresh] CMD [ARGS...]
+#   scripts/in-debian13.sh [--cuda] --prepare         # only make the root (CI does it early)
 #   scripts/in-debian13.sh ./scripts/test.sh              # the whole suite on LibTorch 2.6 (CPU)
 #   scripts/in-debian13.sh --cuda ./scripts/cuda-link-check.sh
 #
@@ -23,17 +24,23 @@ PROJECT="$(pwd -P)"
 
 CUDA=0
 FRESH=0
+PREPARE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --cuda) CUDA=1; shift ;;
     --fresh) FRESH=1; shift ;;
+    --prepare) PREPARE=1; shift ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
-    -*) echo "in-debian13: unknown option '$1' (expected --cuda, --fresh, or a command)" >&2; exit 2 ;;
+    -*) echo "in-debian13: unknown option '$1' (expected --cuda, --fresh, --prepare, or a command)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-if [ $# -eq 0 ]; then
+if [ "$PREPARE" = 1 ] && [ $# -gt 0 ]; then
+  echo "in-debian13: --prepare makes the root only; it takes no command (got '$*')" >&2
+  exit 2
+fi
+if [ $# -eq 0 ] && [ "$PREPARE" = 0 ]; then
   echo "in-debian13: no command given; e.g. scripts/in-debian13.sh ./scripts/test.sh" >&2
   exit 2
 fi
@@ -84,6 +91,10 @@ if [ ! -d "$ROOT" ] || [ "$STALE" = 1 ]; then
   $SUDO mv "$TMP" "$ROOT"
 fi
 
+if [ "$PREPARE" = 1 ]; then
+  echo "[in-debian13] the $VARIANT root is ready: $ROOT"
+  exit 0
+fi
 mount_system "$ROOT"
 # /tmp first: a checkout under /tmp must stay visible through the binds below.
 mount_in "$ROOT" tmpfs tmpfs /tmp
