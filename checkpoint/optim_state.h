@@ -1,6 +1,6 @@
 #pragma once
 // Reading and writing the per-parameter state of torch::optim's Adam, AdamW and SGD,
-// which LibTorch keys by TensorImpl (as a string in 1.13, a pointer in 2.x).
+// which LibTorch keys by TensorImpl (its address).
 
 #include <fsdp/checkpoint.h>
 

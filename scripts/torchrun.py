@@ -11,7 +11,8 @@ without libuv torchrun fails before any worker starts ("use_libuv was requested 
 PyTorch was build without libuv support"); USE_LIBUV=0 does not reach those stores.
 Here the rendezvous modules get a TCPStore whose use_libuv defaults to False. The
 workers (this project's programs) connect to that store as clients, which works with
-either server. On a PyTorch without the option (1.13) nothing is changed.
+either server. On a PyTorch with libuv (PyPI's, pytorch.org's) it is plain torchrun with
+the classic store server.
 """
 import functools
 import sys
@@ -19,10 +20,9 @@ import sys
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
 
-if "use_libuv" in (dist.TCPStore.__init__.__doc__ or ""):
-    store = functools.partial(dist.TCPStore, use_libuv=False)
-    static_tcp_rendezvous.TCPStore = store
-    c10d_rendezvous_backend.TCPStore = store
+store = functools.partial(dist.TCPStore, use_libuv=False)
+static_tcp_rendezvous.TCPStore = store
+c10d_rendezvous_backend.TCPStore = store
 
 from torch.distributed.run import main  # noqa: E402
 

@@ -1,5 +1,5 @@
 // Note [Reentrant checkpointing]
-// LibTorch 1.13 has no saved-tensor hooks in C++, so checkpointing uses the reentrant
+// LibTorch has no public saved-tensor hooks in C++, so checkpointing uses the reentrant
 // form: a custom autograd Function whose forward runs the region without grad (nothing
 // inside is saved) and whose backward reruns it with grad and calls backward on the
 // recomputed outputs. The region's parameters get their gradients from that inner

@@ -1,6 +1,6 @@
 // Fused AdamW kernels (see adamw_kernels.h).
 //
-// Per element, in the order torch::optim::AdamW (LibTorch 1.13) uses:
+// Per element, in the order torch::optim::AdamW uses:
 //   p = p * (1 - lr * wd)
 //   m = fma(g, 1 - b1, m * b1)                    (ATen's add with alpha is an fmadd)
 //   v = v * b2 + ((1 - b2) * g) * g               (addcmul's order)

@@ -1,10 +1,9 @@
 #pragma once
 // Note [Backend adaptor]
-// The one place that knows c10d. ProcessGroupGloo and ProcessGroupNCCL derive from
-// c10d::ProcessGroup in LibTorch 1.13 and from c10d::Backend in 2.x, and Gloo lacks
-// _allgather_base and reduce_scatter in 1.13 (docs/design.md, "LibTorch facts"). Each backend below
-// holds its concrete c10d class, whose collective signatures are the same in both
-// versions, and exposes the few collectives the engine needs. Gloo and NCCL live in
+// The one place that knows c10d. Each backend below holds its concrete c10d class
+// (c10d::ProcessGroupGloo, c10d::ProcessGroupNCCL, both c10d::Backend in LibTorch 2.x)
+// and exposes the few collectives the engine needs, in the forms every supported
+// LibTorch (2.6 and newer) has (docs/design.md, "LibTorch facts"). Gloo and NCCL live in
 // their own files; CMake swaps in a stand-in that throws when one is not built.
 
 #include "internal/sharded_model.h"

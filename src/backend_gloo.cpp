@@ -26,7 +26,8 @@ class C10dWork : public Work {
   std::function<void()> then_;  ///< finishes the emulated collective (e.g. takes a chunk)
 };
 
-// Gloo reduces only some dtypes in 1.13 (no bfloat16); such tensors are reduced in fp32.
+// Other dtypes (bfloat16) are reduced in fp32: Gloo's bf16 sum differs between LibTorch
+// versions, and an fp32 sum rounds once, at the end.
 bool gloo_reduces(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt || t == at::kLong;
 }
@@ -55,8 +56,8 @@ class GlooBackend : public Backend {
   double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
-    // Gathering moves bytes, so any dtype travels as bytes; 1.13 Gloo has no
-    // _allgather_base, so the list form writes into chunks of the flat output.
+    // Gathering moves bytes, so any dtype travels as bytes; the list form (in every
+    // LibTorch 2.x) writes into chunks of the flat output.
     auto in = shard.view(at::kByte);
     auto out = full.view(at::kByte);
     std::vector<at::Tensor> inputs{in};
@@ -66,7 +67,8 @@ class GlooBackend : public Backend {
   }
 
   std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
-    // 1.13 Gloo has no reduce_scatter: a SUM all-reduce, then this rank's chunk.
+    // A SUM all-reduce, then this rank's chunk: Gloo's reduce_scatter is not in every
+    // supported LibTorch (issue 26 measures the native one where it exists).
     auto buf = gloo_reduces(full.scalar_type()) ? full : full.to(at::kFloat);
     std::vector<at::Tensor> ts{buf};
     auto work = pg_->allreduce(ts);

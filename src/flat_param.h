@@ -18,8 +18,8 @@
 
 namespace fsdp::detail {
 
-/// What impl::grad_accumulator() returns: a shared_ptr<Node> in LibTorch 1.13 and early
-/// 2.x, an intrusive_ptr<Node> in later 2.x (see Note [Backend adaptor]).
+/// What impl::grad_accumulator() returns: a shared_ptr<Node> in earlier LibTorch 2.x, an
+/// intrusive_ptr<Node> in later ones; taken from the declaration.
 using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// One original parameter inside the flat parameter.

@@ -113,18 +113,6 @@ void validate(const ShardingOptions& o) {
   TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype), "MixedPrecision::reduce_dtype=",
               o.mixed_precision.reduce_dtype,
               " is unsupported; gradients reduce in Float, BFloat16 or Half");
-  if (o.mixed_precision.param_dtype != at::kFloat && o.device.is_cpu()) {
-    // Fail at setup, naming the op, rather than in the middle of the first forward.
-    try {
-      auto t = at::ones({2, 2}, at::TensorOptions().dtype(o.mixed_precision.param_dtype));
-      at::linear(t, t, t).sum();
-    } catch (const c10::Error& e) {
-      std::string what = e.what_without_backtrace();
-      TORCH_CHECK(false, "MixedPrecision::param_dtype=", o.mixed_precision.param_dtype,
-                  " cannot run on CPU with this LibTorch: ", what.substr(0, what.find('\n')),
-                  ". Use BFloat16 on CPU, or run on a CUDA device.");
-    }
-  }
 }
 
 }  // namespace

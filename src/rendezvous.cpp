@@ -20,24 +20,11 @@ namespace {
 // LibTorch 2.4+ has a libuv server for the TCPStore and asks for it by default
 // (TCPStoreOptions::useLibUV = true); a build without libuv, such as Debian's, then
 // refuses to start the store ("use_libuv was requested but PyTorch was build without
-// libuv support"). 1.13 has neither the option nor the server. LibTorch exports no way
-// to ask whether the build has libuv, so the store is made with libuv where the option
-// exists and, if the build refuses ("... without libuv support"), at once again without
-// it. USE_LIBUV other than 1, torch's own switch, skips the first try. Clients speak the
-// same protocol to either server.
-template <typename T, typename = void>
-struct HasUseLibUV : std::false_type {};
-template <typename T>
-struct HasUseLibUV<T, std::void_t<decltype(std::declval<T&>().useLibUV)>> : std::true_type {};
-
-template <typename Options>
-bool set_use_libuv(Options& o, bool on) {
-  if constexpr (HasUseLibUV<Options>::value) {
-    o.useLibUV = on;
-    return true;
-  }
-  return false;
-}
+// libuv support"); PyPI's and pytorch.org's builds have it. LibTorch exports no way to
+// ask whether the build has libuv, so the store is made with libuv and, if the build
+// refuses ("... without libuv support"), at once again without it. USE_LIBUV other than
+// 1, torch's own switch, skips the first try. Clients speak the same protocol to either
+// server.
 
 const char* env(const char* name) {
   const char* v = std::getenv(name);
@@ -163,7 +150,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   so.waitWorkers = false;
   so.timeout = timeout;
   const char* use_libuv = env("USE_LIBUV");  // as torch reads it: "1" (or unset) is on
-  set_use_libuv(so, use_libuv == nullptr || std::string(use_libuv) == "1");
+  so.useLibUV = use_libuv == nullptr || std::string(use_libuv) == "1";
   c10::intrusive_ptr<c10d::Store> store;
   try {
     try {
@@ -171,7 +158,8 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
     } catch (const c10::Error& ex) {
       // Note [TCPStore and libuv]: this build has no libuv; use the classic server.
       const std::string what = ex.what_without_backtrace();
-      if (what.find("without libuv support") == std::string::npos || !set_use_libuv(so, false)) throw;
+      if (what.find("without libuv support") == std::string::npos || !so.useLibUV) throw;
+      so.useLibUV = false;
       store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
     }
   } catch (const std::exception& ex) {

@@ -122,24 +122,9 @@ TEST(MixedPrecision, Bf16GatheredParametersTakeHalfTheBytes) {
   EXPECT_EQ(mem.grad_shards.current, 4 * padded);               // fp32 gradient shards
 }
 
-// fp16 on CPU: where LibTorch has the kernels (2.x), fp16 compute and communication
-// with a loss scaler trains at world 2 and every rank takes the same steps; where it has
-// not (1.13), fully_shard refuses at once, naming the missing kernel.
-TEST(MixedPrecision, Fp16OnCpuTrainsWithALossScalerOrNamesTheMissingKernel) {
-  if (!cpu_half_matmul_available()) {
-    ShardingOptions o;
-    o.mixed_precision.param_dtype = torch::kHalf;
-    try {
-      fully_shard(MlpNet(), o);
-      FAIL() << "no error";
-    } catch (const c10::Error& e) {
-      EXPECT_EQ(std::string(e.what_without_backtrace()),
-                "MixedPrecision::param_dtype=Half cannot run on CPU with this LibTorch: "
-                "\"addmm_impl_cpu_\" not implemented for 'Half'. Use BFloat16 on CPU, or run on a "
-                "CUDA device.");
-    }
-    return;
-  }
+// fp16 on CPU (LibTorch 2.x has the kernels): fp16 compute and communication with a
+// loss scaler trains at world 2 and every rank takes the same steps.
+TEST(MixedPrecision, Fp16OnCpuTrainsWithALossScaler) {
   run_ranks(2, [](const ProcessGroup& pg) {
     ShardingOptions o;
     o.process_group = pg;

@@ -457,16 +457,7 @@ int run(int argc, char** argv) {
 
 
   torch::manual_seed(seed);
-  auto model = [&] {
-    try {
-      return fsdp::fully_shard(gpt::GPT(cfg), so);
-    } catch (const c10::Error& e) {
-      // LibTorch 1.13 has no CPU kernels for fp16 matmul; fully_shard names the op.
-      const std::string what = e.what_without_backtrace();
-      if (precision != "fp16" || what.find("cannot run on CPU with this LibTorch") == std::string::npos) throw;
-      throw UsageError("--precision fp16: " + what);
-    }
-  }();
+  auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
   // --init-from: the starting weights come from a consolidated file (written by this
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.

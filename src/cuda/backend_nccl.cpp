@@ -1,5 +1,5 @@
 // NCCL backend: GPU collectives through c10d::ProcessGroupNCCL (see Note [Backend adaptor]).
-// Built only against a CUDA LibTorch (1.13 or 2.x).
+// Built only against a CUDA LibTorch (2.6 or newer).
 #include "../backend.h"
 
 #include <c10/cuda/CUDAFunctions.h>

@@ -1,5 +1,5 @@
 // Offload transfers on a GPU: side streams, one per direction (Note [Offload transfers]).
-// Built only against a CUDA LibTorch (1.13 or 2.x).
+// Built only against a CUDA LibTorch (2.6 or newer).
 #include "../transfers.h"
 
 #include <ATen/cuda/CUDAEvent.h>

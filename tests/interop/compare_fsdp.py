@@ -40,7 +40,7 @@ def probe():
         from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: F401
         if not dist.is_available() or not dist.is_gloo_available():
             return "torch.distributed with Gloo is not available"
-    except Exception as e:  # e.g. Debian 12: torch 1.13's FSDP fails to import under Python 3.11
+    except Exception as e:  # a Python without torch, or a torch without FSDP
         return f"{type(e).__name__}: {e}"
     return None
 

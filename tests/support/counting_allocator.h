@@ -24,13 +24,8 @@ class CountingCpuAllocator : public at::Allocator {
     return *a;
   }
 
-  // Note [Allocator across versions]
-  // at::Allocator::allocate is const in LibTorch 1.13 and non-const from 2.3, which also
-  // adds a pure copy_data(). Both forms are declared without `override`: whichever the
-  // base declares is overridden, the other is an unused overload.
-  at::DataPtr allocate(size_t n) { return counted_allocate(n); }
-  at::DataPtr allocate(size_t n) const { return counted_allocate(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
+  at::DataPtr allocate(size_t n) override { return counted_allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
   at::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
 
   /// Bytes currently allocated through this allocator.

@@ -90,16 +90,6 @@ int decode(int status) {
 
 bool is_rank_process() { return std::getenv("FSDP_TEST_RANK_PROCESS") != nullptr; }
 
-bool cpu_half_matmul_available() {
-  try {
-    auto t = torch::ones({2, 2}, torch::kHalf);
-    torch::linear(t, t, t).sum();
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
-
 std::string bin_dir() {
   std::string exe = self_exe();
   return exe.substr(0, exe.rfind('/'));

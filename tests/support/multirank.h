@@ -41,9 +41,6 @@ struct CommandResult {
 CommandResult run_command(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
                           int timeout_s = 120);
 
-/// Whether the linked LibTorch has CPU kernels for fp16 matmul (2.x does, 1.13 does not).
-bool cpu_half_matmul_available();
-
 /// Path of this test binary's directory (build/bin).
 std::string bin_dir();
 
