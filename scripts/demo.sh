@@ -57,12 +57,14 @@ printf 'sampled: %s\n' "$("./$B/bin/generate" --weights "$OUT/gpt-safetensors" -
 
 echo "[demo] 5/5 reading the safetensors export from Python"
 ST="$OUT/gpt-safetensors/model.safetensors"
-if /usr/bin/python3 -c "import safetensors" 2>/dev/null; then
+# The Python of the build (scripts/lib/python-env.sh: .venv's, with PyPI's safetensors).
+PY="${FSDP_PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo /usr/bin/python3)}"
+if "$PY" -c "import safetensors" 2>/dev/null; then
   ONE_LINER="from safetensors.numpy import load_file; w = load_file('$ST'); print(len(w), 'tensors;', 'wte.weight', w['wte.weight'].shape, w['wte.weight'].dtype)"
 else
-  # Debian 12 has no python3-safetensors; the format is simple enough for the standard library.
+  # Without the safetensors package, the format is simple enough for the standard library.
   ONE_LINER="import json, struct; f = open('$ST', 'rb'); h = json.loads(f.read(struct.unpack('<Q', f.read(8))[0])); print(len(h) - 1, 'tensors;', h['__metadata__'])"
 fi
-echo "\$ /usr/bin/python3 -c \"$ONE_LINER\""
-/usr/bin/python3 -c "$ONE_LINER"
+echo "\$ $PY -c \"$ONE_LINER\""
+"$PY" -c "$ONE_LINER"
 echo "[demo] done: logs in $OUT/log_part*.jsonl, checkpoints in $OUT/checkpoints, weights in $OUT/gpt.h5 and $OUT/gpt-safetensors"

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One command on a fresh Debian 12 (or Ubuntu) machine: install the dependencies,
-# build, and run the demo (a GPT trained fully sharded over 2 ranks on this CPU).
+# One command on a fresh Debian 12 (or 13) machine: install the dependencies (Debian's
+# build packages; PyPI's torch, pinned in scripts/requirements.txt, into .venv/), build
+# against that LibTorch, and run the demo (a GPT trained fully sharded over 2 ranks on
+# this CPU). FSDP_TORCH=system builds against the LibTorch CMake finds instead
+# (scripts/lib/python-env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
 ./scripts/install-deps.sh
-echo "[setup] configuring and building (first build takes a few minutes on 2 cores)"
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+. scripts/lib/python-env.sh
+fsdp_torch_setup
+echo "[setup] configuring and building (first build takes about 20 minutes on 2 cores)"
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release "${TORCH_CMAKE_ARGS[@]}" | grep -E '^-- fsdp:|Warning|Error' || true
 cmake --build "$B" -j2
 ./scripts/demo.sh

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Builds everything into build/ and runs the whole test suite (ctest over GoogleTest).
-# FSDP_CMAKE_ARGS adds CMake options (CI's Debian 13 leg: -DFSDP_BUILD_BENCHMARKS=OFF).
+# Builds everything into build/ and runs the whole test suite (ctest over GoogleTest),
+# against the same LibTorch and Python as scripts/setup.sh (scripts/lib/python-env.sh:
+# PyPI's torch in .venv/ by default). FSDP_CMAKE_ARGS adds CMake options; arguments go
+# to ctest (e.g. -R Parity).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
 read -ra EXTRA <<<"${FSDP_CMAKE_ARGS:-}"
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release "${EXTRA[@]}"
+. scripts/lib/python-env.sh
+fsdp_torch_setup
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release "${TORCH_CMAKE_ARGS[@]}" "${EXTRA[@]}"
 cmake --build "$B" -j2
+[ "${FSDP_TEST_BUILD_ONLY:-0}" = 1 ] && exit 0   # CI times the build and the tests apart
 ctest --test-dir "$B" --output-on-failure -j2 "$@"

@@ -5,7 +5,8 @@ namespace fsdp::detail {
 std::shared_ptr<Backend> make_gloo_backend(const BackendInit&) {
   TORCH_CHECK(false,
               "fsdp was built without Gloo, so multi-process CPU training is unavailable. "
-              "Install the Gloo headers (Debian: apt-get install libgloo-dev) and rebuild, "
+              "Rebuild with Gloo's headers: -DGLOO_INCLUDE_DIR=DIR (Debian's libgloo-dev, or the "
+              "ones scripts/setup.sh unpacks into .venv/fsdp/gloo/include), "
               "or use backend \"nccl\" on GPUs.");
 }
 }  // namespace fsdp::detail

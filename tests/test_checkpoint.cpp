@@ -821,7 +821,7 @@ TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
       out << "\n";
     }
   }
-  auto r = run_command({"/usr/bin/python3", std::string(FSDP_SOURCE_DIR) + "/tests/interop/read_consolidated.py",
+  auto r = run_command({FSDP_PYTHON, std::string(FSDP_SOURCE_DIR) + "/tests/interop/read_consolidated.py",
                         dir + "/gpt.h5", dir + "/expected.txt"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("ok:"), std::string::npos) << r.output;

@@ -1,7 +1,8 @@
 # Configures scratch builds of the source tree in the variants a user or a parent
 # project may pick, and fails naming the variant that does not configure or does not
 # do what its options say. Run by ctest (Build.ConfiguresWithoutHdf5ExamplesTestsOrBenchmarks):
-#   cmake -DSOURCE=<tree> -DSCRATCH=<dir> -DGENERATOR=<gen> [-DPREFIX=<prefix path>] -P configure_variants.cmake
+#   cmake -DSOURCE=<tree> -DSCRATCH=<dir> -DGENERATOR=<gen> [-DPREFIX=<prefix path>]
+#         [-DTORCH_CACHE=<initial cache: how the build found LibTorch>] -P configure_variants.cmake
 foreach(v SOURCE SCRATCH GENERATOR)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "configure_variants.cmake needs -D${v}=...")
@@ -13,7 +14,11 @@ file(REMOVE_RECURSE "${SCRATCH}")
 function(configure name src)
   cmake_parse_arguments(C "" "" "EXPECT;REJECT;ARGS" ${ARGN})
   set(dir "${SCRATCH}/${name}")
-  execute_process(COMMAND ${CMAKE_COMMAND} -S "${src}" -B "${dir}" -G "${GENERATOR}"
+  set(cache "")
+  if(TORCH_CACHE)
+    set(cache -C "${TORCH_CACHE}")
+  endif()
+  execute_process(COMMAND ${CMAKE_COMMAND} ${cache} -S "${src}" -B "${dir}" -G "${GENERATOR}"
                           "-DCMAKE_PREFIX_PATH=${PREFIX}" ${C_ARGS}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
