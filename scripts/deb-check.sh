@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Checks the Debian package on a fresh Debian 12: builds the .deb, installs it with apt
-# into a bare bookworm root (apt takes LibTorch, HDF5, ... from the archive through the
-# package's Depends alone), then builds and runs an application against it.
+# Checks the Debian package on a fresh Debian 13: builds the .deb against Debian 13's
+# LibTorch 2.6 (in the root of scripts/in-debian13.sh, or on the host if it is Debian 13
+# with libtorch-dev), installs it with apt into a bare trixie root (apt takes LibTorch,
+# HDF5, ... from the archive through the package's Depends alone), then builds and runs
+# an application against it. The .deb belongs with a Debian LibTorch: Debian 12's is
+# 1.13, older than the 2.6 this project supports.
 #
 #   scripts/deb-check.sh [--fresh] [--keep] [CONSUMER_DIR]     (default: tests/consumer)
 #   scripts/deb-check.sh [--fresh] --root-only     # only make the cached bare root
@@ -16,9 +19,9 @@
 # through its Depends.
 #
 # The package is built in build-deb/ (library and tools; no tests, examples, benchmarks;
-# FSDP_DEB_BUILD_DIR names another build directory, e.g. one already configured so).
-# The bare root (debootstrap --variant=minbase bookworm, apt-get update done) is cached
-# in $FSDP_DEBIAN12_CACHE (default /var/cache/fsdp-libtorch) as debian12-bare and copied
+# FSDP_DEB_BUILD_DIR names another build directory under the checkout).
+# The bare root (debootstrap --variant=minbase trixie, apt-get update done) is cached
+# in $FSDP_DEBIAN13_CACHE (default /var/cache/fsdp-libtorch) as debian13-bare and copied
 # for every run, so each run starts from a machine that has never seen the package;
 # --fresh makes the cached root again, --keep leaves the used copy (its path is printed).
 # Needs root (or sudo), debootstrap and mount, like scripts/in-debian13.sh.
@@ -65,42 +68,46 @@ if [ "$ROOT_ONLY" = 0 ]; then
   [ -f "$CONSUMER/CMakeLists.txt" ] || fail "$CONSUMER has no CMakeLists.txt"
   [ -x "$CONSUMER/run.sh" ] || fail "$CONSUMER has no executable run.sh (it runs the built application: run.sh BUILD_DIR)"
 
-  # 1. The package.
+  # 1. The package, against Debian 13's LibTorch.
   BUILD="$(realpath -m "${FSDP_DEB_BUILD_DIR:-$PROJECT/build-deb}")"
+  case "$BUILD" in "$PROJECT"/*) ;; *) fail "FSDP_DEB_BUILD_DIR must be under the checkout ($PROJECT), got $BUILD" ;; esac
   mkdir -p "$BUILD"
-  GEN=()
-  command -v ninja >/dev/null && GEN=(-G Ninja)
-  [ -f "$BUILD/CMakeCache.txt" ] && GEN=()   # keep the generator it was made with
-  step configure "configuring $BUILD"
-  # Prefix /usr: GNUInstallDirs then picks Debian's multiarch libdir (lib/x86_64-linux-gnu).
-  cmake -S "$PROJECT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr -DFSDP_BUILD_TESTS=OFF \
-    -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_INSTALL=ON >"$BUILD/deb-check-configure.log" 2>&1 ||
-    { tail -30 "$BUILD/deb-check-configure.log" >&2; fail "configuring $BUILD failed (log: $BUILD/deb-check-configure.log)"; }
-  step build "building (cmake --build -j${FSDP_JOBS:-2})"
-  cmake --build "$BUILD" -j"${FSDP_JOBS:-2}" >"$BUILD/deb-check-build.log" 2>&1 ||
-    { tail -30 "$BUILD/deb-check-build.log" >&2; fail "building $BUILD failed (log: $BUILD/deb-check-build.log)"; }
-  step cpack "cpack -G DEB"
   rm -f "$BUILD"/*.deb
-  (cd "$BUILD" && cpack -G DEB) >"$BUILD/deb-check-cpack.log" 2>&1 ||
-    { tail -30 "$BUILD/deb-check-cpack.log" >&2; fail "cpack -G DEB failed (log: $BUILD/deb-check-cpack.log)"; }
+  # Prefix /usr: GNUInstallDirs then picks Debian's multiarch libdir (lib/x86_64-linux-gnu).
+  PACKAGE_CMD="set -e; GEN=(); command -v ninja >/dev/null && [ ! -f '$BUILD/CMakeCache.txt' ] && GEN=(-G Ninja)
+    echo '[deb-check] configuring $BUILD'
+    cmake -S '$PROJECT' -B '$BUILD' \"\${GEN[@]}\" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr -DFSDP_BUILD_TESTS=OFF \
+      -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_INSTALL=ON >'$BUILD/deb-check-configure.log' 2>&1 ||
+      { tail -30 '$BUILD/deb-check-configure.log' >&2; exit 1; }
+    echo '[deb-check] building (cmake --build -j${FSDP_JOBS:-2})'
+    cmake --build '$BUILD' -j${FSDP_JOBS:-2} >'$BUILD/deb-check-build.log' 2>&1 || { tail -30 '$BUILD/deb-check-build.log' >&2; exit 1; }
+    echo '[deb-check] cpack -G DEB'
+    cd '$BUILD' && cpack -G DEB >'$BUILD/deb-check-cpack.log' 2>&1 || { tail -30 '$BUILD/deb-check-cpack.log' >&2; exit 1; }"
+  if [ "$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")" = trixie ] && dpkg -s libtorch-dev >/dev/null 2>&1; then
+    step package "building the .deb here (Debian 13, libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev))"
+    bash -c "$PACKAGE_CMD" || fail "building the package in $BUILD failed (logs: $BUILD/deb-check-*.log)"
+  else
+    step package "building the .deb in the Debian 13 root of scripts/in-debian13.sh (LibTorch 2.6)"
+    scripts/in-debian13.sh bash -c "$PACKAGE_CMD" || fail "building the package in $BUILD failed (logs: $BUILD/deb-check-*.log)"
+  fi
   DEBS=("$BUILD"/*.deb)
   if [ ${#DEBS[@]} -ne 1 ] || [ ! -f "${DEBS[0]}" ]; then fail "cpack made no single .deb in $BUILD: ${DEBS[*]}"; fi
   DEB="${DEBS[0]}"
   say "package: $(basename "$DEB"); $(dpkg-deb -f "$DEB" Depends | sed 's/^/Depends: /')"
 fi
 
-# 2. The bare Debian 12 root, cached.
-CACHE="${FSDP_DEBIAN12_CACHE:-/var/cache/fsdp-libtorch}"
-BARE="$CACHE/debian12-bare"
+# 2. The bare Debian 13 root, cached.
+CACHE="${FSDP_DEBIAN13_CACHE:-/var/cache/fsdp-libtorch}"
+BARE="$CACHE/debian13-bare"
 if [ "$FRESH" = 1 ] && [ -d "$BARE" ]; then
   step remove-root "--fresh: removing $BARE"
   remove_root "$BARE"
 fi
 if [ ! -d "$BARE" ]; then
-  step debootstrap "making the bare Debian 12 root $BARE"
+  step debootstrap "making the bare Debian 13 root $BARE"
   $SUDO mkdir -p "$CACHE"
   remove_root "$BARE.partial"
-  debootstrap_root bookworm "$BARE.partial" "$CACHE/debootstrap-debian12-bare.log"
+  debootstrap_root trixie "$BARE.partial" "$CACHE/debootstrap-debian13-bare.log"
   mount_system "$BARE.partial"
   $SUDO chroot "$BARE.partial" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
     apt-get update -qq || fail "apt-get update in $BARE.partial failed"

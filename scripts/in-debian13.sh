@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Runs a command in a Debian 13 (trixie) root on this machine, with this project inside:
 #
-#   scripts/in-debian13.sh [--cuda] [--fresh] CMD [ARGS...]
-#   scripts/in-debian13.sh [--cuda] --prepare         # only make the root (CI does it early)
-#   scripts/in-debian13.sh ./scripts/test.sh              # the whole suite on LibTorch 2.6 (CPU)
-#   scripts/in-debian13.sh --cuda ./scripts/cuda-link-check.sh
+#   scripts/in-debian13.sh [--fresh] CMD [ARGS...]
+#   scripts/in-debian13.sh --prepare                  # only make the root (CI does it early)
+#   scripts/in-debian13.sh ./scripts/test.sh          # the whole suite on Debian's LibTorch 2.6
 #
 # The root is made with debootstrap when it is missing, and the project's dependencies
-# are installed into it by scripts/install-deps.sh (the same package list as on the
-# host; --cuda picks its CUDA variant: libtorch-cuda-dev, libnccl-dev, libgloo-cuda-dev
-# and the CUDA toolkit). The project is bind-mounted at its own path, so CMD sees the
-# same files; builds inside go to build-debian13/ (build-debian13-cuda/ with --cuda),
-# never to the host's build/. Mounts are removed on exit, also on failure.
+# are installed into it by scripts/install-deps.sh --debian-torch (the host's package
+# list, plus Debian 13's LibTorch 2.6, the oldest supported, and its Python packages).
+# Inside, the scripts build against that LibTorch (FSDP_TORCH=system, see
+# scripts/lib/python-env.sh) and the tests run /usr/bin/python3. The project is
+# bind-mounted at its own path, so CMD sees the same files; builds inside go to
+# build-debian13/, never to the host's build/. Mounts are removed on exit, also on
+# failure.
 #
 # Roots are cached in $FSDP_DEBIAN13_CACHE (default /var/cache/fsdp-libtorch) and
 # reused only when complete: a root is built under a temporary name and renamed when its
@@ -22,17 +23,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PROJECT="$(pwd -P)"
 
-CUDA=0
 FRESH=0
 PREPARE=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --cuda) CUDA=1; shift ;;
     --fresh) FRESH=1; shift ;;
     --prepare) PREPARE=1; shift ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --) shift; break ;;
-    -*) echo "in-debian13: unknown option '$1' (expected --cuda, --fresh, --prepare, or a command)" >&2; exit 2 ;;
+    -*) echo "in-debian13: unknown option '$1' (expected --fresh, --prepare, or a command)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
@@ -50,8 +49,7 @@ CHROOT_TAG=in-debian13
 . scripts/lib/chroot.sh
 
 VARIANT=cpu
-DEPS_FLAGS=()
-if [ "$CUDA" = 1 ]; then VARIANT=cuda; DEPS_FLAGS=(--cuda); fi
+DEPS_FLAGS=(--debian-torch)
 CACHE="${FSDP_DEBIAN13_CACHE:-/var/cache/fsdp-libtorch}"
 ROOT="$CACHE/debian13-$VARIANT"
 # One run per root at a time: two runs would mount into one root and the first to finish
@@ -102,14 +100,14 @@ mount_in "$ROOT" bind "$PROJECT" "$PROJECT"
 # shared/ beside the checkout holds the project's cross-program contracts.
 if [ -d "$PROJECT/../shared" ]; then mount_in "$ROOT" bind "$(cd "$PROJECT/../shared" && pwd -P)" "$(cd "$PROJECT/../shared" && pwd -P)"; fi
 
-BUILD_DIR="build-debian13"
-[ "$CUDA" = 1 ] && BUILD_DIR="build-debian13-cuda"
+BUILD_DIR="${FSDP_DEBIAN13_BUILD_DIR:-build-debian13}"
 echo "[in-debian13] running in $ROOT ($VARIANT): $*"
 # A clean environment inside, plus the project's own knobs from outside (FSDP_*, e.g.
-# FSDP_TIMEOUT_S), thread counts and ctest's.
+# FSDP_TIMEOUT_S), thread counts and ctest's; not the host's choice of LibTorch and
+# Python (FSDP_TORCH, FSDP_PY, FSDP_VENV), which inside are Debian's.
 PASS=()
 while IFS= read -r kv; do PASS+=("$kv"); done < <(env | grep -E '^(FSDP_[A-Z0-9_]*|OMP_NUM_THREADS|CTEST_[A-Z_]*|CCACHE_[A-Z_]*)=' |
-                                                   grep -v '^FSDP_BUILD_DIR=' || true)
+                                                   grep -v -E '^FSDP_(BUILD_DIR|TORCH|PY|VENV)=' || true)
 # As the calling user (under sudo), so that what CMD writes into the checkout is theirs;
 # ccache keeps its cache in the root, per user.
 USERSPEC=()
@@ -121,7 +119,7 @@ if [ -n "$SUDO" ]; then
 fi
 set +e
 $SUDO chroot "${USERSPEC[@]}" "$ROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME="$HOME_IN" LANG=C.UTF-8 \
-  TERM="${TERM:-dumb}" CI="${CI:-}" "${PASS[@]}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" \
+  TERM="${TERM:-dumb}" CI="${CI:-}" "${PASS[@]}" FSDP_BUILD_DIR="$BUILD_DIR" FSDP_IN_DEBIAN13="$VARIANT" FSDP_TORCH=system \
   bash -c 'cd "$1" && shift && exec "$@"' in-debian13 "$PROJECT" "$@"
 RC=$?
 set -e

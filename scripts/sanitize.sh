@@ -24,8 +24,11 @@ if [ "${1:-}" = "--engine-and-checkpoint" ]; then
 fi
 # -O1 with line tables: what the sanitizers' documentation advises (readable reports,
 # modest slowdown), and faster to compile than -O2 with full debug information.
+# The LibTorch and Python of scripts/test.sh (scripts/lib/python-env.sh).
+. scripts/lib/python-env.sh
+fsdp_torch_setup
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DFSDP_SANITIZE=ON >/dev/null
+  -DFSDP_SANITIZE=ON "${TORCH_CMAKE_ARGS[@]}" >/dev/null
 if [ ${#targets[@]} -gt 0 ]; then
   cmake --build "$B" -j2 --target "${targets[@]}"
 else

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# CI's Debian 13 leg: the suite's tests of the code that meets LibTorch APIs which differ
+# between 2.x versions, built and run against Debian 13's LibTorch 2.6 (the oldest
+# supported). Run it in the Debian 13 root:
+#
+#   scripts/in-debian13.sh ./scripts/test-debian13.sh      (extra arguments go to ctest)
+#
+# The whole suite runs against PyPI's newest torch in leg 1; the same sources compiled
+# against 2.6 differ only where LibTorch's API or numerics do, so these binaries run here:
+#   test_process_group   c10d: ProcessGroupGloo, TCPStore (Debian's has no libuv), splits
+#   test_parity          autograd: gradient accumulator hooks, the post-backward callback
+#   test_grad_accum      the same hooks across micro-batches, no_sync
+#   test_activation_checkpoint  custom autograd Functions, RNG state
+#   test_mixed_precision bf16/fp16 CPU kernels and Gloo's reductions of them
+#   test_memory_comm     the CPU allocator interface (the counting allocator), exact bytes
+#   test_fused_adamw     bit-equality with this LibTorch's torch::optim::AdamW
+#   test_checkpoint      optimizer state keys, dtype conversions (NaN bits), HDF5 1.14
+#   test_safetensors     the same conversions into safetensors
+#   test_examples        the programs; torchrun through scripts/torchrun.py (no libuv)
+#   Interop.*            PyTorch FSDP1 and safetensors of Debian's python3-torch 2.6
+# and the scratch configure of the build variants (Build.*). The other binaries
+# (policies, strategies, errors, estimates, offload, reshard planning, desync, the CUDA
+# test) exercise this project's own logic over the same LibTorch calls; the
+# tests/consumer builds are the .deb leg's (scripts/deb-check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B="${FSDP_BUILD_DIR:-build-debian13}"
+BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_mixed_precision test_memory_comm
+          test_fused_adamw test_checkpoint test_safetensors test_examples)
+. scripts/lib/python-env.sh
+fsdp_torch_setup
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=OFF "${TORCH_CMAKE_ARGS[@]}"
+# With the programs the tests run (test_examples and test_checkpoint depend on most).
+cmake --build "$B" -j2 --target "${BINARIES[@]}" generate fsdp-consolidate fsdp-inspect
+ctest --test-dir "$B" --output-on-failure -j2 -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
