@@ -10,7 +10,7 @@ B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own dire
 ./scripts/install-deps.sh
 . scripts/lib/python-env.sh
 fsdp_torch_setup
-echo "[setup] configuring and building (first build takes about 20 minutes on 2 cores)"
+echo "[setup] configuring and building (the first build takes about 25 minutes on 2 cores)"
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release "${TORCH_CMAKE_ARGS[@]}" | grep -E '^-- fsdp:|Warning|Error' || true
 cmake --build "$B" -j2
 ./scripts/demo.sh
