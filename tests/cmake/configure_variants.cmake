@@ -49,6 +49,21 @@ if(NOT EXISTS "${SCRATCH}/library_only/build.ninja" AND NOT EXISTS "${SCRATCH}/l
   message(FATAL_ERROR "variant 'library_only' wrote no build files")
 endif()
 
+# A LibTorch older than 2.6 is refused at configure time, by name: a stand-in Torch
+# package that says it is 1.13.1 (Debian 12's), found through Torch_DIR.
+file(MAKE_DIRECTORY "${SCRATCH}/torch-1.13")
+file(WRITE "${SCRATCH}/torch-1.13/TorchConfig.cmake" "set(Torch_FOUND TRUE)\n")
+file(WRITE "${SCRATCH}/torch-1.13/TorchConfigVersion.cmake"
+     "set(PACKAGE_VERSION 1.13.1)\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n")
+execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE}" -B "${SCRATCH}/old_torch" -G "${GENERATOR}"
+                        "-DTorch_DIR=${SCRATCH}/torch-1.13"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(REGEX REPLACE "[ \n]+" " " said "${out}${err}")
+if(rc EQUAL 0 OR NOT said MATCHES "fsdp: LibTorch 1\\.13\\.1 \\(.*torch-1\\.13\\) is older than 2\\.6, the oldest this project supports")
+  message(FATAL_ERROR "variant 'old_torch': LibTorch 1.13.1 was not refused by name (exit ${rc}):\n${out}\n${err}")
+endif()
+message(STATUS "variant 'old_torch' is refused")
+
 # A parent project that includes this one: tests, examples and benchmarks are off by
 # default, and the parent's build type is its own.
 file(MAKE_DIRECTORY "${SCRATCH}/parent")
