@@ -5,7 +5,8 @@
 #   scripts/check-cuda-build.sh [BUILD_DIR]        (default: build)
 #
 # - CMake found CUDA and NCCL (CUDA/NCCL=ON in the configure line it cached);
-# - libfsdp.a holds src/cuda/ (the NCCL backend, the offload streams) and no stand-in;
+# - libfsdp.a holds the CUDA code (src/comm/nccl/backend_nccl.cpp, the NCCL backend;
+#   src/engine/transfers_cuda.cpp, the offload streams) and none of the stand-ins;
 # - every executable in BUILD_DIR/bin that links LibTorch links libtorch_cuda.so, and the
 #   dynamic loader resolves every library each one needs (ldd: no "not found"; cuDNN,
 #   NCCL and the CUDA runtime among them): nothing is left unresolved, so the binaries
@@ -21,10 +22,11 @@ grep -q '^FSDP_HAVE_CUDA_BUILD:INTERNAL=ON' "$B/CMakeCache.txt" ||
 LIB="$B/lib/libfsdp.a"
 [ -f "$LIB" ] || fail "$LIB is missing (build first)"
 MEMBERS="$(ar t "$LIB")"
-case "$MEMBERS" in *no_cuda.cpp.o*) fail "$LIB contains the no-CUDA stand-in (src/no_cuda.cpp)" ;; esac
-case "$MEMBERS" in *no_gloo.cpp.o*) fail "$LIB contains the no-Gloo stand-in (src/no_gloo.cpp): no Gloo headers were found" ;; esac
+case "$MEMBERS" in *no_nccl.cpp.o*) fail "$LIB contains the no-NCCL stand-in (src/comm/nccl/no_nccl.cpp)" ;; esac
+case "$MEMBERS" in *no_cuda_transfers.cpp.o*) fail "$LIB contains the no-CUDA stand-in (src/engine/no_cuda_transfers.cpp)" ;; esac
+case "$MEMBERS" in *no_gloo.cpp.o*) fail "$LIB contains the no-Gloo stand-in (src/comm/gloo/no_gloo.cpp): no Gloo headers were found" ;; esac
 for m in backend_nccl.cpp.o transfers_cuda.cpp.o; do
-  case "$MEMBERS" in *"$m"*) ;; *) fail "$LIB lacks $m (src/cuda/)" ;; esac
+  case "$MEMBERS" in *"$m"*) ;; *) fail "$LIB lacks $m (the CUDA code)" ;; esac
 done
 SYMS="$(mktemp)"
 nm -C "$LIB" >"$SYMS" 2>/dev/null || fail "cannot read $LIB"
@@ -43,6 +45,6 @@ for exe in "$B"/bin/*; do
 done
 [ "$N" -gt 5 ] || fail "only $N executables in $B/bin link LibTorch; expected the tools, examples and tests"
 "$B/bin/train_gpt" --help >/dev/null || fail "$B/bin/train_gpt --help did not run"
-echo "[check-cuda-build] OK: $N executables in $B/bin link libtorch_cuda.so with every library resolved; src/cuda/ and the NCCL backend are in libfsdp.a"
+echo "[check-cuda-build] OK: $N executables in $B/bin link libtorch_cuda.so with every library resolved; the NCCL backend and the offload streams are in libfsdp.a"
 echo "[check-cuda-build] ldd $B/bin/train_gpt (CUDA, cuDNN, NCCL):"
 ldd "$B/bin/train_gpt" | grep -E 'libtorch_cuda|libc10_cuda|libcudnn|libnccl|libcudart|libcublas' | sed 's/^/  /'

@@ -2,7 +2,7 @@
 # Compiles sources with -fsyntax-only against a LibTorch header tree with CUDA and NCCL
 # switched on, on a machine that has no CUDA LibTorch to build against.
 #
-#   scripts/check-sources.sh                      # src/cuda/*.cpp vs the system LibTorch
+#   scripts/check-sources.sh                      # the CUDA sources vs the system LibTorch
 #   scripts/check-sources.sh --torch-include DIR  # ... vs another tree (e.g. a 2.x
 #                                                 #     libtorch/include, CPU or CUDA)
 #   scripts/check-sources.sh --all [--std c++20]  # every source of the project
@@ -52,10 +52,11 @@ sed -e 's/@PROJECT_VERSION_MAJOR@/0/; s/@PROJECT_VERSION_MINOR@/0/; s/@PROJECT_V
     -e 's/@PROJECT_VERSION@/0.0.0/' include/fsdp/version.h.in > "$tmp/fsdp/version.h"
 
 if [[ $all == 1 ]]; then
-  mapfile -t files < <(ls src/*.cpp src/cuda/*.cpp src/tools/*.cpp checkpoint/*.cpp wrap_policies/*.cpp \
-    examples/*/*.cpp tests/*.cpp tests/support/*.cpp tests/bench/*.cpp | grep -v -e no_cuda.cpp -e no_gloo.cpp -e no_hdf5.cpp)
+  mapfile -t files < <(ls src/*.cpp src/*/*.cpp src/*/*/*.cpp checkpoint/*.cpp wrap_policies/*.cpp \
+    examples/*/*.cpp tests/*.cpp tests/support/*.cpp tests/bench/*.cpp |
+    grep -v -e no_nccl.cpp -e no_cuda_transfers.cpp -e no_gloo.cpp -e no_hdf5.cpp)
 else
-  files=(src/cuda/*.cpp)
+  files=(src/comm/nccl/backend_nccl.cpp src/engine/transfers_cuda.cpp)
 fi
 
 flags=(-std="$std" -fsyntax-only -D_GLIBCXX_USE_CXX11_ABI=1 -DUSE_DISTRIBUTED -DUSE_CUDA

@@ -26,7 +26,7 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input);
 
 /// How many times backward has recomputed a checkpointed region in this process, on any
-/// thread (ShardingOptions::activation_checkpointing wraps each chosen unit in one).
+/// thread (ShardingOptions::checkpoint_policy wraps each wrap point it picks in one).
 int64_t activation_recomputes();
 
 }  // namespace fsdp

@@ -1,6 +1,6 @@
 #pragma once
 // Per-rank memory estimate, term by term, device and host (fsdp-estimate). It follows
-// the engine's real layout (src/flat_param.cpp, src/runtime.cpp): one flat parameter per
+// the engine's real layout (src/engine/flat_param.cpp, src/engine/runtime.cpp): one flat parameter per
 // unit padded to a multiple of the shard-group size, fp32 master shards and gradient
 // shards, Adam's two fp32 moments, gathered units in param_dtype bounded by Note
 // [Prefetch bound], and cpu_offload moving the model state to the host. Plain C++; no

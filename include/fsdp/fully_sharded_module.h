@@ -111,6 +111,7 @@ class WrapPointImpl : public torch::nn::Module {
  private:
   friend struct EngineAccess;
   std::shared_ptr<UnitCore> unit_;        ///< set when this wrap point is a unit
+  std::weak_ptr<ModelCore> model_;        ///< the engine, set with unit_
   std::shared_ptr<ModelCore> runtime_;    ///< set on the root only; owns the engine
 };
 

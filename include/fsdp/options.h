@@ -55,7 +55,7 @@ struct ShardingOptions {
   bool prefetch = true;
   /// Prefetching stops while this many non-root units are gathered (the computing one
   /// included). The root stays gathered from forward through backward; see
-  /// Note [Prefetch bound] in src/runtime.cpp.
+  /// Note [Prefetch bound] in src/engine/runtime.cpp.
   int max_gathered_units = 2;
   /// Wrap points whose forward runs under activation checkpointing (Tensor -> Tensor
   /// forwards): e.g. always_wrap_policy(), every_kth_policy(2), module_type_policy<...>().

@@ -9,7 +9,7 @@
 
 namespace fsdp {
 class BackendCore;  // the collectives' implementation: declared here, defined inside the library
-struct EngineAccess;
+struct GroupAccess;
 
 /// Where this process sits in the job, read from the launcher's environment.
 struct LaunchEnv {
@@ -71,7 +71,7 @@ class ProcessGroup {
 
 
  private:
-  friend struct EngineAccess;
+  friend struct GroupAccess;
   std::shared_ptr<BackendCore> impl_;
 };
 

@@ -1,7 +1,9 @@
 #pragma once
-// What the engine and checkpoint/ share about a sharded model and a process group, and
-// users never see (docs/design.md, "Public surface"): the engine objects behind the
-// public handles, and the flat-parameter view that checkpoints are written from.
+// The model view: what the engine lends about a sharded model to the folders above it
+// (checkpoint/, src/optim, src/train) and users never see (docs/design.md, "Public
+// surface"): the flat-parameter view checkpoints are written from, the optimizer's
+// copy-out, and the few calls the training helpers make. Implemented by
+// src/engine/model_view.cpp; nothing here names an engine type.
 
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/process_group.h>
@@ -16,32 +18,6 @@
 #include <vector>
 
 namespace fsdp {
-
-namespace detail {
-class Backend;
-class Runtime;
-class Unit;
-}  // namespace detail
-
-// The opaque types the public headers declare. Each engine object derives from one, so
-// a public handle holds it without the public headers naming the engine.
-class UnitCore {};
-class ModelCore {};
-class BackendCore {};
-
-/// The engine's way into the public handles' private members.
-struct EngineAccess {
-  static detail::Unit* unit(const WrapPointImpl& wp);
-  static void set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit);
-  static void set_runtime(WrapPointImpl& wp, std::shared_ptr<detail::Runtime> runtime);
-  static void set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs, std::optional<torch::Dtype> outputs);
-  static void set_checkpointed(WrapPointImpl& wp, const std::string& fqn);
-  /// The model's runtime; throws when the handle is empty.
-  static detail::Runtime& runtime(const ShardedModel& model);
-  static WrapPointImpl& root(const ShardedModel& model) { return model.root(); }
-  static std::shared_ptr<detail::Backend> backend(const ProcessGroup& pg);
-  static ProcessGroup make_group(std::shared_ptr<detail::Backend> backend);
-};
 
 /// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
 struct FlatParamInfo {
@@ -98,10 +74,32 @@ std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel
 /// before each staging copy. A throw there fails that
 /// step as running out of memory or a disk error would. Empty: none.
 void set_save_hook(std::function<void(const std::string&, const std::string&)> hook);
-/// Turns the tree under `root` into units; `root` becomes the root unit.
-void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
-/// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.
-torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
+
+// The training helpers' calls (src/train).
+/// The gradient shards the trainable flat parameters hold (those defined), in unit order.
+std::vector<torch::Tensor> grad_shards(const ShardedModel& model);
+/// Collective over the shard group: sums `tensor` (or takes the maximum) in place.
+void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max);
+/// Gathers every unit's full parameters in unit order; without `keep`, each is freed
+/// again right after its gather (ranks that only take part: FullParamsOptions::rank0_only).
+void gather_units(const ShardedModel& model, bool keep);
+/// Frees every unit's full parameters in unit order, first copying them into the fp32
+/// shards with `writeback` (units not gathered are skipped), then waits for the copies
+/// to the host shards (the caller may write them next).
+void release_units(const ShardedModel& model, bool writeback);
+/// Collective over the shard group: flat parameter `index`'s full fp32 value
+/// (padded_numel elements), not counted in any MemoryStats counter.
+torch::Tensor full_flat_fp32(const ShardedModel& model, size_t index);
+/// One original parameter inside a flat parameter, with every name it has (a tensor
+/// tied within one unit has several).
+struct FlatSlot {
+  std::vector<std::string> names;  ///< its clean FQN, then its aliases
+  int64_t offset = 0;              ///< first element in the flat parameter
+  int64_t numel = 0;
+  std::vector<int64_t> shape;
+};
+/// The original parameters of flat parameter `index`, in slot order.
+std::vector<FlatSlot> flat_slots(const ShardedModel& model, size_t index);
 
 }  // namespace detail
 }  // namespace fsdp

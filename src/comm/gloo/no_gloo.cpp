@@ -1,5 +1,5 @@
 // Stand-in when LibTorch was found without Gloo headers (see CMakeLists.txt).
-#include "backend.h"
+#include "comm/backend.h"
 
 namespace fsdp::detail {
 std::shared_ptr<Backend> make_gloo_backend(const BackendInit&) {

@@ -214,7 +214,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.device_index = e.local_rank;
   // Every collective of the job is numbered and kept in the ring its errors print
   // (Note [Collective trace]).
-  return EngineAccess::make_group(detail::make_traced_backend(
+  return GroupAccess::make_group(detail::make_traced_backend(
       backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init), e.rank));
 }
 

@@ -1,9 +1,6 @@
-// fully_shard: walks the module tree, lets the policy pick units, assigns parameters.
-#include <fsdp/fully_sharded_module.h>
-
-#include "internal/sharded_model.h"
-
-#include "runtime.h"
+// fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
+// and points each wrap point at its unit.
+#include "engine_access.h"
 
 #include <cstdlib>
 #include <fstream>
@@ -163,6 +160,25 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
               "ShardingOptions::check_host_memory = false to try anyway.");
 }
 
+// Points `wp` at its unit `u` of `rt` (and, for the root, at `rt`), with the casts of
+// mixed precision.
+void attach_unit(const std::shared_ptr<Runtime>& rt, WrapPointImpl& wp, const std::shared_ptr<Unit>& u) {
+  EngineAccess::set_unit(wp, u);
+  EngineAccess::set_runtime(wp, rt, /*owner=*/u->is_root());
+  const auto& mp = rt->options().mixed_precision;
+  std::optional<at::ScalarType> cast_inputs, cast_outputs;
+  if (mp.param_dtype != at::kFloat) {
+    if (u->keep_fp32) {
+      cast_inputs = at::kFloat;
+      cast_outputs = mp.param_dtype;
+    } else if (mp.cast_forward_inputs) {
+      cast_inputs = mp.param_dtype;
+    }
+  }
+  if (u->is_root() && mp.output_dtype) cast_outputs = *mp.output_dtype;
+  EngineAccess::set_casts(wp, cast_inputs, cast_outputs);
+}
+
 }  // namespace
 
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
@@ -215,11 +231,11 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   cfg.offload = options.cpu_offload;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt->acct();
-  cfg.shard_group = EngineAccess::backend(world);
+  cfg.shard_group = GroupAccess::backend(world);
   cfg.replicate_group = make_single_backend();
   if (options.strategy == ShardingStrategy::kNoShard) {
     cfg.shard_group = make_single_backend();
-    cfg.replicate_group = EngineAccess::backend(world);
+    cfg.replicate_group = GroupAccess::backend(world);
   } else if (options.strategy == ShardingStrategy::kHybridShard) {
     const int n = world.size();
     const int g = options.hybrid_group_size == 0 ? n : options.hybrid_group_size;
@@ -228,10 +244,11 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
       shard_groups[r / g].push_back(r);
       rep_groups[r % g].push_back(r);
     }
-    cfg.shard_group = EngineAccess::backend(world)->split(shard_groups);
-    cfg.replicate_group = EngineAccess::backend(world)->split(rep_groups);
+    cfg.shard_group = GroupAccess::backend(world)->split(shard_groups);
+    cfg.replicate_group = GroupAccess::backend(world)->split(rep_groups);
   }
-  Backend* bcast = options.sync_module_states ? EngineAccess::backend(world).get() : nullptr;
+  Backend* bcast = options.sync_module_states ? GroupAccess::backend(world).get() : nullptr;
+  rt->set_flat_config(cfg);
 
   for (WrapNode* n : nodes) {
     Unit& unit = rt->add_unit(n->fqn);
@@ -260,14 +277,13 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
       if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
     }
     if (!trainable.empty()) {
-      unit.add_flat(std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
+      rt->add_flat(unit, std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
     }
     if (!frozen.empty()) {
-      unit.add_flat(std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
+      rt->add_flat(unit, std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
     }
   }
-  rt->set_flat_config(cfg);
-  for (size_t i = 0; i < nodes.size(); ++i) rt->attach(*nodes[i]->wp, *rt->units()[i]);
+  for (size_t i = 0; i < nodes.size(); ++i) attach_unit(rt, *nodes[i]->wp, rt->units()[i]);
   for (auto& [wp, fqn] : checkpointed) EngineAccess::set_checkpointed(*wp, fqn);
 }
 

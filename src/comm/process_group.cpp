@@ -76,11 +76,11 @@ BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<
 
 ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}
 
-std::shared_ptr<detail::Backend> EngineAccess::backend(const ProcessGroup& pg) {
+std::shared_ptr<detail::Backend> GroupAccess::backend(const ProcessGroup& pg) {
   return std::static_pointer_cast<detail::Backend>(pg.impl_);
 }
 
-ProcessGroup EngineAccess::make_group(std::shared_ptr<detail::Backend> backend) {
+ProcessGroup GroupAccess::make_group(std::shared_ptr<detail::Backend> backend) {
   TORCH_CHECK(backend != nullptr, "ProcessGroup needs a backend; use fsdp::init_process_group()");
   ProcessGroup pg;
   pg.impl_ = std::move(backend);
@@ -88,7 +88,7 @@ ProcessGroup EngineAccess::make_group(std::shared_ptr<detail::Backend> backend) 
 }
 
 namespace {
-detail::Backend& impl(const ProcessGroup& pg) { return *EngineAccess::backend(pg); }
+detail::Backend& impl(const ProcessGroup& pg) { return *GroupAccess::backend(pg); }
 }  // namespace
 
 int ProcessGroup::rank() const { return impl(*this).rank(); }
@@ -128,7 +128,7 @@ void ProcessGroup::broadcast(const torch::Tensor& t, int root) const {
 void ProcessGroup::barrier() const { impl(*this).barrier(); }
 
 ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& groups) const {
-  return EngineAccess::make_group(impl(*this).split(groups));
+  return GroupAccess::make_group(impl(*this).split(groups));
 }
 
 }  // namespace fsdp

@@ -1,18 +1,25 @@
 #pragma once
 // A unit: the flat parameters of one wrap point, their gradient buffers, and whether
-// their full parameters are in place (its ShardedState).
+// their full parameters are in place (its ShardedState). It works through the model's
+// communication context and knows nothing above it (docs/design.md, "Layering").
 
+#include "comm_context.h"
 #include "flat_param.h"
 #include "grad_buffer.h"
-#include "internal/sharded_model.h"
 
 #include <memory>
 #include <string>
 #include <vector>
 
-namespace fsdp::detail {
+namespace fsdp {
 
-class Runtime;
+/// What a wrap point holds (declared opaque in fsdp/fully_sharded_module.h).
+class UnitCore {
+ public:
+  virtual ~UnitCore() = default;
+};
+
+namespace detail {
 
 /// Where a unit's full parameters are. Transitions: kSharded -> kGathering
 /// (start_gather) -> kUnsharded (unshard) -> kSharded (reshard); unshard() may also go
@@ -27,23 +34,25 @@ const char* to_string(ShardedState s);
 
 class Unit : public UnitCore {
  public:
-  Unit(std::string fqn, int index, Runtime* runtime) : fqn_(std::move(fqn)), index_(index), rt_(runtime) {}
+  /// `comm` is the model's communication context; it must outlive the unit's use
+  /// (detach() forgets it).
+  Unit(std::string fqn, int index, CommContext& comm) : fqn_(std::move(fqn)), index_(index), comm_(&comm) {}
 
   const std::string& fqn() const { return fqn_; }
   /// "<root>" for the root, else the FQN; for messages.
   std::string display_name() const { return fqn_.empty() ? "<root>" : "'" + fqn_ + "'"; }
   int index() const { return index_; }
-  /// The runtime of the model; an error once the model is gone (detach()).
-  Runtime& runtime() const;
+  /// The model's communication context; an error once the model is gone (detach()).
+  CommContext& comm() const;
   /// Called by the runtime's destructor: frees the flat parameters while the counters
   /// they report to still exist (wrap points, which hold units, may outlive the
-  /// runtime) and forgets the runtime.
+  /// runtime) and forgets the communication context.
   void detach();
   bool is_root() const { return index_ == 0; }
   ShardedState state() const { return state_; }
   const std::vector<std::unique_ptr<FlatParam>>& flats() const { return flats_; }
   /// Adds a flat parameter (trainable ones first, then frozen) and, for a trainable one,
-  /// its gradient buffer and the hooks that fill it.
+  /// its gradient buffer. The runtime sets the hooks that call on_param_grad().
   void add_flat(std::unique_ptr<FlatParam> flat);
   bool has_frozen() const;
   int64_t full_bytes() const;
@@ -78,10 +87,11 @@ class Unit : public UnitCore {
 
   std::string fqn_;
   int index_;
-  Runtime* rt_;
+  CommContext* comm_;
   ShardedState state_ = ShardedState::kSharded;
   std::vector<std::unique_ptr<FlatParam>> flats_;   ///< trainable first, then frozen
   std::vector<std::unique_ptr<GradBuffer>> grads_;  ///< one per flat; null for frozen ones
 };
 
-}  // namespace fsdp::detail
+}  // namespace detail
+}  // namespace fsdp

@@ -1,5 +1,5 @@
 // Gloo backend: CPU collectives through c10d::ProcessGroupGloo (see Note [Backend adaptor]).
-#include "backend.h"
+#include "comm/backend.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>

@@ -14,7 +14,7 @@ namespace {
 
 int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
 
-// Ranks each flat parameter is split over (src/fully_shard.cpp: FULL_SHARD and
+// Ranks each flat parameter is split over (src/engine/fully_shard.cpp: FULL_SHARD and
 // SHARD_GRAD_OP shard over the world, HYBRID_SHARD within groups, NO_SHARD not at all).
 int shard_group_size(const EstimateInput& in) {
   if (in.strategy == "full" || in.strategy == "grad_op") return in.world_size;
@@ -97,7 +97,7 @@ int64_t largest_non_root(const std::vector<int64_t>& v, int k) {
   return sum(rest);
 }
 
-// Note [Group of one] (src/flat_param.cpp): with a group of one, fp32 compute and no
+// Note [Group of one] (src/engine/flat_param.cpp): with a group of one, fp32 compute and no
 // offload, the views point into the shard itself; nothing is gathered.
 bool aliased(const EstimateInput& in, int group, int64_t elem) {
   return group == 1 && elem == 4 && !in.cpu_offload;
@@ -112,7 +112,7 @@ bool direct_grads(const EstimateInput& in, int group, int64_t elem) {
 // Full parameters held at once, in elements. Runtime::reshard_after_forward frees
 // non-root units after forward only under FULL_SHARD and HYBRID_SHARD; the root stays
 // gathered through backward. Under SHARD_GRAD_OP and NO_SHARD every unit is gathered
-// at the end of forward. Otherwise Note [Prefetch bound] (src/runtime.cpp) keeps at
+// at the end of forward. Otherwise Note [Prefetch bound] (src/engine/runtime.cpp) keeps at
 // most max_gathered_units non-root units gathered, the computing one included.
 int64_t gathered_elems(const EstimateInput& in, const Layout& l, int64_t elem) {
   if (aliased(in, l.group, elem)) return 0;
@@ -143,7 +143,7 @@ int backward_prefetches(const EstimateInput& in) {
 // reduce-scatter's end: the root's for the whole backward (its embeddings get theirs
 // last), that of the unit computing now and that of the unit before it, whose
 // reduce-scatter overlaps this one's compute (Note [Overlapped reduction] in
-// src/flat_param.cpp), besides the casts of the units prefetched meanwhile.
+// src/engine/flat_param.cpp), besides the casts of the units prefetched meanwhile.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   const bool casts = elem != 4 && !in.cpu_offload;
   const int64_t forward = casts ? in_flight_shards(l, in.max_gathered_units) * elem : 0;
@@ -163,7 +163,7 @@ int64_t offload_device_bytes(const EstimateInput& in, const Layout& l, int64_t e
 
 // MemoryStats::offload_buffers, on the host: gradient shards (fp32) back from the device
 // that wait to be added into existing gradients, at most two units' at a time (Note
-// [Offload transfers] in src/transfers.h).
+// [Offload transfers] in src/engine/transfers.h).
 int64_t offload_host_bytes(const Layout& l) {
   return 2 * 4 * *std::max_element(l.shard.begin(), l.shard.end());
 }

@@ -2,18 +2,26 @@
 // The runtime shared by all units of one sharded model: options, groups, counters,
 // the communication context, the recorded forward order, and the training state.
 
-#include <fsdp/fully_sharded_module.h>
-
-#include "internal/sharded_model.h"
+#include <fsdp/options.h>
 
 #include "accounting.h"
 #include "comm_context.h"
 #include "unit.h"
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
-namespace fsdp::detail {
+namespace fsdp {
+
+/// What the root wrap point holds (declared opaque in fsdp/fully_sharded_module.h).
+class ModelCore {
+ public:
+  virtual ~ModelCore() = default;
+};
+
+namespace detail {
 
 /// Where an iteration is. kIdle -> kForward (a training forward of the root) ->
 /// kBackward (the first gradient or pre-backward hook queued end_of_backward()) ->
@@ -35,21 +43,24 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   std::vector<std::shared_ptr<Unit>>& units() { return units_; }
   const std::vector<std::shared_ptr<Unit>>& units() const { return units_; }
 
-  /// Points `wp` at its unit (and, for the root, at this runtime).
-  void attach(WrapPointImpl& wp, Unit& u);
-  /// Sets the groups and dtypes the units were built with, and makes the communication
-  /// context (with cfg.transfers under offload).
+  /// Sets the groups and dtypes the units are built with, and makes the communication
+  /// context (with cfg.transfers under offload). Called once, before add_unit().
   void set_flat_config(const FlatConfig& cfg);
   /// Every collective and transfer in flight (Note [Communication context]).
   CommContext& comm() { return *comm_; }
   TrainingState training_state() const { return training_state_; }
   /// Adds a unit (the first call makes the root).
   Unit& add_unit(const std::string& fqn);
+  /// Adds `flat` to `u` and, for a trainable one, sets the hooks that report each of its
+  /// parameters' gradients (to on_param_grad()).
+  void add_flat(Unit& u, std::unique_ptr<FlatParam> flat);
 
   // Hooks, in the order an iteration calls them.
   void pre_forward(Unit& u);
   void post_forward(Unit& u, std::vector<at::Tensor>& outputs);
   void pre_backward(Unit& u);
+  /// A parameter's gradient has been accumulated (its post-accumulate hook).
+  void on_param_grad(Unit& u, size_t flat, size_t slot);
   /// Queues end_of_backward() on the autograd engine once per backward pass.
   void queue_end_of_backward();
   void end_of_backward();
@@ -59,11 +70,14 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   void wait_transfers();
   /// The gradient shards the trainable flat parameters hold (those defined), in unit order.
   std::vector<at::Tensor> grad_shards() const;
-  /// Re-reads gradient-shard bytes (the optimizer may have freed or zeroed them).
-  void sync_grad_counter();
+  /// Brings MemoryStats::grad_shards up to date after what the engine does not see: an
+  /// optimizer freeing gradient shards (zero_grad with set_to_none). Called when a
+  /// backward starts and ends and when the stats are read; inside backward each flat
+  /// parameter counts its gradient where the engine gives it one (FlatParam::count_grad).
+  void recount_grads();
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
-  bool no_sync() const { return no_sync_; }
-  void set_no_sync(bool on) { no_sync_ = on; }
+  bool no_sync() const { return !comm_->gradient_sync(); }
+  void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
   /// Non-root units not in the sharded state.
   int gathered_non_root() const;
   /// Host buffers the last asynchronous save staged into, kept for the next one
@@ -83,8 +97,8 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   TrainingState training_state_ = TrainingState::kIdle;
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded
-  bool no_sync_ = false;                      ///< see NoSyncScope (a mode, not a state)
   std::map<std::string, at::Tensor> staging_pool_;
 };
 
-}  // namespace fsdp::detail
+}  // namespace detail
+}  // namespace fsdp

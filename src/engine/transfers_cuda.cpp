@@ -1,6 +1,6 @@
 // Offload transfers on a GPU: side streams, one per direction (Note [Offload transfers]).
 // Built only against a CUDA LibTorch (2.6 or newer).
-#include "../transfers.h"
+#include "transfers.h"
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>

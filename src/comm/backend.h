@@ -6,7 +6,7 @@
 // LibTorch (2.6 and newer) has (docs/design.md, "LibTorch facts"). Gloo and NCCL live in
 // their own files; CMake swaps in a stand-in that throws when one is not built.
 
-#include "internal/sharded_model.h"
+#include <fsdp/process_group.h>
 
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -17,7 +17,24 @@
 #include <string>
 #include <vector>
 
-namespace fsdp::detail {
+namespace fsdp {
+namespace detail {
+class Backend;
+}  // namespace detail
+
+/// What a ProcessGroup handle holds (declared opaque in fsdp/process_group.h).
+class BackendCore {
+ public:
+  virtual ~BackendCore() = default;
+};
+
+/// The library's way into ProcessGroup's private member (a friend of it).
+struct GroupAccess {
+  static std::shared_ptr<detail::Backend> backend(const ProcessGroup& pg);
+  static ProcessGroup make_group(std::shared_ptr<detail::Backend> backend);
+};
+
+namespace detail {
 
 /// An issued collective. wait() blocks until its result is in place.
 class Work {
@@ -55,7 +72,6 @@ enum class ReduceKind { kSum, kMax };
 
 class Backend : public BackendCore {
  public:
-  virtual ~Backend() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string name() const = 0;
@@ -99,4 +115,5 @@ std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int wor
 BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<int>>& groups,
                        const std::string& prefix, int count, std::string& sub_prefix);
 
-}  // namespace fsdp::detail
+}  // namespace detail
+}  // namespace fsdp

@@ -4,7 +4,7 @@
 // each rank keeps one fp32 shard (docs/design.md, "The engine").
 
 #include "accounting.h"
-#include "backend.h"
+#include "comm/backend.h"
 #include "transfers.h"
 
 #include <torch/torch.h>
@@ -81,6 +81,13 @@ class FlatParam {
   /// What this flat's collectives are for, in the collective trace.
   std::string label() const { return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)"; }
 
+  /// Brings MemoryStats::grad_shards up to date with this shard's gradient, counted as
+  /// its bytes (0 while undefined). Called wherever the engine gives the shard a
+  /// gradient; Runtime::recount_grads() calls it for every flat parameter where an
+  /// optimizer may have freed them (zero_grad with set_to_none). `grow` false: only a
+  /// decrease is applied (so a recount releases everything before it adds anything).
+  void count_grad(bool grow = true);
+
   /// Keeps the accumulators whose hooks take the gradients (AutogradMeta keeps weak refs only).
   std::vector<GradAccumulator>& grad_accumulators() { return grad_accs_; }
 
@@ -114,6 +121,7 @@ class FlatParam {
   at::Tensor lowp_;          ///< optimizer-written param_dtype copy of the shard (copy_out_target)
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;
+  int64_t counted_grad_bytes_ = 0;  ///< this shard's gradient as MemoryStats::grad_shards counts it
   std::vector<GradAccumulator> grad_accs_;
 };
 

@@ -1,6 +1,6 @@
 #include "comm_context.h"
 
-#include "collective_trace.h"
+#include "comm/collective_trace.h"
 
 #include <algorithm>
 
@@ -95,6 +95,7 @@ void CommContext::finish_oldest() {
     acct_->count_offload(/*to_device=*/false, static_cast<int64_t>(g.nbytes()));
     if (!shard.grad().defined()) {
       shard.mutable_grad() = host.value;
+      flat.count_grad();
       landing_of(flat).first = std::move(host.wait);
     } else {
       Accounting::alloc(acct_->mem.offload_buffers, static_cast<int64_t>(g.nbytes()));
@@ -104,6 +105,7 @@ void CommContext::finish_oldest() {
   }
   if (!shard.grad().defined()) {
     shard.mutable_grad() = g;
+    flat.count_grad();
   } else {
     shard.mutable_grad().add_(g);
   }

@@ -12,7 +12,10 @@ void GradBuffer::link() {
   if (!direct_) return;
   at::NoGradGuard no_grad;
   const at::Tensor& shard = flat_.shard();
-  if (!shard.grad().defined()) shard.mutable_grad() = at::zeros_like(shard);
+  if (!shard.grad().defined()) {
+    shard.mutable_grad() = at::zeros_like(shard);
+    flat_.count_grad();
+  }
   const auto& g = shard.grad();
   for (const auto& s : flat_.slots()) {
     const auto& pg = s.param.grad();
@@ -36,7 +39,10 @@ bool GradBuffer::take(size_t slot) {
     // gradient that arrived elsewhere (no pre-backward hook ran) is added here.
     const at::Tensor& shard = flat_.shard();
     const auto& pg = s.param.grad();
-    if (!shard.grad().defined()) shard.mutable_grad() = at::zeros_like(shard);
+    if (!shard.grad().defined()) {
+      shard.mutable_grad() = at::zeros_like(shard);
+      flat_.count_grad();
+    }
     const auto& g = shard.grad();
     if (pg.defined() && pg.data_ptr() != g.data_ptr<float>() + s.offset) {
       g.narrow(0, s.offset, s.numel).view(s.shape).add_(pg);

@@ -1,6 +1,6 @@
 #include <fsdp/loss_scaler.h>
 
-#include "runtime.h"
+#include "internal/sharded_model.h"
 
 #include <cmath>
 
@@ -21,7 +21,7 @@ LossScaler::LossScaler(ShardedModel model, LossScalerOptions options)
               "LossScalerOptions: the initial scale 2^", options_.initial_scale_power,
               " is below min_loss_scale=", options_.min_loss_scale);
   state_.hysteresis_left = options_.hysteresis;
-  EngineAccess::runtime(model_);  // fails early, with the fix, if the handle is empty
+  (void)model_.sharding_options();  // fails early, with the fix, if the handle is empty
 }
 
 torch::Tensor LossScaler::scale(const torch::Tensor& loss) const { return loss * state_.scale; }
@@ -29,16 +29,16 @@ torch::Tensor LossScaler::scale(const torch::Tensor& loss) const { return loss *
 void LossScaler::unscale_() {
   if (unscaled_) return;
   unscaled_ = true;
-  auto& rt = EngineAccess::runtime(model_);
   at::NoGradGuard no_grad;
   bool bad = false;
-  std::vector<at::Tensor> grads = rt.grad_shards();
+  std::vector<at::Tensor> grads = detail::grad_shards(model_);
   for (auto& g : grads) {
     if (!bad && !g.isfinite().all().item<bool>()) bad = true;
   }
   // Every rank must skip the same steps: agree over the whole world.
-  auto flag = at::full({1}, bad ? 1.0f : 0.0f, at::TensorOptions().device(rt.options().device));
-  rt.options().process_group.all_reduce_max(flag);
+  const ShardingOptions& options = model_.sharding_options();
+  auto flag = at::full({1}, bad ? 1.0f : 0.0f, at::TensorOptions().device(options.device));
+  options.process_group.all_reduce_max(flag);
   overflow_ = flag.item<float>() > 0;
   if (!overflow_) {
     for (auto& g : grads) g.div_(state_.scale);

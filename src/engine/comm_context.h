@@ -15,11 +15,11 @@
 //    [Offload transfers]). At most one flat parameter's copies wait to be added.
 //  - transfers: with cpu_offload, the host <-> device copy streams (CUDA) or immediate
 //    copies (CPU).
-// In CUDA builds the streams and events live in Transfers (src/cuda/) and in c10d's
+// In CUDA builds the streams and events live in Transfers (transfers_cuda.cpp) and in c10d's
 // NCCL work objects; the context holds those objects.
 
 #include "accounting.h"
-#include "backend.h"
+#include "comm/backend.h"
 #include "flat_param.h"
 #include "transfers.h"
 
@@ -57,6 +57,11 @@ class CommContext {
   /// gradient copy, so an optimizer step can read the gradient shards.
   void finish_backward();
 
+  /// False inside a NoSyncScope (ShardedModel::set_requires_gradient_sync): units keep
+  /// their unsharded gradients instead of handing them to reduce().
+  bool gradient_sync() const { return gradient_sync_; }
+  void set_gradient_sync(bool on) { gradient_sync_ = on; }
+
   // Transfers.
   /// With offload: blocks until no copy from or to the host shards is in flight.
   void wait_transfers();
@@ -87,6 +92,7 @@ class CommContext {
   std::vector<Reduction> reductions_;  ///< oldest first
   std::vector<Landing> landing_;       ///< flats with copies in flight, first use first
   FlatParam* parked_ = nullptr;        ///< the flat whose copies wait to be added
+  bool gradient_sync_ = true;
 };
 
 }  // namespace fsdp::detail

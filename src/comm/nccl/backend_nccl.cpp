@@ -1,6 +1,6 @@
 // NCCL backend: GPU collectives through c10d::ProcessGroupNCCL (see Note [Backend adaptor]).
 // Built only against a CUDA LibTorch (2.6 or newer).
-#include "../backend.h"
+#include "comm/backend.h"
 
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

@@ -1,6 +1,6 @@
 #include <fsdp/clip_grad.h>
 
-#include "runtime.h"
+#include "internal/sharded_model.h"
 
 #include <cmath>
 #include <limits>
@@ -12,12 +12,11 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
   TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
               " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
-  auto& rt = EngineAccess::runtime(model);
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads = rt.grad_shards();
+  std::vector<at::Tensor> grads = detail::grad_shards(model);
   // Each shard group holds the model once (padding is zero), and replicas across
   // groups hold the same values, so reducing over the shard group gives the global norm.
-  auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(rt.options().device));
+  auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(model.sharding_options().device));
   for (const auto& g : grads) {
     if (inf) {
       local = at::maximum(local, g.abs().max().to(local.device(), at::kDouble).reshape({1}));
@@ -26,8 +25,7 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
       local += g.to(at::kDouble).pow(2).sum().to(local.device());
     }
   }
-  auto& group = *rt.flat_config().shard_group;
-  group.all_reduce(local, inf ? detail::ReduceKind::kMax : detail::ReduceKind::kSum)->wait();
+  detail::shard_group_all_reduce(model, local, /*max=*/inf);
   const double total = inf ? local.item<double>() : std::sqrt(local.item<double>());
   // As torch::nn::utils::clip_grad_norm_: scale by min(1, max_norm / (total + 1e-6)).
   const double coef = std::min(1.0, max_norm / (total + 1e-6));

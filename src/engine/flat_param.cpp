@@ -1,6 +1,6 @@
 #include "flat_param.h"
 
-#include "collective_trace.h"
+#include "comm/collective_trace.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
@@ -78,6 +78,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
 FlatParam::~FlatParam() {
   release();
   Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
+  Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_);
 }
 
 std::shared_ptr<Work> FlatParam::gather() {
@@ -126,6 +127,19 @@ std::shared_ptr<Work> FlatParam::gather() {
     if (join) join();
     Accounting::release(*counter, staged_bytes);
   });
+}
+
+void FlatParam::count_grad(bool grow) {
+  const at::Tensor& g = shard_.grad();
+  const int64_t now = g.defined() ? static_cast<int64_t>(g.nbytes()) : 0;
+  if (now < counted_grad_bytes_) {
+    Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_ - now);
+  } else if (now > counted_grad_bytes_ && grow) {
+    Accounting::alloc(cfg_.acct->mem.grad_shards, now - counted_grad_bytes_);
+  } else {
+    return;
+  }
+  counted_grad_bytes_ = now;
 }
 
 void FlatParam::release() {

@@ -60,7 +60,7 @@ class Transfers {
 
 /// Transfers between the host and `device` (immediate copies unless it is a GPU).
 std::shared_ptr<Transfers> make_transfers(at::Device device);
-/// The GPU implementation (src/cuda/transfers_cuda.cpp; a stand-in in CPU-only builds).
+/// The GPU implementation (src/engine/transfers_cuda.cpp; a stand-in in CPU-only builds).
 std::shared_ptr<Transfers> make_cuda_transfers(at::Device device);
 
 }  // namespace fsdp::detail

@@ -1,6 +1,8 @@
 #include "runtime.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 
@@ -32,27 +34,54 @@ void Runtime::set_flat_config(const FlatConfig& cfg) {
 }
 
 Unit& Runtime::add_unit(const std::string& fqn) {
-  units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), this));
+  TORCH_INTERNAL_ASSERT(comm_ != nullptr, "add_unit before set_flat_config");
+  units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), *comm_));
   return *units_.back();
 }
 
-void Runtime::attach(WrapPointImpl& wp, Unit& u) {
-  EngineAccess::set_unit(wp, units_.at(static_cast<size_t>(u.index())));
-  const auto& mp = options_.mixed_precision;
-  std::optional<at::ScalarType> cast_inputs, cast_outputs;
-  if (mp.param_dtype != at::kFloat) {
-    if (u.keep_fp32) {
-      cast_inputs = at::kFloat;
-      cast_outputs = mp.param_dtype;
-    } else if (mp.cast_forward_inputs) {
-      cast_inputs = mp.param_dtype;
-    }
+namespace {
+
+// Fires after AccumulateGrad has written an original parameter's .grad(): the
+// post-backward trigger of docs/design.md, "The engine". It holds the runtime weakly:
+// a graph may outlive the model it was built with.
+class PostAccumulateHook : public torch::autograd::FunctionPostHook {
+ public:
+  PostAccumulateHook(std::weak_ptr<Runtime> runtime, Unit* unit, size_t flat, size_t slot)
+      : runtime_(std::move(runtime)), unit_(unit), flat_(flat), slot_(slot) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    auto rt = runtime_.lock();
+    TORCH_CHECK(rt != nullptr, "FSDP: a gradient arrived for a sharded model that has been destroyed; keep the "
+                "handle fully_shard() returned alive while its modules are used");
+    rt->on_param_grad(*unit_, flat_, slot_);
+    return outputs;
   }
-  if (u.is_root()) {
-    EngineAccess::set_runtime(wp, shared_from_this());
-    if (mp.output_dtype) cast_outputs = *mp.output_dtype;
+
+ private:
+  std::weak_ptr<Runtime> runtime_;
+  Unit* unit_;
+  size_t flat_;
+  size_t slot_;
+};
+
+}  // namespace
+
+void Runtime::add_flat(Unit& u, std::unique_ptr<FlatParam> flat) {
+  const size_t index = u.flats().size();
+  FlatParam& f = *flat;
+  u.add_flat(std::move(flat));
+  if (!f.trainable()) return;
+  for (size_t i = 0; i < f.slots().size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(f.slots()[i].param);
+    TORCH_INTERNAL_ASSERT(acc != nullptr, "no grad accumulator for ", f.slots()[i].fqn);
+    acc->add_post_hook(std::make_unique<PostAccumulateHook>(weak_from_this(), &u, index, i));
+    f.grad_accumulators().push_back(std::move(acc));
   }
-  EngineAccess::set_casts(wp, cast_inputs, cast_outputs);
+}
+
+void Runtime::on_param_grad(Unit& u, size_t flat, size_t slot) {
+  queue_end_of_backward();  // also when no unit output had a pre-backward hook
+  u.on_param_grad(flat, slot);
 }
 
 int Runtime::gathered_non_root() const {
@@ -135,6 +164,7 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
 void Runtime::queue_end_of_backward() {
   if (training_state_ == TrainingState::kBackward) return;
   training_state_ = TrainingState::kBackward;
+  recount_grads();  // before this backward gives any shard a gradient
   auto self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
 }
@@ -160,7 +190,7 @@ void Runtime::end_of_backward() {
   }
   training_state_ = TrainingState::kIdle;
   order_frozen_ = true;
-  sync_grad_counter();
+  recount_grads();
 }
 
 void Runtime::wait_transfers() { comm_->wait_transfers(); }
@@ -175,12 +205,13 @@ std::vector<at::Tensor> Runtime::grad_shards() const {
   return out;
 }
 
-void Runtime::sync_grad_counter() {
-  int64_t bytes = 0;
-  for (const auto& g : grad_shards()) bytes += static_cast<int64_t>(g.nbytes());
-  auto& c = acct_.mem.grad_shards;
-  c.current = bytes;
-  c.peak = std::max(c.peak, bytes);
+void Runtime::recount_grads() {
+  // Decreases first: the peak never counts a freed gradient beside a new one.
+  for (bool grow : {false, true}) {
+    for (const auto& u : units_) {
+      for (const auto& f : u->flats()) f->count_grad(grow);
+    }
+  }
 }
 
 }  // namespace fsdp::detail

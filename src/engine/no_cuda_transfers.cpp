@@ -1,0 +1,12 @@
+// Stand-in for the CUDA offload streams (transfers_cuda.cpp) when LibTorch has no CUDA
+// (see CMakeLists.txt).
+#include "transfers.h"
+
+#include <c10/util/Exception.h>
+
+namespace fsdp::detail {
+std::shared_ptr<Transfers> make_cuda_transfers(at::Device device) {
+  TORCH_CHECK(false, "fsdp was built against a CPU-only LibTorch, so it cannot offload to ", device,
+              "; rebuild against a CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
+}
+}  // namespace fsdp::detail

@@ -1,0 +1,173 @@
+// The public handles' side of the engine: the calls a wrap point makes into it, the
+// ShardedModel verbs, shard_sequential, clean names and NoSyncScope.
+#include "engine_access.h"
+
+namespace fsdp {
+
+detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) { return static_cast<detail::Unit*>(wp.unit_.get()); }
+void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) { wp.unit_ = std::move(unit); }
+void EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime, bool owner) {
+  wp.model_ = runtime;
+  if (owner) wp.runtime_ = runtime;
+}
+detail::Runtime& EngineAccess::runtime(const WrapPointImpl& wp) {
+  auto model = wp.model_.lock();
+  TORCH_CHECK(model != nullptr, "FSDP unit ", unit(wp)->display_name(),
+              ": the sharded model it belonged to has been destroyed; keep the handle "
+              "fully_shard() returned alive while its modules are used");
+  // The root's runtime_ (or the caller's handle) keeps it alive beyond this call.
+  return *static_cast<detail::Runtime*>(model.get());
+}
+void EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
+                             std::optional<torch::Dtype> outputs) {
+  wp.cast_inputs_ = inputs;
+  wp.cast_outputs_ = outputs;
+}
+void EngineAccess::set_checkpointed(WrapPointImpl& wp, const std::string& fqn) {
+  wp.checkpoint_ = true;
+  wp.fqn_ = fqn;
+}
+detail::Runtime& EngineAccess::runtime(const ShardedModel& model) {
+  return *static_cast<detail::Runtime*>(model.root().runtime_.get());
+}
+
+void WrapPointImpl::pre_forward() { EngineAccess::runtime(*this).pre_forward(*EngineAccess::unit(*this)); }
+
+void WrapPointImpl::post_forward(std::vector<torch::Tensor> outputs) {
+  EngineAccess::runtime(*this).post_forward(*EngineAccess::unit(*this), outputs);
+}
+
+ShardedModel::ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOptions& options)
+    : root_(std::move(root)) {
+  detail::shard_module_tree(root_, options);
+}
+
+WrapPointImpl& ShardedModel::root() const {
+  TORCH_CHECK(root_ != nullptr, "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
+  return *root_;
+}
+
+torch::nn::Module& ShardedModel::as_module() const { return root(); }
+
+namespace {
+detail::Runtime& runtime_of(const ShardedModel& m) { return EngineAccess::runtime(m); }
+}  // namespace
+
+MemoryStats ShardedModel::memory_stats() const {
+  auto& rt = runtime_of(*this);
+  rt.recount_grads();
+  return rt.acct().mem;
+}
+
+void ShardedModel::reset_peak_memory() {
+  auto& m = runtime_of(*this).acct().mem;
+  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
+                          &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
+    c->peak = c->current;
+  }
+}
+
+CommCounters ShardedModel::comm_stats() const { return runtime_of(*this).acct().comm; }
+
+const ShardingOptions& ShardedModel::sharding_options() const { return runtime_of(*this).options(); }
+
+void ShardedModel::unshard() {
+  for (auto& u : runtime_of(*this).units()) u->unshard();
+}
+
+void ShardedModel::reshard() {
+  auto& rt = runtime_of(*this);
+  for (auto& u : rt.units()) u->reshard();
+  rt.wait_transfers();  // the caller may write the host shards next (an optimizer step)
+}
+
+void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
+  runtime_of(*this).set_no_sync(!requires_gradient_sync);
+}
+
+bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
+
+Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq, const ShardingOptions& options) {
+  return fully_shard(detail::wrap_sequential_entries(seq), options);
+}
+
+SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
+    : WrapPointImpl("fsdp::SequentialEntry"), module_(std::move(module)) {
+  register_module("module", module_.ptr());
+}
+
+torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
+  return run_tensor_forward([this](const torch::Tensor& t) { return module_.forward(t); }, std::move(x));
+}
+
+torch::Tensor WrapPointImpl::run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                                                torch::Tensor x) {
+  if (!is_unit() && !checkpointed()) return fn(x);
+  if (is_unit()) pre_forward();
+  if (cast_inputs_) x = cast_floating(x, *cast_inputs_);
+  torch::Tensor out = checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
+  if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
+  if (is_unit()) post_forward({out});
+  return out;
+}
+
+void WrapPointImpl::fail_checkpoint_needs_tensor_forward() const {
+  TORCH_CHECK(false, "ShardingOptions::checkpoint_policy picked wrap point '", fqn_,
+              "', whose forward is not Tensor -> Tensor; activation checkpointing here recomputes "
+              "a forward of one tensor to one tensor. Leave it out of the policy (e.g. "
+              "predicate_policy), or call fsdp::checkpoint inside its forward.");
+}
+
+namespace detail {
+torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq) {
+  TORCH_CHECK(!seq.is_empty(), "shard_sequential: the Sequential is empty (nullptr holder)");
+  torch::OrderedDict<std::string, torch::nn::AnyModule> entries;
+  const auto children = seq->named_children();
+  size_t i = 0;
+  for (const auto& any : *seq.get()) {
+    auto entry = std::make_shared<SequentialEntryImpl>(any);
+    entries.insert(children[i++].key(), torch::nn::AnyModule(entry));
+  }
+  return torch::nn::Sequential(std::move(entries));
+}
+}  // namespace detail
+
+namespace {
+// The tensors of the tree under `m` with clean FQNs: wrap-point segments ("module")
+// removed. `own` lists a module's own tensors (parameters or buffers, not recursive).
+template <class Own>
+void clean_names(const torch::nn::Module& m, const std::string& prefix, const Own& own,
+                 std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
+  for (const auto& t : own(m)) out.emplace_back(join(t.key()), t.value());
+  for (const auto& c : m.named_children()) {
+    auto* wp = dynamic_cast<const WrapPointImpl*>(c.value().get());
+    clean_names(wp ? *wp->wrapped() : *c.value(), join(c.key()), own, out);
+  }
+}
+
+template <class Own>
+std::vector<std::pair<std::string, torch::Tensor>> clean_names(const torch::nn::Module& module, const Own& own) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  auto* wp = dynamic_cast<const WrapPointImpl*>(&module);
+  clean_names(wp ? *wp->wrapped() : module, "", own, out);
+  return out;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module) {
+  return clean_names(module, [](const torch::nn::Module& m) { return m.named_buffers(false); });
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const torch::nn::Module& module) {
+  return clean_names(module, [](const torch::nn::Module& m) { return m.named_parameters(false); });
+}
+
+NoSyncScope::NoSyncScope(ShardedModel model)
+    : model_(std::move(model)), previous_(model_.requires_gradient_sync()) {
+  model_.set_requires_gradient_sync(false);
+}
+
+NoSyncScope::~NoSyncScope() { model_.set_requires_gradient_sync(previous_); }
+
+}  // namespace fsdp
