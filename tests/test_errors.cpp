@@ -27,6 +27,8 @@ struct ErrorCase {
   std::function<void()> call;
   std::string message;
 };
+// Names the case in test listings (ctest shows it).
+void PrintTo(const ErrorCase& c, std::ostream* os) { *os << c.name; }
 
 class BadInput : public ::testing::TestWithParam<ErrorCase> {};
 

@@ -300,6 +300,11 @@ struct BadInput {
   std::vector<std::string> args;
   std::string message;
 };
+// Names the case by its arguments in test listings (ctest shows them).
+void PrintTo(const BadInput& b, std::ostream* os) {
+  *os << "train_gpt";
+  for (const auto& a : b.args) *os << " " << a;
+}
 
 class TrainGptBadInput : public ::testing::TestWithParam<BadInput> {};
 

@@ -14,6 +14,11 @@
 #include <filesystem>
 #include <fstream>
 
+namespace fsdp {
+// Names the ISA in test listings (ctest shows it); found by argument-dependent lookup.
+void PrintTo(FusedAdamW::Isa isa, std::ostream* os) { *os << FusedAdamW::isa_name(isa); }
+}  // namespace fsdp
+
 using namespace fsdp;
 using namespace fsdp::testing;
 

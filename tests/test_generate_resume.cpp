@@ -261,6 +261,11 @@ struct GenerateCase {
   int exit_code;
   std::string message;
 };
+// Names the case by its arguments in test listings (ctest shows them).
+void PrintTo(const GenerateCase& c, std::ostream* os) {
+  *os << "generate";
+  for (const auto& a : c.args) *os << " " << a;
+}
 
 class GenerateBadInput : public ::testing::TestWithParam<GenerateCase> {};
 

@@ -19,6 +19,8 @@ struct Case {
   ShardingStrategy strategy;
   const char* name;
 };
+// Names the case in test listings (ctest shows it).
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 constexpr int64_t kRows = 12;
 
