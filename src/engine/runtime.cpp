@@ -8,13 +8,13 @@
 
 namespace fsdp::detail {
 
-const char* to_string(TrainingState s) {
+const char* to_string(Phase s) {
   switch (s) {
-    case TrainingState::kIdle:
+    case Phase::kIdle:
       return "idle";
-    case TrainingState::kForward:
+    case Phase::kForward:
       return "forward";
-    case TrainingState::kBackward:
+    case Phase::kBackward:
       return "backward";
   }
   return "?";
@@ -130,8 +130,8 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
 }
 
 void Runtime::pre_forward(Unit& u) {
-  if (u.is_root() && at::GradMode::is_enabled() && training_state_ == TrainingState::kIdle) {
-    training_state_ = TrainingState::kForward;  // a new iteration: its own step counters
+  if (u.is_root() && at::GradMode::is_enabled() && phase_ == Phase::kIdle) {
+    phase_ = Phase::kForward;  // a new iteration: its own step counters
     acct_.comm.step = CommStats();
   }
   if (!order_frozen_ && std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
@@ -162,8 +162,8 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
 }
 
 void Runtime::queue_end_of_backward() {
-  if (training_state_ == TrainingState::kBackward) return;
-  training_state_ = TrainingState::kBackward;
+  if (phase_ == Phase::kBackward) return;
+  phase_ = Phase::kBackward;
   recount_grads();  // before this backward gives any shard a gradient
   auto self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
@@ -178,8 +178,8 @@ void Runtime::pre_backward(Unit& u) {
 }
 
 void Runtime::end_of_backward() {
-  TORCH_INTERNAL_ASSERT(training_state_ == TrainingState::kBackward, "end of backward while ",
-                        to_string(training_state_));
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kBackward, "end of backward while ",
+                        to_string(phase_));
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
   comm_->finish_backward();
@@ -188,7 +188,7 @@ void Runtime::end_of_backward() {
     u->unlink_grads();
     u->grads_reduced = false;
   }
-  training_state_ = TrainingState::kIdle;
+  phase_ = Phase::kIdle;
   order_frozen_ = true;
   recount_grads();
 }

@@ -27,9 +27,9 @@ namespace detail {
 /// kBackward (the first gradient or pre-backward hook queued end_of_backward()) ->
 /// kIdle (end_of_backward()). Forwards inside backward (activation checkpointing's
 /// recomputation) leave it in kBackward.
-enum class TrainingState { kIdle, kForward, kBackward };
+enum class Phase { kIdle, kForward, kBackward };
 
-const char* to_string(TrainingState s);
+const char* to_string(Phase s);
 
 class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
  public:
@@ -48,7 +48,7 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   void set_flat_config(const FlatConfig& cfg);
   /// Every collective and transfer in flight (Note [Communication context]).
   CommContext& comm() { return *comm_; }
-  TrainingState training_state() const { return training_state_; }
+  Phase phase() const { return phase_; }
   /// Adds a unit (the first call makes the root).
   Unit& add_unit(const std::string& fqn);
   /// Adds `flat` to `u` and, for a trainable one, sets the hooks that report each of its
@@ -94,7 +94,7 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
   std::unique_ptr<CommContext> comm_;         ///< set by set_flat_config()
-  TrainingState training_state_ = TrainingState::kIdle;
+  Phase phase_ = Phase::kIdle;
   std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
   bool order_frozen_ = false;                 ///< forward order recorded
   std::map<std::string, at::Tensor> staging_pool_;
