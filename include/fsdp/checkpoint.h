@@ -178,12 +178,6 @@ struct SafetensorsOptions {
   uint64_t max_shard_size = 5'000'000'000;
   /// Print progress on rank 0.
   bool verbose = false;
-  /// Asynchronous saves: keep the host staging buffers once the save is written, for the
-  /// next asynchronous save to copy into. Copying into memory already touched is several
-  /// times faster than into fresh pages, and that copy is what training waits for. The
-  /// kept bytes (one snapshot at most) stay in MemoryStats::checkpoint_staging;
-  /// release_checkpoint_staging() frees them. False: freed when the save is waited for.
-  bool keep_staging = true;
 };
 
 /// Writes the model's weights as safetensors, the format inference tools load, into the
