@@ -38,6 +38,8 @@ DEBIAN_TORCH_PKGS=(
   python3-safetensors               # the reference safetensors reader
 )
 PACKAGES=("${COMMON[@]}")
+# The format check (scripts/check-format.sh) pins Debian 12's clang-format.
+[ "$CODENAME" = bookworm ] && PACKAGES+=(clang-format-14)
 if [ "$DEBIAN_TORCH" = 1 ]; then
   if [ "$CODENAME" != trixie ]; then
     echo "install-deps: --debian-torch needs Debian 13 (trixie): Debian ${CODENAME:-?}'s LibTorch is older than 2.6," \
