@@ -39,7 +39,8 @@ void rank0_tries(const ProcessGroup& pg, const std::string& what, const std::fun
       error = e.what();
     }
   }
-  TORCH_CHECK(!rank0_failed(pg, error), what, " failed", failure_detail(error, " on rank 0 (see its error)"));
+  TORCH_CHECK(!rank0_failed(pg, error), what, " failed",
+              failure_detail(error, " on rank 0 (see its error)"));
 }
 
 }  // namespace fsdp::ckpt

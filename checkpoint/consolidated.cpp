@@ -26,9 +26,12 @@ void report_mismatch(const std::string& what, const std::vector<std::string>& mi
 namespace {
 
 ExportDtype export_dtype(torch::Dtype d) {
-  TORCH_CHECK(d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kFloat16, "export dtype ",
-              c10::toString(d), " is not supported; use float32, bfloat16 or float16");
-  return d == torch::kFloat32 ? ExportDtype::kF32 : d == torch::kBFloat16 ? ExportDtype::kBF16 : ExportDtype::kF16;
+  TORCH_CHECK(d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kFloat16,
+              "export dtype ", c10::toString(d),
+              " is not supported; use float32, bfloat16 or float16");
+  return d == torch::kFloat32    ? ExportDtype::kF32
+         : d == torch::kBFloat16 ? ExportDtype::kBF16
+                                 : ExportDtype::kF16;
 }
 
 h5::Elem export_elem(torch::Dtype d) { return elem_of(export_dtype(d)); }
@@ -56,7 +59,9 @@ struct ModelGroup {
   std::set<std::string> names;
 
   explicit ModelGroup(const std::string& path)
-      : file(open_consolidated(path)), model(h5::open_group(file, "model", path)), where(path + ":/model") {
+      : file(open_consolidated(path)),
+        model(h5::open_group(file, "model", path)),
+        where(path + ":/model") {
     names = datasets_of(model, where);
   }
 };
@@ -69,7 +74,8 @@ class WeightSource {
   const std::set<std::string>& names() const { return names_; }
   virtual std::vector<int64_t> shape_of(const std::string& name) const = 0;
   /// Elements [first, first + count) of `name`, flattened, widened or rounded to fp32.
-  virtual void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const = 0;
+  virtual void read_f32(const std::string& name, int64_t first, int64_t count,
+                        float* out) const = 0;
   /// The whole of `name` into `dst` (any dtype and device; shapes already checked).
   virtual void read_into(const std::string& name, const at::Tensor& dst) const = 0;
 
@@ -80,7 +86,9 @@ class WeightSource {
 class Hdf5Source : public WeightSource {
  public:
   explicit Hdf5Source(const std::string& path) : g_(path) { names_ = g_.names; }
-  std::vector<int64_t> shape_of(const std::string& name) const override { return h5::shape_of(g_.model, name, g_.where); }
+  std::vector<int64_t> shape_of(const std::string& name) const override {
+    return h5::shape_of(g_.model, name, g_.where);
+  }
   void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const override {
     h5::read_range(g_.model, name, first, count, out, h5::Elem::kF32, g_.where);
   }
@@ -97,12 +105,16 @@ class SafetensorsSource : public WeightSource {
   explicit SafetensorsSource(const std::string& path) : r_(path), where_(path) {
     for (const auto& [n, e] : r_.entries()) names_.insert(n);
   }
-  std::vector<int64_t> shape_of(const std::string& name) const override { return r_.entries().at(name).shape; }
+  std::vector<int64_t> shape_of(const std::string& name) const override {
+    return r_.entries().at(name).shape;
+  }
   void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const override {
     const auto& e = r_.entries().at(name);
     const h5::Elem from = elem_of(e.dtype, name);
-    TORCH_CHECK(from == h5::Elem::kF32 || from == h5::Elem::kBF16 || from == h5::Elem::kF16 || from == h5::Elem::kF64,
-                where_, ": tensor '", name, "' is ", e.dtype, ", not a floating type a parameter can take");
+    TORCH_CHECK(from == h5::Elem::kF32 || from == h5::Elem::kBF16 || from == h5::Elem::kF16 ||
+                    from == h5::Elem::kF64,
+                where_, ": tensor '", name, "' is ", e.dtype,
+                ", not a floating type a parameter can take");
     const size_t es = st::dtype_size(e.dtype);
     if (from == h5::Elem::kF32) {
       r_.read(name, static_cast<uint64_t>(first) * es, static_cast<uint64_t>(count) * es, out);
@@ -128,7 +140,8 @@ class SafetensorsSource : public WeightSource {
     if (d == "F64") return h5::Elem::kF64;
     if (d == "I64") return h5::Elem::kI64;
     if (d == "U8") return h5::Elem::kU8;
-    TORCH_CHECK(false, where_, ": tensor '", name, "' is ", d, ", which this library does not load");
+    TORCH_CHECK(false, where_, ": tensor '", name, "' is ", d,
+                ", which this library does not load");
   }
   at::ScalarType torch_dtype(const std::string& d, const std::string& name) const {
     static const std::map<std::string, at::ScalarType> m = {
@@ -136,7 +149,8 @@ class SafetensorsSource : public WeightSource {
         {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
         {"U8", at::kByte},    {"BOOL", at::kBool}};
     auto it = m.find(d);
-    TORCH_CHECK(it != m.end(), where_, ": tensor '", name, "' is ", d, ", which this library does not load");
+    TORCH_CHECK(it != m.end(), where_, ": tensor '", name, "' is ", d,
+                ", which this library does not load");
     return it->second;
   }
 
@@ -181,16 +195,20 @@ std::unique_ptr<WeightSource> open_weights(const std::string& path) {
 }  // namespace
 }  // namespace ckpt
 
-void export_consolidated(const std::string& file, const ShardedModel& root, torch::optim::Optimizer* optimizer,
-                         const TrainingState& state, const ExportOptions& options) {
+void export_consolidated(const std::string& file, const ShardedModel& root,
+                         torch::optim::Optimizer* optimizer, const TrainingState& state,
+                         const ExportOptions& options) {
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
-  TORCH_CHECK(!options.with_optimizer || optimizer, "export_consolidated: with_optimizer needs the optimizer");
+  TORCH_CHECK(!options.with_optimizer || optimizer,
+              "export_consolidated: with_optimizer needs the optimizer");
   Rank0Writes guarded(root.sharding_options().process_group);
   const bool writer = guarded.writer();
   const std::string kind = options.with_optimizer ? optimizer_kind(*optimizer) : "";
   std::unique_ptr<ConsolidatedWriter> w;
-  guarded([&] { w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind); });
+  guarded([&] {
+    w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind);
+  });
 
   const auto shards = detail::local_shards(root);
   for (size_t k = 0; k < shards.size(); ++k) {
@@ -199,14 +217,16 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
       at::Tensor full = detail::gather_flat(root, k, ls.shard);
       guarded([&] {
         for (const auto& p : ls.params) {
-          write_tensor(w->model, p.fqn, full.narrow(0, p.offset, p.numel).view(p.shape), elem, w->tmp + ":/model");
+          write_tensor(w->model, p.fqn, full.narrow(0, p.offset, p.numel).view(p.shape), elem,
+                       w->tmp + ":/model");
         }
       });
     }
     if (!options.with_optimizer || !ls.info.requires_grad) continue;
     ParamState st = get_param_state(*optimizer, ls.shard);
     if (st.tensors.empty()) continue;  // not stepped yet
-    const auto hp = group_hparams(*optimizer, static_cast<size_t>(find_param(*optimizer, ls.shard).first));
+    const auto hp =
+        group_hparams(*optimizer, static_cast<size_t>(find_param(*optimizer, ls.shard).first));
     guarded([&] {
       for (const auto& p : ls.params) w->optim_group(p.fqn, st.step, hp);
     });
@@ -214,8 +234,9 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
       at::Tensor full = detail::gather_flat(root, k, t.reshape({-1}));
       guarded([&] {
         for (const auto& p : ls.params) {
-          write_tensor(w->optim, p.fqn + "/" + name, full.narrow(0, p.offset, p.numel).view(p.shape),
-                       h5::Elem::kF32, w->tmp + ":/optimizer");
+          write_tensor(w->optim, p.fqn + "/" + name,
+                       full.narrow(0, p.offset, p.numel).view(p.shape), h5::Elem::kF32,
+                       w->tmp + ":/optimizer");
         }
       });
     }
@@ -235,8 +256,8 @@ void export_consolidated(const std::string& file, const ShardedModel& root, torc
   });
 }
 
-void export_safetensors(const std::string& dir, const ShardedModel& model, const TrainingState& state,
-                        const SafetensorsOptions& options) {
+void export_safetensors(const std::string& dir, const ShardedModel& model,
+                        const TrainingState& state, const SafetensorsOptions& options) {
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
   Rank0Writes guarded(model.sharding_options().process_group);
@@ -254,7 +275,8 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
   }
   std::unique_ptr<st::DirWriter> w;
   guarded([&] {
-    w = std::make_unique<st::DirWriter>(dir, specs, safetensors_metadata(elem, state.step, state.model_attrs),
+    w = std::make_unique<st::DirWriter>(dir, specs,
+                                        safetensors_metadata(elem, state.step, state.model_attrs),
                                         options.max_shard_size);
   });
   size_t i = 0;
@@ -264,18 +286,18 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
     guarded([&] {
       // A parameter must arrive whole: DeepSpeed once saved the empty placeholders of
       // sharded parameters as "the model" (deepspeed#6836).
-      TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn, "' gathered ",
-                  full.numel(), " elements, its table has ", ls.info.numel);
+      TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn,
+                  "' gathered ", full.numel(), " elements, its table has ", ls.info.numel);
       for (const auto& p : ls.params) {
         at::Tensor v = file_bytes(full.narrow(0, p.offset, p.numel), elem);
-        TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ", v.numel(),
-                    " elements, its shape needs ", p.numel);
+        TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ",
+                    v.numel(), " elements, its shape needs ", p.numel);
         w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
       }
     });
     if (options.verbose && writer) {
-      std::cout << "[fsdp] safetensors export: flat parameter " << k + 1 << "/" << shards.size() << " (unit '"
-                << ls.info.unit_fqn << "')" << std::endl;
+      std::cout << "[fsdp] safetensors export: flat parameter " << k + 1 << "/" << shards.size()
+                << " (unit '" << ls.info.unit_fqn << "')" << std::endl;
     }
   }
   guarded([&] {
@@ -285,14 +307,17 @@ void export_safetensors(const std::string& dir, const ShardedModel& model, const
     }
     w->finish();
   });
-  guarded.check("export_safetensors to " + dir, [&] { w.reset(); });  // removes its unpublished files
+  guarded.check("export_safetensors to " + dir,
+                [&] { w.reset(); });  // removes its unpublished files
   if (options.verbose && writer) {
-    std::cout << "[fsdp] safetensors export: " << specs.size() << " tensors in " << w->files().size() << " file"
-              << (w->files().size() == 1 ? "" : "s") << " in " << dir << std::endl;
+    std::cout << "[fsdp] safetensors export: " << specs.size() << " tensors in "
+              << w->files().size() << " file" << (w->files().size() == 1 ? "" : "s") << " in "
+              << dir << std::endl;
   }
 }
 
-LoadReport import_consolidated(const std::string& file, ShardedModel& root, const LoadOptions& options) {
+LoadReport import_consolidated(const std::string& file, ShardedModel& root,
+                               const LoadOptions& options) {
   using namespace ckpt;
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();
@@ -311,20 +336,24 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root, cons
       used.insert(p.fqn);
       auto shape = src->shape_of(p.fqn);
       if (shape != p.shape) {
-        mismatched.push_back(p.fqn + " (file " + describe_shape(shape) + ", model " + describe_shape(p.shape) + ")");
+        mismatched.push_back(p.fqn + " (file " + describe_shape(shape) + ", model " +
+                             describe_shape(p.shape) + ")");
       }
     }
   }
   for (const auto& [name, b] : buffers) {
-    if (names.count(name)) used.insert(name);
-    else report.missing.push_back(name);
+    if (names.count(name))
+      used.insert(name);
+    else
+      report.missing.push_back(name);
   }
   for (const auto& n : names) {
     if (!used.count(n)) report.unexpected.push_back(n);
   }
   std::string shapes;
   for (const auto& m : mismatched) shapes += (shapes.empty() ? "" : ", ") + m;
-  TORCH_CHECK(mismatched.empty(), "checkpoint ", file, " does not match this model: shapes differ for ", shapes,
+  TORCH_CHECK(mismatched.empty(), "checkpoint ", file,
+              " does not match this model: shapes differ for ", shapes,
               ". Was it saved from another model?");
   report_mismatch("checkpoint " + file, report.missing, report.unexpected, options.strict);
 
@@ -336,7 +365,8 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root, cons
     std::set<int64_t> seen;
     for (const auto& p : ls.params) {
       if (!names.count(p.fqn) || !seen.insert(p.offset).second) continue;
-      const int64_t lo = std::max(ls.begin, p.offset), hi = std::min(ls.begin + ls.length, p.offset + p.numel);
+      const int64_t lo = std::max(ls.begin, p.offset),
+                    hi = std::min(ls.begin + ls.length, p.offset + p.numel);
       if (lo < hi) src->read_f32(p.fqn, lo - p.offset, hi - lo, out + (lo - ls.begin));
     }
     if (ls.length < buf.numel()) buf.narrow(0, ls.length, buf.numel() - ls.length).zero_();
@@ -349,7 +379,8 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root, cons
   return report;
 }
 
-LoadReport load_consolidated(const std::string& file, torch::nn::Module& module, const LoadOptions& options) {
+LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
+                             const LoadOptions& options) {
   using namespace ckpt;
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();
@@ -365,9 +396,9 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
     }
     used.insert(name);
     auto shape = src->shape_of(name);
-    TORCH_CHECK(shape == t.sizes().vec(), "checkpoint ", file, " does not match this model: ", name, " has shape ",
-                describe_shape(shape), " in the file but ", describe_shape(t.sizes().vec()),
-                " in the model. Was it saved from another model?");
+    TORCH_CHECK(shape == t.sizes().vec(), "checkpoint ", file, " does not match this model: ", name,
+                " has shape ", describe_shape(shape), " in the file but ",
+                describe_shape(t.sizes().vec()), " in the model. Was it saved from another model?");
   }
   for (const auto& n : names) {
     if (!used.count(n)) report.unexpected.push_back(n);
@@ -413,16 +444,19 @@ std::map<std::string, AttrValue> consolidated_attributes(const std::string& file
 void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
                             const ConsolidateOptions& options) {
   if (options.format == WeightsFormat::kSafetensors) {
-    TORCH_CHECK(!options.with_optimizer, "consolidate_checkpoint: safetensors holds weights only; "
+    TORCH_CHECK(!options.with_optimizer,
+                "consolidate_checkpoint: safetensors holds weights only; "
                 "with_optimizer needs the HDF5 format");
     ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_dtype(options.dtype),
                                           options.max_shard_size, options.progress);
     return;
   }
-  ckpt::consolidate_offline(sharded, out_file, ckpt::export_dtype(options.dtype), options.with_optimizer,
-                            options.progress);
+  ckpt::consolidate_offline(sharded, out_file, ckpt::export_dtype(options.dtype),
+                            options.with_optimizer, options.progress);
 }
 
-std::string inspect_checkpoint(const std::string& path, bool verify) { return ckpt::inspect(path, verify); }
+std::string inspect_checkpoint(const std::string& path, bool verify) {
+  return ckpt::inspect(path, verify);
+}
 
 }  // namespace fsdp

@@ -82,12 +82,18 @@ Obj::~Obj() {
 
 const char* elem_name(Elem e) {
   switch (e) {
-    case Elem::kF32: return "float32";
-    case Elem::kF16: return "float16";
-    case Elem::kBF16: return "bfloat16";
-    case Elem::kF64: return "float64";
-    case Elem::kI64: return "int64";
-    case Elem::kU8: return "uint8";
+    case Elem::kF32:
+      return "float32";
+    case Elem::kF16:
+      return "float16";
+    case Elem::kBF16:
+      return "bfloat16";
+    case Elem::kF64:
+      return "float64";
+    case Elem::kI64:
+      return "int64";
+    case Elem::kU8:
+      return "uint8";
   }
   return "?";
 }
@@ -95,7 +101,8 @@ const char* elem_name(Elem e) {
 hid_t file_type(Elem e) {
   quiet();
   switch (e) {
-    case Elem::kF32: return H5T_IEEE_F32LE;
+    case Elem::kF32:
+      return H5T_IEEE_F32LE;
     case Elem::kF16: {
       static hid_t t = [] {
         hid_t h = H5Tcopy(H5T_IEEE_F32LE);  // IEEE half: 1 sign, 5 exponent, 10 mantissa bits
@@ -107,21 +114,30 @@ hid_t file_type(Elem e) {
       }();
       return t;
     }
-    case Elem::kBF16: return bf16_type();
-    case Elem::kF64: return H5T_IEEE_F64LE;
-    case Elem::kI64: return H5T_STD_I64LE;
-    case Elem::kU8: return H5T_STD_U8LE;
+    case Elem::kBF16:
+      return bf16_type();
+    case Elem::kF64:
+      return H5T_IEEE_F64LE;
+    case Elem::kI64:
+      return H5T_STD_I64LE;
+    case Elem::kU8:
+      return H5T_STD_U8LE;
   }
   return -1;
 }
 
 hid_t mem_type(Elem e) {
   switch (e) {
-    case Elem::kF32: return H5T_NATIVE_FLOAT;
-    case Elem::kF64: return H5T_NATIVE_DOUBLE;
-    case Elem::kI64: return H5T_NATIVE_INT64;
-    case Elem::kU8: return H5T_NATIVE_UINT8;
-    default: return file_type(e);  // 16-bit floats: memory layout is the little-endian file layout
+    case Elem::kF32:
+      return H5T_NATIVE_FLOAT;
+    case Elem::kF64:
+      return H5T_NATIVE_DOUBLE;
+    case Elem::kI64:
+      return H5T_NATIVE_INT64;
+    case Elem::kU8:
+      return H5T_NATIVE_UINT8;
+    default:
+      return file_type(e);  // 16-bit floats: memory layout is the little-endian file layout
   }
 }
 
@@ -228,9 +244,11 @@ std::vector<std::string> children(hid_t group, const std::string& where) {
                 ": cannot list group: ", reason());
   }
   if (w.corder_valid) {
-    std::stable_sort(w.links.begin(), w.links.end(), [](const Link& a, const Link& b) { return a.corder < b.corder; });
+    std::stable_sort(w.links.begin(), w.links.end(),
+                     [](const Link& a, const Link& b) { return a.corder < b.corder; });
   } else {
-    std::sort(w.links.begin(), w.links.end(), [](const Link& a, const Link& b) { return a.name < b.name; });
+    std::sort(w.links.begin(), w.links.end(),
+              [](const Link& a, const Link& b) { return a.name < b.name; });
   }
   std::vector<std::string> out;
   out.reserve(w.links.size());
@@ -284,12 +302,14 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
   switch (H5Tget_class(t)) {
     case H5T_INTEGER: {
       int64_t v = 0;
-      TORCH_CHECK(H5Aread(a, H5T_NATIVE_INT64, &v) >= 0, where, ": attribute '", name, "': ", reason());
+      TORCH_CHECK(H5Aread(a, H5T_NATIVE_INT64, &v) >= 0, where, ": attribute '", name,
+                  "': ", reason());
       return v;
     }
     case H5T_FLOAT: {
       double v = 0;
-      TORCH_CHECK(H5Aread(a, H5T_NATIVE_DOUBLE, &v) >= 0, where, ": attribute '", name, "': ", reason());
+      TORCH_CHECK(H5Aread(a, H5T_NATIVE_DOUBLE, &v) >= 0, where, ": attribute '", name,
+                  "': ", reason());
       return v;
     }
     case H5T_STRING: {
@@ -305,8 +325,8 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
       }
       // The size comes from the file: a corrupt one asked for 660 GB (found by fuzzing).
       const size_t size = H5Tget_size(t);
-      TORCH_CHECK(size > 0 && size <= kMaxStringAttr, where, ": attribute '", name, "' claims a string of ", size,
-                  " bytes: the file is corrupted");
+      TORCH_CHECK(size > 0 && size <= kMaxStringAttr, where, ": attribute '", name,
+                  "' claims a string of ", size, " bytes: the file is corrupted");
       std::string s(size, '\0');
       TORCH_CHECK(H5Aread(a, t, s.data()) >= 0, where, ": attribute '", name, "': ", reason());
       s.resize(std::strlen(s.c_str()));
@@ -319,20 +339,23 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
 
 int64_t get_int(hid_t obj, const std::string& name, const std::string& where) {
   AttrValue v = get_attr(obj, name, where);
-  TORCH_CHECK(std::holds_alternative<int64_t>(v), where, ": attribute '", name, "' should be an integer");
+  TORCH_CHECK(std::holds_alternative<int64_t>(v), where, ": attribute '", name,
+              "' should be an integer");
   return std::get<int64_t>(v);
 }
 
 double get_double(hid_t obj, const std::string& name, const std::string& where) {
   AttrValue v = get_attr(obj, name, where);
   if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
-  TORCH_CHECK(std::holds_alternative<double>(v), where, ": attribute '", name, "' should be a number");
+  TORCH_CHECK(std::holds_alternative<double>(v), where, ": attribute '", name,
+              "' should be a number");
   return std::get<double>(v);
 }
 
 std::string get_string(hid_t obj, const std::string& name, const std::string& where) {
   AttrValue v = get_attr(obj, name, where);
-  TORCH_CHECK(std::holds_alternative<std::string>(v), where, ": attribute '", name, "' should be a string");
+  TORCH_CHECK(std::holds_alternative<std::string>(v), where, ": attribute '", name,
+              "' should be a string");
   return std::get<std::string>(v);
 }
 
@@ -344,7 +367,8 @@ std::vector<std::string> attr_names(hid_t obj, const std::string& where) {
     return 0;
   };
   hsize_t idx = 0;
-  TORCH_CHECK(H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_INC, &idx, collect, &out) >= 0, where, ": ", reason());
+  TORCH_CHECK(H5Aiterate2(obj, H5_INDEX_NAME, H5_ITER_INC, &idx, collect, &out) >= 0, where, ": ",
+              reason());
   return out;
 }
 
@@ -357,11 +381,15 @@ Kind kind_of(hid_t loc, const std::string& name, const std::string& where) {
               "' is unreadable: the file is corrupted (", reason(), ")");
   if (link.type != H5L_TYPE_HARD) return Kind::kOther;
   Obj o(H5Oopen(loc, name.c_str(), H5P_DEFAULT), H5Oclose);
-  TORCH_CHECK(o.valid(), where, ": object '", name, "' is unreadable: the file is corrupted (", reason(), ")");
+  TORCH_CHECK(o.valid(), where, ": object '", name, "' is unreadable: the file is corrupted (",
+              reason(), ")");
   switch (H5Iget_type(o)) {
-    case H5I_GROUP: return Kind::kGroup;
-    case H5I_DATASET: return Kind::kDataset;
-    default: return Kind::kOther;
+    case H5I_GROUP:
+      return Kind::kGroup;
+    case H5I_DATASET:
+      return Kind::kDataset;
+    default:
+      return Kind::kOther;
   }
 }
 
@@ -369,11 +397,13 @@ std::string object_id(hid_t obj, const std::string& where) {
   // HDF5 1.12 replaced object addresses by tokens, and H5Oget_info2 by H5Oget_info3.
 #if H5_VERSION_GE(1, 12, 0)
   H5O_info2_t info{};
-  TORCH_CHECK(H5Oget_info3(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (", reason(), ")");
+  TORCH_CHECK(H5Oget_info3(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (",
+              reason(), ")");
   return std::string(reinterpret_cast<const char*>(&info.token), sizeof(info.token));
 #else
   H5O_info_t info{};
-  TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (", reason(), ")");
+  TORCH_CHECK(H5Oget_info2(obj, &info, H5O_INFO_BASIC) >= 0, where, ": unreadable object header (",
+              reason(), ")");
   return std::to_string(info.addr);
 #endif
 }

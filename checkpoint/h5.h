@@ -84,22 +84,25 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
            const std::vector<int64_t>& shape, const std::string& where);
 void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
                    const std::string& where);
-void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v, const std::string& where);
+void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v,
+               const std::string& where);
 
 /// Shape and stored element type of a dataset.
 std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::string& where);
 /// The element count of dataset `name`'s `shape` (read from a file, so corrupt in a
 /// damaged one): a product past int64 is an error naming `where` and `name`.
-int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where, const std::string& name);
+int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where,
+                 const std::string& name);
 /// Checks that `numel` elements of `elem` bytes fit in the file holding `loc`, before
 /// anything is sized by a count read from that file (our datasets are never compressed).
-void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem, const std::string& where);
+void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem,
+                        const std::string& where);
 Elem elem_of(hid_t loc, const std::string& name, const std::string& where);
 /// Reads elements [begin, begin + count) of the dataset in row-major order into `out`
 /// (as `mem`), with hyperslab selections; every checksum block the range touches is read
 /// and verified.
-void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
-                const std::string& where);
+void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out,
+                Elem mem, const std::string& where);
 /// Reads the whole dataset and verifies its checksums; false when it has none.
 bool verify(hid_t loc, const std::string& name, const std::string& where);
 std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where);

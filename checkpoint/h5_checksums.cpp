@@ -1,6 +1,6 @@
 // Block checksums of checkpoint datasets (see h5_detail.h).
-#include "h5_detail.h"
 #include "crc32c.h"
+#include "h5_detail.h"
 
 #include <c10/util/Exception.h>
 
@@ -29,10 +29,10 @@ Blocks blocks_for_write(int64_t numel, size_t elem) {
   return Blocks{numel, elem, static_cast<int64_t>(bytes / elem)};
 }
 
-void write_checksums(hid_t ds, const Blocks& b, const std::vector<uint32_t>& crcs, const std::string& where,
-                     const std::string& name) {
-  TORCH_CHECK(static_cast<int64_t>(crcs.size()) == b.count(), "internal: ", crcs.size(), " checksums for ", b.count(),
-              " blocks of '", name, "'");
+void write_checksums(hid_t ds, const Blocks& b, const std::vector<uint32_t>& crcs,
+                     const std::string& where, const std::string& name) {
+  TORCH_CHECK(static_cast<int64_t>(crcs.size()) == b.count(), "internal: ", crcs.size(),
+              " checksums for ", b.count(), " blocks of '", name, "'");
   set_attr(ds, kCrcBlockAttr, static_cast<int64_t>(static_cast<size_t>(b.per_block) * b.elem));
   hsize_t n = crcs.size();
   Obj space(H5Screate_simple(1, &n, nullptr), H5Sclose);
@@ -52,8 +52,8 @@ std::vector<uint32_t> read_checksums(hid_t ds, const std::string& where, const s
   // The count comes from the file and sizes the allocation below.
   check_fits_in_file(ds, name + "'s checksums", n, sizeof(uint32_t), where);
   std::vector<uint32_t> out(static_cast<size_t>(std::max<hssize_t>(n, 0)));
-  TORCH_CHECK(n > 0 && H5Aread(a, H5T_NATIVE_UINT32, out.data()) >= 0, where, ": the checksums of dataset '", name,
-              "' are unreadable: the file is corrupted");
+  TORCH_CHECK(n > 0 && H5Aread(a, H5T_NATIVE_UINT32, out.data()) >= 0, where,
+              ": the checksums of dataset '", name, "' are unreadable: the file is corrupted");
   return out;
 }
 
@@ -62,19 +62,20 @@ Blocks read_blocks(hid_t ds, int64_t numel, size_t elem, const std::vector<uint3
   const int64_t bytes = get_int(ds, kCrcBlockAttr, where);
   // Both sizes come from the file; checked before dividing by them (fuzzing found a
   // division by zero for each).
-  TORCH_CHECK(elem > 0 && bytes >= static_cast<int64_t>(elem), where, ": dataset '", name, "' has checksum blocks of ",
-              bytes, " bytes for elements of ", elem, " bytes: the file is corrupted");
+  TORCH_CHECK(elem > 0 && bytes >= static_cast<int64_t>(elem), where, ": dataset '", name,
+              "' has checksum blocks of ", bytes, " bytes for elements of ", elem,
+              " bytes: the file is corrupted");
   const Blocks b{numel, elem, bytes / static_cast<int64_t>(elem)};
-  TORCH_CHECK(static_cast<int64_t>(crcs.size()) == b.count(), where, ": dataset '", name, "' has ", crcs.size(),
-              " checksums for ", b.count(), " blocks: the file is corrupted");
+  TORCH_CHECK(static_cast<int64_t>(crcs.size()) == b.count(), where, ": dataset '", name, "' has ",
+              crcs.size(), " checksums for ", b.count(), " blocks: the file is corrupted");
   return b;
 }
 
 void check_block(const Blocks& b, const std::vector<uint32_t>& crcs, int64_t k, const void* bytes,
                  const std::string& where, const std::string& name) {
   if (crc_block(bytes, static_cast<size_t>(b.size(k)) * b.elem) != crcs[static_cast<size_t>(k)]) {
-    TORCH_CHECK(false, where, ": checksum mismatch in dataset '", name, "' (block ", k, " of ", b.count(),
-                "): the file is corrupted");
+    TORCH_CHECK(false, where, ": checksum mismatch in dataset '", name, "' (block ", k, " of ",
+                b.count(), "): the file is corrupted");
   }
 }
 

@@ -25,7 +25,8 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
     std::memcpy(dst, src, n * H5Tget_size(mem_type(from)));
     return;
   }
-  const bool half = from == Elem::kBF16 || from == Elem::kF16 || to == Elem::kBF16 || to == Elem::kF16;
+  const bool half =
+      from == Elem::kBF16 || from == Elem::kF16 || to == Elem::kBF16 || to == Elem::kF16;
   if (from == Elem::kF32 && half) {
     const auto* in = static_cast<const float*>(src);
     auto* out = static_cast<uint16_t*>(dst);
@@ -34,17 +35,20 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
       for (size_t i = 0; i < n; ++i) out[i] = std::isnan(in[i]) ? kBF16NaN : c10::BFloat16(in[i]).x;
     } else {
       for (size_t i = 0; i < n; ++i) {
-        out[i] = std::isnan(in[i]) ? static_cast<uint16_t>(kF16NaN | (std::signbit(in[i]) ? 0x8000 : 0))
-                                    : c10::Half(in[i]).x;
+        out[i] = std::isnan(in[i])
+                     ? static_cast<uint16_t>(kF16NaN | (std::signbit(in[i]) ? 0x8000 : 0))
+                     : c10::Half(in[i]).x;
       }
     }
   } else if (to == Elem::kF32 && half) {
     const auto* in = static_cast<const uint16_t*>(src);
     auto* out = static_cast<float*>(dst);
     if (from == Elem::kBF16) {
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
+      for (size_t i = 0; i < n; ++i)
+        out[i] = static_cast<float>(c10::BFloat16(in[i], c10::BFloat16::from_bits()));
     } else {
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
+      for (size_t i = 0; i < n; ++i)
+        out[i] = static_cast<float>(c10::Half(in[i], c10::Half::from_bits()));
     }
   } else if (from == Elem::kF64 && to == Elem::kF32) {
     // A float64 buffer (or another writer's float64 dataset) read as float32: the C++
@@ -61,8 +65,8 @@ void convert(const void* src, Elem from, void* dst, Elem to, size_t n) {
   }
 }
 
-void detail::convert_named(const void* src, Elem from, void* dst, Elem to, size_t n, const std::string& where,
-                           const std::string& name) {
+void detail::convert_named(const void* src, Elem from, void* dst, Elem to, size_t n,
+                           const std::string& where, const std::string& name) {
   try {
     convert(src, from, dst, to, n);
   } catch (const c10::Error& e) {

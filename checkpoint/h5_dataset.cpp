@@ -1,7 +1,7 @@
 // Checkpoint datasets (see h5.h): written contiguous with block checksums, read by
 // element ranges that verify every block they touch.
-#include "h5_detail.h"
 #include "crc32c.h"
+#include "h5_detail.h"
 
 #include <c10/util/Exception.h>
 
@@ -21,7 +21,8 @@ Obj detail::dataset(hid_t loc, const std::string& name, const std::string& where
   if (H5Lget_info(loc, name.c_str(), &link, H5P_DEFAULT) < 0) {
     H5Eclear2(H5E_DEFAULT);  // missing: H5Dopen2 says so below
   } else if (link.type != H5L_TYPE_HARD) {
-    TORCH_CHECK(false, where, ": '", name, "' is ", link.type == H5L_TYPE_SOFT ? "a soft" : "an external",
+    TORCH_CHECK(false, where, ": '", name, "' is ",
+                link.type == H5L_TYPE_SOFT ? "a soft" : "an external",
                 " link, not a dataset: checkpoint files hold none, the file is corrupted");
   }
   hid_t id = H5Dopen2(loc, name.c_str(), H5P_DEFAULT);
@@ -51,14 +52,17 @@ Opened open_for_read(hid_t loc, const std::string& name, const std::string& wher
   if (nd > 0) H5Sget_simple_extent_dims(d.fspace, d.dims.data(), nullptr);
   for (hsize_t n : d.dims) {
     // The dimensions come from the file: their product must not overflow (fuzzing).
-    TORCH_CHECK(n <= static_cast<hsize_t>(INT64_MAX) && !__builtin_mul_overflow(d.numel, static_cast<int64_t>(n), &d.numel),
-                where, ": dataset '", name, "' claims more elements than fit in 64 bits: the file is corrupted");
+    TORCH_CHECK(n <= static_cast<hsize_t>(INT64_MAX) &&
+                    !__builtin_mul_overflow(d.numel, static_cast<int64_t>(n), &d.numel),
+                where, ": dataset '", name,
+                "' claims more elements than fit in 64 bits: the file is corrupted");
   }
   return d;
 }
 
 [[noreturn]] void read_failed(const std::string& where, const std::string& name) {
-  TORCH_CHECK(false, where, ": cannot read dataset '", name, "': the file is truncated or corrupted (", reason(), ")");
+  TORCH_CHECK(false, where, ": cannot read dataset '", name,
+              "': the file is truncated or corrupted (", reason(), ")");
   __builtin_unreachable();
 }
 
@@ -75,7 +79,8 @@ void read_unchecked(const Opened& d, Elem file, int64_t begin, int64_t count, vo
     return;
   }
   std::vector<uint8_t> raw(static_cast<size_t>(count) * H5Tget_size(file_type(file)));
-  if (io_linear(d.ds, d.fspace, d.dims, begin, count, raw.data(), file_type(file), /*write=*/false) < 0) {
+  if (io_linear(d.ds, d.fspace, d.dims, begin, count, raw.data(), file_type(file),
+                /*write=*/false) < 0) {
     read_failed(where, name);
   }
   convert_named(raw.data(), file, out, mem, static_cast<size_t>(count), where, name);
@@ -85,8 +90,9 @@ void read_unchecked(const Opened& d, Elem file, int64_t begin, int64_t count, vo
 // from element `begin`; stored and memory types are the same), in pieces of 4 blocks:
 // while piece i is verified on a second thread, piece i + 1 is read, so checking costs
 // little more than reading.
-void read_whole_blocks(const Opened& d, hid_t ftype, const Blocks& b, const std::vector<uint32_t>& crcs, int64_t k0,
-                       int64_t k1, int64_t begin, uint8_t* out, const std::string& where, const std::string& name) {
+void read_whole_blocks(const Opened& d, hid_t ftype, const Blocks& b,
+                       const std::vector<uint32_t>& crcs, int64_t k0, int64_t k1, int64_t begin,
+                       uint8_t* out, const std::string& where, const std::string& name) {
   auto at = [&](int64_t element) { return out + static_cast<size_t>(element - begin) * b.elem; };
   std::string error;
   auto verify_blocks = [&](int64_t from, int64_t to) {
@@ -116,18 +122,21 @@ void read_whole_blocks(const Opened& d, hid_t ftype, const Blocks& b, const std:
 
 // Block `k` read whole into `tmp` and verified; its elements inside [begin, begin +
 // count) are converted from `file` into `out` (which holds the range as `mem`).
-void read_block_through(const Opened& d, hid_t ftype, Elem file, const Blocks& b, const std::vector<uint32_t>& crcs,
-                        int64_t k, int64_t begin, int64_t count, uint8_t* out, Elem mem, std::vector<uint8_t>& tmp,
-                        const std::string& where, const std::string& name) {
+void read_block_through(const Opened& d, hid_t ftype, Elem file, const Blocks& b,
+                        const std::vector<uint32_t>& crcs, int64_t k, int64_t begin, int64_t count,
+                        uint8_t* out, Elem mem, std::vector<uint8_t>& tmp, const std::string& where,
+                        const std::string& name) {
   const int64_t b0 = b.first(k), n = b.size(k);
   const int64_t lo = std::max(begin, b0), hi = std::min(begin + count, b0 + n);
   const size_t msize = H5Tget_size(mem_type(mem));
   // Sized by the block's elements, not per_block: the block size comes from the file.
   tmp.resize(static_cast<size_t>(n) * std::max(b.elem, msize));
-  if (io_linear(d.ds, d.fspace, d.dims, b0, n, tmp.data(), ftype, /*write=*/false) < 0) read_failed(where, name);
+  if (io_linear(d.ds, d.fspace, d.dims, b0, n, tmp.data(), ftype, /*write=*/false) < 0)
+    read_failed(where, name);
   check_block(b, crcs, k, tmp.data(), where, name);
-  convert_named(tmp.data() + static_cast<size_t>(lo - b0) * b.elem, file, out + static_cast<size_t>(lo - begin) * msize,
-                mem, static_cast<size_t>(hi - lo), where, name);
+  convert_named(tmp.data() + static_cast<size_t>(lo - b0) * b.elem, file,
+                out + static_cast<size_t>(lo - begin) * msize, mem, static_cast<size_t>(hi - lo),
+                where, name);
 }
 
 }  // namespace
@@ -136,13 +145,16 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
            const std::vector<int64_t>& shape, const std::string& where) {
   quiet();
   std::vector<hsize_t> dims(shape.begin(), shape.end());
-  Obj space = dims.empty() ? Obj(H5Screate(H5S_SCALAR), H5Sclose)
-                           : Obj(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
+  Obj space =
+      dims.empty()
+          ? Obj(H5Screate(H5S_SCALAR), H5Sclose)
+          : Obj(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
   Obj dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   H5Pset_obj_track_times(dcpl, false);
   // Contiguous storage: HDF5 writes and reads it straight from and into the caller's
   // buffer. Integrity comes from our block checksums (Note [Block checksums]).
-  Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT), H5Dclose);
+  Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+         H5Dclose);
   TORCH_CHECK(ds.valid(), where, ": cannot create dataset '", name, "': ", reason());
   const int64_t numel = numel_of(shape, where, name);
   if (numel == 0) return;
@@ -152,7 +164,8 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
   if (mem == file) {
     const auto* bytes = static_cast<const uint8_t*>(data);
     for (int64_t k = 0; k < b.count(); ++k) {
-      crcs.push_back(crc_block(bytes + static_cast<size_t>(b.first(k)) * fsize, static_cast<size_t>(b.size(k)) * fsize));
+      crcs.push_back(crc_block(bytes + static_cast<size_t>(b.first(k)) * fsize,
+                               static_cast<size_t>(b.size(k)) * fsize));
     }
     TORCH_CHECK(H5Dwrite(ds, mem_type(mem), H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, where,
                 ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
@@ -164,11 +177,12 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
     Obj fspace(H5Dget_space(ds), H5Sclose);
     for (int64_t k = 0; k < b.count(); ++k) {
       const int64_t first = b.first(k), n = b.size(k);
-      convert_named(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem, buf.data(), file,
-                    static_cast<size_t>(n), where, name);
+      convert_named(static_cast<const uint8_t*>(data) + static_cast<size_t>(first) * msize, mem,
+                    buf.data(), file, static_cast<size_t>(n), where, name);
       crcs.push_back(crc_block(buf.data(), static_cast<size_t>(n) * fsize));
-      TORCH_CHECK(io_linear(ds, fspace, dims, first, n, buf.data(), file_type(file), /*write=*/true) >= 0, where,
-                  ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
+      TORCH_CHECK(
+          io_linear(ds, fspace, dims, first, n, buf.data(), file_type(file), /*write=*/true) >= 0,
+          where, ": cannot write dataset '", name, "': ", reason(), ". Is the disk full?");
     }
   }
   write_checksums(ds, b, crcs, where, name);
@@ -184,10 +198,12 @@ void write_strings(hid_t loc, const std::string& name, const std::vector<std::st
     joined += s;
     joined += '\n';
   }
-  write(loc, name, joined.data(), Elem::kU8, Elem::kU8, {static_cast<int64_t>(joined.size())}, where);
+  write(loc, name, joined.data(), Elem::kU8, Elem::kU8, {static_cast<int64_t>(joined.size())},
+        where);
 }
 
-void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v, const std::string& where) {
+void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v,
+               const std::string& where) {
   write(loc, name, v.data(), Elem::kI64, Elem::kI64, {static_cast<int64_t>(v.size())}, where);
 }
 
@@ -199,13 +215,14 @@ std::vector<int64_t> shape_of(hid_t loc, const std::string& name, const std::str
   std::vector<hsize_t> dims(static_cast<size_t>(nd));
   H5Sget_simple_extent_dims(space, dims.data(), nullptr);
   for (hsize_t d : dims) {
-    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX), where, ": dataset '", name, "' claims a dimension of ", d,
-                ": the file is corrupted");
+    TORCH_CHECK(d <= static_cast<hsize_t>(INT64_MAX), where, ": dataset '", name,
+                "' claims a dimension of ", d, ": the file is corrupted");
   }
   return std::vector<int64_t>(dims.begin(), dims.end());
 }
 
-int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where, const std::string& name) {
+int64_t numel_of(const std::vector<int64_t>& shape, const std::string& where,
+                 const std::string& name) {
   int64_t numel = 1;
   for (int64_t d : shape) {
     if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) {
@@ -241,12 +258,12 @@ Elem elem_of(hid_t loc, const std::string& name, const std::string& where) {
   TORCH_CHECK(false, where, ": dataset '", name, "' has an unsupported element type");
 }
 
-void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out, Elem mem,
-                const std::string& where) {
+void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count, void* out,
+                Elem mem, const std::string& where) {
   if (count <= 0) return;
   const Opened d = open_for_read(loc, name, where);
-  TORCH_CHECK(begin >= 0 && begin + count <= d.numel, where, ": dataset '", name, "' holds ", d.numel,
-              " elements; elements [", begin, ", ", begin + count, ") were asked for");
+  TORCH_CHECK(begin >= 0 && begin + count <= d.numel, where, ": dataset '", name, "' holds ",
+              d.numel, " elements; elements [", begin, ", ", begin + count, ") were asked for");
   const Elem file = elem_of(loc, name, where);
   const std::vector<uint32_t> crcs = read_checksums(d.ds, where, name);
   if (crcs.empty()) return read_unchecked(d, file, begin, count, out, mem, where, name);
@@ -256,8 +273,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   // Elements are moved in the stored type (HDF5 converts nothing), into buffers sized
   // for `file`'s type: a stored size that differs (a 16-byte integer is elem_of's kI64)
   // wrote past them.
-  TORCH_CHECK(fsize == H5Tget_size(file_type(file)), where, ": dataset '", name, "' stores ", elem_name(file),
-              " elements of ", fsize, " bytes: the file is corrupted");
+  TORCH_CHECK(fsize == H5Tget_size(file_type(file)), where, ": dataset '", name, "' stores ",
+              elem_name(file), " elements of ", fsize, " bytes: the file is corrupted");
   // Checksummed datasets are ours, stored contiguous and uncompressed: all of them lies in
   // the file. A larger claim (a damaged dataspace) would have verify() read fill values
   // for as long as it claims.
@@ -279,7 +296,8 @@ void read_range(hid_t loc, const std::string& name, int64_t begin, int64_t count
   if (k1 > k0) read_whole_blocks(d, ftype, b, crcs, k0, k1, begin, dst, where, name);
   std::vector<uint8_t> tmp;
   for (int64_t k = k_first; k <= k_last; ++k) {
-    if (k < k0 || k >= k1) read_block_through(d, ftype, file, b, crcs, k, begin, count, dst, mem, tmp, where, name);
+    if (k < k0 || k >= k1)
+      read_block_through(d, ftype, file, b, crcs, k, begin, count, dst, mem, tmp, where, name);
   }
 }
 
@@ -291,7 +309,8 @@ bool verify(hid_t loc, const std::string& name, const std::string& where) {
   const Elem e = elem_of(loc, name, where);
   std::vector<uint8_t> buf(static_cast<size_t>(std::min<int64_t>(numel, int64_t{1} << 20)) * 8);
   for (int64_t pos = 0; pos < numel; pos += int64_t{1} << 20) {
-    read_range(loc, name, pos, std::min<int64_t>(int64_t{1} << 20, numel - pos), buf.data(), e, where);
+    read_range(loc, name, pos, std::min<int64_t>(int64_t{1} << 20, numel - pos), buf.data(), e,
+               where);
   }
   return true;
 }
@@ -299,18 +318,21 @@ bool verify(hid_t loc, const std::string& name, const std::string& where) {
 // A table's length comes from the file and sizes an allocation before anything is read:
 // a corrupt one asked for 660 GB (found by fuzzing). Tables are stored uncompressed, so
 // one that claims more bytes than the whole file is corrupt.
-void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem, const std::string& where) {
+void check_fits_in_file(hid_t loc, const std::string& name, int64_t numel, size_t elem,
+                        const std::string& where) {
   const hid_t fid = H5Iget_file_id(loc);
   hsize_t file_bytes = 0;
   const bool known = fid >= 0 && H5Fget_filesize(fid, &file_bytes) >= 0;
   if (fid >= 0) H5Fclose(fid);
   if (!known) return;
-  TORCH_CHECK(numel >= 0 && static_cast<double>(numel) * static_cast<double>(elem) <= static_cast<double>(file_bytes),
-              where, ": dataset '", name, "' claims ", numel, " elements of ", elem, " bytes in a file of ", file_bytes,
-              " bytes: the file is corrupted");
+  TORCH_CHECK(numel >= 0 && static_cast<double>(numel) * static_cast<double>(elem) <=
+                                static_cast<double>(file_bytes),
+              where, ": dataset '", name, "' claims ", numel, " elements of ", elem,
+              " bytes in a file of ", file_bytes, " bytes: the file is corrupted");
 }
 
-std::vector<std::string> read_strings(hid_t loc, const std::string& name, const std::string& where) {
+std::vector<std::string> read_strings(hid_t loc, const std::string& name,
+                                      const std::string& where) {
   auto shape = shape_of(loc, name, where);
   TORCH_CHECK(shape.size() == 1, where, ": dataset '", name, "' should be one-dimensional");
   check_fits_in_file(loc, name, shape[0], 1, where);
@@ -320,7 +342,8 @@ std::vector<std::string> read_strings(hid_t loc, const std::string& name, const 
   size_t pos = 0;
   while (pos < joined.size()) {
     size_t nl = joined.find('\n', pos);
-    TORCH_CHECK(nl != std::string::npos, where, ": dataset '", name, "' is malformed (no final newline)");
+    TORCH_CHECK(nl != std::string::npos, where, ": dataset '", name,
+                "' is malformed (no final newline)");
     out.push_back(joined.substr(pos, nl - pos));
     pos = nl + 1;
   }

@@ -21,13 +21,13 @@ void quiet();
 Obj dataset(hid_t loc, const std::string& name, const std::string& where);
 
 /// convert(), with an error that names the file and the dataset.
-void convert_named(const void* src, Elem from, void* dst, Elem to, size_t n, const std::string& where,
-                   const std::string& name);
+void convert_named(const void* src, Elem from, void* dst, Elem to, size_t n,
+                   const std::string& where, const std::string& name);
 
 /// Reads or writes elements [first, first + n) of dataset `ds` (dataspace `fspace`, of
 /// `dims`), in row-major order, through a 1-D memory buffer of `type`.
-herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64_t first, int64_t n, void* buf,
-                 hid_t type, bool write);
+herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64_t first, int64_t n,
+                 void* buf, hid_t type, bool write);
 
 /// How a dataset's elements are cut into checksum blocks (Note [Block checksums]):
 /// blocks of `per_block` elements, the last one shorter.
@@ -42,8 +42,8 @@ struct Blocks {
 /// The blocks a new dataset of `numel` elements of `elem` bytes is written in.
 Blocks blocks_for_write(int64_t numel, size_t elem);
 /// Stores the checksums of a dataset written in blocks `b`, one per block.
-void write_checksums(hid_t ds, const Blocks& b, const std::vector<uint32_t>& crcs, const std::string& where,
-                     const std::string& name);
+void write_checksums(hid_t ds, const Blocks& b, const std::vector<uint32_t>& crcs,
+                     const std::string& where, const std::string& name);
 /// The checksums of dataset `ds`; empty when it has none (a file from another writer).
 std::vector<uint32_t> read_checksums(hid_t ds, const std::string& where, const std::string& name);
 /// The blocks dataset `ds` (of `numel` elements of `elem` bytes) was written in, checked

@@ -7,8 +7,8 @@ namespace fsdp::h5::detail {
 namespace {
 
 // Boxes (start, count) covering linear elements [a, b) of a row-major array of `dims`.
-void boxes(const std::vector<hsize_t>& dims, size_t d, std::vector<hsize_t> prefix, hsize_t a, hsize_t b,
-           std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>>& out) {
+void boxes(const std::vector<hsize_t>& dims, size_t d, std::vector<hsize_t> prefix, hsize_t a,
+           hsize_t b, std::vector<std::pair<std::vector<hsize_t>, std::vector<hsize_t>>>& out) {
   if (a >= b) return;
   const size_t n = dims.size();
   hsize_t row = 1;
@@ -48,8 +48,8 @@ void boxes(const std::vector<hsize_t>& dims, size_t d, std::vector<hsize_t> pref
 
 }  // namespace
 
-herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64_t first, int64_t n, void* buf,
-                 hid_t type, bool write) {
+herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64_t first, int64_t n,
+                 void* buf, hid_t type, bool write) {
   hsize_t count = static_cast<hsize_t>(n);
   Obj mspace(H5Screate_simple(1, &count, nullptr), H5Sclose);
   hsize_t numel = 1;
@@ -60,14 +60,15 @@ herr_t io_linear(hid_t ds, hid_t fspace, const std::vector<hsize_t>& dims, int64
     boxes(dims, 0, {}, static_cast<hsize_t>(first), static_cast<hsize_t>(first + n), bx);
     bool first_box = true;
     for (auto& b : bx) {
-      H5Sselect_hyperslab(fspace, first_box ? H5S_SELECT_SET : H5S_SELECT_OR, b.first.data(), nullptr,
-                          b.second.data(), nullptr);
+      H5Sselect_hyperslab(fspace, first_box ? H5S_SELECT_SET : H5S_SELECT_OR, b.first.data(),
+                          nullptr, b.second.data(), nullptr);
       first_box = false;
     }
   }
   const hid_t ms = all ? H5S_ALL : mspace.id();
   const hid_t fs = all ? H5S_ALL : fspace;
-  return write ? H5Dwrite(ds, type, ms, fs, H5P_DEFAULT, buf) : H5Dread(ds, type, ms, fs, H5P_DEFAULT, buf);
+  return write ? H5Dwrite(ds, type, ms, fs, H5P_DEFAULT, buf)
+               : H5Dread(ds, type, ms, fs, H5P_DEFAULT, buf);
 }
 
 }  // namespace fsdp::h5::detail

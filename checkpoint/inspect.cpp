@@ -14,8 +14,6 @@ namespace fsdp {
 namespace ckpt {
 namespace {
 
-
-
 std::string human(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -59,8 +57,10 @@ std::string inspect_consolidated(const std::string& file, bool verify) {
   h5::Obj f = h5::open_file(file);
   check_format(f, kConsolidatedFormat, file);
   std::ostringstream os;
-  os << "consolidated checkpoint " << file << " (" << human(static_cast<double>(fs::file_size(file))) << ")\n";
-  for (const auto& n : h5::attr_names(f, file)) os << "  " << n << " = " << attr_text(h5::get_attr(f, n, file)) << "\n";
+  os << "consolidated checkpoint " << file << " ("
+     << human(static_cast<double>(fs::file_size(file))) << ")\n";
+  for (const auto& n : h5::attr_names(f, file))
+    os << "  " << n << " = " << attr_text(h5::get_attr(f, n, file)) << "\n";
   h5::Obj model = h5::open_group(f, "model", file);
   const auto names = h5::children(model, file + ":/model");
   int64_t total = 0;
@@ -70,7 +70,8 @@ std::string inspect_consolidated(const std::string& file, bool verify) {
     const int64_t numel = h5::numel_of(shape, file + ":/model", n);
     TORCH_CHECK(!__builtin_add_overflow(total, numel, &total), file,
                 ":/model: more elements than fit in 64 bits: the file is corrupted");
-    os << "    " << n << " " << describe_shape(shape) << " " << h5::elem_name(h5::elem_of(model, n, file)) << "\n";
+    os << "    " << n << " " << describe_shape(shape) << " "
+       << h5::elem_name(h5::elem_of(model, n, file)) << "\n";
   }
   os << "  elements: " << total << "\n";
   if (h5::exists(f, "optimizer")) {
@@ -86,8 +87,9 @@ std::string inspect_consolidated(const std::string& file, bool verify) {
     if (unchecked.empty()) {
       os << " and every checksum matched\n";
     } else {
-      os << "; " << unchecked.size() << " datasets carry no checksums (written by another tool), e.g. "
-         << unchecked.front() << "\n";
+      os << "; " << unchecked.size()
+         << " datasets carry no checksums (written by another tool), e.g. " << unchecked.front()
+         << "\n";
     }
   }
   return os.str();
@@ -97,18 +99,21 @@ std::string inspect_sharded(const std::string& path, bool verify) {
   ShardedReader src(path);
   std::ostringstream os;
   os << "sharded checkpoint " << src.dir() << "\n";
-  os << "  format = \"" << kShardedFormat << "\", format_version = "
-     << h5::get_int(src.file(0), "format_version", src.file_path(0)) << "\n";
+  os << "  format = \"" << kShardedFormat
+     << "\", format_version = " << h5::get_int(src.file(0), "format_version", src.file_path(0))
+     << "\n";
   os << "  world_size = " << src.world_size() << ", shard_group_size = " << src.shard_group_size()
      << ", step = " << src.step() << ", optimizer = " << src.optimizer() << "\n";
   int64_t bytes = 0;
-  for (int r = 0; r < src.world_size(); ++r) bytes += static_cast<int64_t>(fs::file_size(src.file_path(r)));
-  os << "  files: " << src.world_size() << " rank files, " << human(static_cast<double>(bytes)) << " in all\n";
+  for (int r = 0; r < src.world_size(); ++r)
+    bytes += static_cast<int64_t>(fs::file_size(src.file_path(r)));
+  os << "  files: " << src.world_size() << " rank files, " << human(static_cast<double>(bytes))
+     << " in all\n";
   int64_t total = 0;
   os << "  units: " << src.flats().size() << " flat parameters\n";
   for (const auto& sf : src.flats()) {
-    os << "    unit '" << sf.unit_fqn << "' (" << (sf.trainable ? "trainable" : "frozen") << "), " << sf.numel
-       << " elements, " << sf.shard_numel << " per rank";
+    os << "    unit '" << sf.unit_fqn << "' (" << (sf.trainable ? "trainable" : "frozen") << "), "
+       << sf.numel << " elements, " << sf.shard_numel << " per rank";
     if (!sf.optim_states.empty()) {
       os << ", optimizer state:";
       for (const auto& s : sf.optim_states) os << " " << s;
@@ -119,30 +124,35 @@ std::string inspect_sharded(const std::string& path, bool verify) {
       total += e.numel;
     }
   }
-  os << "  parameter elements: " << total << " (" << human(static_cast<double>(total) * 4) << " in fp32)\n";
+  os << "  parameter elements: " << total << " (" << human(static_cast<double>(total) * 4)
+     << " in fp32)\n";
   if (verify) {
     for (int r = 0; r < src.world_size(); ++r) {
       hid_t f = src.file(r);  // opening checks format, rank, world size and step
       const std::string p = src.file_path(r);
-      TORCH_CHECK(h5::get_int(f, "num_flats", p) == static_cast<int64_t>(src.flats().size()), p, " holds ",
-                  h5::get_int(f, "num_flats", p), " flat parameters but rank 0's file holds ", src.flats().size());
+      TORCH_CHECK(h5::get_int(f, "num_flats", p) == static_cast<int64_t>(src.flats().size()), p,
+                  " holds ", h5::get_int(f, "num_flats", p),
+                  " flat parameters but rank 0's file holds ", src.flats().size());
       for (size_t k = 0; k < src.flats().size(); ++k) {
         const SourceFlat& sf = src.flats()[k];
         const std::string where = p + ":/" + flat_group(k);
         h5::Obj g = h5::open_group(f, flat_group(k), p);
-        const int64_t begin = h5::get_int(g, "begin", where), length = h5::get_int(g, "length", where);
+        const int64_t begin = h5::get_int(g, "begin", where),
+                      length = h5::get_int(g, "length", where);
         const bool writer = r < src.shard_group_size();
         const int64_t want_begin = std::min(static_cast<int64_t>(r) * sf.shard_numel, sf.numel);
         const int64_t want_len = writer ? std::min(sf.numel - want_begin, sf.shard_numel) : 0;
-        TORCH_CHECK(!writer || (begin == want_begin && length == want_len), where, " holds elements [", begin, ", ",
-                    begin + length, ") but should hold [", want_begin, ", ", want_begin + want_len, ")");
+        TORCH_CHECK(!writer || (begin == want_begin && length == want_len), where,
+                    " holds elements [", begin, ", ", begin + length, ") but should hold [",
+                    want_begin, ", ", want_begin + want_len, ")");
         TORCH_CHECK(h5::shape_of(g, "param", where) == std::vector<int64_t>{want_len}, where,
                     ": dataset 'param' should hold ", want_len, " elements");
       }
       std::set<std::string> entered;
       verify_tree(f, p + ":", nullptr, entered);
     }
-    os << "  verified: " << src.world_size() << " rank files complete, every dataset read back and every "
+    os << "  verified: " << src.world_size()
+       << " rank files complete, every dataset read back and every "
        << "checksum matched\n";
   }
   return os.str();

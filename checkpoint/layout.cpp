@@ -51,8 +51,8 @@ std::vector<TableEntry> read_table(hid_t group, const std::string& where) {
   auto dims = h5::read_i64(group, "dims", where);
   const size_t n = fqns.size();
   TORCH_CHECK(offsets.size() == n && numels.size() == n && ndims.size() == n, where,
-              ": the parameter table is inconsistent (", n, " names, ", offsets.size(), " offsets, ",
-              numels.size(), " sizes)");
+              ": the parameter table is inconsistent (", n, " names, ", offsets.size(),
+              " offsets, ", numels.size(), " sizes)");
   std::vector<TableEntry> out(n);
   size_t d = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -72,35 +72,43 @@ std::vector<TableEntry> read_table(hid_t group, const std::string& where) {
 }
 
 void check_format(hid_t file, const std::string& format, const std::string& where) {
-  TORCH_CHECK(h5::has_attr(file, "format"), where, " is not an fsdp checkpoint (no 'format' attribute)");
+  TORCH_CHECK(h5::has_attr(file, "format"), where,
+              " is not an fsdp checkpoint (no 'format' attribute)");
   const std::string f = h5::get_string(file, "format", where);
   TORCH_CHECK(f == format, where, " holds format '", f, "', expected '", format, "'");
   const int64_t v = h5::get_int(file, "format_version", where);
   TORCH_CHECK(v >= 1 && v <= kCheckpointFormatVersion, where, " has format_version ", v,
               "; this build reads versions 1 to ", kCheckpointFormatVersion,
-              v > kCheckpointFormatVersion ? ". It was written by a newer fsdp: upgrade this build to read it."
-                                           : ". The file is damaged.");
+              v > kCheckpointFormatVersion
+                  ? ". It was written by a newer fsdp: upgrade this build to read it."
+                  : ". The file is damaged.");
 }
 
 std::string resolve_checkpoint_dir(const std::string& path) {
   TORCH_CHECK(fs::exists(path), "checkpoint path ", path, " does not exist");
-  TORCH_CHECK(fs::is_directory(path), "checkpoint path ", path, " is a file, but a sharded checkpoint is a "
-              "directory of rank files (or one holding a 'latest' marker); a consolidated .h5 file needs no "
+  TORCH_CHECK(fs::is_directory(path), "checkpoint path ", path,
+              " is a file, but a sharded checkpoint is a "
+              "directory of rank files (or one holding a 'latest' marker); a consolidated .h5 file "
+              "needs no "
               "consolidation and loads with load_consolidated / import_consolidated");
   if (fs::exists(fs::path(path) / rank_file_name(0))) return path;
   const fs::path marker = fs::path(path) / "latest";
-  TORCH_CHECK(fs::is_directory(path) && fs::exists(marker), "checkpoint path ", path,
-              " holds no checkpoint: it has neither rank files (rank_00000.h5) nor a 'latest' marker");
+  TORCH_CHECK(
+      fs::is_directory(path) && fs::exists(marker), "checkpoint path ", path,
+      " holds no checkpoint: it has neither rank files (rank_00000.h5) nor a 'latest' marker");
   std::ifstream in(marker);
   std::string name;
   std::getline(in, name);
   while (!name.empty() && (name.back() == '\r' || name.back() == ' ')) name.pop_back();
   TORCH_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..",
-              "the 'latest' marker ", marker.string(), " is bad: it should name a checkpoint directory next to it, "
-              "but holds '", name, "'. Point it at an existing step_* directory or delete it.");
+              "the 'latest' marker ", marker.string(),
+              " is bad: it should name a checkpoint directory next to it, "
+              "but holds '",
+              name, "'. Point it at an existing step_* directory or delete it.");
   const fs::path dir = fs::path(path) / name;
   TORCH_CHECK(fs::is_directory(dir) && fs::exists(dir / rank_file_name(0)), "the 'latest' marker ",
-              marker.string(), " is bad: it names '", name, "', which is not a checkpoint directory in ", path,
+              marker.string(), " is bad: it names '", name,
+              "', which is not a checkpoint directory in ", path,
               ". Point it at an existing step_* directory or delete it.");
   return dir.string();
 }
@@ -129,8 +137,9 @@ ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
   TORCH_CHECK(world_ >= 1 && group_ >= 1 && group_ <= world_, p0, ": world_size ", world_,
               " and shard_group_size ", group_, " are inconsistent");
   for (int r = 0; r < world_; ++r) {
-    TORCH_CHECK(fs::exists(file_path(r)), "checkpoint ", dir_, " was saved by ", world_, " ranks but ",
-                rank_file_name(r), " is missing: the checkpoint is incomplete. Restore the file or load "
+    TORCH_CHECK(fs::exists(file_path(r)), "checkpoint ", dir_, " was saved by ", world_,
+                " ranks but ", rank_file_name(r),
+                " is missing: the checkpoint is incomplete. Restore the file or load "
                 "an older checkpoint.");
   }
   const int64_t n = h5::get_int(*f0, "num_flats", p0);
@@ -151,8 +160,8 @@ ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
       sf.optim_states = h5::children(og, where + "/optim");
     }
     for (size_t i = 0; i < sf.table.size(); ++i) {
-      TORCH_CHECK(sf.table[i].offset + sf.table[i].numel <= sf.numel, where, ": entry '", sf.table[i].fqn,
-                  "' lies outside the flat parameter");
+      TORCH_CHECK(sf.table[i].offset + sf.table[i].numel <= sf.numel, where, ": entry '",
+                  sf.table[i].fqn, "' lies outside the flat parameter");
       by_fqn_.emplace(sf.table[i].fqn, std::make_pair(flats_.size(), i));
     }
     flats_.push_back(std::move(sf));
@@ -161,7 +170,9 @@ ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
   files_[0] = std::move(f0);
 }
 
-std::string ShardedReader::file_path(int rank) const { return (fs::path(dir_) / rank_file_name(rank)).string(); }
+std::string ShardedReader::file_path(int rank) const {
+  return (fs::path(dir_) / rank_file_name(rank)).string();
+}
 
 hid_t ShardedReader::file(int rank) {
   auto& slot = files_.at(static_cast<size_t>(rank));
@@ -171,10 +182,12 @@ hid_t ShardedReader::file(int rank) {
     auto f = std::make_unique<h5::Obj>(h5::open_file(p, cache_bytes_));
     check_format(*f, kShardedFormat, p);
     TORCH_CHECK(h5::get_int(*f, "rank", p) == rank && h5::get_int(*f, "world_size", p) == world_, p,
-                " says it is rank ", h5::get_int(*f, "rank", p), " of ", h5::get_int(*f, "world_size", p),
-                ", but sits in a checkpoint of ", world_, " ranks as rank ", rank);
-    TORCH_CHECK(h5::get_int(*f, "step", p) == step_, p, " is from step ", h5::get_int(*f, "step", p),
-                " but rank 0's file is from step ", step_, ": files of different checkpoints are mixed");
+                " says it is rank ", h5::get_int(*f, "rank", p), " of ",
+                h5::get_int(*f, "world_size", p), ", but sits in a checkpoint of ", world_,
+                " ranks as rank ", rank);
+    TORCH_CHECK(h5::get_int(*f, "step", p) == step_, p, " is from step ",
+                h5::get_int(*f, "step", p), " but rank 0's file is from step ", step_,
+                ": files of different checkpoints are mixed");
     slot = std::move(f);
   }
   return *slot;
@@ -188,7 +201,8 @@ void ShardedReader::read(size_t k, const std::string& name, int64_t pos, int64_t
     const int64_t within = pos - chunk * sf.shard_numel;
     const int64_t take = std::min(n, sf.shard_numel - within);
     const int r = static_cast<int>(chunk);
-    h5::read_range(file(r), flat_group(k) + "/" + name, within, take, out, h5::Elem::kF32, file_path(r));
+    h5::read_range(file(r), flat_group(k) + "/" + name, within, take, out, h5::Elem::kF32,
+                   file_path(r));
     pos += take;
     out += take;
     n -= take;

@@ -118,9 +118,11 @@ struct ConsolidatedWriter {
   h5::Obj optim;
 
   ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
-                     const std::map<std::string, AttrValue>& attrs, const std::string& optimizer_kind);
+                     const std::map<std::string, AttrValue>& attrs,
+                     const std::string& optimizer_kind);
   /// /optimizer/<fqn> with its step and hyperparameters.
-  void optim_group(const std::string& fqn, int64_t step, const std::map<std::string, AttrValue>& hp);
+  void optim_group(const std::string& fqn, int64_t step,
+                   const std::map<std::string, AttrValue>& hp);
   void finish();
   /// Closes and deletes the temporary file (after an error).
   void abandon();
@@ -135,6 +137,6 @@ const char* safetensors_dtype(h5::Elem e);
 /// The "__metadata__" of a safetensors export, the same live and offline: "format" = "pt"
 /// (what transformers checks), fsdp_format, fsdp_format_version, dtype, step and the
 /// model attributes, all as strings.
-std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t step,
-                                                        const std::map<std::string, AttrValue>& attrs);
+std::map<std::string, std::string> safetensors_metadata(
+    h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs);
 }  // namespace fsdp::ckpt

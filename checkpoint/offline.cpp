@@ -34,8 +34,8 @@ ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, i
   h5::set_attr(file, "dtype", std::string(h5::elem_name(dtype)));
   h5::set_attr(file, "step", step);
   for (const auto& [k, v] : attrs) {
-    TORCH_CHECK(k != "format" && k != "format_version" && k != "dtype" && k != "step", "model attribute '", k,
-                "' collides with a reserved root attribute");
+    TORCH_CHECK(k != "format" && k != "format_version" && k != "dtype" && k != "step",
+                "model attribute '", k, "' collides with a reserved root attribute");
     h5::set_attr(file, k, v);
   }
   model = h5::create_group(file, "model", tmp);
@@ -70,15 +70,18 @@ void ConsolidatedWriter::abandon() {
 
 h5::Elem elem_of(ExportDtype d) {
   switch (d) {
-    case ExportDtype::kF32: return h5::Elem::kF32;
-    case ExportDtype::kBF16: return h5::Elem::kBF16;
-    case ExportDtype::kF16: return h5::Elem::kF16;
+    case ExportDtype::kF32:
+      return h5::Elem::kF32;
+    case ExportDtype::kBF16:
+      return h5::Elem::kBF16;
+    case ExportDtype::kF16:
+      return h5::Elem::kF16;
   }
   TORCH_CHECK(false, "internal: export dtype ", static_cast<int>(d));
 }
 
-void consolidate_offline(const std::string& sharded, const std::string& out_file, ExportDtype export_dtype,
-                         bool with_optimizer, const Progress& progress) {
+void consolidate_offline(const std::string& sharded, const std::string& out_file,
+                         ExportDtype export_dtype, bool with_optimizer, const Progress& progress) {
   const h5::Elem dtype = elem_of(export_dtype);
   // A small chunk cache: memory stays about one parameter whatever the model size.
   ShardedReader src(sharded, 4u << 20);
@@ -120,8 +123,8 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
         for (const auto& e : sf.table) {
           buf.assign(static_cast<size_t>(e.numel), 0.0f);
           src.read(k, "optim/" + name, e.offset, e.numel, buf.data());
-          h5::write(w.optim, e.fqn + "/" + name, buf.data(), h5::Elem::kF32, h5::Elem::kF32, e.shape,
-                    w.tmp + ":/optimizer");
+          h5::write(w.optim, e.fqn + "/" + name, buf.data(), h5::Elem::kF32, h5::Elem::kF32,
+                    e.shape, w.tmp + ":/optimizer");
         }
       }
     }
@@ -152,18 +155,24 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
 
 const char* safetensors_dtype(h5::Elem e) {
   switch (e) {
-    case h5::Elem::kF32: return "F32";
-    case h5::Elem::kBF16: return "BF16";
-    case h5::Elem::kF16: return "F16";
-    case h5::Elem::kF64: return "F64";
-    case h5::Elem::kI64: return "I64";
-    case h5::Elem::kU8: return "U8";
+    case h5::Elem::kF32:
+      return "F32";
+    case h5::Elem::kBF16:
+      return "BF16";
+    case h5::Elem::kF16:
+      return "F16";
+    case h5::Elem::kF64:
+      return "F64";
+    case h5::Elem::kI64:
+      return "I64";
+    case h5::Elem::kU8:
+      return "U8";
   }
   return "U8";
 }
 
-std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t step,
-                                                        const std::map<std::string, AttrValue>& attrs) {
+std::map<std::string, std::string> safetensors_metadata(
+    h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs) {
   std::map<std::string, std::string> m;
   for (const auto& [k, v] : attrs) {
     if (const auto* i = std::get_if<int64_t>(&v)) {
@@ -186,8 +195,9 @@ std::map<std::string, std::string> safetensors_metadata(h5::Elem dtype, int64_t 
   return m;
 }
 
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, ExportDtype export_dtype,
-                                     uint64_t max_shard_size, const Progress& progress) {
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
+                                     ExportDtype export_dtype, uint64_t max_shard_size,
+                                     const Progress& progress) {
   const h5::Elem dtype = elem_of(export_dtype);
   ShardedReader src(sharded, 4u << 20);
   hid_t f0 = src.file(0);

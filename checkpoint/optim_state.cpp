@@ -3,7 +3,6 @@
 
 #include "internal/optim_key.h"
 
-
 namespace fsdp::ckpt {
 namespace {
 
@@ -27,7 +26,8 @@ template <class Opts>
 void set_adam_like(Opts& o, const std::map<std::string, AttrValue>& hp) {
   auto get = [&](const char* k, double dflt) { return hp.count(k) ? as_double(hp.at(k)) : dflt; };
   o.lr(get("lr", o.lr()));
-  o.betas(std::make_tuple(get("beta1", std::get<0>(o.betas())), get("beta2", std::get<1>(o.betas()))));
+  o.betas(
+      std::make_tuple(get("beta1", std::get<0>(o.betas())), get("beta2", std::get<1>(o.betas()))));
   o.eps(get("eps", o.eps()));
   o.weight_decay(get("weight_decay", o.weight_decay()));
   o.amsgrad(get("amsgrad", o.amsgrad() ? 1 : 0) != 0);
@@ -51,10 +51,14 @@ std::unique_ptr<State> make_adam_state(const at::Tensor& p, ParamState&& st) {
   auto s = std::make_unique<State>();
   s->step(st.step);
   for (auto& [name, t] : st.tensors) {
-    if (name == "exp_avg") s->exp_avg(std::move(t));
-    else if (name == "exp_avg_sq") s->exp_avg_sq(std::move(t));
-    else if (name == "max_exp_avg_sq") s->max_exp_avg_sq(std::move(t));
-    else TORCH_CHECK(false, "optimizer state '", name, "' does not belong to Adam/AdamW");
+    if (name == "exp_avg")
+      s->exp_avg(std::move(t));
+    else if (name == "exp_avg_sq")
+      s->exp_avg_sq(std::move(t));
+    else if (name == "max_exp_avg_sq")
+      s->max_exp_avg_sq(std::move(t));
+    else
+      TORCH_CHECK(false, "optimizer state '", name, "' does not belong to Adam/AdamW");
   }
   if (!s->exp_avg().defined()) s->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
   if (!s->exp_avg_sq().defined()) s->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
@@ -67,8 +71,10 @@ std::string optimizer_kind(torch::optim::Optimizer& opt) {
   if (dynamic_cast<torch::optim::AdamW*>(&opt)) return "adamw";
   if (dynamic_cast<torch::optim::Adam*>(&opt)) return "adam";
   if (dynamic_cast<torch::optim::SGD*>(&opt)) return "sgd";
-  TORCH_CHECK(false, "checkpoints hold the state of torch::optim::Adam, AdamW and SGD; this optimizer is none "
-              "of them (pass nullptr to save or load without optimizer state)");
+  TORCH_CHECK(
+      false,
+      "checkpoints hold the state of torch::optim::Adam, AdamW and SGD; this optimizer is none "
+      "of them (pass nullptr to save or load without optimizer state)");
 }
 
 std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& param) {
@@ -76,7 +82,8 @@ std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& p
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& ps = groups[g].params();
     for (size_t i = 0; i < ps.size(); ++i) {
-      if (ps[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return {static_cast<int>(g), static_cast<int>(i)};
+      if (ps[i].unsafeGetTensorImpl() == param.unsafeGetTensorImpl())
+        return {static_cast<int>(g), static_cast<int>(i)};
     }
   }
   return {-1, -1};
@@ -87,8 +94,10 @@ ParamState get_param_state(torch::optim::Optimizer& opt, const at::Tensor& param
   auto it = state.find(detail::optim_state_key(state, param));
   if (it == state.end()) return {};
   const std::string kind = optimizer_kind(opt);
-  if (kind == "adamw") return adam_state(static_cast<const torch::optim::AdamWParamState&>(*it->second));
-  if (kind == "adam") return adam_state(static_cast<const torch::optim::AdamParamState&>(*it->second));
+  if (kind == "adamw")
+    return adam_state(static_cast<const torch::optim::AdamWParamState&>(*it->second));
+  if (kind == "adam")
+    return adam_state(static_cast<const torch::optim::AdamParamState&>(*it->second));
   const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
   ParamState out;
   if (s.momentum_buffer().defined()) out.tensors = {{"momentum_buffer", s.momentum_buffer()}};
@@ -125,7 +134,8 @@ std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, siz
           {"nesterov", int64_t{s.nesterov() ? 1 : 0}}};
 }
 
-void set_group_hparams(torch::optim::Optimizer& opt, size_t g, const std::map<std::string, AttrValue>& hp) {
+void set_group_hparams(torch::optim::Optimizer& opt, size_t g,
+                       const std::map<std::string, AttrValue>& hp) {
   auto& o = opt.param_groups().at(g).options();
   if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return set_adam_like(*a, hp);
   if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return set_adam_like(*a, hp);

@@ -32,6 +32,7 @@ std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& p
 /// Hyperparameters of group `g` by name (lr, betas, eps, weight_decay, amsgrad, ...).
 std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g);
 /// Sets the hyperparameters that `hp` names on group `g`.
-void set_group_hparams(torch::optim::Optimizer& opt, size_t g, const std::map<std::string, AttrValue>& hp);
+void set_group_hparams(torch::optim::Optimizer& opt, size_t g,
+                       const std::map<std::string, AttrValue>& hp);
 
 }  // namespace fsdp::ckpt

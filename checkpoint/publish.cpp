@@ -31,8 +31,8 @@ void fsync_path(const fs::path& path) {
 }
 
 void publish_atomically(const fs::path& tmp, const fs::path& target) {
-  TORCH_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "cannot rename ", tmp.string(), " to ", target.string(),
-              ": ", std::strerror(errno));
+  TORCH_CHECK(::rename(tmp.c_str(), target.c_str()) == 0, "cannot rename ", tmp.string(), " to ",
+              target.string(), ": ", std::strerror(errno));
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   fsync_path(dir);
 }

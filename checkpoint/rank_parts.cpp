@@ -68,9 +68,11 @@ TrainingState read_training_state(hid_t file, const std::string& path) {
   h5::Obj sg = h5::open_group(file, "state", path);
   state.step = h5::get_int(sg, "step", where);
   h5::Obj sched = h5::open_group(sg, "scheduler", where);
-  for (const auto& n : h5::attr_names(sched, where)) state.scheduler[n] = h5::get_double(sched, n, where);
+  for (const auto& n : h5::attr_names(sched, where))
+    state.scheduler[n] = h5::get_double(sched, n, where);
   h5::Obj extra = h5::open_group(sg, "extra", where);
-  for (const auto& n : h5::attr_names(extra, where)) state.extra[n] = h5::get_string(extra, n, where);
+  for (const auto& n : h5::attr_names(extra, where))
+    state.extra[n] = h5::get_string(extra, n, where);
   if (h5::exists(sg, "loss_scaler")) {
     h5::Obj lg = h5::open_group(sg, "loss_scaler", where);
     LossScalerState ls;
@@ -97,7 +99,8 @@ std::vector<std::pair<std::string, at::Generator>> generators() {
   if (torch::cuda::is_available()) {
     for (int64_t i = 0; i < static_cast<int64_t>(torch::cuda::device_count()); ++i) {
       out.emplace_back("cuda_" + std::to_string(i),
-                       at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
+                       at::globalContext().defaultGenerator(
+                           c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
     }
   }
   return out;
@@ -136,7 +139,8 @@ void restore_rng(hid_t file, const std::string& path) {
 
 void write_buffers(hid_t file, const NamedTensors& buffers, const std::string& path) {
   h5::Obj g = h5::create_group(file, "buffers", path);
-  for (const auto& [name, b] : buffers) write_tensor(g, name, b, storage_elem(b.scalar_type()), path + ":/buffers");
+  for (const auto& [name, b] : buffers)
+    write_tensor(g, name, b, storage_elem(b.scalar_type()), path + ":/buffers");
 }
 
 void read_buffers(hid_t file, const std::string& path, const torch::nn::Module& module,

@@ -5,8 +5,9 @@
 
 namespace fsdp::ckpt {
 
-std::vector<Piece> plan_shard_read(int64_t begin, int64_t length, const std::vector<TargetParam>& params,
-                                   const std::function<std::optional<SourceParam>(const std::string&)>& find) {
+std::vector<Piece> plan_shard_read(
+    int64_t begin, int64_t length, const std::vector<TargetParam>& params,
+    const std::function<std::optional<SourceParam>(const std::string&)>& find) {
   std::vector<Piece> pieces;
   std::set<int64_t> seen_offsets;
   for (const auto& p : params) {
@@ -16,10 +17,12 @@ std::vector<Piece> plan_shard_read(int64_t begin, int64_t length, const std::vec
     if (lo >= hi) continue;
     pieces.push_back(Piece{lo - begin, s->flat, s->offset + (lo - p.offset), hi - lo});
   }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.dst < b.dst; });
+  std::sort(pieces.begin(), pieces.end(),
+            [](const Piece& a, const Piece& b) { return a.dst < b.dst; });
   std::vector<Piece> merged;
   for (const auto& p : pieces) {
-    if (!merged.empty() && merged.back().src_flat == p.src_flat && merged.back().dst + merged.back().n == p.dst &&
+    if (!merged.empty() && merged.back().src_flat == p.src_flat &&
+        merged.back().dst + merged.back().n == p.dst &&
         merged.back().src + merged.back().n == p.src) {
       merged.back().n += p.n;
     } else {

@@ -41,8 +41,9 @@ struct SourceParam {
 /// parameter, or nothing: its range is left out of the plan (the caller zero-fills or
 /// reports it). A second parameter at an offset already planned (an alias of a tied
 /// tensor) is skipped. Elements past the last parameter (padding) are in no piece.
-std::vector<Piece> plan_shard_read(int64_t begin, int64_t length, const std::vector<TargetParam>& params,
-                                   const std::function<std::optional<SourceParam>(const std::string&)>& find);
+std::vector<Piece> plan_shard_read(
+    int64_t begin, int64_t length, const std::vector<TargetParam>& params,
+    const std::function<std::optional<SourceParam>(const std::string&)>& find);
 
 /// Elements the pieces cover.
 int64_t covered(const std::vector<Piece>& pieces);

@@ -61,7 +61,8 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 void read_all(int fd, uint64_t offset, void* out, uint64_t n, const std::string& path) {
   auto* p = static_cast<char*>(out);
   while (n > 0) {
-    const ssize_t r = ::pread(fd, p, std::min<uint64_t>(n, uint64_t{1} << 30), static_cast<off_t>(offset));
+    const ssize_t r =
+        ::pread(fd, p, std::min<uint64_t>(n, uint64_t{1} << 30), static_cast<off_t>(offset));
     if (r < 0 && errno == EINTR) continue;
     TORCH_CHECK(r > 0, "cannot read ", path, " at byte ", offset, ": ",
                 r == 0 ? std::string("the file ends early (truncated)") : err_text());
@@ -90,11 +91,13 @@ uint64_t nbytes(const Spec& spec) {
 }
 
 std::vector<FilePlan> plan_files(const std::vector<Spec>& specs, uint64_t max_shard_size) {
-  TORCH_CHECK(max_shard_size > 0, "max_shard_size must be positive (bytes; Hugging Face's default is 5 GB)");
+  TORCH_CHECK(max_shard_size > 0,
+              "max_shard_size must be positive (bytes; Hugging Face's default is 5 GB)");
   std::vector<FilePlan> files;
   for (size_t i = 0; i < specs.size(); ++i) {
     const uint64_t b = nbytes(specs[i]);
-    if (files.empty() || (!files.back().tensors.empty() && files.back().data_bytes + b > max_shard_size)) {
+    if (files.empty() ||
+        (!files.back().tensors.empty() && files.back().data_bytes + b > max_shard_size)) {
       files.emplace_back();
     }
     files.back().tensors.push_back(i);
@@ -134,7 +137,8 @@ std::string header_bytes(const std::vector<Spec>& specs, const std::vector<size_
               " bytes, over the format's limit of 100 MB (too many tensors for one file)");
   std::string out(8, '\0');
   uint64_t n = json.size();
-  for (int k = 0; k < 8; ++k) out[static_cast<size_t>(k)] = static_cast<char>((n >> (8 * k)) & 0xff);
+  for (int k = 0; k < 8; ++k)
+    out[static_cast<size_t>(k)] = static_cast<char>((n >> (8 * k)) & 0xff);
   return out + json;
 }
 
@@ -164,14 +168,15 @@ FileWriter::~FileWriter() {
 
 void FileWriter::append(const void* data, size_t n) {
   TORCH_CHECK(fd_ >= 0, "internal: append to a finished safetensors file ", path_);
-  TORCH_CHECK(written_ + n <= expected_, "internal: ", path_, " gets more data than its header declares");
+  TORCH_CHECK(written_ + n <= expected_, "internal: ", path_,
+              " gets more data than its header declares");
   write_all(fd_, data, n, tmp_);
   written_ += n;
 }
 
 void FileWriter::finish() {
-  TORCH_CHECK(written_ == expected_, "internal: ", path_, " got ", written_, " bytes of data, its header declares ",
-              expected_);
+  TORCH_CHECK(written_ == expected_, "internal: ", path_, " got ", written_,
+              " bytes of data, its header declares ", expected_);
   TORCH_CHECK(::fsync(fd_) == 0, "cannot fsync ", tmp_, ": ", err_text());
   const int rc = ::close(fd_);
   fd_ = -1;
@@ -185,8 +190,8 @@ void FileWriter::publish() {
   published_ = true;
 }
 
-DirWriter::DirWriter(std::string dir, std::vector<Spec> specs, std::map<std::string, std::string> metadata,
-                     uint64_t max_shard_size)
+DirWriter::DirWriter(std::string dir, std::vector<Spec> specs,
+                     std::map<std::string, std::string> metadata, uint64_t max_shard_size)
     : dir_(std::move(dir)), specs_(std::move(specs)), metadata_(std::move(metadata)) {
   files_ = plan_files(specs_, max_shard_size);
   std::error_code ec;
@@ -196,8 +201,8 @@ DirWriter::DirWriter(std::string dir, std::vector<Spec> specs, std::map<std::str
 }
 
 void DirWriter::add(size_t index, const void* data, uint64_t n) {
-  TORCH_CHECK(index == next_ && index < specs_.size(), "internal: safetensors tensor ", index, " given, ", next_,
-              " expected");
+  TORCH_CHECK(index == next_ && index < specs_.size(), "internal: safetensors tensor ", index,
+              " given, ", next_, " expected");
   TORCH_CHECK(n == nbytes(specs_[index]), "internal: tensor '", specs_[index].name, "' got ", n,
               " bytes, its dtype and shape need ", nbytes(specs_[index]));
   while (in_file_ == files_[file_].tensors.size()) {  // files without tensors are finished at once
@@ -207,7 +212,8 @@ void DirWriter::add(size_t index, const void* data, uint64_t n) {
   if (in_file_ == 0) {
     const FilePlan& f = files_[file_];
     writers_.push_back(std::make_unique<FileWriter>((fs::path(dir_) / f.name).string(),
-                                                    header_bytes(specs_, f.tensors, metadata_), f.data_bytes));
+                                                    header_bytes(specs_, f.tensors, metadata_),
+                                                    f.data_bytes));
   }
   writers_.back()->append(data, n);
   ++next_;
@@ -215,8 +221,8 @@ void DirWriter::add(size_t index, const void* data, uint64_t n) {
 }
 
 void DirWriter::finish() {
-  TORCH_CHECK(next_ == specs_.size(), "internal: safetensors export finished after ", next_, " of ", specs_.size(),
-              " tensors");
+  TORCH_CHECK(next_ == specs_.size(), "internal: safetensors export finished after ", next_, " of ",
+              specs_.size(), " tensors");
   if (specs_.empty()) {  // one empty file
     writers_.push_back(std::make_unique<FileWriter>((fs::path(dir_) / files_[0].name).string(),
                                                     header_bytes(specs_, {}, metadata_), 0));
@@ -237,7 +243,8 @@ void DirWriter::finish() {
   for (const auto& e : fs::directory_iterator(dir_)) {
     const std::string n = e.path().filename().string();
     const bool ours = n == "model.safetensors" || n == "model.safetensors.index.json" ||
-                      (n.rfind("model-", 0) == 0 && n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0);
+                      (n.rfind("model-", 0) == 0 && n.size() > 12 &&
+                       n.compare(n.size() - 12, 12, ".safetensors") == 0);
     if (ours && !mine.count(n)) fs::remove(e.path());
   }
 }
@@ -268,7 +275,8 @@ Reader::Reader(const std::string& path) {
 void Reader::open(const std::string& path) {
   fs::path p(path);
   if (fs::is_directory(p)) {
-    p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json" : p / "model.safetensors";
+    p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json"
+                                                       : p / "model.safetensors";
   }
   TORCH_CHECK(fs::exists(p), "safetensors file ", p.string(), " does not exist");
   const std::string name = p.filename().string();
@@ -280,8 +288,8 @@ void Reader::open(const std::string& path) {
     } catch (const nlohmann::json::exception& e) {
       TORCH_CHECK(false, p.string(), " is not valid JSON: ", e.what());
     }
-    TORCH_CHECK(idx.is_object() && idx.contains("weight_map") && idx["weight_map"].is_object(), p.string(),
-                ": not a safetensors index (no \"weight_map\" object)");
+    TORCH_CHECK(idx.is_object() && idx.contains("weight_map") && idx["weight_map"].is_object(),
+                p.string(), ": not a safetensors index (no \"weight_map\" object)");
     std::map<std::string, std::string> wanted;  // tensor -> file
     std::vector<std::string> order;             // files, first use first
     for (auto& [t, f] : idx["weight_map"].items()) {
@@ -292,13 +300,14 @@ void Reader::open(const std::string& path) {
       wanted[t] = file;
       if (std::find(order.begin(), order.end(), file) == order.end()) order.push_back(file);
     }
-    for (size_t k = 0; k < order.size(); ++k) open_file((p.parent_path() / order[k]).string(), k == 0);
+    for (size_t k = 0; k < order.size(); ++k)
+      open_file((p.parent_path() / order[k]).string(), k == 0);
     for (const auto& [t, e] : entries_) {
       auto it = wanted.find(t);
       TORCH_CHECK(it != wanted.end(), p.string(), ": tensor '", t, "' is in ", files_[e.file],
                   " but not in the index's weight_map");
-      TORCH_CHECK(fs::path(files_[e.file]).filename() == it->second, p.string(), ": the index puts '", t, "' in ",
-                  it->second, " but it is in ", files_[e.file]);
+      TORCH_CHECK(fs::path(files_[e.file]).filename() == it->second, p.string(),
+                  ": the index puts '", t, "' in ", it->second, " but it is in ", files_[e.file]);
     }
     for (const auto& [t, f] : wanted) {
       TORCH_CHECK(entries_.count(t), p.string(), ": the index names tensor '", t, "' in ", f,
@@ -321,18 +330,21 @@ void Reader::open_file(const std::string& path, bool take_metadata) {
   struct stat sb {};
   TORCH_CHECK(::fstat(fd, &sb) == 0, "cannot stat ", path, ": ", err_text());
   const auto size = static_cast<uint64_t>(sb.st_size);
-  TORCH_CHECK(size >= 8, path, " (", size, " bytes) is not a safetensors file: shorter than its 8-byte header length");
+  TORCH_CHECK(size >= 8, path, " (", size,
+              " bytes) is not a safetensors file: shorter than its 8-byte header length");
   unsigned char len[8];
   read_all(fd, 0, len, 8, path);
   uint64_t n = 0;
   for (int k = 7; k >= 0; --k) n = (n << 8) | len[k];
-  TORCH_CHECK(n <= kMaxHeader, path, ": header length ", n, " is over the format's limit of 100 MB: not a safetensors "
+  TORCH_CHECK(n <= kMaxHeader, path, ": header length ", n,
+              " is over the format's limit of 100 MB: not a safetensors "
               "file, or corrupted");
   TORCH_CHECK(8 + n <= size, path, ": header length ", n, " runs past the end of the file (", size,
               " bytes): truncated");
   std::string text(n, '\0');
   read_all(fd, 8, text.data(), n, path);
-  TORCH_CHECK(n > 0 && text[0] == '{', path, ": the header does not start with '{': not a safetensors file");
+  TORCH_CHECK(n > 0 && text[0] == '{', path,
+              ": the header does not start with '{': not a safetensors file");
   nlohmann::json h;
   try {
     h = nlohmann::json::parse(text);
@@ -353,8 +365,9 @@ void Reader::open_file(const std::string& path, bool take_metadata) {
       }
       continue;
     }
-    TORCH_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"), path,
-                ": tensor '", key, "' lacks dtype, shape or data_offsets");
+    TORCH_CHECK(
+        v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+        path, ": tensor '", key, "' lacks dtype, shape or data_offsets");
     Entry e;
     e.file = file;
     TORCH_CHECK(v["dtype"].is_string(), path, ": tensor '", key, "': dtype is not a string");
@@ -366,27 +379,35 @@ void Reader::open_file(const std::string& path, bool take_metadata) {
       e.shape.push_back(d.get<int64_t>());
     }
     const auto& off = v["data_offsets"];
-    TORCH_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+    TORCH_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() &&
+                    off[1].is_number_unsigned(),
                 path, ": tensor '", key, "': data_offsets is not [begin, end]");
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
-    TORCH_CHECK(e.begin <= e.end && e.end <= data_len, path, ": tensor '", key, "': data_offsets [", e.begin, ", ",
-                e.end, "] lie outside the ", data_len, " bytes of data: truncated or corrupted");
+    TORCH_CHECK(e.begin <= e.end && e.end <= data_len, path, ": tensor '", key, "': data_offsets [",
+                e.begin, ", ", e.end, "] lie outside the ", data_len,
+                " bytes of data: truncated or corrupted");
     const uint64_t want = nbytes(Spec{key, e.dtype, e.shape});
-    TORCH_CHECK(e.end - e.begin == want, path, ": tensor '", key, "' (", e.dtype, ", ", e.shape.size(),
-                " dims) needs ", want, " bytes but data_offsets give ", e.end - e.begin);
-    TORCH_CHECK(!entries_.count(key), path, ": tensor '", key, "' also appears in ", files_[entries_[key].file]);
+    TORCH_CHECK(e.end - e.begin == want, path, ": tensor '", key, "' (", e.dtype, ", ",
+                e.shape.size(), " dims) needs ", want, " bytes but data_offsets give ",
+                e.end - e.begin);
+    TORCH_CHECK(!entries_.count(key), path, ": tensor '", key, "' also appears in ",
+                files_[entries_[key].file]);
     ranges.emplace_back(e.begin, e.end);
     entries_[key] = std::move(e);
   }
   std::sort(ranges.begin(), ranges.end());
   uint64_t at = 0;
   for (const auto& [b, e] : ranges) {
-    TORCH_CHECK(b == at, path, ": the tensors' data_offsets ", b == at ? "" : b < at ? "overlap" : "leave a gap",
+    TORCH_CHECK(b == at, path, ": the tensors' data_offsets ",
+                b == at  ? ""
+                : b < at ? "overlap"
+                         : "leave a gap",
                 " at byte ", std::min(b, at), " of the data");
     at = e;
   }
-  TORCH_CHECK(at == data_len, path, ": ", data_len - at, " bytes after the last tensor's data: not a valid file");
+  TORCH_CHECK(at == data_len, path, ": ", data_len - at,
+              " bytes after the last tensor's data: not a valid file");
 }
 
 void Reader::read(const std::string& name, uint64_t offset, uint64_t n, void* out) const {

@@ -91,9 +91,9 @@ class DirWriter {
   std::map<std::string, std::string> metadata_;
   std::vector<FilePlan> files_;
   std::vector<std::unique_ptr<FileWriter>> writers_;
-  size_t next_ = 0;       ///< the tensor add() expects
-  size_t file_ = 0;       ///< the file being written
-  size_t in_file_ = 0;    ///< tensors of it written so far
+  size_t next_ = 0;     ///< the tensor add() expects
+  size_t file_ = 0;     ///< the file being written
+  size_t in_file_ = 0;  ///< tensors of it written so far
 };
 
 /// Where one tensor lives: its file (index into Reader::files()), dtype, shape and data

@@ -113,7 +113,8 @@ class Stager {
     if (save_hook()) save_hook()("stage", key);
     at::Tensor host;
     auto it = spare_.find(key);
-    if (it != spare_.end() && it->second.sizes() == t.sizes() && it->second.scalar_type() == t.scalar_type()) {
+    if (it != spare_.end() && it->second.sizes() == t.sizes() &&
+        it->second.scalar_type() == t.scalar_type()) {
       host = std::move(it->second);
       spare_.erase(it);
     } else {
@@ -144,8 +145,8 @@ class Stager {
 };
 
 // `stager` null: views of the live tensors (a synchronous save).
-RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt, const TrainingState& state,
-                           int rank, int world, Stager* stager) {
+RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt,
+                           const TrainingState& state, int rank, int world, Stager* stager) {
   RankSnapshot snap;
   auto keep = [&](const std::string& what, const at::Tensor& t) {
     return stager ? stager->stage(what, t, snap) : t;
@@ -163,28 +164,32 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     f.begin = ls.begin;
     // A replica (HYBRID_SHARD, NO_SHARD) writes the table but no elements.
     f.length = ls.writer ? ls.length : 0;
-    TORCH_CHECK(!ls.writer || ls.shard_rank == rank, "internal: writer rank ", rank, " holds chunk ", ls.shard_rank);
-    for (const auto& p : ls.params) f.table.push_back(TableEntry{p.fqn, p.offset, p.numel, p.shape});
+    TORCH_CHECK(!ls.writer || ls.shard_rank == rank, "internal: writer rank ", rank,
+                " holds chunk ", ls.shard_rank);
+    for (const auto& p : ls.params)
+      f.table.push_back(TableEntry{p.fqn, p.offset, p.numel, p.shape});
     const std::string flat = flat_group(snap.flats.size());
     f.param = keep(flat + "/param", ls.shard.detach().narrow(0, 0, f.length));
     if (opt && ls.info.requires_grad) {
       const int64_t group = find_param(*opt, ls.shard).first;
-      TORCH_CHECK(group >= 0, "save: the optimizer does not hold the shard of unit '", ls.info.unit_fqn,
-                  "'. Build it from model.sharded_parameters().");
+      TORCH_CHECK(group >= 0, "save: the optimizer does not hold the shard of unit '",
+                  ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
       ParamState st = get_param_state(*opt, ls.shard);
       if (!st.tensors.empty()) {
         f.has_optim = true;
         f.optim_step = st.step;
         f.optim_group = group;
         for (const auto& [name, t] : st.tensors) {
-          f.optim.emplace_back(name, keep(flat + "/optim/" + name, t.reshape({-1}).narrow(0, 0, f.length)));
+          f.optim.emplace_back(
+              name, keep(flat + "/optim/" + name, t.reshape({-1}).narrow(0, 0, f.length)));
         }
       }
     }
     snap.flats.push_back(std::move(f));
   }
   if (opt) {
-    for (size_t g = 0; g < opt->param_groups().size(); ++g) snap.groups.push_back(group_hparams(*opt, g));
+    for (size_t g = 0; g < opt->param_groups().size(); ++g)
+      snap.groups.push_back(group_hparams(*opt, g));
   }
   snap.rng = capture_rng();
   if (rank == 0) {
@@ -224,7 +229,8 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
       h5::Obj og = h5::create_group(g, "optim", where);
       h5::set_attr(og, "step", fl.optim_step);
       h5::set_attr(og, "group", fl.optim_group);
-      for (const auto& [name, t] : fl.optim) write_tensor(og, name, t, h5::Elem::kF32, where + "/optim");
+      for (const auto& [name, t] : fl.optim)
+        write_tensor(og, name, t, h5::Elem::kF32, where + "/optim");
     }
   }
 
@@ -254,11 +260,11 @@ void report_mismatch(const std::string& what, const std::vector<std::string>& mi
   std::string msg = what + " does not match this model.";
   if (!missing.empty()) msg += " Missing from the checkpoint: " + list(missing) + ".";
   if (!unexpected.empty()) msg += " Not in the model: " + list(unexpected) + ".";
-  msg += " Was it saved from another model? Load with LoadOptions::strict = false to take the "
-         "parameters that match.";
+  msg +=
+      " Was it saved from another model? Load with LoadOptions::strict = false to take the "
+      "parameters that match.";
   TORCH_CHECK(false, msg);
 }
-
 
 }  // namespace ckpt
 
@@ -319,7 +325,8 @@ void publish(const SavePlan& plan, int keep_last) {
   for (const auto& e : fs::directory_iterator(plan.base)) {
     const std::string n = e.path().filename().string();
     if (n.rfind(".tmp-", 0) == 0 && e.path() != plan.tmp) fs::remove_all(e.path(), ec);
-    if (auto key = parse_checkpoint_name(n); key && e.is_directory()) done.emplace_back(*key, e.path());
+    if (auto key = parse_checkpoint_name(n); key && e.is_directory())
+      done.emplace_back(*key, e.path());
   }
   if (keep_last > 0 && done.size() > static_cast<size_t>(keep_last)) {
     std::sort(done.begin(), done.end());
@@ -329,23 +336,25 @@ void publish(const SavePlan& plan, int keep_last) {
   }
 }
 
-void report_saved(const SavePlan& plan, int world, std::chrono::steady_clock::time_point t0, const char* how) {
+void report_saved(const SavePlan& plan, int world, std::chrono::steady_clock::time_point t0,
+                  const char* how) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::cout << "[fsdp] saved checkpoint " << plan.final_dir.string() << " (" << world << " rank files, " << s
-            << " s" << how << ")" << std::endl;
+  std::cout << "[fsdp] saved checkpoint " << plan.final_dir.string() << " (" << world
+            << " rank files, " << s << " s" << how << ")" << std::endl;
 }
 
 // Every rank's outcome of one step of a save (`error`: this rank's, "" for none), agreed
 // with a MAX all-reduce; after a failure anywhere, rank 0 removes the temporary directory
 // and every rank throws alike, naming this rank's error or pointing at another's.
-void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* fn, const std::string& dir,
-                      const std::string& error) {
+void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* fn,
+                      const std::string& dir, const std::string& error) {
   if (!any_rank_failed(pg, error)) return;
   if (pg.rank() == 0) {
     std::error_code ec;
     fs::remove_all(plan.tmp, ec);
   }
-  TORCH_CHECK(false, fn, " to ", dir, " failed", failure_detail(error, " on another rank (see its error)"),
+  TORCH_CHECK(false, fn, " to ", dir, " failed",
+              failure_detail(error, " on another rank (see its error)"),
               ". The previous checkpoint is untouched.");
 }
 
@@ -370,13 +379,21 @@ std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); 
 // throws on every rank alike, naming the file, and saves nothing.
 class AsyncSaveJob {
  public:
-  AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank, int world,
-               double stall_s, const SaveOptions& options)
-      : model_(std::move(model)), plan_(std::move(plan)), snap_(std::move(snap)), rank_(rank), world_(world),
-        stall_s_(stall_s), options_(options), t0_(std::chrono::steady_clock::now()) {}
+  AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank,
+               int world, double stall_s, const SaveOptions& options)
+      : model_(std::move(model)),
+        plan_(std::move(plan)),
+        snap_(std::move(snap)),
+        rank_(rank),
+        world_(world),
+        stall_s_(stall_s),
+        options_(options),
+        t0_(std::chrono::steady_clock::now()) {}
   ~AsyncSaveJob() { join(); }
 
-  void start() { thread_ = std::thread([this] { run(); }); }
+  void start() {
+    thread_ = std::thread([this] { run(); });
+  }
   /// Joins the thread (once), frees the staging copies and returns the error ("": none).
   const std::string& join() {
     std::lock_guard<std::mutex> lock(join_mu_);
@@ -439,7 +456,8 @@ bool AsyncSaveJob::wait_for_ranks() {
       last_change = now;
     } else if (std::chrono::duration<double>(now - last_change).count() > stall_s) {
       std::ostringstream msg;
-      msg << "waited " << stall_s << " s (the process group's timeout, FSDP_TIMEOUT_S) for the other ranks' files in "
+      msg << "waited " << stall_s
+          << " s (the process group's timeout, FSDP_TIMEOUT_S) for the other ranks' files in "
           << plan_.tmp.string() << " without progress: " << done << " of " << world_ << " complete";
       error_ = msg.str();
       return false;
@@ -486,7 +504,8 @@ namespace ckpt {
 namespace {
 
 std::mutex in_flight_mu;
-std::shared_ptr<AsyncSaveJob> in_flight;  ///< the last asynchronous save, until the next save settles it
+std::shared_ptr<AsyncSaveJob>
+    in_flight;  ///< the last asynchronous save, until the next save settles it
 
 // Joins the last asynchronous save and has every rank agree whether it failed anywhere;
 // throws on every rank alike if it did. Collective when a save was in flight (on every
@@ -499,9 +518,11 @@ void settle_previous(const ProcessGroup& pg, const char* fn) {
   }
   if (!job) return;
   const std::string error = job->join();
-  TORCH_CHECK(!any_rank_failed(pg, error), fn, ": the asynchronous save of ", job->path(), " failed",
-              failure_detail(error, " on another rank (see its error)"), ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
-              "again to save.");
+  TORCH_CHECK(
+      !any_rank_failed(pg, error), fn, ": the asynchronous save of ", job->path(), " failed",
+      failure_detail(error, " on another rank (see its error)"),
+      ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
+      "again to save.");
 }
 
 }  // namespace
@@ -523,8 +544,9 @@ void set_save_hook(std::function<void(const std::string&, const std::string&)> h
 }
 }  // namespace detail
 
-std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root, torch::optim::Optimizer* optimizer,
-                                    const TrainingState& state, const SaveOptions& options) {
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options) {
   using namespace ckpt;
   const char* fn = "save_sharded_checkpoint";
   check_save_args(state, options, fn);
@@ -554,8 +576,8 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
 }
 
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
-                                        torch::optim::Optimizer* optimizer, const TrainingState& state,
-                                        const SaveOptions& options) {
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state, const SaveOptions& options) {
   using namespace ckpt;
   const char* fn = "save_sharded_checkpoint_async";
   check_save_args(state, options, fn);
@@ -588,7 +610,8 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
     }
     throw;
   }
-  auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world, pg.timeout_s(), options);
+  auto job = std::make_shared<AsyncSaveJob>(root, plan, std::move(snap), rank, world,
+                                            pg.timeout_s(), options);
   job->start();
   {
     std::lock_guard<std::mutex> lock(in_flight_mu);
@@ -629,8 +652,9 @@ bool AsyncSave::done() const { return !job_ || job_->finished(); }
 
 std::string AsyncSave::path() const { return job_ ? job_->path() : std::string(); }
 
-LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, torch::optim::Optimizer* optimizer,
-                                   TrainingState* state, const LoadOptions& options) {
+LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
+                                   torch::optim::Optimizer* optimizer, TrainingState* state,
+                                   const LoadOptions& options) {
   ckpt::wait_for_async_save();  // the save just made is complete before anything reads
   using namespace ckpt;
   const ProcessGroup& pg = root.sharding_options().process_group;
@@ -640,9 +664,11 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
   const std::string what = "checkpoint " + src.dir();
   if (optimizer) {
     const std::string kind = optimizer_kind(*optimizer);
-    TORCH_CHECK(src.optimizer() != "none", what, " holds no optimizer state; pass nullptr as the optimizer "
+    TORCH_CHECK(src.optimizer() != "none", what,
+                " holds no optimizer state; pass nullptr as the optimizer "
                 "to load only the model");
-    TORCH_CHECK(src.optimizer() == kind, what, " holds ", src.optimizer(), " state but the optimizer is ", kind);
+    TORCH_CHECK(src.optimizer() == kind, what, " holds ", src.optimizer(),
+                " state but the optimizer is ", kind);
   }
 
   // Match names first, so that a wrong checkpoint fails before anything changes.
@@ -667,8 +693,8 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
   for (const auto& [fqn, loc] : src.by_fqn()) {
     if (!model_names.count(fqn)) report.unexpected.push_back(fqn);
   }
-  TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ", list(mismatched),
-              ". Was it saved from another model?");
+  TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ",
+              list(mismatched), ". Was it saved from another model?");
   report_mismatch(what, report.missing, report.unexpected, options.strict);
 
   at::NoGradGuard no_grad;
@@ -677,14 +703,16 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
     // The pieces of [begin, begin + length) that the checkpoint has (reshard_plan.h).
     std::vector<TargetParam> targets;
     for (const auto& p : ls.params) targets.push_back(TargetParam{p.fqn, p.offset, p.numel});
-    const std::vector<Piece> merged =
-        plan_shard_read(ls.begin, ls.length, targets, [&](const std::string& fqn) -> std::optional<SourceParam> {
+    const std::vector<Piece> merged = plan_shard_read(
+        ls.begin, ls.length, targets, [&](const std::string& fqn) -> std::optional<SourceParam> {
           auto it = src.by_fqn().find(fqn);
           if (it == src.by_fqn().end()) return std::nullopt;
-          return SourceParam{it->second.first, src.flats()[it->second.first].table[it->second.second].offset};
+          return SourceParam{it->second.first,
+                             src.flats()[it->second.first].table[it->second.second].offset};
         });
     auto fill = [&](const at::Tensor& dst, const std::string& dataset) {
-      at::Tensor buf = dst.device().is_cpu() && dst.is_contiguous() ? dst : dst.to(at::kCPU).contiguous();
+      at::Tensor buf =
+          dst.device().is_cpu() && dst.is_contiguous() ? dst : dst.to(at::kCPU).contiguous();
       float* out = buf.data_ptr<float>();
       for (const auto& p : merged) src.read(p.src_flat, dataset, p.src, p.n, out + p.dst);
       if (ls.length < buf.numel()) buf.narrow(0, ls.length, buf.numel() - ls.length).zero_();
@@ -694,20 +722,24 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
     ls.shard.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
 
     if (optimizer && ls.info.requires_grad) {
-      TORCH_CHECK(find_param(*optimizer, ls.shard).first >= 0, "load: the optimizer does not hold the shard of "
-                  "unit '", ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
+      TORCH_CHECK(find_param(*optimizer, ls.shard).first >= 0,
+                  "load: the optimizer does not hold the shard of "
+                  "unit '",
+                  ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
       // The state names and step come from the first source flat this shard reads.
       if (merged.empty()) continue;
       const SourceFlat& sf = src.flats()[merged.front().src_flat];
       if (sf.optim_states.empty()) continue;  // saved before the first optimizer step
       ParamState st;
-      h5::Obj og = h5::open_group(src.file(0), flat_group(merged.front().src_flat) + "/optim", src.file_path(0));
+      h5::Obj og = h5::open_group(src.file(0), flat_group(merged.front().src_flat) + "/optim",
+                                  src.file_path(0));
       st.step = h5::get_int(og, "step", src.file_path(0));
       // Uninitialised when the pieces cover the shard (fill zeroes the padding), so each
       // byte is touched once, by the read; zeros where a parameter is missing from the file.
       for (const auto& name : sf.optim_states) {
-        at::Tensor t = covered(merged) == ls.length ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
-                                            : at::zeros_like(ls.shard.detach(), at::MemoryFormat::Contiguous);
+        at::Tensor t = covered(merged) == ls.length
+                           ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
+                           : at::zeros_like(ls.shard.detach(), at::MemoryFormat::Contiguous);
         fill(t, "optim/" + name);
         st.tensors.emplace_back(name, t);
       }
@@ -724,7 +756,8 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root, 
   if (optimizer) read_optimizer_groups(f0, p0, *optimizer, what);
   if (state) *state = read_training_state(f0, p0);
   // RNG streams belong to ranks: restore them only when the ranks are the same.
-  if (options.restore_rng && src.world_size() == pg.size()) restore_rng(src.file(pg.rank()), src.file_path(pg.rank()));
+  if (options.restore_rng && src.world_size() == pg.size())
+    restore_rng(src.file(pg.rank()), src.file_path(pg.rank()));
   return report;
 }
 

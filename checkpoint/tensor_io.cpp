@@ -7,13 +7,19 @@ namespace fsdp::ckpt {
 
 h5::Elem elem_of_dtype(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return h5::Elem::kF32;
-    case c10::kHalf: return h5::Elem::kF16;
-    case c10::kBFloat16: return h5::Elem::kBF16;
-    case c10::kDouble: return h5::Elem::kF64;
+    case c10::kFloat:
+      return h5::Elem::kF32;
+    case c10::kHalf:
+      return h5::Elem::kF16;
+    case c10::kBFloat16:
+      return h5::Elem::kBF16;
+    case c10::kDouble:
+      return h5::Elem::kF64;
     case c10::kBool:
-    case c10::kByte: return h5::Elem::kU8;
-    default: return h5::Elem::kI64;
+    case c10::kByte:
+      return h5::Elem::kU8;
+    default:
+      return h5::Elem::kI64;
   }
 }
 
@@ -30,10 +36,14 @@ namespace {
 // The in-memory form HDF5 reads or writes for `file`: floats via fp32 (fp64 for doubles).
 std::pair<at::ScalarType, h5::Elem> mem_form(h5::Elem file) {
   switch (file) {
-    case h5::Elem::kF64: return {at::kDouble, h5::Elem::kF64};
-    case h5::Elem::kI64: return {at::kLong, h5::Elem::kI64};
-    case h5::Elem::kU8: return {at::kByte, h5::Elem::kU8};
-    default: return {at::kFloat, h5::Elem::kF32};
+    case h5::Elem::kF64:
+      return {at::kDouble, h5::Elem::kF64};
+    case h5::Elem::kI64:
+      return {at::kLong, h5::Elem::kI64};
+    case h5::Elem::kU8:
+      return {at::kByte, h5::Elem::kU8};
+    default:
+      return {at::kFloat, h5::Elem::kF32};
   }
 }
 }  // namespace
@@ -59,10 +69,14 @@ at::Tensor file_bytes(const at::Tensor& t, h5::Elem file) {
     return c;
   }
   switch (file) {
-    case h5::Elem::kF32: return t.detach().to(at::kCPU, at::kFloat).contiguous();
-    case h5::Elem::kF64: return t.detach().to(at::kCPU, at::kDouble).contiguous();
-    case h5::Elem::kI64: return t.detach().to(at::kCPU, at::kLong).contiguous();
-    default: return t.detach().to(at::kCPU, at::kByte).contiguous();
+    case h5::Elem::kF32:
+      return t.detach().to(at::kCPU, at::kFloat).contiguous();
+    case h5::Elem::kF64:
+      return t.detach().to(at::kCPU, at::kDouble).contiguous();
+    case h5::Elem::kI64:
+      return t.detach().to(at::kCPU, at::kLong).contiguous();
+    default:
+      return t.detach().to(at::kCPU, at::kByte).contiguous();
   }
 }
 
@@ -78,10 +92,11 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
   h5::write(loc, name, c.data_ptr(), mem, file, c.sizes().vec(), where);
 }
 
-void read_into(hid_t loc, const std::string& name, const at::Tensor& dst, const std::string& where) {
+void read_into(hid_t loc, const std::string& name, const at::Tensor& dst,
+               const std::string& where) {
   auto shape = h5::shape_of(loc, name, where);
-  TORCH_CHECK(shape == dst.sizes().vec(), where, ": dataset '", name, "' has shape ", c10::IntArrayRef(shape),
-              " but the model's tensor has shape ", dst.sizes());
+  TORCH_CHECK(shape == dst.sizes().vec(), where, ": dataset '", name, "' has shape ",
+              c10::IntArrayRef(shape), " but the model's tensor has shape ", dst.sizes());
   auto [st, mem] = mem_form(h5::elem_of(loc, name, where));
   at::Tensor buf = at::empty(dst.sizes(), at::TensorOptions().dtype(st));
   h5::read_range(loc, name, 0, buf.numel(), buf.data_ptr(), mem, where);

@@ -7,7 +7,8 @@ namespace fsdp {
 const char* version() { return FSDP_VERSION_STRING; }
 
 std::string version_line(const std::string& tool) {
-  return tool + " (fsdp-libtorch) " + version() + ", checkpoint format " + std::to_string(kCheckpointFormatVersion);
+  return tool + " (fsdp-libtorch) " + version() + ", checkpoint format " +
+         std::to_string(kCheckpointFormatVersion);
 }
 
 }  // namespace fsdp

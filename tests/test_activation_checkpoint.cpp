@@ -13,7 +13,8 @@ namespace {
 
 std::vector<torch::Tensor> grads_of(torch::nn::Module& m) {
   std::vector<torch::Tensor> g;
-  for (auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  for (auto& p : m.parameters())
+    g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
   return g;
 }
 
@@ -66,7 +67,8 @@ TEST(ActivationCheckpoint, SeveralInputsAndOutputsSomeWithoutGradAndCapturedNonT
   auto a0 = torch::randn({3, 4}), b0 = torch::randn({3, 4});
   auto region = [&](const std::vector<torch::Tensor>& in) {
     auto h = lin(in[0]) * factor + in[1];
-    return std::vector<torch::Tensor>{h.tanh(), h.sum(1), in[1].argmax(1)};  // last: no grad (integer)
+    return std::vector<torch::Tensor>{h.tanh(), h.sum(1),
+                                      in[1].argmax(1)};  // last: no grad (integer)
   };
   auto run = [&](bool ckpt) {
     lin->zero_grad();
@@ -92,7 +94,9 @@ TEST(ActivationCheckpoint, NestedRegionsGiveEqualGradients) {
     l2->zero_grad();
     auto x = x0.clone().requires_grad_(true);
     auto inner = [&](const torch::Tensor& t) { return torch::relu(l2(t)); };
-    auto outer = [&](const torch::Tensor& t) { return ckpt ? checkpoint(inner, l1(t)) : inner(l1(t)); };
+    auto outer = [&](const torch::Tensor& t) {
+      return ckpt ? checkpoint(inner, l1(t)) : inner(l1(t));
+    };
     auto y = ckpt ? checkpoint(outer, x) : outer(x);
     y.sum().backward();
     auto g = grads_of(*l1);
@@ -127,10 +131,13 @@ TEST(ActivationCheckpoint, DoubleBackwardIsAClearError) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
-    EXPECT_NE(what.find("checkpoint: double backward (create_graph=true) through a checkpointed region is "
-                        "not supported, because its graph is rebuilt inside backward. Run that region "
-                        "without fsdp::checkpoint, or take the gradient without create_graph."),
-              std::string::npos) << what;
+    EXPECT_NE(
+        what.find(
+            "checkpoint: double backward (create_graph=true) through a checkpointed region is "
+            "not supported, because its graph is rebuilt inside backward. Run that region "
+            "without fsdp::checkpoint, or take the gradient without create_graph."),
+        std::string::npos)
+        << what;
   }
 }
 
@@ -183,7 +190,8 @@ TEST(ShardedCheckpoint, FullShardGradientsAreBitwiseEqualAndNoExtraGather) {
 
 TEST(ShardedCheckpoint, EveryOtherStrategyGivesBitwiseEqualGradientsAndTheSameTraffic) {
   run_ranks(4, [](const ProcessGroup& pg) {
-    for (auto s : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    for (auto s : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                   ShardingStrategy::kHybridShard}) {
       auto plain = sharded_step(pg, false, torch::kFloat32, s);
       auto ckpt = sharded_step(pg, true, torch::kFloat32, s);
       expect_same(plain.grads, ckpt.grads);
@@ -199,7 +207,8 @@ TEST(ShardedCheckpoint, Bf16GradientsMatchWithinTolerance) {
     auto ckpt = sharded_step(pg, true, torch::kBFloat16);
     ASSERT_EQ(plain.grads.size(), ckpt.grads.size());
     // The recompute repeats the same bf16 arithmetic, so the results agree to bf16 rounding.
-    for (size_t i = 0; i < plain.grads.size(); ++i) EXPECT_LE(rel_diff(ckpt.grads[i], plain.grads[i], 1e-3), 1e-2) << i;
+    for (size_t i = 0; i < plain.grads.size(); ++i)
+      EXPECT_LE(rel_diff(ckpt.grads[i], plain.grads[i], 1e-3), 1e-2) << i;
   });
 }
 
@@ -216,7 +225,8 @@ TEST(ShardedCheckpoint, EveryKthPolicyPicksEveryKthWrapPoint) {
     every_kth_policy(0);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()), "every_kth_policy: k=0 must be at least 1 (1 picks every wrap point)");
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "every_kth_policy: k=0 must be at least 1 (1 picks every wrap point)");
   }
 }
 
@@ -247,7 +257,8 @@ TORCH_MODULE(TwoCounting);
 
 TEST(ShardedCheckpoint, CheckpointedWrapPointsRecomputeInBackwardAndOthersDoNot) {
   ShardingOptions o;
-  o.checkpoint_policy = predicate_policy([](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "a"; });
+  o.checkpoint_policy = predicate_policy(
+      [](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "a"; });
   auto model = fully_shard(TwoCounting(), o);
   model(torch::randn({2, 4})).sum().backward();
   EXPECT_EQ(model->module()->a->module()->calls, 2);  // forward, then recompute in backward
@@ -299,8 +310,8 @@ TEST(ShardedCheckpoint, ForwardKeepsOnlyBlockInputsOfCheckpointedBlocks) {
                            + 2 * B * T * 4  // ln_f's per-row mean and rstd
                            + B * T * V * 4  // the logits
                            + T * 8;         // the position index wpe saved
-  EXPECT_GE(ckpt, L * act);                  // block inputs must survive
-  EXPECT_LE(ckpt, expected + 4096);          // and nothing else (4 KB slack)
+  EXPECT_GE(ckpt, L * act);                 // block inputs must survive
+  EXPECT_LE(ckpt, expected + 4096);         // and nothing else (4 KB slack)
   // Without checkpointing every block also keeps its intermediates: ln1/ln2 outputs,
   // q/k/v, the (B, heads, T, T) attention weights and softmax, the 4d-wide MLP hidden
   // and its GELU input, ... far more than the input alone.
@@ -331,12 +342,14 @@ TEST(ShardedCheckpoint, ShardSequentialEntriesFollowTheCheckpointPolicy) {
     }
     auto model = shard_sequential(seq, o);
     model(torch::randn({3, 4}, at::detail::createCPUGenerator(9))).pow(2).sum().backward();
-    EXPECT_EQ(counting->calls, ckpt ? 2 : 1) << (ckpt ? "checkpointed: forward, then recompute" : "plain");
+    EXPECT_EQ(counting->calls, ckpt ? 2 : 1)
+        << (ckpt ? "checkpointed: forward, then recompute" : "plain");
     grads.emplace_back();
     for (const auto& p : model.sharded_parameters()) grads.back().push_back(p.grad().clone());
   }
   ASSERT_EQ(grads[0].size(), grads[1].size());
-  for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << i;
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << i;
 }
 
 class TwoInputsImpl : public torch::nn::Module {
@@ -364,9 +377,12 @@ TEST(ShardedCheckpoint, APolicyPickingAForwardOfTwoInputsIsAnErrorNamingIt) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "ShardingOptions::checkpoint_policy picked wrap point 'two', whose forward is not Tensor -> "
-              "Tensor; activation checkpointing here recomputes a forward of one tensor to one tensor. Leave "
-              "it out of the policy (e.g. predicate_policy), or call fsdp::checkpoint inside its forward.");
+              "ShardingOptions::checkpoint_policy picked wrap point 'two', whose forward is not "
+              "Tensor -> "
+              "Tensor; activation checkpointing here recomputes a forward of one tensor to one "
+              "tensor. Leave "
+              "it out of the policy (e.g. predicate_policy), or call fsdp::checkpoint inside its "
+              "forward.");
   }
   torch::NoGradGuard no_grad;  // nothing is checkpointed without grad: the forward runs
   EXPECT_EQ(model(torch::randn({2, 4})).sizes(), (std::vector<int64_t>{2, 4}));

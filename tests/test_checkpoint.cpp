@@ -39,7 +39,8 @@ constexpr int64_t kRows = 12;  // divisible by 1, 2, 3 and 4 ranks
 // (they inherit the environment variable that names it).
 std::string scratch_dir(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string var = "FSDP_CKPT_TEST_DIR_" + tag + "_" + info->test_suite_name() + "_" + info->name();
+  std::string var =
+      "FSDP_CKPT_TEST_DIR_" + tag + "_" + info->test_suite_name() + "_" + info->name();
   for (char& c : var) {
     if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
   }
@@ -64,7 +65,8 @@ torch::optim::AdamW make_adamw(const ShardedModel& model) {
 }
 
 template <class Model>
-double train_step(Model& model, torch::optim::Optimizer& opt, int64_t step, const ProcessGroup& pg) {
+double train_step(Model& model, torch::optim::Optimizer& opt, int64_t step,
+                  const ProcessGroup& pg) {
   auto batch = gpt_batch(step, kRows, small_gpt_config().block_size);
   opt.zero_grad();
   auto loss = gpt::loss_on(model, my_rows(batch, pg));
@@ -73,7 +75,8 @@ double train_step(Model& model, torch::optim::Optimizer& opt, int64_t step, cons
   return global_mean(loss, pg);
 }
 
-std::map<std::string, torch::Tensor> as_map(const std::vector<std::pair<std::string, torch::Tensor>>& v) {
+std::map<std::string, torch::Tensor> as_map(
+    const std::vector<std::pair<std::string, torch::Tensor>>& v) {
   return std::map<std::string, torch::Tensor>(v.begin(), v.end());
 }
 
@@ -120,8 +123,11 @@ TrainingState sample_state(int64_t step) {
   ls.skipped_steps = 2;
   st.loss_scaler = ls;
   auto c = small_gpt_config();
-  st.model_attrs = {{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"d_model", c.d_model},
-                    {"block_size", c.block_size}, {"vocab_size", c.vocab_size}};
+  st.model_attrs = {{"n_layer", c.n_layer},
+                    {"n_head", c.n_head},
+                    {"d_model", c.d_model},
+                    {"block_size", c.block_size},
+                    {"vocab_size", c.vocab_size}};
   return st;
 }
 
@@ -136,8 +142,10 @@ TEST(BlockChecksum, HardwareAndTableVersionsAgreeAndCrc32cIsStandard) {
   std::mt19937 rng(1);
   std::vector<uint8_t> data(100003);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
-  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{4096}, data.size()}) {
-    const uint32_t sw = h5::crc_detail::lanes(data.data(), n, h5::crc_detail::sw_u64, h5::crc_detail::sw_u8);
+  for (size_t n :
+       {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{4096}, data.size()}) {
+    const uint32_t sw =
+        h5::crc_detail::lanes(data.data(), n, h5::crc_detail::sw_u64, h5::crc_detail::sw_u8);
     EXPECT_EQ(h5::crc_block(data.data(), n), sw) << n << " bytes";
   }
   const uint32_t before = h5::crc_block(data.data(), data.size());
@@ -171,7 +179,8 @@ void exact_resume(const ProcessGroup& pg, const std::string& dir) {
   auto report = load_sharded_checkpoint(dir, model2, &opt2, &st);
   EXPECT_EQ(report.path, path);
   EXPECT_TRUE(report.missing.empty() && report.unexpected.empty());
-  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the CPU RNG state was not restored";
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save))
+      << "the CPU RNG state was not restored";
   EXPECT_EQ(st.step, 3);
   EXPECT_EQ(st.scheduler, sample_state(3).scheduler);
   EXPECT_EQ(st.extra, sample_state(3).extra);
@@ -183,7 +192,8 @@ void exact_resume(const ProcessGroup& pg, const std::string& dir) {
   EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(opt2.param_groups()[0].options()).lr(), 3e-3);
   for (int64_t s = 3; s < 6; ++s) {
     const double l = train_step(model2, opt2, s, pg);
-    EXPECT_EQ(l, uninterrupted[static_cast<size_t>(s - 3)]) << "step " << s << " differs after resume";
+    EXPECT_EQ(l, uninterrupted[static_cast<size_t>(s - 3)])
+        << "step " << s << " differs after resume";
   }
 }
 
@@ -230,7 +240,8 @@ void load_and_continue(const ProcessGroup& pg, const std::string& dir, const Sha
   ASSERT_EQ(expected.size(), 3u);
   for (int64_t s = 3; s < 6; ++s) {
     const double l = train_step(model, opt, s, pg), want = expected[static_cast<size_t>(s - 3)];
-    EXPECT_LE(std::abs(l - want) / std::abs(want), 1e-6) << "step " << s << ": " << l << " vs " << want;
+    EXPECT_LE(std::abs(l - want) / std::abs(want), 1e-6)
+        << "step " << s << ": " << l << " vs " << want;
   }
 }
 
@@ -254,14 +265,19 @@ TEST(ShardedCheckpoint, LoadsUnderAnotherWrapPolicyAndStrategy) {
   });
   // Loaded with one unit for the whole model (other flat layout), and with blocks but
   // only every second one a unit, at other world sizes.
-  run_ranks(3, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg, never_wrap_policy())); });
-  run_ranks(2, [&](const ProcessGroup& pg) { load_and_continue(pg, dir, options_for(pg, every_kth_policy(2))); });
+  run_ranks(3, [&](const ProcessGroup& pg) {
+    load_and_continue(pg, dir, options_for(pg, never_wrap_policy()));
+  });
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    load_and_continue(pg, dir, options_for(pg, every_kth_policy(2)));
+  });
 }
 
 TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
   const std::string dir = scratch_dir("sgd");
   auto make_sgd = [](const ShardedModel& m) {
-    return torch::optim::SGD(m.sharded_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+    return torch::optim::SGD(m.sharded_parameters(),
+                             torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
   };
   run_ranks(2, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
@@ -285,7 +301,9 @@ TEST(ShardedCheckpoint, SgdMomentumStateReshardsFromTwoRanksToThree) {
     ASSERT_EQ(want.size(), 3u);
     for (int64_t s = 3; s < 6; ++s) {
       const double l = train_step(model, opt, s, pg);
-      EXPECT_LE(std::abs(l - want[static_cast<size_t>(s - 3)]) / want[static_cast<size_t>(s - 3)], 1e-6) << "step " << s;
+      EXPECT_LE(std::abs(l - want[static_cast<size_t>(s - 3)]) / want[static_cast<size_t>(s - 3)],
+                1e-6)
+          << "step " << s;
     }
     // An Adam optimizer cannot take SGD state.
     auto adam = make_adamw(model);
@@ -312,7 +330,8 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
     const auto mem = model.memory_stats();
     // One flat parameter gathered at a time: the peak is the largest one, and all is freed.
     int64_t largest = 0;
-    for (const auto& f : fsdp::detail::flat_params(model)) largest = std::max(largest, f.padded_numel * 4);
+    for (const auto& f : fsdp::detail::flat_params(model))
+      largest = std::max(largest, f.padded_numel * 4);
     EXPECT_EQ(mem.checkpoint_buffers.peak, largest);
     EXPECT_EQ(mem.checkpoint_buffers.current, 0);
     eo.with_optimizer = false;
@@ -418,7 +437,8 @@ TEST(ConsolidatedCheckpoint, StrictLoadListsEveryMismatchAndNonStrictReportsThem
   cfg.d_model = 64;
   gpt::GPT wide(cfg);
   const std::string shape_msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *wide, lo); });
-  EXPECT_NE(shape_msg.find("has shape [256, 32] in the file but [256, 64]"), std::string::npos) << shape_msg;
+  EXPECT_NE(shape_msg.find("has shape [256, 32] in the file but [256, 64]"), std::string::npos)
+      << shape_msg;
 }
 
 // ---------------------------------------------------------------------------------
@@ -441,18 +461,23 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   auto a = run_command({tool, dir, dir + "/off_fp32.h5"});
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  EXPECT_NE(a.output.find("parameters (100%)"), std::string::npos) << "no progress shown: " << a.output;
-  auto b = run_command({tool, dir, dir + "/off_fp16_opt.h5", "--dtype", "fp16", "--with-optimizer"});
+  EXPECT_NE(a.output.find("parameters (100%)"), std::string::npos)
+      << "no progress shown: " << a.output;
+  auto b =
+      run_command({tool, dir, dir + "/off_fp16_opt.h5", "--dtype", "fp16", "--with-optimizer"});
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(file_bytes_of(dir + "/off_fp32.h5"), file_bytes_of(dir + "/live_fp32.h5"));
   EXPECT_EQ(file_bytes_of(dir + "/off_fp16_opt.h5"), file_bytes_of(dir + "/live_fp16_opt.h5"));
   EXPECT_GT(file_bytes_of(dir + "/off_fp16_opt.h5").size(), 1000u);
   auto file = run_command({tool, dir + "/live_fp32.h5", dir + "/x.h5"});
   EXPECT_EQ(file.exit_code, 1);
-  EXPECT_NE(file.output.find("is a file, but a sharded checkpoint is a directory"), std::string::npos) << file.output;
+  EXPECT_NE(file.output.find("is a file, but a sharded checkpoint is a directory"),
+            std::string::npos)
+      << file.output;
   auto bad = run_command({tool, dir, dir + "/x.h5", "--dtype", "int8"});
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.output.find("--dtype int8 is unknown; use fp32, bf16 or fp16"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("--dtype int8 is unknown; use fp32, bf16 or fp16"), std::string::npos)
+      << bad.output;
 }
 
 // ---------------------------------------------------------------------------------
@@ -463,22 +488,52 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
 std::vector<uint32_t> hard_fp32_bits() {
   return {
       // bf16 ties (the low 16 bits are exactly 0x8000): to even, down and up, both signs
-      0x3bc68000, 0x3bc78000, 0xbbc68000, 0xbbc78000, 0x3f808000, 0x3f818000, 0xbf808000, 0xbf818000,
+      0x3bc68000,
+      0x3bc78000,
+      0xbbc68000,
+      0xbbc78000,
+      0x3f808000,
+      0x3f818000,
+      0xbf808000,
+      0xbf818000,
       // bf16: not ties, either side of one
-      0x3bc67fff, 0x3bc68001,
+      0x3bc67fff,
+      0x3bc68001,
       // fp32 subnormals: bf16 ties to 0 and to 2, the largest subnormal's tie up into normals
-      0x00000001, 0x00008000, 0x00018000, 0x80018000, 0x007f8000, 0x807f8000,
+      0x00000001,
+      0x00008000,
+      0x00018000,
+      0x80018000,
+      0x007f8000,
+      0x807f8000,
       // bf16 overflow: the tie above the largest finite value and the largest float go to inf
-      0x7f7f8000, 0x7f7fffff, 0xff7f8000,
+      0x7f7f8000,
+      0x7f7fffff,
+      0xff7f8000,
       // fp16 ties: 1 + 2^-11 (to 1), 1 + 3 * 2^-11 (up), both signs
-      0x3f801000, 0x3f803000, 0xbf801000, 0xbf803000,
+      0x3f801000,
+      0x3f803000,
+      0xbf801000,
+      0xbf803000,
       // fp16 subnormal ties: 2^-25 (to 0), 3 * 2^-25 (up to 2^-23), 5 * 2^-25 (down to 2^-23)
-      0x33000000, 0x33400000, 0x33a00000, 0xb3400000,
+      0x33000000,
+      0x33400000,
+      0x33a00000,
+      0xb3400000,
       // fp16 overflow: 65520 is the tie between 65504 and 65536 (to inf); 65519 stays finite
-      0x477ff000, 0x477fef00, 0xc77ff000,
+      0x477ff000,
+      0x477fef00,
+      0xc77ff000,
       // infinities, NaNs (quiet, signalling, negative, all payload bits), zeros
-      0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001, 0x7fffffff,
-      0x00000000, 0x80000000,
+      0x7f800000,
+      0xff800000,
+      0x7fc00000,
+      0xffc00000,
+      0x7f800001,
+      0xff800001,
+      0x7fffffff,
+      0x00000000,
+      0x80000000,
   };
 }
 
@@ -493,10 +548,11 @@ struct HardValuesImpl : torch::nn::Module {
         "w", torch::cat({torch::tensor(v, torch::kInt).view(torch::kFloat), rest}).reshape({8, 8}));
     // A float64 buffer with float32 ties (1 + 2^-24 to 1, 1 + 3 * 2^-24 up), a tie below
     // the smallest float32 subnormal, overflow, and a NaN.
-    b = register_buffer("b", torch::tensor({1.0 + std::ldexp(1.0, -24), 1.0 + 3 * std::ldexp(1.0, -24),
-                                            -(1.0 + std::ldexp(1.0, -24)), std::ldexp(1.0, -150), 1e39,
-                                            std::nan(""), 0.1},
-                                           torch::kDouble));
+    b = register_buffer(
+        "b", torch::tensor(
+                 {1.0 + std::ldexp(1.0, -24), 1.0 + 3 * std::ldexp(1.0, -24),
+                  -(1.0 + std::ldexp(1.0, -24)), std::ldexp(1.0, -150), 1e39, std::nan(""), 0.1},
+                 torch::kDouble));
   }
   torch::Tensor forward(const torch::Tensor& x) { return x.matmul(w); }
   torch::Tensor w, b;
@@ -523,8 +579,8 @@ std::vector<Word> raw_words(const std::string& file, const std::string& name) {
 
 // Every word equals torch's `to(dtype)`, except NaN, which is the one quiet NaN of
 // Note [Float conversion] (torch's own NaN bits differ between versions).
-void expect_rounded_like_torch(const std::vector<uint16_t>& got, const torch::Tensor& fp32, torch::ScalarType dtype,
-                               const std::string& what) {
+void expect_rounded_like_torch(const std::vector<uint16_t>& got, const torch::Tensor& fp32,
+                               torch::ScalarType dtype, const std::string& what) {
   auto src = fp32.reshape({-1}).contiguous();
   auto want = src.to(dtype).view(torch::kShort);
   ASSERT_EQ(got.size(), static_cast<size_t>(src.numel())) << what;
@@ -532,10 +588,11 @@ void expect_rounded_like_torch(const std::vector<uint16_t>& got, const torch::Te
     const float x = src[i].item<float>();
     const auto bits = static_cast<uint32_t>(src.view(torch::kInt)[i].item<int32_t>());
     uint16_t expected = static_cast<uint16_t>(want[i].item<int16_t>());
-    if (std::isnan(x)) expected = dtype == torch::kBFloat16 ? 0x7fc0 : (std::signbit(x) ? 0xfe00 : 0x7e00);
+    if (std::isnan(x))
+      expected = dtype == torch::kBFloat16 ? 0x7fc0 : (std::signbit(x) ? 0xfe00 : 0x7e00);
     EXPECT_EQ(got[static_cast<size_t>(i)], expected)
-        << what << ": element " << i << " (fp32 bits 0x" << std::hex << bits << ") stored as 0x" << got[i]
-        << ", torch rounds it to 0x" << expected;
+        << what << ": element " << i << " (fp32 bits 0x" << std::hex << bits << ") stored as 0x"
+        << got[i] << ", torch rounds it to 0x" << expected;
   }
 }
 
@@ -545,8 +602,9 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
     auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
     save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(0));
     ExportOptions eo;
-    for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
-                              std::pair{torch::kFloat32, "fp32"}}) {
+    for (auto [dtype, tag] :
+         {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
+          std::pair{torch::kFloat32, "fp32"}}) {
       eo.dtype = dtype;
       export_consolidated(dir + "/live_" + tag + ".h5", model, nullptr, sample_state(0), eo);
     }
@@ -557,7 +615,9 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
   for (const std::string tag : {"bf16", "fp16", "fp32"}) {
     auto r = run_command({tool, dir + "/sharded", dir + "/off_" + tag + ".h5", "--dtype", tag});
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(file_bytes_of(dir + "/off_" + tag + ".h5"), file_bytes_of(dir + "/live_" + tag + ".h5")) << tag;
+    EXPECT_EQ(file_bytes_of(dir + "/off_" + tag + ".h5"),
+              file_bytes_of(dir + "/live_" + tag + ".h5"))
+        << tag;
   }
   // The float64 buffer in an fp32 export: rounded like torch's to(float), NaN kept.
   {
@@ -571,10 +631,12 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
         EXPECT_TRUE(std::isnan(x)) << "buffer element " << i;
         continue;
       }
-      EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<uint32_t>(want[i].item<int32_t>())) << "buffer element " << i;
+      EXPECT_EQ(got[static_cast<size_t>(i)], static_cast<uint32_t>(want[i].item<int32_t>()))
+          << "buffer element " << i;
     }
   }
-  for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+  for (auto [dtype, tag] :
+       {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
     expect_rounded_like_torch(raw_words(dir + "/live_" + std::string(tag) + ".h5", "w"), w, dtype,
                               std::string("live export, ") + tag);
     expect_rounded_like_torch(raw_words(dir + "/off_" + std::string(tag) + ".h5", "w"), w, dtype,
@@ -584,7 +646,8 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
     load_consolidated(dir + "/off_" + std::string(tag) + ".h5", *back);
     auto want = w.to(dtype).to(torch::kFloat);
     EXPECT_TRUE(torch::equal(back->w.detach().isnan(), want.isnan())) << tag;
-    EXPECT_TRUE(torch::equal(back->w.detach().nan_to_num(0, 1e38, -1e38), want.nan_to_num(0, 1e38, -1e38)))
+    EXPECT_TRUE(
+        torch::equal(back->w.detach().nan_to_num(0, 1e38, -1e38), want.nan_to_num(0, 1e38, -1e38)))
         << tag << ": widening on load is not exact";
   }
 }
@@ -595,7 +658,8 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
 // Every file of a directory, by name, with its bytes.
 std::map<std::string, std::string> dir_bytes(const std::string& dir) {
   std::map<std::string, std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out[e.path().filename().string()] = file_bytes_of(e.path().string());
+  for (const auto& e : fs::directory_iterator(dir))
+    out[e.path().filename().string()] = file_bytes_of(e.path().string());
   return out;
 }
 
@@ -613,8 +677,9 @@ TEST(SafetensorsExport, LiveAndOfflineAreByteIdenticalAndRoundLikeTorch) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
     save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(4));
-    for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
-                              std::pair{torch::kFloat32, "fp32"}}) {
+    for (auto [dtype, tag] :
+         {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
+          std::pair{torch::kFloat32, "fp32"}}) {
       SafetensorsOptions so;
       so.dtype = dtype;
       export_safetensors(dir + "/live_" + tag, model, sample_state(4), so);
@@ -626,19 +691,21 @@ TEST(SafetensorsExport, LiveAndOfflineAreByteIdenticalAndRoundLikeTorch) {
   const torch::Tensor w = fresh->w.detach();
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   for (const std::string tag : {"bf16", "fp16", "fp32"}) {
-    auto r = run_command({tool, dir + "/sharded", dir + "/off_" + tag, "--format", "safetensors", "--dtype", tag});
+    auto r = run_command(
+        {tool, dir + "/sharded", dir + "/off_" + tag, "--format", "safetensors", "--dtype", tag});
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(dir_bytes(dir + "/off_" + tag), dir_bytes(dir + "/live_" + tag)) << tag;
     EXPECT_EQ(dir_bytes(dir + "/live_" + tag).size(), 1u) << "one model.safetensors";
-    r = run_command({tool, dir + "/sharded", dir + "/off_split_" + tag, "--format", "safetensors", "--dtype", tag,
-                     "--max-shard-size", "64"});
+    r = run_command({tool, dir + "/sharded", dir + "/off_split_" + tag, "--format", "safetensors",
+                     "--dtype", tag, "--max-shard-size", "64"});
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto split = dir_bytes(dir + "/live_split_" + tag);
     EXPECT_EQ(dir_bytes(dir + "/off_split_" + tag), split) << tag;
     EXPECT_EQ(split.size(), 3u) << "two files and the index";
     EXPECT_TRUE(split.count("model.safetensors.index.json")) << tag;
   }
-  for (auto [dtype, tag] : {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
+  for (auto [dtype, tag] :
+       {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"}}) {
     expect_rounded_like_torch(st_words<uint16_t>(dir + "/live_" + std::string(tag), "w"), w, dtype,
                               std::string("safetensors export, ") + tag);
   }
@@ -709,7 +776,8 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
     for (const auto& [name, t] : full_state_dict(model)) {
       const auto want = named_parameters_clean(*reference);
       for (const auto& [n, r] : want) {
-        if (n == name) EXPECT_TRUE(torch::equal(t, r.detach().to(torch::kBFloat16).to(torch::kFloat))) << name;
+        if (n == name)
+          EXPECT_TRUE(torch::equal(t, r.detach().to(torch::kBFloat16).to(torch::kFloat))) << name;
       }
     }
   });
@@ -735,7 +803,8 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
       import_consolidated(dir + "/ints", hv, LoadOptions{true, false});
       FAIL() << "no error";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what_without_backtrace()).find("tensor 'w' is I64, not a floating type a parameter can take"),
+      EXPECT_NE(std::string(e.what_without_backtrace())
+                    .find("tensor 'w' is I64, not a floating type a parameter can take"),
                 std::string::npos)
           << e.what_without_backtrace();
     }
@@ -762,7 +831,8 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
     export_safetensors(dir + "/x", model, {}, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("use float32, bfloat16 or float16"), std::string::npos);
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("use float32, bfloat16 or float16"),
+              std::string::npos);
   }
   so.dtype = torch::kFloat32;
   so.max_shard_size = 0;
@@ -770,7 +840,8 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
     export_safetensors(dir + "/x", model, {}, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("max_shard_size must be positive"), std::string::npos)
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("max_shard_size must be positive"),
+              std::string::npos)
         << e.what_without_backtrace();
   }
   EXPECT_FALSE(fs::exists(dir + "/x/model.safetensors"));
@@ -782,18 +853,22 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
       FAIL() << "no error";
     } catch (const c10::Error& e) {
       const std::string msg = e.what_without_backtrace();
-      const std::string want = pg.rank() == 0 ? "export_safetensors to " + dir + "/y failed: "
-                                              : "export_safetensors to " + dir + "/y failed on rank 0 (see its error)";
+      const std::string want =
+          pg.rank() == 0 ? "export_safetensors to " + dir + "/y failed: "
+                         : "export_safetensors to " + dir + "/y failed on rank 0 (see its error)";
       EXPECT_NE(msg.find(want), std::string::npos) << msg;
     }
   });
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   auto r = run_command({tool, dir, dir + "/o", "--format", "onnx"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("--format onnx is unknown; use hdf5 or safetensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--format onnx is unknown; use hdf5 or safetensors"), std::string::npos)
+      << r.output;
   r = run_command({tool, dir, dir + "/o", "--format", "safetensors", "--max-shard-size", "5GB"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("--max-shard-size 5GB is not a positive number of bytes"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--max-shard-size 5GB is not a positive number of bytes"),
+            std::string::npos)
+      << r.output;
   r = run_command({tool, dir, dir + "/o", "--format", "safetensors", "--with-optimizer"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--with-optimizer needs --format hdf5"), std::string::npos) << r.output;
@@ -821,7 +896,8 @@ TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
       out << "\n";
     }
   }
-  auto r = run_command({FSDP_PYTHON, std::string(FSDP_SOURCE_DIR) + "/tests/interop/read_consolidated.py",
+  auto r = run_command({FSDP_PYTHON,
+                        std::string(FSDP_SOURCE_DIR) + "/tests/interop/read_consolidated.py",
                         dir + "/gpt.h5", dir + "/expected.txt"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("ok:"), std::string::npos) << r.output;
@@ -844,7 +920,8 @@ TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step_00000004", "step_00000004_2"}));
   EXPECT_EQ(*latest_checkpoint(dir), again);
   EXPECT_FALSE(latest_checkpoint(dir + "/step_00000004").has_value());
-  const std::string msg = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(-1)); });
+  const std::string msg =
+      error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(-1)); });
   EXPECT_NE(msg.find("step -1 is negative"), std::string::npos) << msg;
 }
 
@@ -901,8 +978,8 @@ void crash_saver(const char* dir) {
   }
 }
 
-pid_t start_saver(const std::string& dir, bool once, bool async = false, const std::string& signal = "",
-                  const std::string& progress = "") {
+pid_t start_saver(const std::string& dir, bool once, bool async = false,
+                  const std::string& signal = "", const std::string& progress = "") {
   pid_t pid = fork();
   if (pid == 0) {
     setenv("FSDP_CRASH_SAVER_DIR", dir.c_str(), 1);
@@ -951,20 +1028,24 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
     fs::remove(progress);
     pid_t pid = start_saver(dir, false, false, aim ? signal : "", progress);
     if (aim) {
-      for (int i = 0; i < 30000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      for (int i = 0; i < 30000 && !fs::exists(signal); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
       ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no write began";
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
       ++aimed;
     } else {
       ASSERT_TRUE(wait_for_saves(progress, 1)) << "round " << round << ": no save returned";
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status)) << "round " << round << ": the saver ended before the kill";
     // A kill inside a save leaves its temporary directory behind (the next save removes it).
     bool tmp_left = false;
-    for (const auto& e : fs::directory_iterator(dir)) tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
+    for (const auto& e : fs::directory_iterator(dir))
+      tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
     killed_writing += aim && tmp_left ? 1 : 0;
     // The previous complete checkpoint loads, whole and consistent.
     TrainingState st;
@@ -972,12 +1053,14 @@ TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
     EXPECT_GE(st.step, last_step) << "latest went backwards";
     last_step = st.step;
     for (auto& p : model.sharded_parameters()) {
-      ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>()) << "files of two checkpoints mixed";
+      ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>())
+          << "files of two checkpoints mixed";
     }
     EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
   }
   EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the write";
-  EXPECT_GT(last_step, 1) << "no save ever completed: the kill times are too short to test anything";
+  EXPECT_GT(last_step, 1)
+      << "no save ever completed: the kill times are too short to test anything";
   fs::remove(signal);
 }
 
@@ -1002,22 +1085,26 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
     pid_t pid = start_saver(dir, false, true, aim ? signal : "", progress);
     if (aim) {
       // The first write is announced after start-up, a load and one snapshot.
-      for (int i = 0; i < 30000 && !fs::exists(signal); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      for (int i = 0; i < 30000 && !fs::exists(signal); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
       ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no background write began";
       // Well inside the 300 ms the write lingers, even on a loaded machine.
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
       ++aimed;
     } else {
       // Two returned calls: the second waited for the first's write, now complete.
       ASSERT_TRUE(wait_for_saves(progress, 2)) << "round " << round << ": no save returned";
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status)) << "round " << round << ": the saver ended before the kill";
     // A kill inside a write leaves its temporary directory behind (the next save removes it).
     bool tmp_left = false;
-    for (const auto& e : fs::directory_iterator(dir)) tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
+    for (const auto& e : fs::directory_iterator(dir))
+      tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
     killed_writing += aim && tmp_left ? 1 : 0;
     TrainingState st;
     ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
@@ -1025,7 +1112,8 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
     last_step = st.step;
     for (auto& p : model.sharded_parameters()) {
       ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>())
-          << "round " << round << ": checkpoint " << st.step << " does not hold its own step's values";
+          << "round " << round << ": checkpoint " << st.step
+          << " does not hold its own step's values";
     }
     EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
   }
@@ -1050,10 +1138,12 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
   int64_t expected_staging = 0;
   for (const auto& ls : fsdp::detail::local_shards(model)) {
     const int64_t length = ls.writer ? ls.length : 0;
-    expected_staging += 4 * length * (1 + (ls.info.requires_grad ? 2 : 0));  // param, exp_avg, exp_avg_sq
+    expected_staging +=
+        4 * length * (1 + (ls.info.requires_grad ? 2 : 0));  // param, exp_avg, exp_avg_sq
   }
   if (pg.rank() == 0) {
-    for (const auto& b : model.as_module().buffers()) expected_staging += static_cast<int64_t>(b.nbytes());
+    for (const auto& b : model.as_module().buffers())
+      expected_staging += static_cast<int64_t>(b.nbytes());
   }
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
   AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3));
@@ -1065,7 +1155,8 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
   for (int64_t s = 3; s < 6; ++s) uninterrupted.push_back(train_step(model, opt, s, pg));
   EXPECT_EQ(pending.wait(), dir + "/step_00000003");
   EXPECT_TRUE(pending.done());
-  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging) << "kept for the next save";
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging)
+      << "kept for the next save";
   EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, expected_staging);
   release_checkpoint_staging(model);
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
@@ -1073,7 +1164,8 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
   pg.barrier();  // rank 0's wait() returns once published; the others' once written
   EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir + "/step_00000003")) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir + "/step_00000003"))
+    names.push_back(e.path().filename().string());
   EXPECT_EQ(names.size(), static_cast<size_t>(pg.size())) << "markers left in the checkpoint";
 
   torch::manual_seed(7);
@@ -1082,7 +1174,8 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
   TrainingState st;
   torch::manual_seed(999);
   load_sharded_checkpoint(dir, model2, &opt2, &st);
-  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save)) << "the RNG state of the call was not saved";
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save))
+      << "the RNG state of the call was not saved";
   EXPECT_EQ(st.step, 3);
   EXPECT_EQ(st.extra, sample_state(3).extra);
   for (int64_t s = 3; s < 6; ++s) {
@@ -1115,12 +1208,14 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
       if (ls.info.requires_grad) optim_bytes += 2 * 4 * length;  // exp_avg, exp_avg_sq
     }
     if (pg.rank() == 0) {
-      for (const auto& b : model.as_module().buffers()) param_bytes += static_cast<int64_t>(b.nbytes());
+      for (const auto& b : model.as_module().buffers())
+        param_bytes += static_cast<int64_t>(b.nbytes());
     }
     auto stats = [&] { return model.memory_stats().checkpoint_staging; };
     auto addresses = [&] {
       std::map<std::string, const void*> a;
-      for (const auto& [key, t] : fsdp::detail::checkpoint_staging_pool(model)) a[key] = t.data_ptr();
+      for (const auto& [key, t] : fsdp::detail::checkpoint_staging_pool(model))
+        a[key] = t.data_ptr();
       return a;
     };
 
@@ -1134,10 +1229,12 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
     // With it: the parameters' buffers are reused, the moments' are new.
     train_step(model, opt, 1, pg);
     std::vector<torch::Tensor> expected;
-    for (const auto& ls : fsdp::detail::local_shards(model)) expected.push_back(ls.shard.narrow(0, 0, ls.length).clone());
+    for (const auto& ls : fsdp::detail::local_shards(model))
+      expected.push_back(ls.shard.narrow(0, 0, ls.length).clone());
     AsyncSave second = save_sharded_checkpoint_async(dir, model, &opt, sample_state(2));
     EXPECT_EQ(stats().current, param_bytes + optim_bytes);
-    EXPECT_EQ(stats().peak, param_bytes + optim_bytes) << "the first save's buffers were not reused";
+    EXPECT_EQ(stats().peak, param_bytes + optim_bytes)
+        << "the first save's buffers were not reused";
     train_step(model, opt, 2, pg);  // changes every shard while the second save may write
     second.wait();
     const auto now = addresses();
@@ -1202,14 +1299,18 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
     fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
-      if (step == "write" && pg.rank() == 1) throw std::runtime_error("No space left on device (injected)");
+      if (step == "write" && pg.rank() == 1)
+        throw std::runtime_error("No space left on device (injected)");
       (void)file;
     });
     AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
     const std::string waited = error_of([&] { pending.wait(); });
     const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
-    EXPECT_NE(waited.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << waited;
-    EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"), std::string::npos)
+    EXPECT_NE(waited.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos)
+        << waited;
+    EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"),
+              std::string::npos)
         << waited;
     if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
     fsdp::detail::set_save_hook({});
@@ -1217,11 +1318,15 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
     EXPECT_GT(model.memory_stats().checkpoint_staging.current, 0);
-    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, model.memory_stats().checkpoint_staging.peak);
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current,
+              model.memory_stats().checkpoint_staging.peak);
 
-    const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-    EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir + "/step_00000002 failed"),
-              std::string::npos) << next;
+    const std::string next =
+        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir +
+                        "/step_00000002 failed"),
+              std::string::npos)
+        << next;
     EXPECT_NE(next.find("this call saved nothing"), std::string::npos) << next;
     pg.barrier();
     EXPECT_FALSE(fs::exists(dir + "/step_00000003"));
@@ -1262,21 +1367,27 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
         const auto t0 = std::chrono::steady_clock::now();
         AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
         const std::string waited = error_of([&] { pending.wait(); });
-        const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double waited_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (pg.rank() == 0) {
-          EXPECT_NE(waited.find("waited 3 s (the process group's timeout, FSDP_TIMEOUT_S) for the other ranks' files in " +
+          EXPECT_NE(waited.find("waited 3 s (the process group's timeout, FSDP_TIMEOUT_S) for the "
+                                "other ranks' files in " +
                                 tmp + " without progress: 1 of 2 complete"),
                     std::string::npos)
               << waited;
           EXPECT_GE(waited_s, 3.0);
           EXPECT_LT(waited_s, 20.0);
         } else {
-          EXPECT_NE(waited.find("writing " + tmp + "/rank_00001.h5 failed"), std::string::npos) << waited;
+          EXPECT_NE(waited.find("writing " + tmp + "/rank_00001.h5 failed"), std::string::npos)
+              << waited;
         }
         EXPECT_FALSE(fs::exists(tmp));
         fsdp::detail::set_save_hook({});
-        const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-        EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
+        const std::string next =
+            error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+        EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+                  std::string::npos)
+            << next;
         pg.barrier();
         EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
         EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
@@ -1297,12 +1408,16 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     ASSERT_GT(snapshot_bytes, 0);
     int staged = 0;
     fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
-      if (step == "stage" && pg.rank() == 1 && ++staged == 2) throw std::runtime_error("out of host memory (injected)");
+      if (step == "stage" && pg.rank() == 1 && ++staged == 2)
+        throw std::runtime_error("out of host memory (injected)");
     });
-    const std::string msg = error_of([&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
+    const std::string msg = error_of(
+        [&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
     fsdp::detail::set_save_hook({});
-    EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos) << msg;
-    EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)" : "on another rank (see its error)"),
+    EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)"
+                                      : "on another rank (see its error)"),
               std::string::npos)
         << msg;
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current, pg.rank() == 1 ? 0 : snapshot_bytes);
@@ -1311,7 +1426,8 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
     pg.barrier();  // both have looked before the next save makes that directory again
-    EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(), dir + "/step_00000002");
+    EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(),
+              dir + "/step_00000002");
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current, snapshot_bytes);
   });
 }
@@ -1325,12 +1441,14 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
     fsdp::detail::set_save_hook([&](const std::string& step, const std::string& what) {
-      if (step == "publish" && what == dir + "/step_00000002") throw std::runtime_error("rename: Input/output error (injected)");
+      if (step == "publish" && what == dir + "/step_00000002")
+        throw std::runtime_error("rename: Input/output error (injected)");
     });
     AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
     if (pg.rank() == 0) {
       const std::string waited = error_of([&] { pending.wait(); });
-      EXPECT_NE(waited.find("publishing " + dir + "/step_00000002 failed: rename: Input/output error (injected)"),
+      EXPECT_NE(waited.find("publishing " + dir +
+                            "/step_00000002 failed: rename: Input/output error (injected)"),
                 std::string::npos)
           << waited;
       EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
@@ -1338,9 +1456,13 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
       EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
     }
     fsdp::detail::set_save_hook({});
-    const std::string next = error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"), std::string::npos) << next;
-    if (pg.rank() == 1) EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
+    const std::string next =
+        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos)
+        << next;
+    if (pg.rank() == 1)
+      EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     std::vector<std::string> left;
@@ -1362,7 +1484,8 @@ TEST(ShardedCheckpoint, RankZeroFailuresFailTheSaveOnEveryRank) {
       std::ofstream(dir + "/file") << "not a directory";
     }
     pg.barrier();
-    std::string msg = error_of([&] { save_sharded_checkpoint(dir + "/file/ck", model, nullptr, sample_state(1)); });
+    std::string msg = error_of(
+        [&] { save_sharded_checkpoint(dir + "/file/ck", model, nullptr, sample_state(1)); });
     EXPECT_NE(msg.find("save_sharded_checkpoint: preparing " + dir + "/file/ck failed" +
                        (pg.rank() == 0 ? ": " : " on rank 0 (see its error)")),
               std::string::npos)
@@ -1374,7 +1497,8 @@ TEST(ShardedCheckpoint, RankZeroFailuresFailTheSaveOnEveryRank) {
     });
     msg = error_of([&] { save_sharded_checkpoint(dir + "/ck", model, nullptr, sample_state(2)); });
     fsdp::detail::set_save_hook({});
-    const std::string head = "save_sharded_checkpoint: publishing " + dir + "/ck/step_00000002 failed";
+    const std::string head =
+        "save_sharded_checkpoint: publishing " + dir + "/ck/step_00000002 failed";
     EXPECT_NE(msg.find(pg.rank() == 0 ? head + ": rename: Input/output error (injected)"
                                       : head + " on rank 0 (see its error)"),
               std::string::npos)
@@ -1397,11 +1521,15 @@ TEST(AtomicPublish, WritesWholeOrNotAtAllAndNamesWhatFailed) {
   EXPECT_EQ(text, "step_00000002\n");
   EXPECT_FALSE(fs::exists(dir + "/latest.tmp"));
 
-  std::string msg = error_of([&] { fsdp::ckpt::publish_atomically(dir + "/absent", dir + "/target"); });
-  EXPECT_NE(msg.find("cannot rename " + dir + "/absent to " + dir + "/target: No such file or directory"),
-            std::string::npos) << msg;
+  std::string msg =
+      error_of([&] { fsdp::ckpt::publish_atomically(dir + "/absent", dir + "/target"); });
+  EXPECT_NE(
+      msg.find("cannot rename " + dir + "/absent to " + dir + "/target: No such file or directory"),
+      std::string::npos)
+      << msg;
   msg = error_of([&] { fsdp::ckpt::fsync_path(dir + "/absent"); });
-  EXPECT_NE(msg.find("cannot open " + dir + "/absent to fsync it: No such file or directory"), std::string::npos)
+  EXPECT_NE(msg.find("cannot open " + dir + "/absent to fsync it: No such file or directory"),
+            std::string::npos)
       << msg;
   // A directory is published whole, as the sharded save does.
   fs::create_directories(dir + "/.tmp-step");
@@ -1422,7 +1550,8 @@ TEST(AtomicPublish, EveryWriterInCheckpointUsesTheOneHelper) {
     std::ifstream in(e.path());
     std::string line;
     for (int n = 1; std::getline(in, line); ++n) {
-      if (line.find("rename(") != std::string::npos) offenders.push_back(e.path().filename().string() + ":" + std::to_string(n));
+      if (line.find("rename(") != std::string::npos)
+        offenders.push_back(e.path().filename().string() + ":" + std::to_string(n));
     }
   }
   EXPECT_GE(scanned, 10) << "checkpoint/ not found under " << FSDP_SOURCE_DIR;
@@ -1461,7 +1590,8 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
       {[&] { load_sharded_checkpoint(dir + "/noopt", model, &opt, nullptr); },
        "holds no optimizer state; pass nullptr as the optimizer to load only the model"},
       {[&] { save_sharded_checkpoint(dir + "/x", model, &foreign, sample_state(1)); },
-       "the optimizer does not hold the shard of unit ''. Build it from model.sharded_parameters()."},
+       "the optimizer does not hold the shard of unit ''. Build it from "
+       "model.sharded_parameters()."},
       {[&] { save_sharded_checkpoint(dir + "/x", model, &rms, sample_state(1)); },
        "this optimizer is none of them (pass nullptr to save or load without optimizer state)"},
       {[&] { save_sharded_checkpoint(dir + "/x", model, nullptr, sample_state(1), negative); },
@@ -1479,11 +1609,15 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
   }
   // A checkpoint with optimizer state, loaded into an optimizer with other param groups.
   save_sharded_checkpoint(dir + "/opt", model, &opt, sample_state(1));
-  const std::string msg = error_of([&] { load_sharded_checkpoint(dir + "/opt", model, &two_groups, nullptr); });
-  EXPECT_NE(msg.find("holds 1 optimizer param groups but the optimizer has 2"), std::string::npos) << msg;
-  auto r = run_command({bin_dir() + "/fsdp-consolidate", dir + "/noopt", dir + "/c.h5", "--with-optimizer"});
+  const std::string msg =
+      error_of([&] { load_sharded_checkpoint(dir + "/opt", model, &two_groups, nullptr); });
+  EXPECT_NE(msg.find("holds 1 optimizer param groups but the optimizer has 2"), std::string::npos)
+      << msg;
+  auto r = run_command(
+      {bin_dir() + "/fsdp-consolidate", dir + "/noopt", dir + "/c.h5", "--with-optimizer"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("holds no optimizer state; drop --with-optimizer"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("holds no optimizer state; drop --with-optimizer"), std::string::npos)
+      << r.output;
 }
 
 // ---------------------------------------------------------------------------------
@@ -1493,7 +1627,8 @@ struct BadCheckpoint : ::testing::Test {
   std::string dir;
   std::string ckpt;
   void SetUp() override {
-    dir = scratch_dir(std::string("bad_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir = scratch_dir(std::string("bad_") +
+                      ::testing::UnitTest::GetInstance()->current_test_info()->name());
     run_ranks(2, [&](const ProcessGroup& pg) {
       auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
       fill_with(model, 3);  // 3.0f everywhere: easy to find in the file
@@ -1538,7 +1673,8 @@ TEST_F(BadCheckpoint, CorruptedData) {
 TEST_F(BadCheckpoint, MissingRankFile) {
   fs::remove(ckpt + "/rank_00001.h5");
   const std::string msg = load_error();
-  EXPECT_NE(msg.find("was saved by 2 ranks but rank_00001.h5 is missing"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("was saved by 2 ranks but rank_00001.h5 is missing"), std::string::npos)
+      << msg;
 }
 
 TEST_F(BadCheckpoint, CheckpointOfAnotherModel) {
@@ -1567,7 +1703,9 @@ TEST_F(BadCheckpoint, FormatVersionFromTheFuture) {
   H5Aclose(a);
   H5Fclose(f);
   const std::string msg = load_error();
-  EXPECT_NE(msg.find(p + " has format_version 99; this build reads versions 1 to 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(p + " has format_version 99; this build reads versions 1 to 1"),
+            std::string::npos)
+      << msg;
   EXPECT_NE(msg.find("newer fsdp"), std::string::npos) << msg;
 }
 
@@ -1589,7 +1727,8 @@ TEST_F(BadCheckpoint, AChecksumBlockSmallerThanAnElementIsRefused) {
   H5Fclose(f);
   const std::string msg = load_error();
   EXPECT_NE(msg.find(p), std::string::npos) << msg;
-  EXPECT_NE(msg.find(p + ": dataset 'flats/00000/param' has checksum blocks of 2 bytes for elements of 4 bytes: the file is corrupted"),
+  EXPECT_NE(msg.find(p + ": dataset 'flats/00000/param' has checksum blocks of 2 bytes for "
+                         "elements of 4 bytes: the file is corrupted"),
             std::string::npos)
       << msg;
 }
@@ -1605,18 +1744,24 @@ TEST_F(BadCheckpoint, LinkCyclesForeignLinksAndManyValuedAttributesAreRefused) {
   H5Fclose(f);
   auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find(p1 + ":/flats/loop: this group is reached twice (a link cycle): the file is corrupted"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find(
+          p1 + ":/flats/loop: this group is reached twice (a link cycle): the file is corrupted"),
+      std::string::npos)
       << r.output;
 
   f = H5Fopen(p1.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
   ASSERT_GE(f, 0);
   ASSERT_GE(H5Ldelete(f, "flats/loop", H5P_DEFAULT), 0);
   ASSERT_GE(H5Ldelete(f, "flats/00000/param", H5P_DEFAULT), 0);
-  ASSERT_GE(H5Lcreate_external(p0.c_str(), "/flats/00000/param", f, "flats/00000/param", H5P_DEFAULT, H5P_DEFAULT), 0);
+  ASSERT_GE(H5Lcreate_external(p0.c_str(), "/flats/00000/param", f, "flats/00000/param",
+                               H5P_DEFAULT, H5P_DEFAULT),
+            0);
   H5Fclose(f);
   std::string msg = load_error();
-  EXPECT_NE(msg.find(p1 + ": 'flats/00000/param' is an external link, not a dataset"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(p1 + ": 'flats/00000/param' is an external link, not a dataset"),
+            std::string::npos)
+      << msg;
 
   f = H5Fopen(p0.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
   ASSERT_GE(f, 0);
@@ -1631,15 +1776,18 @@ TEST_F(BadCheckpoint, LinkCyclesForeignLinksAndManyValuedAttributesAreRefused) {
   H5Sclose(space);
   H5Fclose(f);
   msg = load_error();
-  EXPECT_NE(msg.find(p0 + ": attribute 'step' holds 2 values where one is expected: the file is corrupted"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find(p0 +
+               ": attribute 'step' holds 2 values where one is expected: the file is corrupted"),
+      std::string::npos)
       << msg;
 }
 
 TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
   auto r = run_command({bin_dir() + "/fsdp-inspect", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* want : {"world_size = 2", "step = 5", "blocks.0.attn.qkv.weight [96, 32]", "verified: 2 rank files"}) {
+  for (const char* want : {"world_size = 2", "step = 5", "blocks.0.attn.qkv.weight [96, 32]",
+                           "verified: 2 rank files"}) {
     EXPECT_NE(r.output.find(want), std::string::npos) << want << " not in:\n" << r.output;
   }
   auto missing = run_command({bin_dir() + "/fsdp-inspect", dir + "/nope"});

@@ -15,8 +15,9 @@ using namespace fsdp::testing;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device (this LibTorch or machine has none)"
+#define SKIP_WITHOUT_CUDA()         \
+  if (!torch::cuda::is_available()) \
+  GTEST_SKIP() << "no CUDA device (this LibTorch or machine has none)"
 
 ShardingOptions gpu_options(const ProcessGroup& pg) {
   ShardingOptions o;
@@ -93,7 +94,8 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
 TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
   SKIP_WITHOUT_CUDA();
   char tmpl[] = "/tmp/fsdp_cuda_ckpt_XXXXXX";
-  static const std::string dir = std::getenv("FSDP_CUDA_DIR") ? std::getenv("FSDP_CUDA_DIR") : mkdtemp(tmpl);
+  static const std::string dir =
+      std::getenv("FSDP_CUDA_DIR") ? std::getenv("FSDP_CUDA_DIR") : mkdtemp(tmpl);
   setenv("FSDP_CUDA_DIR", dir.c_str(), 1);
   run_ranks(1, [&](const ProcessGroup& pg) {
     torch::manual_seed(0);
@@ -110,9 +112,11 @@ TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
     auto other = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
     torch::optim::AdamW opt2(other.sharded_parameters(), torch::optim::AdamWOptions(1.0));
     load_sharded_checkpoint(dir, other, &opt2, nullptr);
-    EXPECT_TRUE(torch::equal(torch::rand({4}, torch::kCUDA), after_save)) << "CUDA RNG not restored";
+    EXPECT_TRUE(torch::equal(torch::rand({4}, torch::kCUDA), after_save))
+        << "CUDA RNG not restored";
     auto loaded = full_state_dict(other, {false, true});
-    for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(saved[i].second, loaded[i].second)) << saved[i].first;
+    for (size_t i = 0; i < saved.size(); ++i)
+      EXPECT_TRUE(torch::equal(saved[i].second, loaded[i].second)) << saved[i].first;
   });
 }
 

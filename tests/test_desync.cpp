@@ -61,13 +61,17 @@ TEST(Desync, ARankSkippingAUnitFailsAtOnceOnEveryRankUnderFsdpDebugDesync) {
           auto t0 = std::chrono::steady_clock::now();
           const std::string err = error_of([&] { m(torch::ones({2, 8}), pg.rank() == 1); });
           EXPECT_LT(seconds_since(t0), 20.0) << "the ranks waited for the timeout";
-          EXPECT_NE(err.find("collectives out of step on world (FSDP_DEBUG=desync): the ranks were about "
-                             "to run different collectives:"),
-                    std::string::npos)
+          EXPECT_NE(
+              err.find("collectives out of step on world (FSDP_DEBUG=desync): the ranks were about "
+                       "to run different collectives:"),
+              std::string::npos)
               << err;
-          EXPECT_NE(err.find("\n  rank 0: all_gather for unit 'a', 288 B (#"), std::string::npos) << err;
-          EXPECT_NE(err.find("\n  rank 1: all_gather for unit 'b', 288 B (#"), std::string::npos) << err;
-          EXPECT_NE(err.find("call the same wrapped units, in the same order, on every rank"), std::string::npos)
+          EXPECT_NE(err.find("\n  rank 0: all_gather for unit 'a', 288 B (#"), std::string::npos)
+              << err;
+          EXPECT_NE(err.find("\n  rank 1: all_gather for unit 'b', 288 B (#"), std::string::npos)
+              << err;
+          EXPECT_NE(err.find("call the same wrapped units, in the same order, on every rank"),
+                    std::string::npos)
               << err;
           if (train == 0) {
             // The check runs before the collective: the ranks stay in step and can go on.
@@ -101,8 +105,9 @@ TEST(Desync, WithoutTheCheckTheRankLeftWaitingFailsAtTheTimeoutWithItsRecentColl
         EXPECT_LT(secs, 7.5);
         const std::string head = "rank 0: collective #";
         ASSERT_EQ(err.rfind(head, 0), 0u) << err;
-        EXPECT_NE(err.find(" on world (2 ranks), all_gather for unit 'b', 288 B, did not complete: "),
-                  std::string::npos)
+        EXPECT_NE(
+            err.find(" on world (2 ranks), all_gather for unit 'b', 288 B, did not complete: "),
+            std::string::npos)
             << err;
         const size_t list = err.find("\nThis rank's recent collectives, oldest first:\n");
         ASSERT_NE(list, std::string::npos) << err;
@@ -111,8 +116,9 @@ TEST(Desync, WithoutTheCheckTheRankLeftWaitingFailsAtTheTimeoutWithItsRecentColl
         EXPECT_NE(a, std::string::npos) << err;
         EXPECT_NE(b, std::string::npos) << err;
         EXPECT_LT(a, b) << err;
-        EXPECT_NE(err.find("run with FSDP_DEBUG=desync to stop at the first collective that differs"),
-                  std::string::npos)
+        EXPECT_NE(
+            err.find("run with FSDP_DEBUG=desync to stop at the first collective that differs"),
+            std::string::npos)
             << err;
       },
       180, {"FSDP_TIMEOUT_S=4"});
@@ -123,8 +129,10 @@ TEST(Desync, AnUnknownFsdpDebugModeIsRejectedByName) {
   setenv("FSDP_DEBUG", "desync,verbose", 1);
   const std::string err = error_of([] { init_process_group(); });
   unsetenv("FSDP_DEBUG");
-  EXPECT_EQ(err, "FSDP_DEBUG='desync,verbose' lists 'verbose', which is not a debug mode; the modes are: "
-                 "desync (compare every collective across ranks before it runs)");
+  EXPECT_EQ(
+      err,
+      "FSDP_DEBUG='desync,verbose' lists 'verbose', which is not a debug mode; the modes are: "
+      "desync (compare every collective across ranks before it runs)");
 }
 
 }  // namespace

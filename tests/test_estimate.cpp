@@ -2,8 +2,8 @@
 // bytes the engine and the optimizer hold in a training step, exactly, and the
 // gathered-unit and buffer terms must bound the counters' peaks. Then the CLI: its
 // table, its JSON (equal to the library's figures) and its bad-input errors.
-#include <fsdp/estimate.h>
 #include <fsdp/checkpoint_format.h>
+#include <fsdp/estimate.h>
 #include <fsdp/version.h>
 
 #include "support/models.h"
@@ -100,7 +100,8 @@ void compare(const ProcessGroup& pg, const Scenario& run) {
   for (int64_t step = 0; step < 2; ++step) {
     opt.zero_grad();
     gpt::loss_on(model, my_rows(gpt_batch(step, 2 * pg.size(), cfg.block_size), pg)).backward();
-    EXPECT_EQ(column("gradients"), model.memory_stats().grad_shards.current) << "after backward " << step;
+    EXPECT_EQ(column("gradients"), model.memory_stats().grad_shards.current)
+        << "after backward " << step;
     opt.step();
   }
   const auto mem = model.memory_stats();
@@ -111,8 +112,9 @@ void compare(const ProcessGroup& pg, const Scenario& run) {
   // prefetched two at a time, or all of them gathered at the end of forward.
   EXPECT_EQ(est.term("gathered_units").device_bytes, mem.gathered_params.peak);
   EXPECT_GE(est.term("comm_buffers").device_bytes, mem.comm_buffers.peak);
-  const int64_t offload_est =
-      run.offload ? est.term("offload_buffers").device_bytes + est.term("offload_buffers").host_bytes : 0;
+  const int64_t offload_est = run.offload ? est.term("offload_buffers").device_bytes +
+                                                est.term("offload_buffers").host_bytes
+                                          : 0;
   EXPECT_GE(offload_est, mem.offload_buffers.peak);
   if (run.offload) EXPECT_GT(mem.offload_buffers.peak, 0);
 }
@@ -128,9 +130,10 @@ INSTANTIATE_TEST_SUITE_P(World, EstimateAtWorld, ::testing::Values(1, 2, 3),
 
 TEST(EstimateStrategies, OtherStrategiesAndOffloadMatchTheCountersAtWorld2) {
   run_ranks(2, [](const ProcessGroup& pg) {
-    for (const Scenario& run : {Scenario{"grad_op", "bf16"}, Scenario{"none", "fp32"}, Scenario{"none", "bf16"},
-                           Scenario{"hybrid", "bf16", false, 1}, Scenario{"hybrid", "fp32", false, 2},
-                           Scenario{"full", "fp32", true}, Scenario{"full", "bf16", true}}) {
+    for (const Scenario& run :
+         {Scenario{"grad_op", "bf16"}, Scenario{"none", "fp32"}, Scenario{"none", "bf16"},
+          Scenario{"hybrid", "bf16", false, 1}, Scenario{"hybrid", "fp32", false, 2},
+          Scenario{"full", "fp32", true}, Scenario{"full", "bf16", true}}) {
       compare(pg, run);
     }
   });
@@ -182,7 +185,8 @@ TEST(EstimateRules, HandWorkedFigures) {
   // than backward's one).
   EXPECT_EQ(est.term("offload_buffers").device_bytes, (25 + 25) * 2);
   EXPECT_EQ(est.term("offload_buffers").host_bytes, 2 * 25 * 4);
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);  // the copy casts: no cast buffer
+  EXPECT_EQ(est.term("comm_buffers").device_bytes,
+            (12 + 100 + 100) * 2);  // the copy casts: no cast buffer
 }
 
 TEST(EstimateRules, ActivationCheckpointingKeepsBlockInputsAndOneBlock) {
@@ -205,9 +209,14 @@ std::vector<std::string> tool(std::vector<std::string> args) {
   return args;
 }
 
-const std::vector<std::string> kShape = {"--n-layer", "24", "--n-head", "16", "--d-model", "2048",
-                                         "--block-size", "1024", "--world-size", "8", "--precision", "bf16",
-                                         "--cpu-offload", "--activation-checkpointing", "--micro-batch", "4"};
+const std::vector<std::string> kShape = {"--n-layer",     "24",
+                                         "--n-head",      "16",
+                                         "--d-model",     "2048",
+                                         "--block-size",  "1024",
+                                         "--world-size",  "8",
+                                         "--precision",   "bf16",
+                                         "--cpu-offload", "--activation-checkpointing",
+                                         "--micro-batch", "4"};
 
 EstimateInput shape_input() {
   EstimateInput in;
@@ -227,10 +236,11 @@ EstimateInput shape_input() {
 TEST(EstimateTool, PrintsEveryTermAndExitsZero) {
   auto r = run_command(tool(kShape));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* want : {"parameters (fp32 shards)", "gradients (fp32 shards)", "optimizer state (AdamW m, v)",
-                           "gathered units (bf16)", "reduce/cast buffers", "offload transit buffers",
-                           "activations (checkpointed)", "total", "device", "host",
-                           "Estimated memory needed for params, optim states and gradients"}) {
+  for (const char* want :
+       {"parameters (fp32 shards)", "gradients (fp32 shards)", "optimizer state (AdamW m, v)",
+        "gathered units (bf16)", "reduce/cast buffers", "offload transit buffers",
+        "activations (checkpointed)", "total", "device", "host",
+        "Estimated memory needed for params, optim states and gradients"}) {
     EXPECT_NE(r.output.find(want), std::string::npos) << "'" << want << "' missing:\n" << r.output;
   }
 }
@@ -285,26 +295,35 @@ class EstimateBadInput : public ::testing::TestWithParam<Bad> {};
 TEST_P(EstimateBadInput, ExitsTwoWithTheMessage) {
   auto r = run_command(tool(GetParam().args));
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("fsdp-estimate: error: " + GetParam().message), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp-estimate: error: " + GetParam().message), std::string::npos)
+      << r.output;
 }
 INSTANTIATE_TEST_SUITE_P(
     Cases, EstimateBadInput,
     ::testing::Values(
-        Bad{{}, "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params N"},
-        Bad{{"--params", "1e9", "--strategy", "zero3"}, "--strategy 'zero3' is unknown; use full, grad_op, none or hybrid"},
-        Bad{{"--params", "1e9", "--precision", "fp8"}, "--precision 'fp8' is unknown; use fp32, bf16 or fp16"},
-        Bad{{"--params", "1e9", "--world-size", "0"}, "--world-size 0 is invalid; it must be at least 1"},
+        Bad{{},
+            "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or "
+            "--params N"},
+        Bad{{"--params", "1e9", "--strategy", "zero3"},
+            "--strategy 'zero3' is unknown; use full, grad_op, none or hybrid"},
+        Bad{{"--params", "1e9", "--precision", "fp8"},
+            "--precision 'fp8' is unknown; use fp32, bf16 or fp16"},
+        Bad{{"--params", "1e9", "--world-size", "0"},
+            "--world-size 0 is invalid; it must be at least 1"},
         Bad{{"--params=-5"}, "--params -5 is invalid; give a positive count such as 1.3e9"},
         Bad{{"--params", "abc"}, "--params 'abc' is not a number; give a count such as 1.3e9"},
         Bad{{"--params", "1e9", "--units", "0"}, "--units 0 is invalid; it must be positive"},
-        Bad{{"--params", "1e9", "--world-size", "6", "--strategy", "hybrid", "--hybrid-group-size", "4"},
+        Bad{{"--params", "1e9", "--world-size", "6", "--strategy", "hybrid", "--hybrid-group-size",
+             "4"},
             "--hybrid-group-size 4 is invalid; it must divide the world size 6"},
         Bad{{"--n-layer", "2", "--n-head", "3", "--d-model", "64", "--block-size", "8"},
             "--d-model 64 is not divisible by --n-head 3"},
         Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64"}, "--block-size is missing"},
-        Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64", "--block-size", "8", "--micro-batch", "0"},
+        Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64", "--block-size", "8",
+             "--micro-batch", "0"},
             "--micro-batch 0 is invalid; it must be positive"},
-        Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64", "--block-size", "8", "--params", "5"},
+        Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64", "--block-size", "8", "--params",
+             "5"},
             "give either a GPT shape or --params, not both"},
         Bad{{"--params", "1e9", "--no-such-flag"}, "Option"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
@@ -312,9 +331,9 @@ INSTANTIATE_TEST_SUITE_P(
 // One version everywhere: the headers, the library, and every tool's --version.
 TEST(Version, HeadersLibraryAndEveryToolAgree) {
   EXPECT_STREQ(fsdp::version(), FSDP_VERSION_STRING);
-  EXPECT_EQ(std::string(FSDP_VERSION_STRING),
-            std::to_string(FSDP_VERSION_MAJOR) + "." + std::to_string(FSDP_VERSION_MINOR) + "." +
-                std::to_string(FSDP_VERSION_PATCH));
+  EXPECT_EQ(std::string(FSDP_VERSION_STRING), std::to_string(FSDP_VERSION_MAJOR) + "." +
+                                                  std::to_string(FSDP_VERSION_MINOR) + "." +
+                                                  std::to_string(FSDP_VERSION_PATCH));
   std::vector<std::string> tools = {"fsdp-run", "fsdp-estimate"};
 #ifdef FSDP_TEST_HAVE_HDF5
   tools.insert(tools.end(), {"fsdp-consolidate", "fsdp-inspect"});

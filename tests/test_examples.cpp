@@ -42,8 +42,23 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
 
 // A small, fast configuration shared by the runs that are compared.
 std::vector<std::string> small_run(const std::string& log, int steps = 8) {
-  return {bin("train_gpt"), "--steps", std::to_string(steps), "--batch-size", "12", "--n-layer", "2",
-          "--d-model", "32", "--n-head", "2", "--block-size", "16", "--log-jsonl", log, "--seed", "7"};
+  return {bin("train_gpt"),
+          "--steps",
+          std::to_string(steps),
+          "--batch-size",
+          "12",
+          "--n-layer",
+          "2",
+          "--d-model",
+          "32",
+          "--n-head",
+          "2",
+          "--block-size",
+          "16",
+          "--log-jsonl",
+          log,
+          "--seed",
+          "7"};
 }
 
 std::vector<double> losses(const std::string& log) {
@@ -84,9 +99,16 @@ TEST(TrainGpt, TorchrunGivesTheSameLossesAsFsdpRun) {
   // torchrun as the README documents it: scripts/torchrun.py is torchrun, with a store
   // that also works on a PyTorch without libuv (Debian 13's 2.6); FSDP_PYTHON is the
   // build's Python (PyPI's torch in .venv, or Debian's).
-  std::vector<std::string> b = {FSDP_PYTHON, std::string(FSDP_SOURCE_DIR) + "/scripts/torchrun.py",
-                                "--nproc_per_node", "2",
-                                "--master_port", std::to_string(free_port()), "--redirects", "1", "--tee", "1",
+  std::vector<std::string> b = {FSDP_PYTHON,
+                                std::string(FSDP_SOURCE_DIR) + "/scripts/torchrun.py",
+                                "--nproc_per_node",
+                                "2",
+                                "--master_port",
+                                std::to_string(free_port()),
+                                "--redirects",
+                                "1",
+                                "--tee",
+                                "1",
                                 "--no_python"};
   args = small_run(log_b);
   b.insert(b.end(), args.begin(), args.end());
@@ -99,8 +121,8 @@ TEST(TrainGpt, TorchrunGivesTheSameLossesAsFsdpRun) {
 
 TEST(TrainGpt, SyntheticTaskLossFallsBelowItsUnigramEntropy) {
   auto log = temp_path("learn");
-  std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--", bin("train_gpt"), "--steps", "150",
-                                  "--log-jsonl", log};
+  std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2",           "--", bin("train_gpt"),
+                                  "--steps",       "150",     "--log-jsonl", log};
   auto r = run_command(cmd, {}, 600);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto pos = r.output.find("unigram entropy ");
@@ -108,8 +130,8 @@ TEST(TrainGpt, SyntheticTaskLossFallsBelowItsUnigramEntropy) {
   double entropy = std::stod(r.output.substr(pos + 16));
   auto l = losses(log);
   ASSERT_EQ(l.size(), 150u);
-  EXPECT_GT(l.front(), entropy);          // starts above: the model knows nothing
-  EXPECT_LT(l.back(), 0.5 * entropy);     // ends well below what no context can reach
+  EXPECT_GT(l.front(), entropy);       // starts above: the model knows nothing
+  EXPECT_LT(l.back(), 0.5 * entropy);  // ends well below what no context can reach
 }
 
 TEST(TrainGpt, Bf16RunHalvesTheBytesPerStepAndStillLearns) {
@@ -143,7 +165,8 @@ TEST(TrainGpt, ActivationCheckpointingLeavesTheLossesUnchanged) {
   // ... and checkpointing did run: each of the 2 blocks recomputed once per step.
   const auto with = read_jsonl(ckpt), without = read_jsonl(plain);
   ASSERT_EQ(with.size(), 5u);
-  for (const auto& j : with) EXPECT_EQ(j.at("recomputes").get<int64_t>(), 2 * j.at("step").get<int64_t>()) << j;
+  for (const auto& j : with)
+    EXPECT_EQ(j.at("recomputes").get<int64_t>(), 2 * j.at("step").get<int64_t>()) << j;
   for (const auto& j : without) EXPECT_EQ(j.at("recomputes").get<int64_t>(), 0) << j;
 }
 
@@ -192,8 +215,10 @@ TEST(FsdpRun, AKilledRankStopsEveryRankAndFailsWithinSeconds) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 137);
-  EXPECT_NE(r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 2 rank(s)"),
-            std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 2 rank(s)"),
+      std::string::npos)
+      << r.output;
   EXPECT_LT(secs, 10.0);
 }
 
@@ -214,12 +239,14 @@ TEST(FsdpRun, ARankKilledMidStepEndsTheTrainingJobWithinSecondsNamingIt) {
       "if [ \"$RANK\" = 1 ]; then (while [ \"$(cat '" + log +
       "' 2>/dev/null | wc -l)\" -lt 2 ]; do sleep 0.05; done; kill -9 $$) & fi; exec " + train;
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c", script}, {"FSDP_TIMEOUT_S=300"}, 120);
+  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c", script},
+                       {"FSDP_TIMEOUT_S=300"}, 120);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 137) << r.output;
-  EXPECT_NE(r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 1 rank(s)"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("fsdp-run: rank 1 was killed by signal SIGKILL; stopping the other 1 rank(s)"),
+      std::string::npos)
       << r.output;
   EXPECT_GE(lines(log), 2u) << "rank 0 was not training when rank 1 died";
   EXPECT_LT(lines(log), 100000u);
@@ -228,7 +255,8 @@ TEST(FsdpRun, ARankKilledMidStepEndsTheTrainingJobWithinSecondsNamingIt) {
 
 TEST(FsdpRun, ARankExitingNonZeroIsNamedWithItsCode) {
   auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", "sh", "-c",
-                        "if [ \"$RANK\" = 0 ]; then exit 3; else sleep 60; fi"}, {}, 30);
+                        "if [ \"$RANK\" = 0 ]; then exit 3; else sleep 60; fi"},
+                       {}, 30);
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_NE(r.output.find("fsdp-run: rank 0 exited with code 3"), std::string::npos) << r.output;
 }
@@ -246,12 +274,14 @@ TEST(FsdpRun, RankZeroThatCannotServeTheRendezvousStopsEveryRankAtOnce) {
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   const std::string port = std::to_string(ntohs(a.sin_port));
   auto t0 = std::chrono::steady_clock::now();
-  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--master-port", port, "--", bin("train_gpt"), "--steps", "1"},
+  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--master-port", port, "--",
+                        bin("train_gpt"), "--steps", "1"},
                        {"FSDP_TIMEOUT_S=120"}, 150);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   close(fd);
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("rank 0 cannot serve the rendezvous: port " + port), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 cannot serve the rendezvous: port " + port), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("fsdp-run: rank 0 exited with code 1"), std::string::npos) << r.output;
   EXPECT_LT(secs, 60.0) << "the other ranks waited for the rendezvous timeout";
 }
@@ -259,7 +289,8 @@ TEST(FsdpRun, RankZeroThatCannotServeTheRendezvousStopsEveryRankAtOnce) {
 TEST(FsdpRun, BadArgumentsAreUsageErrors) {
   auto r = run_command({bin("fsdp-run"), "--nproc", "zero", "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("fsdp-run: error: --nproc 'zero' must be a positive integer"), std::string::npos);
+  EXPECT_NE(r.output.find("fsdp-run: error: --nproc 'zero' must be a positive integer"),
+            std::string::npos);
   r = run_command({bin("fsdp-run"), "--nproc", "2"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("fsdp-run: error: no command given after --"), std::string::npos);
@@ -268,26 +299,35 @@ TEST(FsdpRun, BadArgumentsAreUsageErrors) {
   EXPECT_NE(r.output.find("fsdp-run: error: --nproc N is required"), std::string::npos);
   r = run_command({bin("fsdp-run"), "--nproc", "2", "--master-port", "0", "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("fsdp-run: error: --master-port '0' must be a TCP port between 1 and 65535"), std::string::npos);
+  EXPECT_NE(
+      r.output.find("fsdp-run: error: --master-port '0' must be a TCP port between 1 and 65535"),
+      std::string::npos);
   r = run_command({bin("fsdp-run"), "--nproc", "2", "--foo", "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("fsdp-run: error: unknown option '--foo'; put the command after --"), std::string::npos);
-  r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", "/nonexistent/dir/rss.json", "--", "true"});
+  EXPECT_NE(r.output.find("fsdp-run: error: unknown option '--foo'; put the command after --"),
+            std::string::npos);
+  r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", "/nonexistent/dir/rss.json",
+                   "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("fsdp-run: error: --peak-rss-json /nonexistent/dir/rss.json: cannot write the file"),
-            std::string::npos) << r.output;
+  EXPECT_NE(
+      r.output.find(
+          "fsdp-run: error: --peak-rss-json /nonexistent/dir/rss.json: cannot write the file"),
+      std::string::npos)
+      << r.output;
   r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json=", "--", "true"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("fsdp-run: error: --peak-rss-json needs a file name"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fsdp-run: error: --peak-rss-json needs a file name"), std::string::npos)
+      << r.output;
 }
 
 // --peak-rss-json: one figure per rank, each that rank's own peak. A rank that holds
 // 256 MiB more than the other shows it; fsdp-run's own figure would not tell them apart.
 TEST(FsdpRun, PeakRssJsonHasEachRanksOwnPeak) {
   const std::string json = temp_path("rss") + ".json";
-  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", json, "--", FSDP_PYTHON, "-c",
-                        "import os; b = bytearray((256 << 20) if os.environ['RANK'] == '1' else 0); "
-                        "b[::4096] = b'x' * len(b[::4096])"});
+  auto r = run_command(
+      {bin("fsdp-run"), "--nproc", "2", "--peak-rss-json", json, "--", FSDP_PYTHON, "-c",
+       "import os; b = bytearray((256 << 20) if os.environ['RANK'] == '1' else 0); "
+       "b[::4096] = b'x' * len(b[::4096])"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = nlohmann::json::parse(std::ifstream(json));
   const auto kb = j.at("peak_rss_kb").get<std::vector<int64_t>>();
@@ -320,30 +360,56 @@ TEST_P(TrainGptBadInput, ExitsNonZeroWithAMessageAndNoStackDump) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, TrainGptBadInput,
     ::testing::Values(
-        BadInput{{"--sharding", "zero3"}, "train_gpt: error: --sharding zero3 is unknown; use full, grad_op, none or hybrid"},
-        BadInput{{"--wrap", "size:many"}, "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
-        BadInput{{"--lr-schedule", "linear"}, "train_gpt: error: --lr-schedule linear is unknown; use constant or cosine"},
-        BadInput{{"--d-model", "30", "--n-head", "4"}, "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
-        BadInput{{"--data", "/nonexistent/input.txt"}, "train_gpt: error: --data /nonexistent/input.txt: cannot open the file"},
+        BadInput{
+            {"--sharding", "zero3"},
+            "train_gpt: error: --sharding zero3 is unknown; use full, grad_op, none or hybrid"},
+        BadInput{{"--wrap", "size:many"},
+                 "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
+        BadInput{{"--lr-schedule", "linear"},
+                 "train_gpt: error: --lr-schedule linear is unknown; use constant or cosine"},
+        BadInput{{"--d-model", "30", "--n-head", "4"},
+                 "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
+        BadInput{{"--data", "/nonexistent/input.txt"},
+                 "train_gpt: error: --data /nonexistent/input.txt: cannot open the file"},
         BadInput{{"--steps", "abc"}, "train_gpt: error: "},
         BadInput{{"--no-such-flag"}, "train_gpt: error: "},
-        BadInput{{"--precision", "fp8"}, "train_gpt: error: --precision fp8 is unknown; use fp32, bf16 or fp16"},
-        BadInput{{"--precision", "fp16", "--loss-scale-power", "99"}, "train_gpt: error: --loss-scale-power 99 must be between 0 and 60 (the default is 16)"},
-        BadInput{{"--loss-scale-power", "8"}, "train_gpt: error: --loss-scale-power applies only to --precision fp16 (this run is fp32)"},
-        BadInput{{"--activation-checkpointing", "every:0"}, "train_gpt: error: --activation-checkpointing every:0 is unknown; use none, all or every:K (K >= 1)"},
-        BadInput{{"--data", "/dev/null"}, "train_gpt: error: --data holds 0 bytes, fewer than --block-size + 2 = 34; use a longer file or a smaller --block-size"},
-        BadInput{{"--config", "/etc/os-release"}, "train_gpt: error: --config /etc/os-release: not valid JSON ("},
+        BadInput{{"--precision", "fp8"},
+                 "train_gpt: error: --precision fp8 is unknown; use fp32, bf16 or fp16"},
+        BadInput{
+            {"--precision", "fp16", "--loss-scale-power", "99"},
+            "train_gpt: error: --loss-scale-power 99 must be between 0 and 60 (the default is 16)"},
+        BadInput{{"--loss-scale-power", "8"},
+                 "train_gpt: error: --loss-scale-power applies only to --precision fp16 (this run "
+                 "is fp32)"},
+        BadInput{{"--activation-checkpointing", "every:0"},
+                 "train_gpt: error: --activation-checkpointing every:0 is unknown; use none, all "
+                 "or every:K (K >= 1)"},
+        BadInput{{"--data", "/dev/null"},
+                 "train_gpt: error: --data holds 0 bytes, fewer than --block-size + 2 = 34; use a "
+                 "longer file or a smaller --block-size"},
+        BadInput{{"--config", "/etc/os-release"},
+                 "train_gpt: error: --config /etc/os-release: not valid JSON ("},
         BadInput{{"--dropout", "1"}, "train_gpt: error: --dropout must be in [0, 1)"},
         BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
-        BadInput{{"--clip-grad", "-1"}, "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
+        BadInput{{"--clip-grad", "-1"},
+                 "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
         BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0.000000 must be positive"},
-        BadInput{{"--config", "/nonexistent/c.json"}, "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
-        BadInput{{"--steps", "10", "--stop-at", "11"}, "train_gpt: error: --stop-at 11 must be between 1 and --steps 10 (0: run all steps)"},
-        BadInput{{"--save-every", "-1", "--save-dir", "/tmp/x"}, "train_gpt: error: --save-every -1 must not be negative"},
+        BadInput{{"--config", "/nonexistent/c.json"},
+                 "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
+        BadInput{
+            {"--steps", "10", "--stop-at", "11"},
+            "train_gpt: error: --stop-at 11 must be between 1 and --steps 10 (0: run all steps)"},
+        BadInput{{"--save-every", "-1", "--save-dir", "/tmp/x"},
+                 "train_gpt: error: --save-every -1 must not be negative"},
         BadInput{{"--save-every", "5"}, "train_gpt: error: --save-every needs --save-dir DIR"},
-        BadInput{{"--val-fraction", "1"}, "train_gpt: error: --val-fraction 1 must be at least 0 and below 1 (0: no validation)"},
-        BadInput{{"--save-dir", "/proc/fsdp_no"}, "train_gpt: error: --save-dir /proc/fsdp_no: cannot create the directory"},
-        BadInput{{"--consolidate-to", "/nonexistent/dir/w.h5"}, "train_gpt: error: --consolidate-to /nonexistent/dir/w.h5: the directory /nonexistent/dir does not exist"}),
+        BadInput{
+            {"--val-fraction", "1"},
+            "train_gpt: error: --val-fraction 1 must be at least 0 and below 1 (0: no validation)"},
+        BadInput{{"--save-dir", "/proc/fsdp_no"},
+                 "train_gpt: error: --save-dir /proc/fsdp_no: cannot create the directory"},
+        BadInput{{"--consolidate-to", "/nonexistent/dir/w.h5"},
+                 "train_gpt: error: --consolidate-to /nonexistent/dir/w.h5: the directory "
+                 "/nonexistent/dir does not exist"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 // --data holds out its last --val-fraction for validation: a text whose training part
@@ -359,19 +425,46 @@ TEST(TrainGpt, DataHoldsOutItsLastFractionForTheValidationLoss) {
     f << std::string(200, 'z');  // 2000 bytes: the last 10% are the z's
   }
   auto log = temp_path("val_log");
-  auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", bin("train_gpt"), "--data", text_path, "--steps", "30",
-                        "--log-every", "10", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--block-size", "16",
-                        "--batch-size", "8", "--lr", "1e-2", "--warmup-steps", "5", "--lr-schedule", "constant",
-                        "--log-jsonl", log});
+  auto r = run_command({bin("fsdp-run"),
+                        "--nproc",
+                        "2",
+                        "--",
+                        bin("train_gpt"),
+                        "--data",
+                        text_path,
+                        "--steps",
+                        "30",
+                        "--log-every",
+                        "10",
+                        "--n-layer",
+                        "1",
+                        "--d-model",
+                        "32",
+                        "--n-head",
+                        "2",
+                        "--block-size",
+                        "16",
+                        "--batch-size",
+                        "8",
+                        "--lr",
+                        "1e-2",
+                        "--warmup-steps",
+                        "5",
+                        "--lr-schedule",
+                        "constant",
+                        "--log-jsonl",
+                        log});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("1800 bytes to train on, 200 held out for validation"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("1800 bytes to train on, 200 held out for validation"), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("| val loss "), std::string::npos) << r.output;
   auto steps = read_jsonl(log);
   ASSERT_EQ(steps.size(), 30u);
   for (size_t i = 0; i < steps.size(); ++i) {
     EXPECT_EQ(steps[i].contains("val_loss"), (i + 1) % 10 == 0) << steps[i].dump();
   }
-  const double train = steps.back().at("loss").get<double>(), val = steps.back().at("val_loss").get<double>();
+  const double train = steps.back().at("loss").get<double>(),
+               val = steps.back().at("val_loss").get<double>();
   EXPECT_LT(train, 0.1) << "alternating a and b is easy to learn";
   EXPECT_GT(val, 3.0) << "the held-out z's must be unseen (train loss " << train << ")";
 
@@ -379,10 +472,14 @@ TEST(TrainGpt, DataHoldsOutItsLastFractionForTheValidationLoss) {
   std::ofstream(small) << std::string(100, 'a');
   auto bad = run_command({bin("train_gpt"), "--data", small, "--steps", "1"});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
-  EXPECT_NE(bad.output.find("train_gpt: error: --data " + small + " (100 bytes) split by --val-fraction leaves 90 "
-                            "bytes to train on and 10 to validate on; each needs --block-size + 2 = 34"),
-            std::string::npos) << bad.output;
-  auto none = run_command({bin("train_gpt"), "--data", small, "--steps", "1", "--val-fraction", "0"});
+  EXPECT_NE(
+      bad.output.find("train_gpt: error: --data " + small +
+                      " (100 bytes) split by --val-fraction leaves 90 "
+                      "bytes to train on and 10 to validate on; each needs --block-size + 2 = 34"),
+      std::string::npos)
+      << bad.output;
+  auto none =
+      run_command({bin("train_gpt"), "--data", small, "--steps", "1", "--val-fraction", "0"});
   EXPECT_EQ(none.exit_code, 0) << none.output;
 }
 
@@ -409,10 +506,12 @@ TEST(TrainGpt, Fp16TrainsWithTheLossScaler) {
   }
   EXPECT_GT(skipped_before, 0) << "a scale of 2^24 must overflow fp16";
   EXPECT_LT(skipped_before, 20) << r.output;
-  EXPECT_LT(steps.back().at("loss").get<double>(), steps.front().at("loss").get<double>() - 1.0) << r.output;
+  EXPECT_LT(steps.back().at("loss").get<double>(), steps.front().at("loss").get<double>() - 1.0)
+      << r.output;
   // Both ranks skipped the same steps and end on the same scale.
-  const std::string tail = " of 40 steps, loss scale " +
-                           std::to_string(static_cast<int64_t>(steps.back().at("loss_scale").get<double>()));
+  const std::string tail =
+      " of 40 steps, loss scale " +
+      std::to_string(static_cast<int64_t>(steps.back().at("loss_scale").get<double>()));
   for (int rank = 0; rank < 2; ++rank) {
     const std::string line = "train_gpt: rank " + std::to_string(rank) + ": fp16 skipped " +
                              std::to_string(skipped_before) + tail;
@@ -421,17 +520,21 @@ TEST(TrainGpt, Fp16TrainsWithTheLossScaler) {
 }
 
 TEST(TrainGpt, BatchNotDivisibleByTheWorldSaysWhatToUse) {
-  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", bin("train_gpt"), "--batch-size", "10", "--steps", "1"});
+  auto r = run_command({bin("fsdp-run"), "--nproc", "3", "--", bin("train_gpt"), "--batch-size",
+                        "10", "--steps", "1"});
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("train_gpt: error: --batch-size 10 must be divisible by world size 3 x --grad-accum 1; try --batch-size 12"),
-            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train_gpt: error: --batch-size 10 must be divisible by world size 3 x "
+                          "--grad-accum 1; try --batch-size 12"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(TrainGpt, ConfigFileSetsOptionsAndFlagsOverrideIt) {
   auto cfg = temp_path("cfg");
   {
     std::ofstream f(cfg);
-    f << R"({"n_layer": 1, "d-model": 32, "n_head": 2, "block_size": 16, "steps": 3, "batch_size": 4})";
+    f << R"({"n_layer": 1, "d-model": 32, "n_head": 2, "block_size": 16, )"
+         R"("steps": 3, "batch_size": 4})";
   }
   auto log = temp_path("cfglog");
   auto r = run_command({bin("train_gpt"), "--config", cfg, "--steps", "2", "--log-jsonl", log});
@@ -448,20 +551,26 @@ TEST(TrainGpt, ConfigFileTurnsSwitchesOnAndRejectsOtherTypes) {
   const std::string dir = mkdtemp(dir_tmpl);
   {
     std::ofstream f(cfg);
-    f << R"({"steps": 2, "n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16, "batch_size": 4,
-             "cpu_offload": true, "resume": false, "save_dir": ")" << dir << R"("})";
+    f << R"({"steps": 2, "n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16, )"
+         R"("batch_size": 4,
+             "cpu_offload": true, "resume": false, "save_dir": ")"
+      << dir << R"("})";
   }
   auto r = run_command({bin("train_gpt"), "--config", cfg});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(r.output.find("resumed"), std::string::npos) << "resume: false must leave the switch off";
-  EXPECT_NE(r.output.find("saved checkpoint " + dir + "/step_00000002"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("resumed"), std::string::npos)
+      << "resume: false must leave the switch off";
+  EXPECT_NE(r.output.find("saved checkpoint " + dir + "/step_00000002"), std::string::npos)
+      << r.output;
   {
     std::ofstream f(cfg);
     f << R"({"steps": [1, 2]})";
   }
   auto bad = run_command({bin("train_gpt"), "--config", cfg});
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.output.find("key 'steps' must be a number, a string or true/false"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("key 'steps' must be a number, a string or true/false"),
+            std::string::npos)
+      << bad.output;
   std::remove(cfg.c_str());
 }
 

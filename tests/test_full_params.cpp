@@ -12,7 +12,8 @@ using namespace fsdp::testing;
 
 namespace {
 
-std::map<std::string, torch::Tensor> as_map(const std::vector<std::pair<std::string, torch::Tensor>>& v) {
+std::map<std::string, torch::Tensor> as_map(
+    const std::vector<std::pair<std::string, torch::Tensor>>& v) {
   return {v.begin(), v.end()};
 }
 
@@ -37,7 +38,8 @@ TEST(FullParams, ScopeShowsFullValuesUnderOriginalNamesAndWritesBack) {
     }
     EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
     auto after = as_map(full_state_dict(model));
-    EXPECT_TRUE(torch::equal(after["lm_head.weight"], torch::full_like(after["lm_head.weight"], 0.5)));
+    EXPECT_TRUE(
+        torch::equal(after["lm_head.weight"], torch::full_like(after["lm_head.weight"], 0.5)));
     EXPECT_TRUE(torch::equal(after["wte.weight"], full["wte.weight"]));
   });
 }
@@ -71,7 +73,8 @@ TEST(FullParams, UnshardHoldsFullValuesUntilReshardAndNeverWritesBack) {
     model.reshard();
     EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
     model.reshard();  // idempotent
-    EXPECT_TRUE(torch::equal(as_map(full_state_dict(model))["lm_head.weight"], full["lm_head.weight"]))
+    EXPECT_TRUE(
+        torch::equal(as_map(full_state_dict(model))["lm_head.weight"], full["lm_head.weight"]))
         << "reshard wrote the edit back";
 
     // A forward finds the parameters in place; an eval forward frees them after.

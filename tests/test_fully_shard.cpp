@@ -101,7 +101,8 @@ TEST(WrapPolicies, PredicatePolicySeesFqnModuleAndCount) {
   Inner inner;
   std::string seen;
   auto p = predicate_policy([&](const std::string& fqn, const torch::nn::Module& m, int64_t n) {
-    seen = fqn + "|" + std::to_string(n) + "|" + std::to_string(dynamic_cast<const InnerImpl*>(&m) != nullptr);
+    seen = fqn + "|" + std::to_string(n) + "|" +
+           std::to_string(dynamic_cast<const InnerImpl*>(&m) != nullptr);
     return n > 5;
   });
   EXPECT_TRUE(p(WrapContext{"blocks.1", *inner, 6}));
@@ -331,7 +332,8 @@ TEST(FullyShard, TiedParametersAcrossUnitsNameBothFqnsAndTheFix) {
 TEST(FullyShard, SequentialHelperShardsEntriesKeepingTheirNames) {
   run_ranks(2, [](const ProcessGroup& pg) {
     auto make = [] {
-      return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 8));
+      return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                                   torch::nn::Linear(16, 8));
     };
     torch::manual_seed(8);
     auto reference = make();

@@ -43,8 +43,8 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
   EXPECT_EQ(FusedAdamW::active_isa(), GetParam());
   torch::manual_seed(0);
   // Sizes that leave tails after every vector width and span several threads' chunks.
-  std::vector<torch::Tensor> ref = {torch::randn({1000003}), torch::randn({17}), torch::randn({64, 33}),
-                                    torch::randn({3})};
+  std::vector<torch::Tensor> ref = {torch::randn({1000003}), torch::randn({17}),
+                                    torch::randn({64, 33}), torch::randn({3})};
   std::vector<torch::Tensor> got;
   for (auto& t : ref) {
     t.requires_grad_(true);
@@ -52,12 +52,14 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
   }
   auto groups = [](std::vector<torch::Tensor> ps) {
     std::vector<torch::optim::OptimizerParamGroup> g;
-    g.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1]},
-                   std::make_unique<torch::optim::AdamWOptions>(
-                       torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
-    g.emplace_back(std::vector<torch::Tensor>{ps[2], ps[3]},
-                   std::make_unique<torch::optim::AdamWOptions>(
-                       torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
+    g.emplace_back(
+        std::vector<torch::Tensor>{ps[0], ps[1]},
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
+    g.emplace_back(
+        std::vector<torch::Tensor>{ps[2], ps[3]},
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
     return g;
   };
   torch::optim::AdamW torch_opt(groups(ref));
@@ -96,16 +98,21 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
 
 TEST(FusedAdamW, AnUnknownIsaInTheEnvironmentIsNamed) {
   // The variable is read once per process: check it in a fresh one.
-  auto r = run_command({bin_dir() + "/test_fused_adamw", "--gtest_filter=FusedAdamW.RejectsWhatItCannotStep"},
-                       {"FSDP_ADAMW_ISA=sse9"});
+  auto r = run_command(
+      {bin_dir() + "/test_fused_adamw", "--gtest_filter=FusedAdamW.RejectsWhatItCannotStep"},
+      {"FSDP_ADAMW_ISA=sse9"});
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("FSDP_ADAMW_ISA=sse9 is unknown; use avx512, avx2, scalar or auto"), std::string::npos)
+  EXPECT_NE(r.output.find("FSDP_ADAMW_ISA=sse9 is unknown; use avx512, avx2, scalar or auto"),
+            std::string::npos)
       << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryPath, FusedAdamWIsa,
-                         ::testing::Values(FusedAdamW::Isa::kAvx512, FusedAdamW::Isa::kAvx2, FusedAdamW::Isa::kScalar),
-                         [](const auto& info) { return std::string(FusedAdamW::isa_name(info.param)); });
+                         ::testing::Values(FusedAdamW::Isa::kAvx512, FusedAdamW::Isa::kAvx2,
+                                           FusedAdamW::Isa::kScalar),
+                         [](const auto& info) {
+                           return std::string(FusedAdamW::isa_name(info.param));
+                         });
 
 TEST(FusedAdamW, RejectsWhatItCannotStep) {
   auto p = torch::randn({4}).requires_grad_(true);
@@ -124,7 +131,8 @@ TEST(FusedAdamW, RejectsWhatItCannotStep) {
       f();
       ADD_FAILURE() << "no error; wanted: " << want;
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what_without_backtrace()).find(want), std::string::npos) << e.what_without_backtrace();
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(want), std::string::npos)
+          << e.what_without_backtrace();
     }
   };
   expect_error([&] { ok.set_copy_out(p, torch::empty({3}, torch::kBFloat16)); },
@@ -141,7 +149,8 @@ TEST(FusedAdamW, RejectsWhatItCannotStep) {
 // state goes through a sharded checkpoint saved at 2 ranks and loaded at 1.
 TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
   std::string tmpl = "/tmp/fsdp_fused_XXXXXX";
-  static const std::string dir = std::getenv("FSDP_FUSED_DIR") ? std::getenv("FSDP_FUSED_DIR") : mkdtemp(tmpl.data());
+  static const std::string dir =
+      std::getenv("FSDP_FUSED_DIR") ? std::getenv("FSDP_FUSED_DIR") : mkdtemp(tmpl.data());
   setenv("FSDP_FUSED_DIR", dir.c_str(), 1);
   auto batch = [](int64_t s) { return gpt_batch(s, 8, small_gpt_config().block_size); };
   run_ranks(2, [&](const ProcessGroup& pg) {
@@ -160,7 +169,8 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     FusedAdamW fused(b.sharded_parameters(), adamw);
     for (int64_t s = 0; s < 5; ++s) {
       auto la = gpt::loss_on(a, my_rows(batch(s), pg)), lb = gpt::loss_on(b, my_rows(batch(s), pg));
-      EXPECT_NEAR(global_mean(lb, pg), global_mean(la, pg), 1e-6 * std::abs(global_mean(la, pg))) << "step " << s;
+      EXPECT_NEAR(global_mean(lb, pg), global_mean(la, pg), 1e-6 * std::abs(global_mean(la, pg)))
+          << "step " << s;
       la.backward();
       lb.backward();
       ref.step();
@@ -171,11 +181,13 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     // One step agrees with torch to about one ulp; parameters are compared with the
     // parity tests' noise floor.
     auto fa = full_state_dict(a), fb = full_state_dict(b);
-    for (size_t i = 0; i < fa.size(); ++i) EXPECT_LE(rel_diff(fb[i].second, fa[i].second), 1e-5) << fa[i].first;
+    for (size_t i = 0; i < fa.size(); ++i)
+      EXPECT_LE(rel_diff(fb[i].second, fa[i].second), 1e-5) << fa[i].first;
     TrainingState st;
     st.step = 5;
     save_sharded_checkpoint(dir, b, &fused, st);
-    export_consolidated(dir + "/full.h5", b, &fused, st, {torch::kFloat32, /*with_optimizer=*/true});
+    export_consolidated(dir + "/full.h5", b, &fused, st,
+                        {torch::kFloat32, /*with_optimizer=*/true});
   });
   run_ranks(1, [&](const ProcessGroup& pg) {
     ShardingOptions o;
@@ -183,16 +195,19 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     auto m = fully_shard(gpt::GPT(small_gpt_config()), o);
     FusedAdamW fused(m.sharded_parameters(), torch::optim::AdamWOptions(1.0));
     load_sharded_checkpoint(dir, m, &fused, nullptr);
-    EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(fused.param_groups()[0].options()).lr(), 1e-3);
+    EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(fused.param_groups()[0].options()).lr(),
+              1e-3);
     // The resharded state, exported again, equals the 2-rank export.
     export_consolidated(dir + "/again.h5", m, &fused, {5}, {torch::kFloat32, true});
     gpt::GPT x(small_gpt_config()), y(small_gpt_config());
     load_consolidated(dir + "/full.h5", *x);
     load_consolidated(dir + "/again.h5", *y);
     auto px = named_parameters_clean(*x), py = named_parameters_clean(*y);
-    for (size_t i = 0; i < px.size(); ++i) EXPECT_TRUE(torch::equal(px[i].second, py[i].second)) << px[i].first;
+    for (size_t i = 0; i < px.size(); ++i)
+      EXPECT_TRUE(torch::equal(px[i].second, py[i].second)) << px[i].first;
     std::ifstream f1(dir + "/full.h5", std::ios::binary), f2(dir + "/again.h5", std::ios::binary);
-    std::string b1((std::istreambuf_iterator<char>(f1)), {}), b2((std::istreambuf_iterator<char>(f2)), {});
+    std::string b1((std::istreambuf_iterator<char>(f1)), {}),
+        b2((std::istreambuf_iterator<char>(f2)), {});
     EXPECT_EQ(b1, b2) << "parameters and optimizer state must survive resharding exactly";
   });
 }

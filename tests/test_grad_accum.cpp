@@ -15,9 +15,9 @@ constexpr int kMicro = 4;
 constexpr int64_t kMicroRows = 12;  // per micro-batch, divisible by the world size
 
 struct Outcome {
-  CommStats comm;        ///< last step
-  int64_t comm_peak = 0; ///< peak bytes of unsharded gradient buffers
-  int64_t padded = 0;    ///< sum of padded flat sizes, elements
+  CommStats comm;         ///< last step
+  int64_t comm_peak = 0;  ///< peak bytes of unsharded gradient buffers
+  int64_t padded = 0;     ///< sum of padded flat sizes, elements
 };
 
 Outcome accumulate(const ProcessGroup& pg, bool no_sync) {
@@ -36,7 +36,8 @@ Outcome accumulate(const ProcessGroup& pg, bool no_sync) {
     model.reset_peak_memory();
     double global = 0;
     for (int m = 0; m < kMicro; ++m) {
-      auto xm = x.narrow(0, m * kMicroRows, kMicroRows), ym = y.narrow(0, m * kMicroRows, kMicroRows);
+      auto xm = x.narrow(0, m * kMicroRows, kMicroRows),
+           ym = y.narrow(0, m * kMicroRows, kMicroRows);
       auto loss = torch::mse_loss(model(my_rows(xm, pg)), my_rows(ym, pg)) / kMicro;
       if (no_sync && m < kMicro - 1) {
         NoSyncScope scope(model);
@@ -145,7 +146,8 @@ TEST(GradientAccumulation, SetRequiresGradientSyncIsNoSyncScopeWithoutAScope) {
     auto [verb_calls, verb_grads] = run(true);
     EXPECT_EQ(verb_calls, scope_calls);
     ASSERT_EQ(verb_grads.size(), scope_grads.size());
-    for (size_t i = 0; i < verb_grads.size(); ++i) EXPECT_TRUE(torch::equal(verb_grads[i], scope_grads[i])) << i;
+    for (size_t i = 0; i < verb_grads.size(); ++i)
+      EXPECT_TRUE(torch::equal(verb_grads[i], scope_grads[i])) << i;
   });
 }
 

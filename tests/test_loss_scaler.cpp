@@ -39,7 +39,8 @@ TEST(LossScaler, FollowsHysteresisWindowAndMinimumAndSkipsOverflowedStepsOnEvery
     for (int step = 0; step < 14; ++step) {
       auto [x, y] = mlp_batch(step, 4);
       auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
-      if (overflow_steps.count(step) && pg.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
+      if (overflow_steps.count(step) && pg.rank() == 1)
+        loss = loss * std::numeric_limits<float>::infinity();
       scaler.scale(loss).backward();
       auto before = model.sharded_parameters()[0].detach().clone();
       bool stepped = scaler.step(opt);
@@ -115,7 +116,8 @@ TEST(LossScaler, BadOptionsNameTheValue) {
     LossScaler scaler(model, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()), "LossScalerOptions::hysteresis=0 must be at least 1");
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "LossScalerOptions::hysteresis=0 must be at least 1");
   }
 }
 

@@ -13,12 +13,12 @@ using namespace fsdp::testing;
 namespace {
 
 struct Sizes {
-  int64_t root = 0;     ///< root unit's padded numel
-  int64_t block = 0;    ///< one block unit's padded numel (all blocks are equal)
-  int64_t blocks = 0;   ///< number of block units
-  int64_t shards = 0;   ///< sum of shard numels
-  int64_t numel = 0;    ///< sum of unpadded numels
-  int64_t padded = 0;   ///< sum of padded numels
+  int64_t root = 0;    ///< root unit's padded numel
+  int64_t block = 0;   ///< one block unit's padded numel (all blocks are equal)
+  int64_t blocks = 0;  ///< number of block units
+  int64_t shards = 0;  ///< sum of shard numels
+  int64_t numel = 0;   ///< sum of unpadded numels
+  int64_t padded = 0;  ///< sum of padded numels
 };
 
 Sizes sizes_of(const ShardedModel& root) {
@@ -37,8 +37,8 @@ Sizes sizes_of(const ShardedModel& root) {
   return s;
 }
 
-void train_steps(gpt::GPT& reference_cfg_holder, Sharded<gpt::GPT>& model,
-                 const ProcessGroup& pg, int steps) {
+void train_steps(gpt::GPT& reference_cfg_holder, Sharded<gpt::GPT>& model, const ProcessGroup& pg,
+                 int steps) {
   auto cfg = reference_cfg_holder->config;
   torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   for (int step = 0; step < steps; ++step) {
@@ -64,7 +64,8 @@ TEST_P(AccountingAtWorld, ShardedStateIsOneNthOfTheModelPlusPaddingExactly) {
     EXPECT_EQ(s.numel, model_numel);
     for (const auto& f : fsdp::detail::flat_params(model)) {
       EXPECT_EQ(f.padded_numel % n, 0) << f.unit_fqn;
-      EXPECT_LT(f.padded_numel - f.numel, n) << f.unit_fqn;  // padding is under one element per rank
+      EXPECT_LT(f.padded_numel - f.numel, n)
+          << f.unit_fqn;  // padding is under one element per rank
       EXPECT_EQ(f.shard_numel * n, f.padded_numel) << f.unit_fqn;
     }
     auto mem = model.memory_stats();
@@ -140,7 +141,8 @@ TEST(Accounting, CountersAgreeWithTheBytesTheAllocatorHolds) {
     bool offload;
     int64_t gathered_per_element;  ///< bytes the gathered parameters take per padded element
   };
-  for (const Case c : {Case{torch::kFloat, false, 0}, Case{torch::kBFloat16, false, 2}, Case{torch::kFloat, true, 4}}) {
+  for (const Case c : {Case{torch::kFloat, false, 0}, Case{torch::kBFloat16, false, 2},
+                       Case{torch::kFloat, true, 4}}) {
     SCOPED_TRACE(std::string(c10::toString(c.dtype)) + (c.offload ? " offload" : ""));
     auto cfg = small_gpt_config();
     ShardingOptions o;
@@ -163,7 +165,8 @@ TEST(Accounting, CountersAgreeWithTheBytesTheAllocatorHolds) {
     EXPECT_EQ(model.memory_stats().grad_shards.current, counter.live() - base);
     EXPECT_EQ(model.memory_stats().comm_buffers.current, 0);
     EXPECT_EQ(model.memory_stats().offload_buffers.current, 0);
-    for (auto& p : model.sharded_parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
+    for (auto& p : model.sharded_parameters())
+      p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none)
     EXPECT_EQ(counter.live(), base) << "gradient bytes outlived the gradient shards";
     EXPECT_EQ(model.memory_stats().grad_shards.current, 0);
   }
@@ -220,14 +223,16 @@ TEST_P(PrefetchBound, RootBackwardPrefetchesTheLastUnits) {
     Sizes s = sizes_of(model);
     auto rows = my_rows(gpt_batch(7, 4 * pg.size(), cfg.block_size), pg);
     auto logits = model->forward(rows.narrow(1, 0, rows.size(1) - 1));
-    EXPECT_EQ(model.memory_stats().gathered_params.current, 4 * s.root) << "after forward: the root only";
+    EXPECT_EQ(model.memory_stats().gathered_params.current, 4 * s.root)
+        << "after forward: the root only";
     int64_t at_root_backward = -1;
     // Runs after the engine's own pre-backward hook on the same output (registered first).
     logits.register_hook([&](const torch::Tensor&) {
       at_root_backward = model.memory_stats().gathered_params.current;
     });
     auto y = rows.narrow(1, 1, rows.size(1) - 1);
-    torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).backward();
+    torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}))
+        .backward();
     EXPECT_EQ(at_root_backward, 4 * (s.root + bound * s.block));
     EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
   });

@@ -114,12 +114,15 @@ TEST(MixedPrecision, Bf16GatheredParametersTakeHalfTheBytes) {
   int64_t padded = 0, largest_block = 0, root = 0;
   for (const auto& f : fsdp::detail::flat_params(model)) {
     padded += f.padded_numel;
-    if (f.unit_fqn.empty()) root = f.padded_numel; else largest_block = std::max(largest_block, f.padded_numel);
+    if (f.unit_fqn.empty())
+      root = f.padded_numel;
+    else
+      largest_block = std::max(largest_block, f.padded_numel);
   }
   auto mem = model.memory_stats();
-  EXPECT_EQ(mem.sharded_params.current, 4 * padded);            // fp32 masters
+  EXPECT_EQ(mem.sharded_params.current, 4 * padded);                    // fp32 masters
   EXPECT_EQ(mem.gathered_params.peak, 2 * (root + 2 * largest_block));  // bf16: 2 bytes
-  EXPECT_EQ(mem.grad_shards.current, 4 * padded);               // fp32 gradient shards
+  EXPECT_EQ(mem.grad_shards.current, 4 * padded);                       // fp32 gradient shards
 }
 
 // fp16 on CPU (LibTorch 2.x has the kernels): fp16 compute and communication with a
@@ -206,7 +209,8 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
     auto model = fully_shard(NormNet(), o);
     std::map<std::string, torch::Dtype> dtypes;
     for (const auto& f : fsdp::detail::flat_params(model)) dtypes[f.unit_fqn] = f.param_dtype;
-    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"norm", torch::kFloat32}}));
+    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16},
+                                                           {"norm", torch::kFloat32}}));
 
     auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
     auto out = model(x);
@@ -216,7 +220,8 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
     for (auto& [n, t] : full_state_dict(model)) w[n] = t;
     auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
     auto h = torch::nn::functional::linear(bf(x), bf(w["a.weight"]), bf(w["a.bias"]));
-    h = torch::layer_norm(h.to(torch::kFloat32), {8}, w["norm.weight"], w["norm.bias"], 1e-5).to(torch::kBFloat16);
+    h = torch::layer_norm(h.to(torch::kFloat32), {8}, w["norm.weight"], w["norm.bias"], 1e-5)
+            .to(torch::kBFloat16);
     auto expected = torch::nn::functional::linear(h, bf(w["b.weight"]), bf(w["b.bias"]));
     EXPECT_TRUE(torch::equal(out, expected));
     out.to(torch::kFloat32).sum().backward();
@@ -246,7 +251,8 @@ TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoint
     auto seq = shard_sequential(torch::nn::Sequential(first, norm, last), o);
     std::map<std::string, torch::Dtype> dtypes;
     for (const auto& f : fsdp::detail::flat_params(seq)) dtypes[f.unit_fqn] = f.param_dtype;
-    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16}, {"1", torch::kFloat32}}));
+    EXPECT_EQ(dtypes, (std::map<std::string, torch::Dtype>{{"", torch::kBFloat16},
+                                                           {"1", torch::kFloat32}}));
     auto x = torch::randn({4, 8}, at::detail::createCPUGenerator(5));
     auto a = wrapped(x), b = seq(x);
     EXPECT_EQ(a.scalar_type(), torch::kFloat32);
@@ -256,7 +262,8 @@ TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoint
     b.sum().backward();
     auto ga = wrapped.sharded_parameters(), gb = seq.sharded_parameters();
     ASSERT_EQ(ga.size(), gb.size());
-    for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(torch::equal(ga[i].grad(), gb[i].grad())) << i;
+    for (size_t i = 0; i < ga.size(); ++i)
+      EXPECT_TRUE(torch::equal(ga[i].grad(), gb[i].grad())) << i;
   });
 }
 

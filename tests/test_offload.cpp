@@ -31,7 +31,8 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
   auto plain = fully_shard(gpt::GPT(small_gpt_config()), options(false));
   torch::manual_seed(0);
   auto off = fully_shard(gpt::GPT(small_gpt_config()), options(true));
-  FusedAdamW opt_plain(plain.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  FusedAdamW opt_plain(plain.sharded_parameters(),
+                       torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   FusedAdamW opt_off(off.sharded_parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   for (auto& p : off.sharded_parameters()) EXPECT_TRUE(p.is_cpu());
   int64_t largest_shard = 0, trainable_shard_bytes = 0;
@@ -64,11 +65,15 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
     const auto c = off.comm_stats().step;
     EXPECT_EQ(c.offload_to_host_bytes, trainable_shard_bytes) << "step " << s;
     EXPECT_GT(c.offload_to_device_bytes, 0);
-    if (pg.size() > 1) EXPECT_EQ(c.offload_to_device_bytes * pg.size(), c.all_gather_bytes) << "step " << s;
-    EXPECT_EQ(plain.comm_stats().total.offload_to_device_bytes + plain.comm_stats().total.offload_to_host_bytes, 0);
+    if (pg.size() > 1)
+      EXPECT_EQ(c.offload_to_device_bytes * pg.size(), c.all_gather_bytes) << "step " << s;
+    EXPECT_EQ(plain.comm_stats().total.offload_to_device_bytes +
+                  plain.comm_stats().total.offload_to_host_bytes,
+              0);
   }
   auto a = full_state_dict(plain), b = full_state_dict(off);
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
 }
 
 class OffloadAtWorld : public ::testing::TestWithParam<int> {};
@@ -102,7 +107,8 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
   torch::optim::AdamW opt_plain(plain.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   torch::optim::AdamW opt_off(off.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
   int64_t largest_shard = 0;
-  for (const auto& f : fsdp::detail::flat_params(off)) largest_shard = std::max(largest_shard, f.shard_numel);
+  for (const auto& f : fsdp::detail::flat_params(off))
+    largest_shard = std::max(largest_shard, f.shard_numel);
   const int micro = 3;
   for (int64_t s = 0; s < 3; ++s) {
     zero_grad(plain);
@@ -119,7 +125,8 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
       };
       backward(plain);
       backward(off);
-      EXPECT_EQ(off.memory_stats().offload_buffers.current, 0) << "step " << s << " micro-batch " << k;
+      EXPECT_EQ(off.memory_stats().offload_buffers.current, 0)
+          << "step " << s << " micro-batch " << k;
     }
     const auto a = plain.sharded_parameters(), b = off.sharded_parameters();
     for (size_t i = 0; i < a.size(); ++i) {
@@ -134,7 +141,8 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
   if (!no_sync) EXPECT_GE(peak, largest_shard * 4);
   EXPECT_LE(peak, 2 * largest_shard * 4 + 2 * largest_shard * 4);
   auto fa = full_state_dict(plain), fb = full_state_dict(off);
-  for (size_t i = 0; i < fa.size(); ++i) EXPECT_TRUE(torch::equal(fa[i].second, fb[i].second)) << fa[i].first;
+  for (size_t i = 0; i < fa.size(); ++i)
+    EXPECT_TRUE(torch::equal(fa[i].second, fb[i].second)) << fa[i].first;
 }
 
 TEST_P(OffloadAtWorld, AccumulatesGradientsExactlyLikeWithoutOffload) {
@@ -145,8 +153,8 @@ TEST_P(OffloadAtWorld, AccumulatesUnderNoSyncExactlyLikeWithoutOffload) {
 }
 
 // FusedAdamW writes the bf16 copy of each shard in its update pass and the next gathers
-// send it instead of casting (FusedAdamW's constructor over the model): the same training, bit for bit, and a
-// shard changed behind the optimizer's back is never served from a stale copy.
+// send it instead of casting (FusedAdamW's constructor over the model): the same training, bit for
+// bit, and a shard changed behind the optimizer's back is never served from a stale copy.
 void copy_out_parity(const ProcessGroup& pg, bool offload) {
   ShardingOptions o;
   o.process_group = pg;
@@ -172,11 +180,13 @@ void copy_out_parity(const ProcessGroup& pg, bool offload) {
     opt_b.zero_grad();
   };
   step(0);
-  EXPECT_EQ(fsdp::detail::copy_out_gathers(b), 0) << "no copy exists before the first optimizer step";
+  EXPECT_EQ(fsdp::detail::copy_out_gathers(b), 0)
+      << "no copy exists before the first optimizer step";
   int64_t last = 0;
   for (int64_t s = 1; s < 4; ++s) {
     step(s);
-    EXPECT_GT(fsdp::detail::copy_out_gathers(b), last) << "step " << s << " did not use the optimizer's copy";
+    EXPECT_GT(fsdp::detail::copy_out_gathers(b), last)
+        << "step " << s << " did not use the optimizer's copy";
     last = fsdp::detail::copy_out_gathers(b);
   }
   EXPECT_EQ(fsdp::detail::copy_out_gathers(a), 0);
@@ -213,7 +223,8 @@ TEST(OffloadErrors, ToAGpuWithACpuOnlyLibTorch) {
     message = e.what_without_backtrace();
   }
   EXPECT_EQ(message,
-            "fsdp was built against a CPU-only LibTorch, so it cannot offload to cuda:0; rebuild against a "
+            "fsdp was built against a CPU-only LibTorch, so it cannot offload to cuda:0; rebuild "
+            "against a "
             "CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
 }
 #endif

@@ -34,7 +34,9 @@ constexpr double kTol = 1e-5;
 // one GPT weight at 3 ranks on an AMD EPYC with OpenBLAS (under 1e-5 on a Xeon).
 constexpr double kParamTol = 2e-5;
 
-torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6); }
+torch::optim::AdamWOptions adamw() {
+  return torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6);
+}
 
 void gpt_parity(const ProcessGroup& pg) {
   auto cfg = small_gpt_config();
@@ -88,7 +90,8 @@ void mlp_parity(const ProcessGroup& pg) {
     double ref_loss = 0;
     for (int share = 0; share < pg.size(); ++share) {
       auto l = torch::mse_loss(reference(share_rows(x, share, pg.size())),
-                               share_rows(y, share, pg.size())) / pg.size();
+                               share_rows(y, share, pg.size())) /
+               pg.size();
       l.backward();
       ref_loss += l.item<double>();
     }
@@ -101,8 +104,12 @@ void mlp_parity(const ProcessGroup& pg) {
 
 class ParityAtWorld : public ::testing::TestWithParam<int> {};
 
-TEST_P(ParityAtWorld, GptTwentyAdamWStepsMatchUnshardedTraining) { run_ranks(GetParam(), gpt_parity); }
-TEST_P(ParityAtWorld, MlpTwentyAdamWStepsMatchUnshardedTraining) { run_ranks(GetParam(), mlp_parity); }
+TEST_P(ParityAtWorld, GptTwentyAdamWStepsMatchUnshardedTraining) {
+  run_ranks(GetParam(), gpt_parity);
+}
+TEST_P(ParityAtWorld, MlpTwentyAdamWStepsMatchUnshardedTraining) {
+  run_ranks(GetParam(), mlp_parity);
+}
 
 INSTANTIATE_TEST_SUITE_P(World, ParityAtWorld, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
@@ -138,7 +145,8 @@ void gpt_gradients(const ProcessGroup& pg) {
   for (auto& [name, value] : full) {
     auto g_ref = start[name] - after[name];
     auto g_got = start[name] - value;
-    EXPECT_LE(rel_diff(g_got, g_ref), kTol) << name << " grad max " << g_ref.abs().max().item<double>();
+    EXPECT_LE(rel_diff(g_got, g_ref), kTol)
+        << name << " grad max " << g_ref.abs().max().item<double>();
   }
 }
 TEST_P(ParityAtWorld, GptGradientsMatchUnshardedGradients) { run_ranks(GetParam(), gpt_gradients); }

@@ -18,10 +18,19 @@ using namespace fsdp::testing;
 
 namespace {
 
-const char* kLaunchVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                             "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST",
-                             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                             "OMPI_COMM_WORLD_LOCAL_RANK", "FSDP_TIMEOUT_S"};
+const char* kLaunchVars[] = {"RANK",
+                             "WORLD_SIZE",
+                             "LOCAL_RANK",
+                             "MASTER_ADDR",
+                             "MASTER_PORT",
+                             "SLURM_PROCID",
+                             "SLURM_NTASKS",
+                             "SLURM_LOCALID",
+                             "SLURM_JOB_NODELIST",
+                             "OMPI_COMM_WORLD_RANK",
+                             "OMPI_COMM_WORLD_SIZE",
+                             "OMPI_COMM_WORLD_LOCAL_RANK",
+                             "FSDP_TIMEOUT_S"};
 
 // Sets exactly `vars` among the launch variables for the test's lifetime.
 class ScopedLaunchEnv {
@@ -61,8 +70,11 @@ TEST(LaunchEnv, NoVariablesMeansOneProcess) {
 }
 
 TEST(LaunchEnv, TorchrunVariablesAreRead) {
-  ScopedLaunchEnv env({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
-                       {"MASTER_ADDR", "10.0.0.7"}, {"MASTER_PORT", "29511"}});
+  ScopedLaunchEnv env({{"RANK", "2"},
+                       {"WORLD_SIZE", "4"},
+                       {"LOCAL_RANK", "0"},
+                       {"MASTER_ADDR", "10.0.0.7"},
+                       {"MASTER_PORT", "29511"}});
   auto e = read_launch_env();
   EXPECT_EQ(e.source, "torchrun");
   EXPECT_EQ(e.rank, 2);
@@ -73,8 +85,11 @@ TEST(LaunchEnv, TorchrunVariablesAreRead) {
 }
 
 TEST(LaunchEnv, SlurmVariablesAreReadAndTheFirstNodeIsTheMaster) {
-  ScopedLaunchEnv env({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                       {"SLURM_JOB_NODELIST", "gpu[07-08],cpu1"}, {"MASTER_PORT", "29600"}});
+  ScopedLaunchEnv env({{"SLURM_PROCID", "5"},
+                       {"SLURM_NTASKS", "8"},
+                       {"SLURM_LOCALID", "1"},
+                       {"SLURM_JOB_NODELIST", "gpu[07-08],cpu1"},
+                       {"MASTER_PORT", "29600"}});
   auto e = read_launch_env();
   EXPECT_EQ(e.source, "slurm");
   EXPECT_EQ(e.rank, 5);
@@ -85,8 +100,10 @@ TEST(LaunchEnv, SlurmVariablesAreReadAndTheFirstNodeIsTheMaster) {
 }
 
 TEST(LaunchEnv, OpenMpiVariablesAreRead) {
-  ScopedLaunchEnv env({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"MASTER_ADDR", "127.0.0.1"}});
+  ScopedLaunchEnv env({{"OMPI_COMM_WORLD_RANK", "1"},
+                       {"OMPI_COMM_WORLD_SIZE", "2"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                       {"MASTER_ADDR", "127.0.0.1"}});
   auto e = read_launch_env();
   EXPECT_EQ(e.source, "openmpi");
   EXPECT_EQ(e.rank, 1);
@@ -111,8 +128,8 @@ TEST(LaunchEnv, MissingMasterAddrNamesTheVariable) {
 }
 
 TEST(LaunchEnv, RankAtWorldSizeIsRejected) {
-  ScopedLaunchEnv env({{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", "29500"}});
+  ScopedLaunchEnv env(
+      {{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
   EXPECT_EQ(error_of([] { read_launch_env(); }),
             "rank 4 is not below world size 4 (from torchrun); ranks run from 0 to 3. torchrun "
             "sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.");
@@ -137,8 +154,11 @@ TEST(Rendezvous, PortAlreadyInUseIsReportedWithTheFix) {
   socklen_t len = sizeof(a);
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   const std::string port = std::to_string(ntohs(a.sin_port));
-  ScopedLaunchEnv env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "5"}});
+  ScopedLaunchEnv env({{"RANK", "0"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port},
+                       {"FSDP_TIMEOUT_S", "5"}});
   EXPECT_EQ(error_of([] { init_process_group(); }),
             "rank 0 cannot serve the rendezvous: port " + port +
                 " on 127.0.0.1 is already in use. Pick a free port (MASTER_PORT, or fsdp-run "
@@ -148,8 +168,11 @@ TEST(Rendezvous, PortAlreadyInUseIsReportedWithTheFix) {
 
 TEST(Rendezvous, PeersThatNeverArriveAreNamedAfterTheTimeout) {
   const std::string port = std::to_string(free_port());
-  ScopedLaunchEnv env({{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "1"}});
+  ScopedLaunchEnv env({{"RANK", "0"},
+                       {"WORLD_SIZE", "3"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port},
+                       {"FSDP_TIMEOUT_S", "1"}});
   EXPECT_EQ(error_of([] { init_process_group(); }),
             "rendezvous at 127.0.0.1:" + port +
                 " timed out after 1 s: 2 of 3 ranks never arrived; missing ranks: [1, 2]. Start "
@@ -159,8 +182,11 @@ TEST(Rendezvous, PeersThatNeverArriveAreNamedAfterTheTimeout) {
 
 TEST(Rendezvous, AMissingMasterIsNamedAfterTheTimeout) {
   const std::string port = std::to_string(free_port());
-  ScopedLaunchEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", port}, {"FSDP_TIMEOUT_S", "1"}});
+  ScopedLaunchEnv env({{"RANK", "1"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", port},
+                       {"FSDP_TIMEOUT_S", "1"}});
   EXPECT_EQ(error_of([] { init_process_group(); }),
             "rank 1 could not reach the rendezvous at 127.0.0.1:" + port +
                 " within 1 s; missing ranks: [0]. Rank 0 serves the rendezvous: check that it is "
@@ -209,7 +235,9 @@ TEST(Collectives, SplitMakesDisjointSubgroups) {
     auto t = torch::tensor({static_cast<float>(pg.rank())});
     sub.all_reduce_sum(t);
     EXPECT_EQ(t.item<float>(), pg.rank() % 2 == 0 ? 2.f : 4.f);
-    EXPECT_EQ(error_of([&] { pg.split({{0, 1}, {1, 2, 3}}); }),
+    EXPECT_EQ(error_of([&] {
+                pg.split({{0, 1}, {1, 2, 3}});
+              }),
               "ProcessGroup::split: rank 1 is listed in two groups; the groups must be disjoint");
   });
 }

@@ -14,7 +14,8 @@ bool operator==(const Piece& a, const Piece& b) {
 }
 
 std::ostream& operator<<(std::ostream& os, const Piece& p) {
-  return os << "{dst " << p.dst << ", flat " << p.src_flat << ", src " << p.src << ", n " << p.n << "}";
+  return os << "{dst " << p.dst << ", flat " << p.src_flat << ", src " << p.src << ", n " << p.n
+            << "}";
 }
 
 namespace {
@@ -57,7 +58,8 @@ TEST(ReshardPlan, ParametersFromDifferentSourceFlatsAreSeparatePieces) {
             (std::vector<Piece>{{0, 1, 4, 10}, {10, 2, 0, 6}, {16, 1, 0, 4}}));
   // Contiguous on both sides across a parameter boundary: merged.
   const Source packed = {{"a", {3, 0}}, {"b", {3, 10}}, {"c", {4, 0}}};
-  EXPECT_EQ(plan_shard_read(5, 15, kParams, in(packed)), (std::vector<Piece>{{0, 3, 5, 11}, {11, 4, 0, 4}}));
+  EXPECT_EQ(plan_shard_read(5, 15, kParams, in(packed)),
+            (std::vector<Piece>{{0, 3, 5, 11}, {11, 4, 0, 4}}));
 }
 
 TEST(ReshardPlan, AMissingParameterLeavesAGapAndATiedAliasIsReadOnce) {

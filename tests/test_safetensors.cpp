@@ -45,7 +45,8 @@ uint64_t le64(const std::string& s) {
 // A file with the given raw header JSON and data, built by hand (no padding unless given).
 std::string raw_file(const std::string& json, const std::string& data) {
   std::string out(8, '\0');
-  for (int k = 0; k < 8; ++k) out[static_cast<size_t>(k)] = static_cast<char>((json.size() >> (8 * k)) & 0xff);
+  for (int k = 0; k < 8; ++k)
+    out[static_cast<size_t>(k)] = static_cast<char>((json.size() >> (8 * k)) & 0xff);
   return out + json + data;
 }
 
@@ -58,8 +59,8 @@ std::string error_of(const std::string& path) {
   return "no error";
 }
 
-const std::vector<Spec> kSpecs = {{"a.weight", "F32", {2, 3}}, {"b", "BF16", {5}}, {"step", "I64", {}},
-                                  {"empty", "F16", {0, 4}}};
+const std::vector<Spec> kSpecs = {
+    {"a.weight", "F32", {2, 3}}, {"b", "BF16", {5}}, {"step", "I64", {}}, {"empty", "F16", {0, 4}}};
 
 TEST(Safetensors, HeaderHasItsLengthPaddingAndContiguousOffsets) {
   const std::string h = header_bytes(kSpecs, {0, 1, 2, 3}, {{"format", "pt"}, {"step", "7"}});
@@ -80,7 +81,8 @@ TEST(Safetensors, HeaderHasItsLengthPaddingAndContiguousOffsets) {
   EXPECT_EQ(j["step"]["data_offsets"], nlohmann::ordered_json::array({34, 42}));
   EXPECT_EQ(j["empty"]["data_offsets"], nlohmann::ordered_json::array({42, 42}));
   // Without metadata there is no __metadata__ key.
-  EXPECT_FALSE(nlohmann::json::parse(header_bytes(kSpecs, {0}, {}).substr(8)).contains("__metadata__"));
+  EXPECT_FALSE(
+      nlohmann::json::parse(header_bytes(kSpecs, {0}, {}).substr(8)).contains("__metadata__"));
 }
 
 TEST(Safetensors, DtypeNamesAndSizes) {
@@ -93,14 +95,18 @@ TEST(Safetensors, DtypeNamesAndSizes) {
     dtype_size("FP32");
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("safetensors dtype 'FP32' is not known"), std::string::npos);
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("safetensors dtype 'FP32' is not known"),
+              std::string::npos);
   }
 }
 
 TEST(Safetensors, FilesAreSplitAsHuggingFaceSplitsThem) {
   // 16, 16, 40, 8, 8 bytes with a 32-byte limit: [16 16] [40] [8 8]; the 40-byte tensor
   // is over the limit and alone.
-  std::vector<Spec> s = {{"t0", "F32", {4}}, {"t1", "F32", {4}}, {"t2", "F32", {10}}, {"t3", "F32", {2}},
+  std::vector<Spec> s = {{"t0", "F32", {4}},
+                         {"t1", "F32", {4}},
+                         {"t2", "F32", {10}},
+                         {"t3", "F32", {2}},
                          {"t4", "F32", {2}}};
   auto files = plan_files(s, 32);
   ASSERT_EQ(files.size(), 3u);
@@ -186,7 +192,8 @@ TEST(Safetensors, AnUnfinishedWriterLeavesNoFile) {
       w.finish();
       FAIL() << "no error";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what_without_backtrace()).find("got 4 bytes of data, its header declares 24"),
+      EXPECT_NE(std::string(e.what_without_backtrace())
+                    .find("got 4 bytes of data, its header declares 24"),
                 std::string::npos);
     }
   }
@@ -196,7 +203,8 @@ TEST(Safetensors, AnUnfinishedWriterLeavesNoFile) {
     DirWriter w(dir + "/taken", kSpecs, {}, 100);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("cannot create the export directory " + dir + "/taken"),
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("cannot create the export directory " + dir + "/taken"),
               std::string::npos)
         << e.what_without_backtrace();
   }
@@ -218,11 +226,16 @@ TEST(Safetensors, TheReaderRefusesEveryMalformedFileNamingTheRule) {
       {raw_file("{" + ok_entry + "}", "1234"), "lie outside the 4 bytes of data"},
       {raw_file("[1]", ""), "the header does not start with '{'"},
       {raw_file("{\"t\":", ""), "the header is not valid JSON"},
-      {raw_file(R"({"t":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", "12345678"), "dtype 'F33' is not known"},
-      {raw_file(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", "12345678"), "needs 12 bytes but"},
-      {raw_file(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", "12345678"), "not a non-negative"},
-      {raw_file(R"({"t":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", "12345678"), "leave a gap at byte 0"},
-      {raw_file(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+      {raw_file(R"({"t":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", "12345678"),
+       "dtype 'F33' is not known"},
+      {raw_file(R"({"t":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", "12345678"),
+       "needs 12 bytes but"},
+      {raw_file(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", "12345678"),
+       "not a non-negative"},
+      {raw_file(R"({"t":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", "12345678"),
+       "leave a gap at byte 0"},
+      {raw_file(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                R"("u":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                 "12345678"),
        "overlap at byte 4"},
       {raw_file("{" + ok_entry + "}", "123456789"), "1 bytes after the last tensor's data"},
@@ -232,7 +245,8 @@ TEST(Safetensors, TheReaderRefusesEveryMalformedFileNamingTheRule) {
   // Every refusal closes the file it opened (fuzzing found one leaked per rejected file).
   auto open_fds = [] {
     int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.is_symlink() ? 1 : 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
+      n += e.is_symlink() ? 1 : 0;
     return n;
   };
   const int fds = open_fds();
@@ -244,11 +258,14 @@ TEST(Safetensors, TheReaderRefusesEveryMalformedFileNamingTheRule) {
   }
   // An index that disagrees with its files.
   spit(dir + "/a.safetensors", raw_file("{" + ok_entry + "}", "12345678"));
-  spit(dir + "/model.safetensors.index.json", R"({"weight_map":{"t":"a.safetensors","v":"a.safetensors"}})");
-  EXPECT_NE(error_of(dir).find("names tensor 'v' in a.safetensors, which does not hold it"), std::string::npos)
+  spit(dir + "/model.safetensors.index.json",
+       R"({"weight_map":{"t":"a.safetensors","v":"a.safetensors"}})");
+  EXPECT_NE(error_of(dir).find("names tensor 'v' in a.safetensors, which does not hold it"),
+            std::string::npos)
       << error_of(dir);
   spit(dir + "/model.safetensors.index.json", R"({"weight_map":{"t":"../a.safetensors"}})");
-  EXPECT_NE(error_of(dir).find("which is not a file beside the index"), std::string::npos) << error_of(dir);
+  EXPECT_NE(error_of(dir).find("which is not a file beside the index"), std::string::npos)
+      << error_of(dir);
   EXPECT_NE(error_of(dir + "/none.safetensors").find("does not exist"), std::string::npos);
   fs::remove_all(dir);
 }

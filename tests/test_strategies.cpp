@@ -42,7 +42,9 @@ void train_and_compare(const ProcessGroup& pg, ShardingOptions o, double clip, d
     double global = global_mean(loss, pg);
     double ref = 0;
     for (int s = 0; s < pg.size(); ++s) {
-      auto l = torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) / pg.size();
+      auto l =
+          torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) /
+          pg.size();
       l.backward();
       ref += l.item<double>();
     }
@@ -126,7 +128,8 @@ INSTANTIATE_TEST_SUITE_P(Strategies, StrategyAtWorld4,
 class ClipAtWorld : public ::testing::TestWithParam<int> {};
 
 TEST_P(ClipAtWorld, L2NormAndClippedParametersMatchUnshardedClipGradNorm) {
-  run_ranks(GetParam(), [](const ProcessGroup& pg) { train_and_compare(pg, ShardingOptions(), 0.05, 2.0); });
+  run_ranks(GetParam(),
+            [](const ProcessGroup& pg) { train_and_compare(pg, ShardingOptions(), 0.05, 2.0); });
 }
 
 TEST_P(ClipAtWorld, InfNormAndClippedParametersMatchUnshardedClipGradNorm) {
@@ -217,7 +220,9 @@ TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
       auto [x, y] = mlp_batch(step, 12);
       torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg)).backward();
       for (int s = 0; s < pg.size(); ++s) {
-        (torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) / pg.size()).backward();
+        (torch::mse_loss(reference(share_rows(x, s, pg.size())), share_rows(y, s, pg.size())) /
+         pg.size())
+            .backward();
       }
       double norm = clip_grad_norm_(model, 0.05);
       std::vector<torch::Tensor> trainable = ref_root;

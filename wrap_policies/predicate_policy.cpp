@@ -7,6 +7,8 @@ namespace fsdp {
 WrapPolicy predicate_policy(
     std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> predicate) {
   TORCH_CHECK(predicate != nullptr, "predicate_policy: the predicate is empty");
-  return [p = std::move(predicate)](const WrapContext& ctx) { return p(ctx.fqn, ctx.module, ctx.numel); };
+  return [p = std::move(predicate)](const WrapContext& ctx) {
+    return p(ctx.fqn, ctx.module, ctx.numel);
+  };
 }
 }  // namespace fsdp

@@ -24,32 +24,35 @@ int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std:
                  const std::string& file) {
   auto it = attrs.find(key);
   if (it == attrs.end() || !std::holds_alternative<int64_t>(it->second)) {
-    throw std::runtime_error(file + " has no integer root attribute '" + key +
-                             "': it is not a GPT checkpoint from train_gpt (needs n_layer, n_head, d_model, "
-                             "block_size, vocab_size)");
+    throw std::runtime_error(
+        file + " has no integer root attribute '" + key +
+        "': it is not a GPT checkpoint from train_gpt (needs n_layer, n_head, d_model, "
+        "block_size, vocab_size)");
   }
   return std::get<int64_t>(it->second);
 }
 
 int run(int argc, char** argv) {
-  cxxopts::Options o("generate", "Generate text from a consolidated GPT checkpoint (train_gpt --consolidate-to).");
-  o.add_options()
-    ("weights", "consolidated HDF5 file", cxxopts::value<std::string>())
-    ("prompt", "text to continue (bytes)", cxxopts::value<std::string>())
-    ("max-new-tokens", "bytes to generate", cxxopts::value<int64_t>())
-    ("greedy", "always take the most likely next byte (deterministic)")
-    ("temperature", "sampling temperature (> 0)", cxxopts::value<double>()->default_value("1.0"))
-    ("top-k", "sample among the K most likely bytes (1..vocab; 0: all)", cxxopts::value<int64_t>()->default_value("0"))
-    ("seed", "sampling seed (same seed, same text)", cxxopts::value<uint64_t>()->default_value("0"))
-    ("threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
-     cxxopts::value<int>()->default_value("1"))
-    ("h,help", "show this help");
+  cxxopts::Options o(
+      "generate", "Generate text from a consolidated GPT checkpoint (train_gpt --consolidate-to).");
+  o.add_options()("weights", "consolidated HDF5 file", cxxopts::value<std::string>())(
+      "prompt", "text to continue (bytes)", cxxopts::value<std::string>())(
+      "max-new-tokens", "bytes to generate", cxxopts::value<int64_t>())(
+      "greedy", "always take the most likely next byte (deterministic)")(
+      "temperature", "sampling temperature (> 0)", cxxopts::value<double>()->default_value("1.0"))(
+      "top-k", "sample among the K most likely bytes (1..vocab; 0: all)",
+      cxxopts::value<int64_t>()->default_value("0"))(
+      "seed", "sampling seed (same seed, same text)",
+      cxxopts::value<uint64_t>()->default_value("0"))(
+      "threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
+      cxxopts::value<int>()->default_value("1"))("h,help", "show this help");
   auto r = o.parse(argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << std::endl;
     return 0;
   }
-  if (!r.unmatched().empty()) throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  if (!r.unmatched().empty())
+    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
   for (const char* need : {"weights", "prompt", "max-new-tokens"}) {
     if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
   }
@@ -61,9 +64,12 @@ int run(int argc, char** argv) {
   const int64_t n_new = r["max-new-tokens"].as<int64_t>();
   const double temperature = r["temperature"].as<double>();
   const int64_t top_k = r["top-k"].as<int64_t>();
-  if (prompt.empty()) throw UsageError("--prompt is empty; give at least one byte of text to continue");
-  if (n_new <= 0) throw UsageError("--max-new-tokens " + std::to_string(n_new) + " must be positive");
-  if (!(temperature > 0)) throw UsageError("--temperature " + std::to_string(temperature) + " must be positive");
+  if (prompt.empty())
+    throw UsageError("--prompt is empty; give at least one byte of text to continue");
+  if (n_new <= 0)
+    throw UsageError("--max-new-tokens " + std::to_string(n_new) + " must be positive");
+  if (!(temperature > 0))
+    throw UsageError("--temperature " + std::to_string(temperature) + " must be positive");
   const int threads = r["threads"].as<int>();
   if (threads <= 0) throw UsageError("--threads " + std::to_string(threads) + " must be positive");
   // One token at a time is a chain of tiny ops. With LibTorch 2.6 on Debian 13 (OpenMP
@@ -80,8 +86,8 @@ int run(int argc, char** argv) {
   cfg.block_size = int_attr(attrs, "block_size", file);
   cfg.vocab_size = int_attr(attrs, "vocab_size", file);
   if (top_k < 0 || top_k > cfg.vocab_size) {
-    throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." + std::to_string(cfg.vocab_size) +
-                     " (0: no limit)");
+    throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." +
+                     std::to_string(cfg.vocab_size) + " (0: no limit)");
   }
   gpt::GPT model(cfg);
   fsdp::load_consolidated(file, *model);
@@ -92,8 +98,11 @@ int run(int argc, char** argv) {
   std::vector<int64_t> tokens;
   for (unsigned char c : prompt) tokens.push_back(c);
   for (int64_t i = 0; i < n_new; ++i) {
-    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - cfg.block_size);
-    auto ctx = torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong).unsqueeze(0);
+    const int64_t start =
+        std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - cfg.block_size);
+    auto ctx =
+        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong)
+            .unsqueeze(0);
     auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kFloat);
     int64_t next;
     if (greedy) {

@@ -35,10 +35,13 @@ class AttentionImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head_;
     auto parts = qkv(x).split(C, /*dim=*/2);
-    auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head_, hd}).transpose(1, 2); };
+    auto heads = [&](const torch::Tensor& t) {
+      return t.view({B, T, n_head_, hd}).transpose(1, 2);
+    };
     auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).tril();
+    auto mask =
+        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).tril();
     att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
     att = attn_drop(torch::softmax(att, -1));
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
@@ -71,9 +74,11 @@ TORCH_MODULE(Mlp);
 class BlockImpl : public torch::nn::Module {
  public:
   explicit BlockImpl(const Config& c)
-      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
+      : ln1(register_module(
+            "ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
         attn(register_module("attn", Attention(c))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
+        ln2(register_module(
+            "ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
         mlp(register_module("mlp", Mlp(c))) {}
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
@@ -97,15 +102,19 @@ class GPTImpl : public torch::nn::Module {
       blocks.emplace_back(Block(c));
       list->push_back(blocks.back());
     }
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)));
-    lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+    ln_f = register_module(
+        "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)));
+    lm_head = register_module(
+        "lm_head",
+        torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
     init_weights();
   }
 
   /// idx: (B, T) int64 tokens -> (B, T, vocab) logits.
   torch::Tensor forward(const torch::Tensor& idx) {
     const auto T = idx.size(1);
-    TORCH_CHECK(T <= config.block_size, "sequence length ", T, " exceeds block_size ", config.block_size);
+    TORCH_CHECK(T <= config.block_size, "sequence length ", T, " exceeds block_size ",
+                config.block_size);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = wte(idx) + wpe(pos);
     for (auto& b : blocks) x = b(x);
@@ -141,7 +150,8 @@ torch::Tensor loss_on(Model& model, const torch::Tensor& rows) {
   auto x = rows.narrow(1, 0, rows.size(1) - 1);
   auto y = rows.narrow(1, 1, rows.size(1) - 1);
   auto logits = model->forward(x);
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              y.reshape({-1}));
 }
 
 }  // namespace gpt

@@ -47,11 +47,13 @@ class Data {
       : seed_(seed), synthetic_(path.empty()), path_(path) {
     if (!synthetic_) {
       std::ifstream f(path, std::ios::binary);
-      if (!f) throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
+      if (!f)
+        throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
       std::stringstream ss;
       ss << f.rdbuf();
       text_ = ss.str();
-      train_end_ = text_.size() - static_cast<size_t>(static_cast<double>(text_.size()) * val_fraction);
+      train_end_ =
+          text_.size() - static_cast<size_t>(static_cast<double>(text_.size()) * val_fraction);
       return;
     }
     std::mt19937_64 g(seed ^ 0x5eedULL);
@@ -63,15 +65,19 @@ class Data {
 
   void check(int64_t block) const {
     if (!synthetic() && static_cast<int64_t>(text_.size()) < block + 2) {
-      throw UsageError("--data holds " + std::to_string(text_.size()) + " bytes, fewer than --block-size + 2 = " +
-                       std::to_string(block + 2) + "; use a longer file or a smaller --block-size");
+      throw UsageError("--data holds " + std::to_string(text_.size()) +
+                       " bytes, fewer than --block-size + 2 = " + std::to_string(block + 2) +
+                       "; use a longer file or a smaller --block-size");
     }
     const auto need = static_cast<size_t>(block + 2);
     if (!synthetic() && validates() && (train_end_ < need || text_.size() - train_end_ < need)) {
-      throw UsageError("--data " + path_ + " (" + std::to_string(text_.size()) + " bytes) split by --val-fraction "
-                       "leaves " + std::to_string(train_end_) + " bytes to train on and " +
-                       std::to_string(text_.size() - train_end_) + " to validate on; each needs --block-size + 2 = " +
-                       std::to_string(need) + ". Use a longer file, another --val-fraction, or 0 for none");
+      throw UsageError("--data " + path_ + " (" + std::to_string(text_.size()) +
+                       " bytes) split by --val-fraction "
+                       "leaves " +
+                       std::to_string(train_end_) + " bytes to train on and " +
+                       std::to_string(text_.size() - train_end_) +
+                       " to validate on; each needs --block-size + 2 = " + std::to_string(need) +
+                       ". Use a longer file, another --val-fraction, or 0 for none");
     }
   }
 
@@ -131,54 +137,85 @@ class Data {
   std::string path_;
   std::string text_;
   size_t train_end_ = 0;  ///< text_[0, train_end_) trains; the rest validates
-  std::vector<std::pair<int, int>> next_;  ///< per character: likely (p=0.7) and other (0.3) successor
+  std::vector<std::pair<int, int>>
+      next_;  ///< per character: likely (p=0.7) and other (0.3) successor
 };
 
 // ---- options ----------------------------------------------------------------
 
 cxxopts::Options make_options() {
   cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
-  o.add_options("model")
-    ("n-layer", "transformer blocks", cxxopts::value<int64_t>()->default_value("2"))
-    ("n-head", "attention heads", cxxopts::value<int64_t>()->default_value("4"))
-    ("d-model", "model width", cxxopts::value<int64_t>()->default_value("64"))
-    ("block-size", "context length in bytes", cxxopts::value<int64_t>()->default_value("32"))
-    ("dropout", "dropout probability", cxxopts::value<double>()->default_value("0"));
-  o.add_options("training")
-    ("batch-size", "global batch in sequences, split across ranks", cxxopts::value<int64_t>()->default_value("16"))
-    ("grad-accum", "micro-batches per step", cxxopts::value<int64_t>()->default_value("1"))
-    ("steps", "optimizer steps", cxxopts::value<int64_t>()->default_value("200"))
-    ("lr", "peak learning rate", cxxopts::value<double>()->default_value("3e-3"))
-    ("weight-decay", "AdamW weight decay", cxxopts::value<double>()->default_value("0.01"))
-    ("warmup-steps", "linear warm-up steps", cxxopts::value<int64_t>()->default_value("10"))
-    ("lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))
-    ("clip-grad", "clip the global gradient norm to this (0: off)", cxxopts::value<double>()->default_value("1.0"))
-    ("seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))
-    ("data", "train on this text file, byte-level (default: the synthetic task)", cxxopts::value<std::string>()->default_value(""))
-    ("val-fraction", "with --data: hold out this last fraction of the file; its loss is printed as training goes (0: none)", cxxopts::value<double>()->default_value("0.1"));
-  o.add_options("sharding")
-    ("precision", "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over fp32 masters; fp16 with a dynamic loss scale)", cxxopts::value<std::string>()->default_value("fp32"))
-    ("loss-scale-power", "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)", cxxopts::value<int>()->default_value("16"))
-    ("sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
-    ("hybrid-group-size", "ranks per shard group for --sharding hybrid", cxxopts::value<int>()->default_value("0"))
-    ("wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))
-    ("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)", cxxopts::value<std::string>()->default_value("none"))
-    ("cpu-offload", "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
-  o.add_options("checkpoint")
-    ("save-dir", "save sharded checkpoints here (every rank writes its own file)", cxxopts::value<std::string>()->default_value(""))
-    ("save-every", "save every K steps (0: only at the end)", cxxopts::value<int64_t>()->default_value("0"))
-    ("keep", "keep the newest K checkpoints (0: all)", cxxopts::value<int64_t>()->default_value("3"))
-    ("async-save", "save in the background: training waits only while this rank's state is copied to host memory")
-    ("stop-at", "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans --steps", cxxopts::value<int64_t>()->default_value("0"))
-    ("resume", "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")
-    ("init-from", "start from these consolidated weights: an HDF5 file, or safetensors (file, index or directory); step 0, fresh optimizer; the architecture is the file's (model flags given must agree)", cxxopts::value<std::string>()->default_value(""))
-    ("consolidate-to", "at the end, write one consolidated HDF5 file here (for generate and other tools)", cxxopts::value<std::string>()->default_value(""));
-  o.add_options("output")
-    ("log-jsonl", "rank 0 writes one JSON object per step here", cxxopts::value<std::string>()->default_value(""))
-    ("log-every", "progress line every K steps (0: about 20 lines per run)", cxxopts::value<int64_t>()->default_value("0"))
-    ("io-log", "rank 0 appends one JSON object per checkpoint save, load and consolidated export here ({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)", cxxopts::value<std::string>()->default_value(""))
-    ("config", "JSON file with any of these options; flags given here override it", cxxopts::value<std::string>()->default_value(""))
-    ("h,help", "show this help");
+  o.add_options("model")("n-layer", "transformer blocks",
+                         cxxopts::value<int64_t>()->default_value("2"))(
+      "n-head", "attention heads", cxxopts::value<int64_t>()->default_value("4"))(
+      "d-model", "model width", cxxopts::value<int64_t>()->default_value("64"))(
+      "block-size", "context length in bytes", cxxopts::value<int64_t>()->default_value("32"))(
+      "dropout", "dropout probability", cxxopts::value<double>()->default_value("0"));
+  o.add_options("training")("batch-size", "global batch in sequences, split across ranks",
+                            cxxopts::value<int64_t>()->default_value("16"))(
+      "grad-accum", "micro-batches per step", cxxopts::value<int64_t>()->default_value("1"))(
+      "steps", "optimizer steps", cxxopts::value<int64_t>()->default_value("200"))(
+      "lr", "peak learning rate", cxxopts::value<double>()->default_value("3e-3"))(
+      "weight-decay", "AdamW weight decay", cxxopts::value<double>()->default_value("0.01"))(
+      "warmup-steps", "linear warm-up steps", cxxopts::value<int64_t>()->default_value("10"))(
+      "lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))(
+      "clip-grad", "clip the global gradient norm to this (0: off)",
+      cxxopts::value<double>()->default_value("1.0"))(
+      "seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))(
+      "data", "train on this text file, byte-level (default: the synthetic task)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "val-fraction",
+      "with --data: hold out this last fraction of the file; its loss is printed as training goes "
+      "(0: none)",
+      cxxopts::value<double>()->default_value("0.1"));
+  o.add_options("sharding")("precision",
+                            "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over "
+                            "fp32 masters; fp16 with a dynamic loss scale)",
+                            cxxopts::value<std::string>()->default_value("fp32"))(
+      "loss-scale-power",
+      "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)",
+      cxxopts::value<int>()->default_value("16"))(
+      "sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
+      "hybrid-group-size", "ranks per shard group for --sharding hybrid",
+      cxxopts::value<int>()->default_value("0"))(
+      "wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))(
+      "activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
+      cxxopts::value<std::string>()->default_value("none"))(
+      "cpu-offload",
+      "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
+  o.add_options("checkpoint")("save-dir",
+                              "save sharded checkpoints here (every rank writes its own file)",
+                              cxxopts::value<std::string>()->default_value(""))(
+      "save-every", "save every K steps (0: only at the end)",
+      cxxopts::value<int64_t>()->default_value("0"))("keep",
+                                                     "keep the newest K checkpoints (0: all)",
+                                                     cxxopts::value<int64_t>()->default_value("3"))(
+      "async-save",
+      "save in the background: training waits only while this rank's state is copied to host "
+      "memory")("stop-at",
+                "stop after this step, as if preempted (a checkpoint is saved); the schedule still "
+                "spans --steps",
+                cxxopts::value<int64_t>()->default_value("0"))(
+      "resume",
+      "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")(
+      "init-from",
+      "start from these consolidated weights: an HDF5 file, or safetensors (file, index or "
+      "directory); step 0, fresh optimizer; the architecture is the file's (model flags given must "
+      "agree)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "consolidate-to",
+      "at the end, write one consolidated HDF5 file here (for generate and other tools)",
+      cxxopts::value<std::string>()->default_value(""));
+  o.add_options("output")("log-jsonl", "rank 0 writes one JSON object per step here",
+                          cxxopts::value<std::string>()->default_value(""))(
+      "log-every", "progress line every K steps (0: about 20 lines per run)",
+      cxxopts::value<int64_t>()->default_value("0"))(
+      "io-log",
+      "rank 0 appends one JSON object per checkpoint save, load and consolidated export here "
+      "({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)",
+      cxxopts::value<std::string>()->default_value(""))(
+      "config", "JSON file with any of these options; flags given here override it",
+      cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
   return o;
 }
 
@@ -193,14 +230,17 @@ std::vector<std::string> config_args(const std::string& path, const cxxopts::Opt
   } catch (const std::exception& e) {
     throw UsageError("--config " + path + ": not valid JSON (" + std::string(e.what()) + ")");
   }
-  if (!j.is_object()) throw UsageError("--config " + path + ": the top level must be a JSON object");
+  if (!j.is_object())
+    throw UsageError("--config " + path + ": the top level must be a JSON object");
   std::vector<std::string> out;
   for (auto& [key, value] : j.items()) {
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');
-    if (flag == "config" || flag == "help") throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
+    if (flag == "config" || flag == "help")
+      throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
     if (value.is_object() || value.is_array() || value.is_null()) {
-      throw UsageError("--config " + path + ": key '" + key + "' must be a number, a string or true/false");
+      throw UsageError("--config " + path + ": key '" + key +
+                       "' must be a number, a string or true/false");
     }
     if (value.is_boolean()) {
       if (value.get<bool>()) out.push_back("--" + flag);
@@ -226,31 +266,39 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
 // with the file, each disagreement named with both values (checked before any rank
 // starts training).
 void apply_init_file(const std::string& file, gpt::Config& cfg, const cxxopts::ParseResult& r) {
-  if (!std::filesystem::exists(file)) throw UsageError("--init-from " + file + ": cannot open the file");
+  if (!std::filesystem::exists(file))
+    throw UsageError("--init-from " + file + ": cannot open the file");
   std::map<std::string, fsdp::AttrValue> attrs;
   try {
     attrs = fsdp::consolidated_attributes(file);
   } catch (const c10::Error& e) {
-    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" + e.what_without_backtrace() + ")");
+    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
+                     e.what_without_backtrace() + ")");
   }
-  const std::pair<const char*, int64_t*> fields[] = {{"n_layer", &cfg.n_layer}, {"n_head", &cfg.n_head},
-                                                     {"d_model", &cfg.d_model}, {"block_size", &cfg.block_size},
+  const std::pair<const char*, int64_t*> fields[] = {{"n_layer", &cfg.n_layer},
+                                                     {"n_head", &cfg.n_head},
+                                                     {"d_model", &cfg.d_model},
+                                                     {"block_size", &cfg.block_size},
                                                      {"vocab_size", &cfg.vocab_size}};
   for (const auto& [key, field] : fields) {
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     // vocab_size has no flag: the byte-level vocabulary is always 256.
     const bool given = flag == "vocab-size" || r.count(flag) > 0;
-    const std::string ours = (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
+    const std::string ours =
+        (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
     auto it = attrs.find(key);
     if (it == attrs.end()) {
       throw UsageError("--init-from " + file + " has no attribute " + key +
                        " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
     }
-    if (!std::holds_alternative<int64_t>(it->second) || (given && std::get<int64_t>(it->second) != *field)) {
-      const std::string theirs = std::holds_alternative<int64_t>(it->second) ? std::to_string(std::get<int64_t>(it->second))
-                                 : std::holds_alternative<double>(it->second) ? std::to_string(std::get<double>(it->second))
-                                                                               : std::get<std::string>(it->second);
+    if (!std::holds_alternative<int64_t>(it->second) ||
+        (given && std::get<int64_t>(it->second) != *field)) {
+      const std::string theirs = std::holds_alternative<int64_t>(it->second)
+                                     ? std::to_string(std::get<int64_t>(it->second))
+                                 : std::holds_alternative<double>(it->second)
+                                     ? std::to_string(std::get<double>(it->second))
+                                     : std::get<std::string>(it->second);
       throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
                        "; leave the flag out to take the file's, or give another file");
     }
@@ -269,7 +317,8 @@ fsdp::WrapPolicy parse_wrap(const std::string& s) {
     } catch (const std::exception&) {
     }
   }
-  throw UsageError("--wrap " + s + " is unknown; use block, none or size:N (N = least parameters per unit)");
+  throw UsageError("--wrap " + s +
+                   " is unknown; use block, none or size:N (N = least parameters per unit)");
 }
 
 fsdp::WrapPolicy parse_checkpointing(const std::string& s) {
@@ -280,12 +329,14 @@ fsdp::WrapPolicy parse_checkpointing(const std::string& s) {
       size_t used = 0;
       int k = std::stoi(s.substr(6), &used);
       if (used == s.size() - 6 && k >= 1) {
-        return fsdp::all_policy({fsdp::module_type_policy<gpt::Block>(), fsdp::every_kth_policy(k)});
+        return fsdp::all_policy(
+            {fsdp::module_type_policy<gpt::Block>(), fsdp::every_kth_policy(k)});
       }
     } catch (const std::exception&) {
     }
   }
-  throw UsageError("--activation-checkpointing " + s + " is unknown; use none, all or every:K (K >= 1)");
+  throw UsageError("--activation-checkpointing " + s +
+                   " is unknown; use none, all or every:K (K >= 1)");
 }
 
 std::string human_bytes(double b) {
@@ -334,7 +385,8 @@ int run(int argc, char** argv) {
   std::vector<char*> cargs;
   for (auto& a : args) cargs.push_back(a.data());
   auto r = options.parse(static_cast<int>(cargs.size()), cargs.data());
-  if (!r.unmatched().empty()) throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  if (!r.unmatched().empty())
+    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
 
   gpt::Config cfg;
   cfg.n_layer = r["n-layer"].as<int64_t>();
@@ -354,7 +406,8 @@ int run(int argc, char** argv) {
   const uint64_t seed = r["seed"].as<uint64_t>();
 
   auto positive = [](const char* flag, double v) {
-    if (!(v > 0)) throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
+    if (!(v > 0))
+      throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
   };
   positive("n-layer", cfg.n_layer);
   positive("n-head", cfg.n_head);
@@ -365,8 +418,8 @@ int run(int argc, char** argv) {
   positive("steps", steps);
   positive("lr", lr);
   if (cfg.d_model % cfg.n_head != 0) {
-    throw UsageError("--d-model " + std::to_string(cfg.d_model) + " must be divisible by --n-head " +
-                     std::to_string(cfg.n_head));
+    throw UsageError("--d-model " + std::to_string(cfg.d_model) +
+                     " must be divisible by --n-head " + std::to_string(cfg.n_head));
   }
   if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
   if (warmup < 0) throw UsageError("--warmup-steps must not be negative");
@@ -377,10 +430,12 @@ int run(int argc, char** argv) {
   const std::string precision = r["precision"].as<std::string>();
   const int scale_power = r["loss-scale-power"].as<int>();
   if (r.count("loss-scale-power") && precision != "fp16") {
-    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " + precision + ")");
+    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " +
+                     precision + ")");
   }
   if (scale_power < 0 || scale_power > 60) {
-    throw UsageError("--loss-scale-power " + std::to_string(scale_power) + " must be between 0 and 60 (the default is 16)");
+    throw UsageError("--loss-scale-power " + std::to_string(scale_power) +
+                     " must be between 0 and 60 (the default is 16)");
   }
   fsdp::ShardingOptions so;
   if (precision == "bf16") {
@@ -406,7 +461,8 @@ int run(int argc, char** argv) {
   if (!(val_fraction >= 0 && val_fraction < 1)) {
     std::ostringstream v;
     v << val_fraction;
-    throw UsageError("--val-fraction " + v.str() + " must be at least 0 and below 1 (0: no validation)");
+    throw UsageError("--val-fraction " + v.str() +
+                     " must be at least 0 and below 1 (0: no validation)");
   }
   Data data(seed, r["data"].as<std::string>(), val_fraction);
   data.check(cfg.block_size);
@@ -417,7 +473,8 @@ int run(int argc, char** argv) {
   const bool main_rank = pg.rank() == 0;
   if (batch % (world * accum) != 0) {
     throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +
-                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) + "; try --batch-size " +
+                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) +
+                     "; try --batch-size " +
                      std::to_string((batch / (world * accum) + 1) * world * accum));
   }
 
@@ -426,15 +483,19 @@ int run(int argc, char** argv) {
   const int64_t keep = r["keep"].as<int64_t>();
   const bool resume = r.count("resume") > 0;
   const std::string consolidate_to = r["consolidate-to"].as<std::string>();
-  if (save_every < 0) throw UsageError("--save-every " + std::to_string(save_every) + " must not be negative");
+  if (save_every < 0)
+    throw UsageError("--save-every " + std::to_string(save_every) + " must not be negative");
   const int64_t stop_at = r["stop-at"].as<int64_t>();
   if (stop_at < 0 || stop_at > steps) {
     throw UsageError("--stop-at " + std::to_string(stop_at) + " must be between 1 and --steps " +
                      std::to_string(steps) + " (0: run all steps)");
   }
-  if (keep < 0) throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
+  if (keep < 0)
+    throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
   if ((resume || save_every > 0 || r.count("async-save")) && save_dir.empty()) {
-    throw UsageError(std::string(resume ? "--resume" : save_every > 0 ? "--save-every" : "--async-save") +
+    throw UsageError(std::string(resume           ? "--resume"
+                                 : save_every > 0 ? "--save-every"
+                                                  : "--async-save") +
                      " needs --save-dir DIR");
   }
   // Output locations are checked now, not after hours of training.
@@ -442,7 +503,8 @@ int run(int argc, char** argv) {
     std::error_code ec;
     std::filesystem::create_directories(save_dir, ec);
     if (ec || !std::filesystem::is_directory(save_dir)) {
-      throw UsageError("--save-dir " + save_dir + ": cannot create the directory (" + ec.message() + ")");
+      throw UsageError("--save-dir " + save_dir + ": cannot create the directory (" + ec.message() +
+                       ")");
     }
   }
   if (!consolidate_to.empty()) {
@@ -454,7 +516,6 @@ int run(int argc, char** argv) {
   }
 
   so.cpu_offload = r.count("cpu-offload") > 0;
-
 
   torch::manual_seed(seed);
   auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
@@ -489,8 +550,11 @@ int run(int argc, char** argv) {
   auto training_state = [&](int64_t step) {
     fsdp::TrainingState st;
     st.step = step;
-    st.model_attrs = {{"n_layer", cfg.n_layer}, {"n_head", cfg.n_head}, {"d_model", cfg.d_model},
-                      {"block_size", cfg.block_size}, {"vocab_size", cfg.vocab_size}};
+    st.model_attrs = {{"n_layer", cfg.n_layer},
+                      {"n_head", cfg.n_head},
+                      {"d_model", cfg.d_model},
+                      {"block_size", cfg.block_size},
+                      {"vocab_size", cfg.vocab_size}};
     st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
     if (scaler) st.loss_scaler = scaler->state();
     return st;
@@ -508,8 +572,11 @@ int run(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     const std::string path = op();
     if (!io_log_path.empty()) pg.barrier();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (io_log.is_open()) io_log << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump() << std::endl;
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (io_log.is_open())
+      io_log << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump()
+             << std::endl;
   };
   int64_t first_step = 0;
   if (resume) {
@@ -517,14 +584,18 @@ int run(int argc, char** argv) {
       fsdp::TrainingState st;
       timed("load", [&] { return fsdp::load_sharded_checkpoint(save_dir, model, &opt, &st).path; });
       if (st.extra.count("seed") && st.extra.at("seed") != std::to_string(seed) && main_rank) {
-        std::cout << "train_gpt: warning: the checkpoint was trained with --seed " << st.extra.at("seed")
-                  << ", this run uses " << seed << " (the data stream changes)\n";
+        std::cout << "train_gpt: warning: the checkpoint was trained with --seed "
+                  << st.extra.at("seed") << ", this run uses " << seed
+                  << " (the data stream changes)\n";
       }
       first_step = st.step;
       if (scaler && st.loss_scaler) scaler->load_state(*st.loss_scaler);
-      if (main_rank) std::cout << "train_gpt: resumed from " << *latest << " at step " << first_step << std::endl;
+      if (main_rank)
+        std::cout << "train_gpt: resumed from " << *latest << " at step " << first_step
+                  << std::endl;
     } else if (main_rank) {
-      std::cout << "train_gpt: --resume: no checkpoint in " << save_dir << " yet; starting from step 0" << std::endl;
+      std::cout << "train_gpt: --resume: no checkpoint in " << save_dir
+                << " yet; starting from step 0" << std::endl;
     }
   }
   fsdp::SaveOptions save_opts;
@@ -535,8 +606,11 @@ int run(int argc, char** argv) {
   fsdp::AsyncSave pending;  // --async-save: the save in flight
   auto save = [&](int64_t at_step) {
     timed("save", [&] {
-      if (!async_save) return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(at_step), save_opts);
-      pending = fsdp::save_sharded_checkpoint_async(save_dir, model, &opt, training_state(at_step), save_opts);
+      if (!async_save)
+        return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(at_step),
+                                             save_opts);
+      pending = fsdp::save_sharded_checkpoint_async(save_dir, model, &opt, training_state(at_step),
+                                                    save_opts);
       return pending.path();
     });
     last_saved = at_step;
@@ -545,7 +619,9 @@ int run(int argc, char** argv) {
   std::ofstream jsonl;
   if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
     jsonl.open(r["log-jsonl"].as<std::string>());
-    if (!jsonl) throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() + ": cannot write the file");
+    if (!jsonl)
+      throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() +
+                       ": cannot write the file");
   }
   // Parameters, each counted once: tied ones (aliases) share their unit's offset.
   int64_t n_params = 0;
@@ -556,12 +632,13 @@ int run(int argc, char** argv) {
     if (seen.emplace(p.unit_fqn, p.requires_grad, p.offset).second) n_params += p.numel;
   }
   if (main_rank) {
-    std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model " << cfg.d_model
-              << ", world size " << world << ", " << units.size() << " units\n";
+    std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
+              << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
     if (data.synthetic()) {
       std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
-                << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
-                << data.conditional_entropy() << " nats (the floor)\n";
+                << data.unigram_entropy(cfg.block_size)
+                << " nats (no context), conditional entropy " << data.conditional_entropy()
+                << " nats (the floor)\n";
     }
     std::cout << std::flush;
   }
@@ -583,10 +660,12 @@ int run(int argc, char** argv) {
     return sum.item<double>() / static_cast<double>(world * kValBatches);
   };
   if (main_rank && data.validates()) {
-    std::cout << "train_gpt: " << r["data"].as<std::string>() << ": " << data.train_bytes() << " bytes to train on, "
-              << data.val_bytes() << " held out for validation (--val-fraction " << val_fraction << ")" << std::endl;
+    std::cout << "train_gpt: " << r["data"].as<std::string>() << ": " << data.train_bytes()
+              << " bytes to train on, " << data.val_bytes()
+              << " held out for validation (--val-fraction " << val_fraction << ")" << std::endl;
   }
-  const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>() : std::max<int64_t>(1, steps / 20);
+  const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>()
+                                                             : std::max<int64_t>(1, steps / 20);
   const int64_t micro = batch / accum;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t last_step = stop_at > 0 ? std::max(first_step, stop_at) : steps;
@@ -598,7 +677,8 @@ int run(int argc, char** argv) {
       double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, steps - warmup);
       step_lr = lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
     }
-    for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(step_lr);
+    for (auto& g : opt.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(g.options()).lr(step_lr);
 
     const auto ts = std::chrono::steady_clock::now();
     auto global = data.batch(step, batch, cfg.block_size);
@@ -626,15 +706,21 @@ int run(int argc, char** argv) {
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double tok_s = static_cast<double>(batch * cfg.block_size) / dt;
     auto mem = model.memory_stats();
-    const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak + mem.comm_buffers.peak;
+    const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak +
+                         mem.comm_buffers.peak;
     const fsdp::CommStats step_comm = model.comm_stats().step;
     const int64_t comm = step_comm.total_bytes();
     const bool progress = (step + 1) % log_every == 0 || step + 1 == last_step;
     const double vloss = data.validates() && progress ? val_loss() : std::nan("");  // collective
     if (main_rank) {
       if (jsonl.is_open()) {
-        nlohmann::json j = {{"step", step + 1}, {"loss", loss}, {"lr", step_lr}, {"tokens_per_s", tok_s},
-                            {"step_s", dt}, {"peak_bytes", peak}, {"comm_bytes", comm},
+        nlohmann::json j = {{"step", step + 1},
+                            {"loss", loss},
+                            {"lr", step_lr},
+                            {"tokens_per_s", tok_s},
+                            {"step_s", dt},
+                            {"peak_bytes", peak},
+                            {"comm_bytes", comm},
                             // What shows the features ran: regions recomputed so far (this
                             // rank), and this step's offload copies.
                             {"recomputes", fsdp::activation_recomputes()},
@@ -648,18 +734,24 @@ int run(int argc, char** argv) {
         jsonl << j.dump() << "\n" << std::flush;
       }
       if (progress) {
-        double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(last_step - step - 1);
-        std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed << std::setprecision(4) << loss
-                  << (std::isnan(vloss) ? std::string() : " | val loss " + std::to_string(vloss).substr(0, 6))
-                  << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed << " | "
-                  << std::setprecision(0) << tok_s << " tok/s | engine peak " << human_bytes(static_cast<double>(peak))
-                  << " | comm " << human_bytes(static_cast<double>(comm)) << "/step"
-                  << (scaler ? " | loss scale " + std::to_string(static_cast<int64_t>(scaler->state().scale)) +
+        double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        double eta = elapsed / static_cast<double>(step + 1 - first_step) *
+                     static_cast<double>(last_step - step - 1);
+        std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed
+                  << std::setprecision(4) << loss
+                  << (std::isnan(vloss) ? std::string()
+                                        : " | val loss " + std::to_string(vloss).substr(0, 6))
+                  << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed
+                  << " | " << std::setprecision(0) << tok_s << " tok/s | engine peak "
+                  << human_bytes(static_cast<double>(peak)) << " | comm "
+                  << human_bytes(static_cast<double>(comm)) << "/step"
+                  << (scaler ? " | loss scale " +
+                                   std::to_string(static_cast<int64_t>(scaler->state().scale)) +
                                    ", skipped " + std::to_string(scaler->state().skipped_steps)
                              : std::string())
-                  << " | elapsed " << human_seconds(elapsed)
-                  << " | eta " << human_seconds(eta) << std::endl;
+                  << " | elapsed " << human_seconds(elapsed) << " | eta " << human_seconds(eta)
+                  << std::endl;
       }
     }
     if (save_every > 0 && (step + 1) % save_every == 0) {
@@ -683,12 +775,14 @@ int run(int argc, char** argv) {
       fsdp::export_consolidated(consolidate_to, model, nullptr, training_state(final_step), eo);
       return consolidate_to;
     });
-    if (main_rank) std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
+    if (main_rank)
+      std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
   }
   if (scaler) {
     // Every rank reports: skipping is agreed across ranks, so these lines must match.
-    std::cout << "train_gpt: rank " << pg.rank() << ": fp16 skipped " << scaler->state().skipped_steps << " of "
-              << final_step << " steps, loss scale " << static_cast<int64_t>(scaler->state().scale) << std::endl;
+    std::cout << "train_gpt: rank " << pg.rank() << ": fp16 skipped "
+              << scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
+              << static_cast<int64_t>(scaler->state().scale) << std::endl;
   }
   if (main_rank) std::cout << "train_gpt: done" << std::endl;
   return 0;

@@ -39,12 +39,15 @@ int main() {
       fsdp::clip_grad_norm_(model, 1.0);
       opt.step();
       opt.zero_grad();
-      if (rank == 0 && step % 20 == 0) std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
+      if (rank == 0 && step % 20 == 0)
+        std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
     }
     fsdp::FullParamsOptions full;
     full.rank0_only = true;
     auto weights = fsdp::full_state_dict(model, full);  // FQN -> full fp32 tensor
-    if (rank == 0) std::cout << "gathered " << weights.size() << " tensors, first: " << weights[0].first << std::endl;
+    if (rank == 0)
+      std::cout << "gathered " << weights.size() << " tensors, first: " << weights[0].first
+                << std::endl;
     return 0;
   } catch (const c10::Error& e) {
     std::cerr << "train_mlp: error: " << e.what_without_backtrace() << std::endl;

@@ -7,8 +7,9 @@
 int main() {
   try {
     torch::manual_seed(0);
-    torch::nn::Sequential seq(torch::nn::Linear(64, 128), torch::nn::ReLU(), torch::nn::Linear(128, 128),
-                              torch::nn::ReLU(), torch::nn::Linear(128, 1));
+    torch::nn::Sequential seq(torch::nn::Linear(64, 128), torch::nn::ReLU(),
+                              torch::nn::Linear(128, 128), torch::nn::ReLU(),
+                              torch::nn::Linear(128, 1));
     fsdp::ShardingOptions opts;
     opts.process_group = fsdp::init_process_group();
     auto model = fsdp::shard_sequential(seq, opts);  // every entry becomes a wrap point

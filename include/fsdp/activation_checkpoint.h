@@ -20,10 +20,12 @@ using CheckpointFn = std::function<std::vector<torch::Tensor>(const std::vector<
 /// usual. Inputs or outputs that do not require grad, several of each, and nested
 /// checkpoints are supported; a second backward with retain_graph recomputes again.
 /// Double backward (create_graph=true) through a region is rejected with an error.
-std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<torch::Tensor>& inputs);
+std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
+                                      const std::vector<torch::Tensor>& inputs);
 
 /// One tensor in, one out.
-torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input);
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                         const torch::Tensor& input);
 
 /// How many times backward has recomputed a checkpointed region in this process, on any
 /// thread (ShardingOptions::checkpoint_policy wraps each wrap point it picks in one).

@@ -102,8 +102,9 @@ class [[nodiscard]] AsyncSave {
 
  private:
   explicit AsyncSave(std::shared_ptr<AsyncSaveJob> job);
-  friend AsyncSave save_sharded_checkpoint_async(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
-                                                 const TrainingState&, const SaveOptions&);
+  friend AsyncSave save_sharded_checkpoint_async(const std::string&, const ShardedModel&,
+                                                 torch::optim::Optimizer*, const TrainingState&,
+                                                 const SaveOptions&);
   std::shared_ptr<AsyncSaveJob> job_;
 };
 
@@ -117,7 +118,8 @@ class [[nodiscard]] AsyncSave {
 /// failed on any rank, throws on every rank, naming the file, without saving; `latest`
 /// never names a checkpoint that is not complete.
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& model,
-                                        torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state,
                                         const SaveOptions& options = {});
 
 /// Waits for the asynchronous save in flight, if any, and frees the staging buffers that
@@ -150,15 +152,17 @@ struct ExportOptions {
 /// writes, gathering one flat parameter at a time, so its extra memory is at most one
 /// unit's full fp32 parameters (MemoryStats::checkpoint_buffers counts it). The file is
 /// written to a temporary name and renamed into place.
-void export_consolidated(const std::string& file, const ShardedModel& model, torch::optim::Optimizer* optimizer,
-                         const TrainingState& state, const ExportOptions& options = {});
+void export_consolidated(const std::string& file, const ShardedModel& model,
+                         torch::optim::Optimizer* optimizer, const TrainingState& state,
+                         const ExportOptions& options = {});
 
 /// Loads consolidated weights into a sharded model: each rank reads only its own slice
 /// (HDF5 hyperslabs, or byte ranges of safetensors), no full copy anywhere, no
 /// communication. `file` is the HDF5 file of export_consolidated, or safetensors: a
 /// .safetensors file, a model.safetensors.index.json, or a directory holding either
 /// (what export_safetensors writes, or any other writer's, in F32, BF16, F16 or F64).
-LoadReport import_consolidated(const std::string& file, ShardedModel& model, const LoadOptions& options = {});
+LoadReport import_consolidated(const std::string& file, ShardedModel& model,
+                               const LoadOptions& options = {});
 
 /// Loads consolidated weights (HDF5 or safetensors, as import_consolidated) into a plain
 /// (unsharded) module, e.g. for inference.
@@ -187,8 +191,8 @@ struct SafetensorsOptions {
 /// state.model_attrs (as strings). Collective; rank 0 writes, gathering one flat
 /// parameter at a time, so its extra memory is about one unit's full fp32 parameters.
 /// Files are written under temporary names and published by rename, the index last.
-void export_safetensors(const std::string& dir, const ShardedModel& model, const TrainingState& state,
-                        const SafetensorsOptions& options = {});
+void export_safetensors(const std::string& dir, const ShardedModel& model,
+                        const TrainingState& state, const SafetensorsOptions& options = {});
 
 /// The formats consolidated weights are written in.
 enum class WeightsFormat {

@@ -1,10 +1,10 @@
 #pragma once
 // Per-rank memory estimate, term by term, device and host (fsdp-estimate). It follows
-// the engine's real layout (src/engine/flat_param.cpp, src/engine/runtime.cpp): one flat parameter per
-// unit padded to a multiple of the shard-group size, fp32 master shards and gradient
-// shards, Adam's two fp32 moments, gathered units in param_dtype bounded by Note
-// [Prefetch bound], and cpu_offload moving the model state to the host. Plain C++; no
-// LibTorch needed, so the tool starts at once.
+// the engine's real layout (src/engine/flat_param.cpp, src/engine/runtime.cpp): one flat parameter
+// per unit padded to a multiple of the shard-group size, fp32 master shards and gradient shards,
+// Adam's two fp32 moments, gathered units in param_dtype bounded by Note [Prefetch bound], and
+// cpu_offload moving the model state to the host. Plain C++; no LibTorch needed, so the tool starts
+// at once.
 
 #include <cstdint>
 #include <string>
@@ -46,9 +46,9 @@ struct MemoryEstimate {
   /// In this order: parameters, gradients, optimizer_state, gathered_units,
   /// comm_buffers, offload_buffers (cpu_offload only), activations.
   std::vector<MemoryTerm> terms;
-  int shard_group_size = 1;        ///< ranks each flat parameter is split over
-  int64_t total_params = 0;        ///< sum of unit_params (unpadded)
-  int64_t largest_unit_params = 0; ///< largest unit, root included (unpadded)
+  int shard_group_size = 1;         ///< ranks each flat parameter is split over
+  int64_t total_params = 0;         ///< sum of unit_params (unpadded)
+  int64_t largest_unit_params = 0;  ///< largest unit, root included (unpadded)
   int64_t device_total() const;
   int64_t host_total() const;
   /// Parameters, gradients, optimizer state and gathered units (DeepSpeed's "model

@@ -40,7 +40,7 @@ class FullParamsScope {
 
 /// The full fp32 value of every parameter, by clean FQN in unit order, gathered one unit
 /// at a time. Collective: all ranks call it. With rank0_only, other ranks get an empty list.
-std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(
-    const ShardedModel& model, FullParamsOptions options = {});
+std::vector<std::pair<std::string, torch::Tensor>> full_state_dict(const ShardedModel& model,
+                                                                   FullParamsOptions options = {});
 
 }  // namespace fsdp

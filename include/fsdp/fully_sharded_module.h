@@ -1,11 +1,11 @@
 #pragma once
 // Wrap points and fully_shard.
 //
-// LibTorch modules have no forward hooks (docs/design.md, "LibTorch facts"), so a unit cannot attach
-// itself to a module from the outside. The model calls a submodule *through* a wrap
-// point, FullyShardedModule<M>, which forwards the call with M's own signature. A wrap
-// point that the auto-wrap policy turns into a unit gathers its parameters before the
-// call and frees them after; any other wrap point is a plain pass-through.
+// LibTorch modules have no forward hooks (docs/design.md, "LibTorch facts"), so a unit cannot
+// attach itself to a module from the outside. The model calls a submodule *through* a wrap point,
+// FullyShardedModule<M>, which forwards the call with M's own signature. A wrap point that the
+// auto-wrap policy turns into a unit gathers its parameters before the call and frees them after;
+// any other wrap point is a plain pass-through.
 
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/options.h>
@@ -31,12 +31,12 @@ struct EngineAccess;
 
 /// Where one original parameter lives inside its unit's flat parameter.
 struct ParamInfo {
-  std::string fqn;              ///< clean name, e.g. "blocks.0.attn.qkv.weight"
-  std::string unit_fqn;         ///< the owning unit ("" for the root)
-  bool requires_grad = true;    ///< trainable params and frozen ones sit in separate flat params
-  int64_t offset = 0;           ///< first element in the unpadded flat parameter, in elements
-  int64_t numel = 0;            ///< elements
-  std::vector<int64_t> shape;   ///< original shape
+  std::string fqn;             ///< clean name, e.g. "blocks.0.attn.qkv.weight"
+  std::string unit_fqn;        ///< the owning unit ("" for the root)
+  bool requires_grad = true;   ///< trainable params and frozen ones sit in separate flat params
+  int64_t offset = 0;          ///< first element in the unpadded flat parameter, in elements
+  int64_t numel = 0;           ///< elements
+  std::vector<int64_t> shape;  ///< original shape
 };
 
 /// Base of every wrap point; not a template, so the engine can walk the module tree.
@@ -58,7 +58,8 @@ class WrapPointImpl : public torch::nn::Module {
   /// shard_sequential's entries alike): gather, cast the input under mixed precision,
   /// run `fn` (activation-checkpointed when the checkpoint policy picked this wrap
   /// point), cast the output, set the pre-backward hook, free.
-  torch::Tensor run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn, torch::Tensor x);
+  torch::Tensor run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                                   torch::Tensor x);
   /// Throws: the checkpoint policy picked this wrap point, but its forward is not
   /// Tensor -> Tensor, which activation checkpointing needs.
   [[noreturn]] void fail_checkpoint_needs_tensor_forward() const;
@@ -84,7 +85,8 @@ class WrapPointImpl : public torch::nn::Module {
   static void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
     if (t.defined()) out.push_back(t);
   }
-  static void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+  static void collect_tensors(const std::vector<torch::Tensor>& ts,
+                              std::vector<torch::Tensor>& out) {
     for (const auto& t : ts) collect_tensors(t, out);
   }
   template <class A, class B>
@@ -110,9 +112,9 @@ class WrapPointImpl : public torch::nn::Module {
 
  private:
   friend struct EngineAccess;
-  std::shared_ptr<UnitCore> unit_;        ///< set when this wrap point is a unit
-  std::weak_ptr<ModelCore> model_;        ///< the engine, set with unit_
-  std::shared_ptr<ModelCore> runtime_;    ///< set on the root only; owns the engine
+  std::shared_ptr<UnitCore> unit_;      ///< set when this wrap point is a unit
+  std::weak_ptr<ModelCore> model_;      ///< the engine, set with unit_
+  std::shared_ptr<ModelCore> runtime_;  ///< set on the root only; owns the engine
 };
 
 /// A wrap point around module holder `M` (e.g. torch::nn::Linear or a TORCH_MODULE).
@@ -125,7 +127,8 @@ class FullyShardedModuleImpl : public WrapPointImpl {
 
   /// Calls M's forward; gathers and frees the unit's parameters around it.
   template <typename... Args>
-  auto forward(Args&&... args) -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
+  auto forward(Args&&... args)
+      -> decltype(std::declval<M&>()->forward(std::forward<Args>(args)...)) {
     using Out = decltype(std::declval<M&>()->forward(std::forward<Args>(args)...));
     if constexpr (sizeof...(Args) == 1 && std::is_same_v<Out, torch::Tensor> &&
                   (std::is_convertible_v<Args, torch::Tensor> && ...)) {
@@ -136,8 +139,9 @@ class FullyShardedModuleImpl : public WrapPointImpl {
       if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
       if (checkpointed() && torch::GradMode::is_enabled()) fail_checkpoint_needs_tensor_forward();
       if (is_unit()) pre_forward();
-      auto out = cast_inputs_ ? module_->forward(cast_floating(std::forward<Args>(args), *cast_inputs_)...)
-                              : module_->forward(std::forward<Args>(args)...);
+      auto out = cast_inputs_
+                     ? module_->forward(cast_floating(std::forward<Args>(args), *cast_inputs_)...)
+                     : module_->forward(std::forward<Args>(args)...);
       if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>) {
         if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
       }
@@ -299,6 +303,7 @@ class NoSyncScope {
 std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(
     const torch::nn::Module& module);
 /// Clean FQNs of the buffers under `module` (LibTorch buffers are all persistent).
-std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module);
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(
+    const torch::nn::Module& module);
 
 }  // namespace fsdp

@@ -23,7 +23,8 @@ class FusedAdamW : public torch::optim::AdamW {
  public:
   enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
 
-  FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults = {});
+  FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+             torch::optim::AdamWOptions defaults = {});
   explicit FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {});
   /// Over `model`'s sharded parameters. Where the model gathers 16-bit parameters from
   /// CPU shards (bf16/fp16 param_dtype, CPU training or cpu_offload), each step also

@@ -23,14 +23,15 @@ struct LossScalerOptions {
 
 /// What the scaler knows; inspect it, and save and restore it with checkpoints.
 struct LossScalerState {
-  double scale = 65536;            ///< current loss scale
-  int64_t iteration = 0;           ///< update() calls so far
+  double scale = 65536;                  ///< current loss scale
+  int64_t iteration = 0;                 ///< update() calls so far
   int64_t last_overflow_iteration = -1;  ///< iteration of the last overflow, -1 if none
-  int hysteresis_left = 2;         ///< overflows still absorbed before halving
-  int64_t skipped_steps = 0;       ///< optimizer steps skipped for overflow
+  int hysteresis_left = 2;               ///< overflows still absorbed before halving
+  int64_t skipped_steps = 0;             ///< optimizer steps skipped for overflow
 };
 
-/// Use as:  scaler.scale(loss).backward(); scaler.unscale_(); clip...; scaler.step(opt); scaler.update();
+/// Use as:  scaler.scale(loss).backward(); scaler.unscale_(); clip...; scaler.step(opt);
+/// scaler.update();
 class LossScaler {
  public:
   explicit LossScaler(ShardedModel model, LossScalerOptions options = {});

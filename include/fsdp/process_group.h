@@ -13,12 +13,12 @@ struct GroupAccess;
 
 /// Where this process sits in the job, read from the launcher's environment.
 struct LaunchEnv {
-  int rank = 0;                            ///< global rank, 0-based
-  int world_size = 1;                      ///< number of processes in the job
-  int local_rank = 0;                      ///< rank within this node
-  std::string master_addr = "127.0.0.1";   ///< rendezvous host (rank 0 serves it)
-  int master_port = 29500;                 ///< rendezvous TCP port
-  std::string source = "single-process";   ///< "torchrun", "slurm", "openmpi" or "single-process"
+  int rank = 0;                           ///< global rank, 0-based
+  int world_size = 1;                     ///< number of processes in the job
+  int local_rank = 0;                     ///< rank within this node
+  std::string master_addr = "127.0.0.1";  ///< rendezvous host (rank 0 serves it)
+  int master_port = 29500;                ///< rendezvous TCP port
+  std::string source = "single-process";  ///< "torchrun", "slurm", "openmpi" or "single-process"
 };
 
 /// Reads the launch environment. torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/
@@ -68,7 +68,6 @@ class ProcessGroup {
   /// Splits into subgroups. `groups` lists disjoint rank lists that cover the world;
   /// every rank must call this with the same lists, and gets the group it belongs to.
   ProcessGroup split(const std::vector<std::vector<int>>& groups) const;
-
 
  private:
   friend struct GroupAccess;

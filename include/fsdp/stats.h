@@ -9,7 +9,7 @@ namespace fsdp {
 /// One tracked allocation class.
 struct MemoryCounter {
   int64_t current = 0;  ///< bytes held now
-  int64_t peak = 0;     ///< most bytes held at once since the last ShardedModel::reset_peak_memory()
+  int64_t peak = 0;  ///< most bytes held at once since the last ShardedModel::reset_peak_memory()
 };
 
 /// Bytes the engine itself holds, by class.
@@ -18,7 +18,8 @@ struct MemoryStats {
   MemoryCounter grad_shards;      ///< fp32 gradient shards
   MemoryCounter gathered_params;  ///< full parameters of gathered units, in param_dtype
   MemoryCounter comm_buffers;     ///< flat gradient buffers awaiting reduction, and staging
-  MemoryCounter checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
+  MemoryCounter
+      checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
   /// cpu_offload: copies in transit. On the device, a shard in param_dtype before its
   /// all-gather; on the host, fp32 gradient shards back from the device that wait to be
   /// added into existing gradients (at most two units' at a time). With cpu_offload,

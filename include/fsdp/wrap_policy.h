@@ -14,9 +14,9 @@ namespace fsdp {
 /// What a policy sees about one wrap point. Policies are asked bottom-up, so `numel`
 /// already excludes parameters claimed by inner units.
 struct WrapContext {
-  const std::string& fqn;            ///< e.g. "blocks.3" (clean: no wrapper segments)
-  const torch::nn::Module& module;   ///< the wrapped module (the M inside the wrap point)
-  int64_t numel;                     ///< parameters it would own, not claimed by inner units
+  const std::string& fqn;           ///< e.g. "blocks.3" (clean: no wrapper segments)
+  const torch::nn::Module& module;  ///< the wrapped module (the M inside the wrap point)
+  int64_t numel;                    ///< parameters it would own, not claimed by inner units
 };
 
 /// Returns true when the wrap point should become its own unit.
@@ -57,7 +57,8 @@ WrapPolicy module_type_policy() {
       return dynamic_cast<const typename T::ContainedType*>(&m) != nullptr;
     }
   };
-  return [is](const WrapContext& ctx) { return (... || is(static_cast<Ms*>(nullptr), ctx.module)); };
+  return
+      [is](const WrapContext& ctx) { return (... || is(static_cast<Ms*>(nullptr), ctx.module)); };
 }
 
 }  // namespace fsdp

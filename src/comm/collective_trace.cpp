@@ -24,8 +24,8 @@ struct Entry {
   std::string op;
   std::string label;
   int64_t bytes = 0;
-  int root = -1;                ///< broadcast root, -1 otherwise
-  std::atomic<int> state{0};    ///< 0 in flight, 1 completed, 2 failed
+  int root = -1;              ///< broadcast root, -1 otherwise
+  std::atomic<int> state{0};  ///< 0 in flight, 1 completed, 2 failed
 };
 
 std::mutex g_ring_mu;
@@ -59,8 +59,11 @@ std::string what_of(const std::string& op, const std::string& label, int64_t byt
 
 std::string describe(const Entry& e) {
   const int st = e.state.load();
-  return "#" + std::to_string(e.seq) + " on " + e.group + ": " + what_of(e.op, e.label, e.bytes, e.root) +
-         (st == 0 ? " (in flight)" : st == 1 ? " (completed)" : " (failed)");
+  return "#" + std::to_string(e.seq) + " on " + e.group + ": " +
+         what_of(e.op, e.label, e.bytes, e.root) +
+         (st == 0   ? " (in flight)"
+          : st == 1 ? " (completed)"
+                    : " (failed)");
 }
 
 std::string error_text(const std::exception& e) {
@@ -78,12 +81,14 @@ struct Fingerprint {
   char label[160];
 
   bool same_collective(const Fingerprint& o) const {
-    return seq == o.seq && bytes == o.bytes && root == o.root && std::strncmp(op, o.op, sizeof op) == 0 &&
+    return seq == o.seq && bytes == o.bytes && root == o.root &&
+           std::strncmp(op, o.op, sizeof op) == 0 &&
            std::strncmp(label, o.label, sizeof label) == 0;
   }
   std::string text() const {
-    return what_of(std::string(op, strnlen(op, sizeof op)), std::string(label, strnlen(label, sizeof label)),
-                   bytes, static_cast<int>(root)) +
+    return what_of(std::string(op, strnlen(op, sizeof op)),
+                   std::string(label, strnlen(label, sizeof label)), bytes,
+                   static_cast<int>(root)) +
            " (#" + std::to_string(seq) + ")";
   }
 };
@@ -93,11 +98,11 @@ void copy_field(char* dst, size_t cap, const std::string& s) {
   std::memcpy(dst, s.data(), std::min(s.size(), cap - 1));
 }
 
-std::string failure_message(int global_rank, const std::string& group, int size, bool desync, const Entry& e,
-                            const std::string& error) {
+std::string failure_message(int global_rank, const std::string& group, int size, bool desync,
+                            const Entry& e, const std::string& error) {
   std::ostringstream s;
-  s << "rank " << global_rank << ": collective #" << e.seq << " on " << group << " (" << size << " ranks), "
-    << what_of(e.op, e.label, e.bytes, e.root) << ", did not complete: " << error
+  s << "rank " << global_rank << ": collective #" << e.seq << " on " << group << " (" << size
+    << " ranks), " << what_of(e.op, e.label, e.bytes, e.root) << ", did not complete: " << error
     << "\nThis rank's recent collectives, oldest first:";
   for (const auto& line : recent_collectives()) s << "\n  " << line;
   if (!desync) {
@@ -110,7 +115,8 @@ std::string failure_message(int global_rank, const std::string& group, int size,
 
 class TracedWork : public Work {
  public:
-  TracedWork(std::shared_ptr<Work> inner, std::shared_ptr<Entry> entry, std::function<std::string(const std::string&)> fail)
+  TracedWork(std::shared_ptr<Work> inner, std::shared_ptr<Entry> entry,
+             std::function<std::string(const std::string&)> fail)
       : inner_(std::move(inner)), entry_(std::move(entry)), fail_(std::move(fail)) {}
   void wait() override {
     if (entry_->state.load() == 1) return;
@@ -132,7 +138,10 @@ class TracedWork : public Work {
 class TracedBackend : public Backend {
  public:
   TracedBackend(std::shared_ptr<Backend> inner, int global_rank, std::string group, bool desync)
-      : inner_(std::move(inner)), global_rank_(global_rank), group_(std::move(group)), desync_(desync) {}
+      : inner_(std::move(inner)),
+        global_rank_(global_rank),
+        group_(std::move(group)),
+        desync_(desync) {}
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -143,7 +152,8 @@ class TracedBackend : public Backend {
     auto e = begin("all_gather", full, -1);
     return traced(e, [&]() { return inner_->all_gather(full, shard); });
   }
-  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
+                                           const at::Tensor& shard) override {
     auto e = begin("reduce_scatter", full, -1);
     return traced(e, [&]() { return inner_->reduce_scatter_sum(full, shard); });
   }
@@ -196,7 +206,9 @@ class TracedBackend : public Backend {
   std::shared_ptr<Work> traced(const std::shared_ptr<Entry>& e, Issue&& issue) {
     // By value: a Work may be waited for after its backend is gone.
     auto fail = [rank = global_rank_, group = group_, size = size(), desync = desync_,
-                 e](const std::string& error) { return failure_message(rank, group, size, desync, *e, error); };
+                 e](const std::string& error) {
+      return failure_message(rank, group, size, desync, *e, error);
+    };
     std::shared_ptr<Work> w;
     try {
       w = issue();
@@ -229,8 +241,9 @@ class TracedBackend : public Backend {
       inner_->all_gather(out, in.to(device))->wait();
     } catch (const std::exception& ex) {
       e.state = 2;
-      TORCH_CHECK(false, failure(e, "comparing collectives across ranks (FSDP_DEBUG=desync) failed: " +
-                                        error_text(ex)));
+      TORCH_CHECK(false,
+                  failure(e, "comparing collectives across ranks (FSDP_DEBUG=desync) failed: " +
+                                 error_text(ex)));
     }
     at::Tensor host = out.cpu();
     std::vector<Fingerprint> all(static_cast<size_t>(size()));
@@ -243,7 +256,8 @@ class TracedBackend : public Backend {
     std::vector<std::pair<std::string, std::vector<int64_t>>> kinds;
     for (const auto& f : all) {
       const std::string t = f.text();
-      auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == t; });
+      auto it =
+          std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == t; });
       if (it == kinds.end()) {
         kinds.push_back({t, {f.global_rank}});
       } else {
@@ -251,14 +265,16 @@ class TracedBackend : public Backend {
       }
     }
     std::ostringstream s;
-    s << "collectives out of step on " << group_ << " (FSDP_DEBUG=desync): the ranks were about to run "
+    s << "collectives out of step on " << group_
+      << " (FSDP_DEBUG=desync): the ranks were about to run "
       << "different collectives:";
     for (const auto& [t, ranks] : kinds) {
       s << "\n  rank" << (ranks.size() > 1 ? "s " : " ");
       for (size_t i = 0; i < ranks.size(); ++i) s << (i ? ", " : "") << ranks[i];
       s << ": " << t;
     }
-    s << "\nEvery rank must run the same collectives in the same order: call the same wrapped units, "
+    s << "\nEvery rank must run the same collectives in the same order: call the same wrapped "
+         "units, "
          "in the same order, on every rank (and train, evaluate and save together).";
     TORCH_CHECK(false, s.str());
   }
@@ -272,7 +288,9 @@ class TracedBackend : public Backend {
 
 }  // namespace
 
-CollectiveLabel::CollectiveLabel(std::string what) : previous_(std::move(t_label)) { t_label = std::move(what); }
+CollectiveLabel::CollectiveLabel(std::string what) : previous_(std::move(t_label)) {
+  t_label = std::move(what);
+}
 CollectiveLabel::~CollectiveLabel() { t_label = std::move(previous_); }
 
 std::vector<std::string> recent_collectives() {
@@ -299,7 +317,8 @@ bool desync_debug_enabled() {
   return desync;
 }
 
-std::shared_ptr<Backend> make_traced_backend(std::shared_ptr<Backend> inner, int global_rank, std::string group) {
+std::shared_ptr<Backend> make_traced_backend(std::shared_ptr<Backend> inner, int global_rank,
+                                             std::string group) {
   if (inner->size() == 1) return inner;
   const bool desync = desync_debug_enabled();
   return std::make_shared<TracedBackend>(std::move(inner), global_rank, std::move(group), desync);

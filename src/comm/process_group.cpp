@@ -21,7 +21,8 @@ class SingleBackend : public Backend {
     if (!full.is_same(shard)) full.copy_(shard);
     return std::make_shared<DoneWork>();
   }
-  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
+                                           const at::Tensor& shard) override {
     at::NoGradGuard g;
     if (!full.is_same(shard)) shard.copy_(full);
     return std::make_shared<DoneWork>();
@@ -47,7 +48,8 @@ std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int wor
   std::set<int> seen;
   std::vector<int> mine;
   for (const auto& g : groups) {
-    TORCH_CHECK(!g.empty(), "ProcessGroup::split: an empty rank list was given; every group needs ranks");
+    TORCH_CHECK(!g.empty(),
+                "ProcessGroup::split: an empty rank list was given; every group needs ranks");
     for (int r : g) {
       TORCH_CHECK(r >= 0 && r < world, "ProcessGroup::split: rank ", r,
                   " is outside the world of size ", world, "; ranks run from 0 to ", world - 1);
@@ -109,8 +111,8 @@ void ProcessGroup::all_gather(const torch::Tensor& full, const torch::Tensor& sh
 void ProcessGroup::reduce_scatter_sum(const torch::Tensor& full, const torch::Tensor& shard) const {
   TORCH_CHECK(full.is_contiguous() && shard.is_contiguous(),
               "reduce_scatter_sum needs contiguous tensors");
-  TORCH_CHECK(full.numel() == shard.numel() * size(), "reduce_scatter_sum: full has ",
-              full.numel(), " elements but needs ", shard.numel() * size());
+  TORCH_CHECK(full.numel() == shard.numel() * size(), "reduce_scatter_sum: full has ", full.numel(),
+              " elements but needs ", shard.numel() * size());
   impl(*this).reduce_scatter_sum(full, shard)->wait();
 }
 

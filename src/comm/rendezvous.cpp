@@ -35,8 +35,8 @@ int parse_int(const char* name, const char* value, const char* fix) {
   char* end = nullptr;
   errno = 0;
   long v = std::strtol(value, &end, 10);
-  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= INT32_MIN && v <= INT32_MAX,
-              name, "='", value, "' is not an integer. ", fix);
+  TORCH_CHECK(errno == 0 && end != value && *end == '\0' && v >= INT32_MIN && v <= INT32_MAX, name,
+              "='", value, "' is not an integer. ", fix);
   return static_cast<int>(v);
 }
 
@@ -85,9 +85,10 @@ LaunchEnv read_launch_env() {
     e.source = "openmpi";
     e.rank = require_int("OMPI_COMM_WORLD_RANK", "Open MPI", fix);
     e.world_size = require_int("OMPI_COMM_WORLD_SIZE", "Open MPI", fix);
-    e.local_rank = env("OMPI_COMM_WORLD_LOCAL_RANK")
-                       ? parse_int("OMPI_COMM_WORLD_LOCAL_RANK", env("OMPI_COMM_WORLD_LOCAL_RANK"), fix)
-                       : 0;
+    e.local_rank =
+        env("OMPI_COMM_WORLD_LOCAL_RANK")
+            ? parse_int("OMPI_COMM_WORLD_LOCAL_RANK", env("OMPI_COMM_WORLD_LOCAL_RANK"), fix)
+            : 0;
   } else {
     return e;  // a single process
   }
@@ -103,14 +104,16 @@ LaunchEnv read_launch_env() {
     } else {
       TORCH_CHECK(e.source != "torchrun",
                   "MASTER_ADDR is not set: ranks need the rendezvous host (rank 0's address). "
-                  "Set it, e.g. MASTER_ADDR=127.0.0.1 for one machine. ", fix);
+                  "Set it, e.g. MASTER_ADDR=127.0.0.1 for one machine. ",
+                  fix);
     }
     if (env("MASTER_PORT")) {
       e.master_port = parse_int("MASTER_PORT", env("MASTER_PORT"), "Use a free TCP port.");
     } else {
       TORCH_CHECK(e.source != "torchrun",
                   "MASTER_PORT is not set: ranks need the rendezvous port. Set it to a free TCP "
-                  "port, e.g. MASTER_PORT=29500. ", fix);
+                  "port, e.g. MASTER_PORT=29500. ",
+                  fix);
     }
     TORCH_CHECK(e.master_port > 0 && e.master_port < 65536, "MASTER_PORT=", e.master_port,
                 " is not a TCP port; use one between 1 and 65535");
@@ -165,15 +168,18 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   } catch (const std::exception& ex) {
     std::string what = ex.what();
     if (so.isServer) {
-      bool busy = what.find("in use") != std::string::npos || what.find("errno: 98") != std::string::npos;
+      bool busy =
+          what.find("in use") != std::string::npos || what.find("errno: 98") != std::string::npos;
       TORCH_CHECK(!busy, "rank 0 cannot serve the rendezvous: port ", e.master_port, " on ",
-                  e.master_addr, " is already in use. Pick a free port (MASTER_PORT, or "
+                  e.master_addr,
+                  " is already in use. Pick a free port (MASTER_PORT, or "
                   "fsdp-run --master-port) or stop the process holding it.");
       TORCH_CHECK(false, "rank 0 cannot serve the rendezvous at ", where, ": ",
                   what.substr(0, what.find('\n')));
     }
     TORCH_CHECK(false, "rank ", e.rank, " could not reach the rendezvous at ", where, " within ",
-                timeout_s, " s; missing ranks: [0]. Rank 0 serves the rendezvous: check that it "
+                timeout_s,
+                " s; missing ranks: [0]. Rank 0 serves the rendezvous: check that it "
                 "is running and that MASTER_ADDR/MASTER_PORT point at it, or raise the timeout "
                 "(FSDP_TIMEOUT_S).");
   }
@@ -181,8 +187,9 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   // Note [Rendezvous arrival]
   // Each rank announces itself under its own key and waits for all the others, so a
   // timeout can name exactly the ranks that never came (c10d's own waits cannot).
-  const std::string tag = std::string("fsdp/") +
-                          (env("TORCHELASTIC_RESTART_COUNT") ? env("TORCHELASTIC_RESTART_COUNT") : "0") + "/";
+  const std::string tag =
+      std::string("fsdp/") +
+      (env("TORCHELASTIC_RESTART_COUNT") ? env("TORCHELASTIC_RESTART_COUNT") : "0") + "/";
   store->set(tag + "arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
   auto deadline = std::chrono::steady_clock::now() + timeout;
   std::vector<int> missing;
@@ -197,9 +204,10 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
     if (std::chrono::steady_clock::now() > deadline) {
       std::ostringstream list;
       for (size_t i = 0; i < missing.size(); ++i) list << (i ? ", " : "") << missing[i];
-      TORCH_CHECK(false, "rendezvous at ", where, " timed out after ", timeout_s, " s: ",
-                  missing.size(), " of ", e.world_size, " ranks never arrived; missing ranks: [",
-                  list.str(), "]. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
+      TORCH_CHECK(false, "rendezvous at ", where, " timed out after ", timeout_s,
+                  " s: ", missing.size(), " of ", e.world_size,
+                  " ranks never arrived; missing ranks: [", list.str(),
+                  "]. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
                   "WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -215,7 +223,8 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   // Every collective of the job is numbered and kept in the ring its errors print
   // (Note [Collective trace]).
   return GroupAccess::make_group(detail::make_traced_backend(
-      backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init), e.rank));
+      backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init),
+      e.rank));
 }
 
 }  // namespace fsdp

@@ -43,7 +43,8 @@ struct Accounting {
   }
   /// cpu_offload: a copy between the host shards and the device.
   void count_offload(bool to_device, int64_t bytes) {
-    for (CommStats* s : {&comm.step, &comm.total}) (to_device ? s->offload_to_device_bytes : s->offload_to_host_bytes) += bytes;
+    for (CommStats* s : {&comm.step, &comm.total})
+      (to_device ? s->offload_to_device_bytes : s->offload_to_host_bytes) += bytes;
   }
 };
 

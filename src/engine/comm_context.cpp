@@ -112,17 +112,20 @@ void CommContext::finish_oldest() {
 }
 
 CommContext::Landing& CommContext::landing_of(FlatParam& flat) {
-  auto it = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == &flat; });
+  auto it = std::find_if(landing_.begin(), landing_.end(),
+                         [&](const Landing& l) { return l.flat == &flat; });
   if (it != landing_.end()) return *it;
   landing_.push_back(Landing{&flat, {}, {}});
   return landing_.back();
 }
 
 void CommContext::park(FlatParam& flat) {
-  auto it = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == &flat; });
+  auto it = std::find_if(landing_.begin(), landing_.end(),
+                         [&](const Landing& l) { return l.flat == &flat; });
   if (it == landing_.end() || it->to_add.empty()) return;
   if (parked_ != nullptr && parked_ != &flat) {
-    auto p = std::find_if(landing_.begin(), landing_.end(), [&](const Landing& l) { return l.flat == parked_; });
+    auto p = std::find_if(landing_.begin(), landing_.end(),
+                          [&](const Landing& l) { return l.flat == parked_; });
     TORCH_INTERNAL_ASSERT(p != landing_.end());
     land(*p);
     landing_.erase(p);

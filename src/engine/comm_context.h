@@ -76,8 +76,8 @@ class CommContext {
   /// A flat parameter's reduced gradient shards on their way to the host.
   struct Landing {
     FlatParam* flat;
-    std::function<void()> first;                ///< the copy that became the gradient shard
-    std::vector<Transfers::HostCopy> to_add;    ///< copies to add into it once landed
+    std::function<void()> first;              ///< the copy that became the gradient shard
+    std::vector<Transfers::HostCopy> to_add;  ///< copies to add into it once landed
   };
   /// Waits for the oldest reduction and adds its result into the gradient shard.
   void finish_oldest();

@@ -18,10 +18,12 @@ struct EngineAccess {
   static detail::Unit* unit(const WrapPointImpl& wp);
   static void set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit);
   /// Points a unit's wrap point at the engine; the root's also owns it.
-  static void set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime, bool owner);
+  static void set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
+                          bool owner);
   /// The engine a unit's wrap point belongs to; an error once the model is gone.
   static detail::Runtime& runtime(const WrapPointImpl& wp);
-  static void set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs, std::optional<torch::Dtype> outputs);
+  static void set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
+                        std::optional<torch::Dtype> outputs);
   static void set_checkpointed(WrapPointImpl& wp, const std::string& fqn);
   /// The model's runtime; throws when the handle is empty.
   static detail::Runtime& runtime(const ShardedModel& model);

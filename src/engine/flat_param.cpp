@@ -12,7 +12,8 @@ namespace {
 // Gathered parameters are views into one full buffer. To free and restore the bytes
 // without touching the views, resize the buffer's StorageImpl itself: tensors that
 // autograd saved in forward share that StorageImpl and see the restored data in
-// backward (docs/design.md, "LibTorch facts"). The storage's own allocator serves CPU and CUDA alike.
+// backward (docs/design.md, "LibTorch facts"). The storage's own allocator serves CPU and CUDA
+// alike.
 void free_storage(const at::Tensor& t) { t.storage().unsafeGetStorageImpl()->reset(); }
 
 void alloc_storage(const at::Tensor& t, size_t nbytes) {
@@ -53,7 +54,8 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   shard_ = flat.narrow(0, cfg_.shard_group->rank() * shard_numel_, shard_numel_).clone();
   if (cfg_.offload) {
     // Host memory, pinned when the device is a GPU so copies can run asynchronously.
-    at::Tensor host = at::empty({shard_numel_}, fp32.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
+    at::Tensor host =
+        at::empty({shard_numel_}, fp32.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
     host.copy_(shard_);
     shard_ = host;
   }
@@ -99,7 +101,8 @@ std::shared_ptr<Work> FlatParam::gather() {
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
   // host is the device; Note [Offload transfers]). The work returned keeps it alive.
-  MemoryCounter* counter = cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
+  MemoryCounter* counter =
+      cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
   at::Tensor staging;
   if (cfg_.offload) {
     staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
@@ -152,7 +155,9 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
   if (!trainable_ || cfg_.param_dtype == at::kFloat || !shard_.is_cpu()) return {};
   if (!lowp_.defined()) {
     // Pinned on a GPU build's offload, like the shard: it is the source of the gathers' copies.
-    lowp_ = at::empty({shard_numel_}, shard_.options().dtype(cfg_.param_dtype).requires_grad(false)
+    lowp_ = at::empty({shard_numel_}, shard_.options()
+                                          .dtype(cfg_.param_dtype)
+                                          .requires_grad(false)
                                           .pinned_memory(cfg_.device.is_cuda()));
     lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
   }
@@ -166,7 +171,8 @@ at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   // On the compute device, where the collectives run (with offload the shard is on the host).
   auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
   at::Tensor out = at::empty({padded_}, opts);
-  if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
+  if (cfg_.shard_group->size() > 1)
+    cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
   CollectiveLabel label(this->label());
   cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
   return out;

@@ -20,7 +20,8 @@ namespace fsdp::detail {
 
 /// What impl::grad_accumulator() returns: a shared_ptr<Node> in earlier LibTorch 2.x, an
 /// intrusive_ptr<Node> in later ones; taken from the declaration.
-using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+using GradAccumulator =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// One original parameter inside the flat parameter.
 struct ParamSlot {
@@ -43,7 +44,7 @@ struct FlatConfig {
   bool offload = false;                      ///< shards and their grads live on the host
   std::shared_ptr<Transfers> transfers;      ///< host <-> device copies (with offload)
   Accounting* acct = nullptr;
-  std::string label;                         ///< what its collectives are for ("unit 'blocks.0'")
+  std::string label;  ///< what its collectives are for ("unit 'blocks.0'")
 };
 
 class FlatParam {
@@ -66,7 +67,9 @@ class FlatParam {
   /// The gathered buffer (param_dtype); its storage is empty while sharded.
   const at::Tensor& full() const { return full_; }
   at::ScalarType param_dtype() const { return cfg_.param_dtype; }
-  int64_t full_bytes() const { return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype)); }
+  int64_t full_bytes() const {
+    return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype));
+  }
 
   /// Restores the full buffer's storage and issues the all-gather into it. The returned
   /// work holds the gather's staging buffer (the shard cast to param_dtype, or copied to
@@ -79,7 +82,9 @@ class FlatParam {
   bool aliased() const { return alias_; }
   const FlatConfig& config() const { return cfg_; }
   /// What this flat's collectives are for, in the collective trace.
-  std::string label() const { return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)"; }
+  std::string label() const {
+    return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)";
+  }
 
   /// Brings MemoryStats::grad_shards up to date with this shard's gradient, counted as
   /// its bytes (0 while undefined). Called wherever the engine gives the shard a

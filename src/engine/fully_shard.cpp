@@ -93,22 +93,24 @@ void validate(const ShardingOptions& o) {
   TORCH_CHECK(o.auto_wrap_policy != nullptr,
               "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
               "shard everything as one unit");
-  TORCH_CHECK(o.max_gathered_units >= 1, "ShardingOptions::max_gathered_units=",
-              o.max_gathered_units, " must be at least 1 (the unit that computes)");
+  TORCH_CHECK(o.max_gathered_units >= 1,
+              "ShardingOptions::max_gathered_units=", o.max_gathered_units,
+              " must be at least 1 (the unit that computes)");
   const int world = o.process_group.size();
   if (o.strategy == ShardingStrategy::kHybridShard) {
     const int g = o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
-    TORCH_CHECK(g >= 1 && world % g == 0, "ShardingOptions::hybrid_group_size=",
-                o.hybrid_group_size, " must divide the world size ", world,
-                " (e.g. the number of ranks per node)");
+    TORCH_CHECK(g >= 1 && world % g == 0,
+                "ShardingOptions::hybrid_group_size=", o.hybrid_group_size,
+                " must divide the world size ", world, " (e.g. the number of ranks per node)");
   }
   auto ok_dtype = [](at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };
-  TORCH_CHECK(ok_dtype(o.mixed_precision.param_dtype), "MixedPrecision::param_dtype=",
-              o.mixed_precision.param_dtype, " is unsupported; use Float, BFloat16 or Half");
-  TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype), "MixedPrecision::reduce_dtype=",
-              o.mixed_precision.reduce_dtype,
+  TORCH_CHECK(ok_dtype(o.mixed_precision.param_dtype),
+              "MixedPrecision::param_dtype=", o.mixed_precision.param_dtype,
+              " is unsupported; use Float, BFloat16 or Half");
+  TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype),
+              "MixedPrecision::reduce_dtype=", o.mixed_precision.reduce_dtype,
               " is unsupported; gradients reduce in Float, BFloat16 or Half");
 }
 
@@ -145,7 +147,8 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
   }
   int group = o.process_group.size();
   if (o.strategy == ShardingStrategy::kNoShard) group = 1;
-  if (o.strategy == ShardingStrategy::kHybridShard && o.hybrid_group_size > 0) group = o.hybrid_group_size;
+  if (o.strategy == ShardingStrategy::kHybridShard && o.hybrid_group_size > 0)
+    group = o.hybrid_group_size;
   int local = 1;
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
   const double per_rank = 16.0 * static_cast<double>((numel + group - 1) / group);
@@ -153,16 +156,21 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
   const int64_t avail = host_available_bytes();
   if (avail < 0) return;
   TORCH_CHECK(need <= static_cast<double>(avail), "fully_shard: not enough host memory. ", numel,
-              " parameters sharded over ", group, " ranks need ", gib(per_rank), " per rank in host RAM (fp32 shard, "
-              "gradient and Adam state: 16 bytes per element)", local > 1 ? ", times " + std::to_string(local) +
-              " ranks on this node = " + gib(need) : std::string(), ", but only ", gib(static_cast<double>(avail)),
-              " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller model, or set "
+              " parameters sharded over ", group, " ranks need ", gib(per_rank),
+              " per rank in host RAM (fp32 shard, "
+              "gradient and Adam state: 16 bytes per element)",
+              local > 1 ? ", times " + std::to_string(local) + " ranks on this node = " + gib(need)
+                        : std::string(),
+              ", but only ", gib(static_cast<double>(avail)),
+              " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller "
+              "model, or set "
               "ShardingOptions::check_host_memory = false to try anyway.");
 }
 
 // Points `wp` at its unit `u` of `rt` (and, for the root, at `rt`), with the casts of
 // mixed precision.
-void attach_unit(const std::shared_ptr<Runtime>& rt, WrapPointImpl& wp, const std::shared_ptr<Unit>& u) {
+void attach_unit(const std::shared_ptr<Runtime>& rt, WrapPointImpl& wp,
+                 const std::shared_ptr<Unit>& u) {
   EngineAccess::set_unit(wp, u);
   EngineAccess::set_runtime(wp, rt, /*owner=*/u->is_root());
   const auto& mp = rt->options().mixed_precision;
@@ -183,7 +191,8 @@ void attach_unit(const std::shared_ptr<Runtime>& rt, WrapPointImpl& wp, const st
 
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
   TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
-  TORCH_CHECK(!root->is_unit(), "fully_shard: this model is already sharded; call fully_shard once");
+  TORCH_CHECK(!root->is_unit(),
+              "fully_shard: this model is already sharded; call fully_shard once");
   validate(options);
   check_host_memory(*root, options);
 
@@ -202,9 +211,12 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   std::map<c10::TensorImpl*, std::pair<std::string, std::string>> owner;  // impl -> (fqn, unit)
   for (WrapNode* n : nodes) {
     for (const auto& p : n->params) {
-      auto [it, fresh] = owner.emplace(p.second.unsafeGetTensorImpl(), std::make_pair(p.first, n->fqn));
+      auto [it, fresh] =
+          owner.emplace(p.second.unsafeGetTensorImpl(), std::make_pair(p.first, n->fqn));
       if (fresh || it->second.second == n->fqn) continue;
-      auto unit_name = [](const std::string& f) { return f.empty() ? std::string("the root unit") : "unit '" + f + "'"; };
+      auto unit_name = [](const std::string& f) {
+        return f.empty() ? std::string("the root unit") : "unit '" + f + "'";
+      };
       TORCH_CHECK(false, "fully_shard: parameters '", it->second.first, "' and '", p.first,
                   "' are the same tensor (tied) but fall in different units (",
                   unit_name(it->second.second), " and ", unit_name(n->fqn),

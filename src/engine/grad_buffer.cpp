@@ -4,7 +4,8 @@ namespace fsdp::detail {
 
 GradBuffer::GradBuffer(FlatParam& flat)
     : flat_(flat),
-      direct_(flat.aliased() && flat.config().world_size == 1 && flat.config().reduce_dtype == at::kFloat) {
+      direct_(flat.aliased() && flat.config().world_size == 1 &&
+              flat.config().reduce_dtype == at::kFloat) {
   TORCH_INTERNAL_ASSERT(flat.trainable());
 }
 

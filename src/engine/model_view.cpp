@@ -11,12 +11,15 @@ namespace fsdp {
 namespace {
 detail::Runtime& model_runtime(const ShardedModel& m) { return EngineAccess::runtime(m); }
 
-ParamInfo info_of(const detail::Unit& u, const detail::FlatParam& f, const detail::ParamSlot& s, size_t k) {
-  return ParamInfo{k == 0 ? s.fqn : s.aliases[k - 1], u.fqn(), f.trainable(), s.offset, s.numel, s.shape};
+ParamInfo info_of(const detail::Unit& u, const detail::FlatParam& f, const detail::ParamSlot& s,
+                  size_t k) {
+  return ParamInfo{
+      k == 0 ? s.fqn : s.aliases[k - 1], u.fqn(), f.trainable(), s.offset, s.numel, s.shape};
 }
 
 FlatParamInfo flat_info_of(const detail::Unit& u, const detail::FlatParam& f) {
-  return FlatParamInfo{u.fqn(), f.param_dtype(), f.trainable(), f.numel(), f.padded_numel(), f.shard_numel()};
+  return FlatParamInfo{u.fqn(),   f.param_dtype(),  f.trainable(),
+                       f.numel(), f.padded_numel(), f.shard_numel()};
 }
 
 // Flat parameter `index` in flat_params() order, or an error naming the count.
@@ -27,7 +30,8 @@ detail::FlatParam& flat_at(const ShardedModel& model, size_t index, const char* 
       if (i++ == index) return *f;
     }
   }
-  TORCH_CHECK(false, what, ": index ", index, " is out of range; the model has ", i, " flat parameters");
+  TORCH_CHECK(false, what, ": index ", index, " is out of range; the model has ", i,
+              " flat parameters");
 }
 }  // namespace
 
@@ -86,7 +90,8 @@ std::vector<LocalShard> local_shards(const ShardedModel& model) {
   return out;
 }
 
-torch::Tensor gather_flat(const ShardedModel& model, size_t index, const torch::Tensor& shard_like) {
+torch::Tensor gather_flat(const ShardedModel& model, size_t index,
+                          const torch::Tensor& shard_like) {
   detail::FlatParam& f = flat_at(model, index, "gather_flat");
   at::Tensor full = f.gather_like(shard_like);
   // Counted while the caller holds it: the deleter keeps the storage and releases the bytes.
@@ -137,10 +142,15 @@ int64_t copy_out_gathers(const ShardedModel& model) {
   return n;
 }
 
-std::vector<torch::Tensor> grad_shards(const ShardedModel& model) { return model_runtime(model).grad_shards(); }
+std::vector<torch::Tensor> grad_shards(const ShardedModel& model) {
+  return model_runtime(model).grad_shards();
+}
 
 void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max) {
-  model_runtime(model).flat_config().shard_group->all_reduce(tensor, max ? ReduceKind::kMax : ReduceKind::kSum)->wait();
+  model_runtime(model)
+      .flat_config()
+      .shard_group->all_reduce(tensor, max ? ReduceKind::kMax : ReduceKind::kSum)
+      ->wait();
 }
 
 void gather_units(const ShardedModel& model, bool keep) {

@@ -6,7 +6,8 @@
 
 namespace fsdp::detail {
 std::shared_ptr<Transfers> make_cuda_transfers(at::Device device) {
-  TORCH_CHECK(false, "fsdp was built against a CPU-only LibTorch, so it cannot offload to ", device,
-              "; rebuild against a CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
+  TORCH_CHECK(
+      false, "fsdp was built against a CPU-only LibTorch, so it cannot offload to ", device,
+      "; rebuild against a CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
 }
 }  // namespace fsdp::detail

@@ -48,10 +48,12 @@ class PostAccumulateHook : public torch::autograd::FunctionPostHook {
  public:
   PostAccumulateHook(std::weak_ptr<Runtime> runtime, Unit* unit, size_t flat, size_t slot)
       : runtime_(std::move(runtime)), unit_(unit), flat_(flat), slot_(slot) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
     auto rt = runtime_.lock();
-    TORCH_CHECK(rt != nullptr, "FSDP: a gradient arrived for a sharded model that has been destroyed; keep the "
+    TORCH_CHECK(rt != nullptr,
+                "FSDP: a gradient arrived for a sharded model that has been destroyed; keep the "
                 "handle fully_shard() returned alive while its modules are used");
     rt->on_param_grad(*unit_, flat_, slot_);
     return outputs;
@@ -134,7 +136,8 @@ void Runtime::pre_forward(Unit& u) {
     phase_ = Phase::kForward;  // a new iteration: its own step counters
     acct_.comm.step = CommStats();
   }
-  if (!order_frozen_ && std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
+  if (!order_frozen_ &&
+      std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
     forward_order_.push_back(&u);
   }
   u.unshard();
@@ -166,7 +169,8 @@ void Runtime::queue_end_of_backward() {
   phase_ = Phase::kBackward;
   recount_grads();  // before this backward gives any shard a gradient
   auto self = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([self]() { self->end_of_backward(); });
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [self]() { self->end_of_backward(); });
 }
 
 void Runtime::pre_backward(Unit& u) {
@@ -178,8 +182,7 @@ void Runtime::pre_backward(Unit& u) {
 }
 
 void Runtime::end_of_backward() {
-  TORCH_INTERNAL_ASSERT(phase_ == Phase::kBackward, "end of backward while ",
-                        to_string(phase_));
+  TORCH_INTERNAL_ASSERT(phase_ == Phase::kBackward, "end of backward while ", to_string(phase_));
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
   comm_->finish_backward();

@@ -95,8 +95,8 @@ class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
   std::unique_ptr<CommContext> comm_;         ///< set by set_flat_config()
   Phase phase_ = Phase::kIdle;
-  std::vector<Unit*> forward_order_;          ///< first call of each unit, first iteration
-  bool order_frozen_ = false;                 ///< forward order recorded
+  std::vector<Unit*> forward_order_;  ///< first call of each unit, first iteration
+  bool order_frozen_ = false;         ///< forward order recorded
   std::map<std::string, at::Tensor> staging_pool_;
 };
 

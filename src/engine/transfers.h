@@ -46,7 +46,8 @@ class Transfers {
   /// `issue` did on the transfer stream (a single-rank gather is a plain copy there) and
   /// keeps `staged`'s memory from reuse until the compute stream gets there. Empty on
   /// the host.
-  virtual std::function<void()> on_stream(const std::function<void()>& issue, const at::Tensor& staged) = 0;
+  virtual std::function<void()> on_stream(const std::function<void()>& issue,
+                                          const at::Tensor& staged) = 0;
   /// A device tensor's copy on its way to the host.
   struct HostCopy {
     at::Tensor value;            ///< new host tensor (pinned for a GPU); read it once landed

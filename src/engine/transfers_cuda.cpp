@@ -26,14 +26,16 @@ class CudaTransfers : public Transfers {
     c10::cuda::CUDAStreamGuard on_side(to_device_);
     // Allocated while the side stream is current, so the caching allocator ties the
     // memory to it; the all-gather that reads it is issued in on_stream().
-    at::Tensor out = at::empty(host.sizes(), at::TensorOptions().dtype(host.scalar_type()).device(device_));
+    at::Tensor out =
+        at::empty(host.sizes(), at::TensorOptions().dtype(host.scalar_type()).device(device_));
     out.copy_(host, /*non_blocking=*/true);
     if (dtype != host.scalar_type()) out = out.to(dtype);
     pending_ = true;
     return out;
   }
 
-  std::function<void()> on_stream(const std::function<void()>& issue, const at::Tensor& staged) override {
+  std::function<void()> on_stream(const std::function<void()>& issue,
+                                  const at::Tensor& staged) override {
     c10::cuda::CUDAGuard on_device(device_);
     auto issued = std::make_shared<at::cuda::CUDAEvent>();
     {
@@ -48,14 +50,16 @@ class CudaTransfers : public Transfers {
       // The collective keeps no claim on `staged` once waited for (recent LibTorch
       // stashes tensors instead of recording streams): the compute stream's claim keeps
       // its memory from the side stream's next allocation until compute gets here.
-      if (staged.defined()) c10::cuda::CUDACachingAllocator::recordStream(staged.storage().data_ptr(), compute);
+      if (staged.defined())
+        c10::cuda::CUDACachingAllocator::recordStream(staged.storage().data_ptr(), compute);
     };
   }
 
   HostCopy to_host(const at::Tensor& device) override {
     c10::cuda::CUDAGuard on_device(device_);
     wait_for_compute(to_host_);
-    at::Tensor out = at::empty(device.sizes(), at::TensorOptions().dtype(device.scalar_type()).pinned_memory(true));
+    at::Tensor out = at::empty(device.sizes(),
+                               at::TensorOptions().dtype(device.scalar_type()).pinned_memory(true));
     {
       c10::cuda::CUDAStreamGuard on_side(to_host_);
       out.copy_(device, /*non_blocking=*/true);

@@ -36,7 +36,8 @@ class Unit : public UnitCore {
  public:
   /// `comm` is the model's communication context; it must outlive the unit's use
   /// (detach() forgets it).
-  Unit(std::string fqn, int index, CommContext& comm) : fqn_(std::move(fqn)), index_(index), comm_(&comm) {}
+  Unit(std::string fqn, int index, CommContext& comm)
+      : fqn_(std::move(fqn)), index_(index), comm_(&comm) {}
 
   const std::string& fqn() const { return fqn_; }
   /// "<root>" for the root, else the FQN; for messages.

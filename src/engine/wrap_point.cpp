@@ -4,9 +4,14 @@
 
 namespace fsdp {
 
-detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) { return static_cast<detail::Unit*>(wp.unit_.get()); }
-void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) { wp.unit_ = std::move(unit); }
-void EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime, bool owner) {
+detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) {
+  return static_cast<detail::Unit*>(wp.unit_.get());
+}
+void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) {
+  wp.unit_ = std::move(unit);
+}
+void EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
+                               bool owner) {
   wp.model_ = runtime;
   if (owner) wp.runtime_ = runtime;
 }
@@ -31,7 +36,9 @@ detail::Runtime& EngineAccess::runtime(const ShardedModel& model) {
   return *static_cast<detail::Runtime*>(model.root().runtime_.get());
 }
 
-void WrapPointImpl::pre_forward() { EngineAccess::runtime(*this).pre_forward(*EngineAccess::unit(*this)); }
+void WrapPointImpl::pre_forward() {
+  EngineAccess::runtime(*this).pre_forward(*EngineAccess::unit(*this));
+}
 
 void WrapPointImpl::post_forward(std::vector<torch::Tensor> outputs) {
   EngineAccess::runtime(*this).post_forward(*EngineAccess::unit(*this), outputs);
@@ -43,7 +50,8 @@ ShardedModel::ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOp
 }
 
 WrapPointImpl& ShardedModel::root() const {
-  TORCH_CHECK(root_ != nullptr, "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
+  TORCH_CHECK(root_ != nullptr,
+              "this fsdp::ShardedModel is empty: assign it what fsdp::fully_shard returns");
   return *root_;
 }
 
@@ -62,14 +70,16 @@ MemoryStats ShardedModel::memory_stats() const {
 void ShardedModel::reset_peak_memory() {
   auto& m = runtime_of(*this).acct().mem;
   for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
-                          &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
+                           &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
     c->peak = c->current;
   }
 }
 
 CommCounters ShardedModel::comm_stats() const { return runtime_of(*this).acct().comm; }
 
-const ShardingOptions& ShardedModel::sharding_options() const { return runtime_of(*this).options(); }
+const ShardingOptions& ShardedModel::sharding_options() const {
+  return runtime_of(*this).options();
+}
 
 void ShardedModel::unshard() {
   for (auto& u : runtime_of(*this).units()) u->unshard();
@@ -87,7 +97,8 @@ void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
 
 bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
 
-Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq, const ShardingOptions& options) {
+Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq,
+                                                const ShardingOptions& options) {
   return fully_shard(detail::wrap_sequential_entries(seq), options);
 }
 
@@ -97,15 +108,17 @@ SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
 }
 
 torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
-  return run_tensor_forward([this](const torch::Tensor& t) { return module_.forward(t); }, std::move(x));
+  return run_tensor_forward([this](const torch::Tensor& t) { return module_.forward(t); },
+                            std::move(x));
 }
 
-torch::Tensor WrapPointImpl::run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                                                torch::Tensor x) {
+torch::Tensor WrapPointImpl::run_tensor_forward(
+    const std::function<torch::Tensor(const torch::Tensor&)>& fn, torch::Tensor x) {
   if (!is_unit() && !checkpointed()) return fn(x);
   if (is_unit()) pre_forward();
   if (cast_inputs_) x = cast_floating(x, *cast_inputs_);
-  torch::Tensor out = checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
+  torch::Tensor out =
+      checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
   if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
   if (is_unit()) post_forward({out});
   return out;
@@ -147,7 +160,8 @@ void clean_names(const torch::nn::Module& m, const std::string& prefix, const Ow
 }
 
 template <class Own>
-std::vector<std::pair<std::string, torch::Tensor>> clean_names(const torch::nn::Module& module, const Own& own) {
+std::vector<std::pair<std::string, torch::Tensor>> clean_names(const torch::nn::Module& module,
+                                                               const Own& own) {
   std::vector<std::pair<std::string, torch::Tensor>> out;
   auto* wp = dynamic_cast<const WrapPointImpl*>(&module);
   clean_names(wp ? *wp->wrapped() : module, "", own, out);
@@ -155,11 +169,13 @@ std::vector<std::pair<std::string, torch::Tensor>> clean_names(const torch::nn::
 }
 }  // namespace
 
-std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(const torch::nn::Module& module) {
+std::vector<std::pair<std::string, torch::Tensor>> named_buffers_clean(
+    const torch::nn::Module& module) {
   return clean_names(module, [](const torch::nn::Module& m) { return m.named_buffers(false); });
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(const torch::nn::Module& module) {
+std::vector<std::pair<std::string, torch::Tensor>> named_parameters_clean(
+    const torch::nn::Module& module) {
   return clean_names(module, [](const torch::nn::Module& m) { return m.named_parameters(false); });
 }
 

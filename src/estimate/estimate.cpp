@@ -22,8 +22,9 @@ int shard_group_size(const EstimateInput& in) {
   if (in.strategy == "hybrid") {
     const int g = in.hybrid_group_size == 0 ? in.world_size : in.hybrid_group_size;
     if (g < 1 || in.world_size % g != 0) {
-      bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) + " is invalid; it must divide the world size " +
-          std::to_string(in.world_size) + " (e.g. the ranks per node), or be 0 for the whole world");
+      bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) +
+          " is invalid; it must divide the world size " + std::to_string(in.world_size) +
+          " (e.g. the ranks per node), or be 0 for the whole world");
     }
     return g;
   }
@@ -43,12 +44,15 @@ void require_positive(const char* flag, int64_t v) {
 
 void validate(const EstimateInput& in) {
   if (in.unit_params.empty()) {
-    bad("no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params N");
+    bad("no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params "
+        "N");
   }
   for (int64_t n : in.unit_params) {
-    if (n < 0) bad("a unit of " + std::to_string(n) + " parameters is invalid; counts must not be negative");
+    if (n < 0)
+      bad("a unit of " + std::to_string(n) + " parameters is invalid; counts must not be negative");
   }
-  if (in.world_size < 1) bad("--world-size " + std::to_string(in.world_size) + " is invalid; it must be at least 1");
+  if (in.world_size < 1)
+    bad("--world-size " + std::to_string(in.world_size) + " is invalid; it must be at least 1");
   if (in.max_gathered_units < 1) {
     bad("--max-gathered-units " + std::to_string(in.max_gathered_units) +
         " is invalid; it must be at least 1 (the unit that computes)");
@@ -59,11 +63,12 @@ void validate(const EstimateInput& in) {
     require_positive("--block-size", in.block_size);
     require_positive("--vocab-size", in.vocab_size);
     if (in.d_model % in.n_head != 0) {
-      bad("--d-model " + std::to_string(in.d_model) + " is not divisible by --n-head " + std::to_string(in.n_head) +
-          "; pick a width that is a multiple of the head count");
+      bad("--d-model " + std::to_string(in.d_model) + " is not divisible by --n-head " +
+          std::to_string(in.n_head) + "; pick a width that is a multiple of the head count");
     }
   }
-  if (in.micro_batch < 0) bad("--micro-batch " + std::to_string(in.micro_batch) + " is invalid; it must not be negative");
+  if (in.micro_batch < 0)
+    bad("--micro-batch " + std::to_string(in.micro_batch) + " is invalid; it must not be negative");
 }
 
 // The unit sizes the engine allocates with, per rank.
@@ -120,7 +125,9 @@ int64_t gathered_elems(const EstimateInput& in, const Layout& l, int64_t elem) {
   return l.padded[0] + largest_non_root(l.padded, in.max_gathered_units);
 }
 
-bool reshards_after_forward(const EstimateInput& in) { return in.strategy == "full" || in.strategy == "hybrid"; }
+bool reshards_after_forward(const EstimateInput& in) {
+  return in.strategy == "full" || in.strategy == "hybrid";
+}
 
 // Shard elements whose gathers can be in flight at once (FlatParam::gather holds a
 // param_dtype copy of the shard until the all-gather is waited on): the root's alone,
@@ -148,7 +155,8 @@ int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem
   const bool casts = elem != 4 && !in.cpu_offload;
   const int64_t forward = casts ? in_flight_shards(l, in.max_gathered_units) * elem : 0;
   int64_t backward = 0;
-  if (!direct_grads(in, l.group, elem)) backward += (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
+  if (!direct_grads(in, l.group, elem))
+    backward += (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
   if (casts) backward += largest_non_root(l.shard, backward_prefetches(in)) * elem;
   return std::max(forward, backward);
 }
@@ -181,13 +189,15 @@ int64_t activation_bytes(const EstimateInput& in, int64_t elem) {
   const double per_block = s * b * h * (34.0 + 5.0 * a * s / h) * scale;
   const double block_input = s * b * h * static_cast<double>(elem);
   const double layers = static_cast<double>(in.n_layer);
-  const double blocks = in.activation_checkpointing ? layers * block_input + per_block : layers * per_block;
+  const double blocks =
+      in.activation_checkpointing ? layers * block_input + per_block : layers * per_block;
   const double logits = 2.0 * s * b * static_cast<double>(in.vocab_size) * 4.0;
   return static_cast<int64_t>(blocks + logits);
 }
 
 // A term that lives on the host under cpu_offload and on the device otherwise.
-MemoryTerm model_state(const std::string& key, const std::string& label, int64_t bytes, bool offload) {
+MemoryTerm model_state(const std::string& key, const std::string& label, int64_t bytes,
+                       bool offload) {
   return {key, label, "exact", offload ? 0 : bytes, offload ? bytes : 0};
 }
 
@@ -207,13 +217,15 @@ int64_t MemoryEstimate::host_total() const {
 
 int64_t MemoryEstimate::model_states_device() const {
   int64_t s = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"}) s += term(k).device_bytes;
+  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"})
+    s += term(k).device_bytes;
   return s;
 }
 
 int64_t MemoryEstimate::model_states_host() const {
   int64_t s = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"}) s += term(k).host_bytes;
+  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"})
+    s += term(k).host_bytes;
   return s;
 }
 
@@ -224,13 +236,15 @@ const MemoryTerm& MemoryEstimate::term(const std::string& key) const {
   throw std::invalid_argument("no memory term '" + key + "'");
 }
 
-std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, int64_t block_size, int64_t vocab_size) {
+std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, int64_t block_size,
+                                     int64_t vocab_size) {
   const int64_t d = d_model;
   // Root: wte (V x d), wpe (block x d), ln_f (2d), lm_head (d x V, no bias).
   std::vector<int64_t> units = {vocab_size * d + block_size * d + 2 * d + d * vocab_size};
   // Block: ln1, ln2 (2d each), qkv (d x 3d + 3d), attn.proj (d x d + d), fc (d x 4d + 4d),
   // mlp.proj (4d x d + d).
-  const int64_t block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+  const int64_t block =
+      4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
   for (int64_t i = 0; i < n_layer; ++i) units.push_back(block);
   return units;
 }
@@ -250,16 +264,20 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   // (MemoryStats::sharded_params), its gradient (grad_shards) and AdamW's exp_avg and
   // exp_avg_sq, which torch::optim::AdamW and FusedAdamW build shaped like the shard.
   const int64_t shard_elems = sum(l.shard);
-  est.terms.push_back(model_state("parameters", "parameters (fp32 shards)", 4 * shard_elems, in.cpu_offload));
-  est.terms.push_back(model_state("gradients", "gradients (fp32 shards)", 4 * shard_elems, in.cpu_offload));
-  est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)", 8 * shard_elems, in.cpu_offload));
+  est.terms.push_back(
+      model_state("parameters", "parameters (fp32 shards)", 4 * shard_elems, in.cpu_offload));
+  est.terms.push_back(
+      model_state("gradients", "gradients (fp32 shards)", 4 * shard_elems, in.cpu_offload));
+  est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)",
+                                  8 * shard_elems, in.cpu_offload));
 
   est.terms.push_back({"gathered_units", "gathered units (" + in.precision + ")", "bound",
                        gathered_elems(in, l, elem) * elem, 0});
-  est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound", comm_buffer_bytes(in, l, elem), 0});
+  est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound",
+                       comm_buffer_bytes(in, l, elem), 0});
   if (in.cpu_offload) {
-    est.terms.push_back({"offload_buffers", "offload transit buffers", "bound", offload_device_bytes(in, l, elem),
-                         offload_host_bytes(l)});
+    est.terms.push_back({"offload_buffers", "offload transit buffers", "bound",
+                         offload_device_bytes(in, l, elem), offload_host_bytes(l)});
   }
   std::string act_label = "activations";
   if (in.n_layer == 0 || in.micro_batch == 0) {

@@ -23,8 +23,9 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
 /// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
 /// directory `out_dir` gets what export_safetensors writes from the live model, byte for
 /// byte, reading one parameter at a time.
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir, ExportDtype dtype,
-                                     uint64_t max_shard_size, const Progress& progress);
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
+                                     ExportDtype dtype, uint64_t max_shard_size,
+                                     const Progress& progress);
 
 /// Describes and verifies a sharded checkpoint directory or a consolidated file.
 std::string inspect(const std::string& path, bool verify);

@@ -11,7 +11,8 @@ namespace fsdp::detail {
 template <class Map>
 typename Map::key_type optim_state_key(const Map&, const at::Tensor& p) {
   using K = typename Map::key_type;
-  static_assert(std::is_pointer_v<K>, "torch::optim keys its state by the TensorImpl pointer (LibTorch 2.x)");
+  static_assert(std::is_pointer_v<K>,
+                "torch::optim keys its state by the TensorImpl pointer (LibTorch 2.x)");
   return static_cast<K>(p.unsafeGetTensorImpl());
 }
 

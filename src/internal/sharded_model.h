@@ -21,12 +21,12 @@ namespace fsdp {
 
 /// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
 struct FlatParamInfo {
-  std::string unit_fqn;       ///< the owning unit ("" for the root)
+  std::string unit_fqn;                        ///< the owning unit ("" for the root)
   torch::Dtype param_dtype = torch::kFloat32;  ///< dtype of its gathered parameters
-  bool requires_grad = true;  ///< trainable (true) or frozen (false)
-  int64_t numel = 0;          ///< elements before padding
-  int64_t padded_numel = 0;   ///< numel rounded up to a multiple of the shard group size
-  int64_t shard_numel = 0;    ///< padded_numel / shard group size: elements each rank keeps
+  bool requires_grad = true;                   ///< trainable (true) or frozen (false)
+  int64_t numel = 0;                           ///< elements before padding
+  int64_t padded_numel = 0;  ///< numel rounded up to a multiple of the shard group size
+  int64_t shard_numel = 0;   ///< padded_numel / shard group size: elements each rank keeps
 };
 
 /// This rank's piece of one flat parameter, as checkpoint code sees it. The unpadded

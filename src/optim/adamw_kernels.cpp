@@ -49,15 +49,16 @@ namespace scalar {
 #include "adamw_body.inc"
 }  // namespace scalar
 
-void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
-                  CopyOut kind) {
+void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
+                  uint16_t* out, CopyOut kind) {
   scalar::adamw_body<ScalarTraits>(c, p, g, m, v, n, out, kind);
 }
 
 /// The scalar build from element `i` on (a vector loop's tail).
-void tail(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t i, int64_t n, uint16_t* out,
-          CopyOut kind) {
-  if (i < n) scalar_range(c, p + i, g + i, m + i, v + i, n - i, out == nullptr ? nullptr : out + i, kind);
+void tail(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t i,
+          int64_t n, uint16_t* out, CopyOut kind) {
+  if (i < n)
+    scalar_range(c, p + i, g + i, m + i, v + i, n - i, out == nullptr ? nullptr : out + i, kind);
 }
 
 #if defined(__x86_64__)
@@ -82,20 +83,22 @@ struct Traits {
   static void store_bf16(uint16_t* o, T x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
   }
   static void store_f16(uint16_t* o, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 };
 
 #include "adamw_body.inc"
 
-void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
-           CopyOut kind) {
+void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
+           uint16_t* out, CopyOut kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
 }
 
@@ -121,7 +124,8 @@ struct Traits {
   static void store_bf16(uint16_t* o, T x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // Pack the low 16 bits of the eight lanes.
@@ -135,8 +139,8 @@ struct Traits {
 
 #include "adamw_body.inc"
 
-void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n, uint16_t* out,
-           CopyOut kind) {
+void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
+           uint16_t* out, CopyOut kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
 }
 
@@ -150,10 +154,13 @@ void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v
 bool isa_available(KernelIsa isa) {
 #if defined(__x86_64__)
   switch (isa) {
-    case KernelIsa::kAvx512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    case KernelIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     case KernelIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    case KernelIsa::kScalar: return true;
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case KernelIsa::kScalar:
+      return true;
   }
   return false;
 #else
@@ -163,15 +170,18 @@ bool isa_available(KernelIsa isa) {
 
 const char* isa_name(KernelIsa isa) {
   switch (isa) {
-    case KernelIsa::kAvx512: return "avx512";
-    case KernelIsa::kAvx2: return "avx2";
-    case KernelIsa::kScalar: return "scalar";
+    case KernelIsa::kAvx512:
+      return "avx512";
+    case KernelIsa::kAvx2:
+      return "avx2";
+    case KernelIsa::kScalar:
+      return "scalar";
   }
   return "?";
 }
 
-void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
-                  uint16_t* out, CopyOut kind) {
+void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m,
+                  float* v, int64_t n, uint16_t* out, CopyOut kind) {
 #if defined(__x86_64__)
   if (isa == KernelIsa::kAvx512) return avx512::range(c, p, g, m, v, n, out, kind);
   if (isa == KernelIsa::kAvx2) return avx2::range(c, p, g, m, v, n, out, kind);

@@ -8,7 +8,7 @@ namespace fsdp::detail {
 
 /// Per-step constants, computed once per parameter group (as torch::optim::AdamW does).
 struct AdamWConstants {
-  float decay = 1.0f;     ///< 1 - lr * weight_decay (decoupled decay, applied first)
+  float decay = 1.0f;  ///< 1 - lr * weight_decay (decoupled decay, applied first)
   float beta1 = 0.9f;
   float one_minus_beta1 = 0.1f;
   float beta2 = 0.999f;
@@ -28,7 +28,7 @@ bool isa_available(KernelIsa isa);
 const char* isa_name(KernelIsa isa);
 
 /// p, g, m, v: n floats. out: n 16-bit values (bf16 or fp16 bits) or null.
-void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
-                  uint16_t* out, CopyOut kind);
+void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m,
+                  float* v, int64_t n, uint16_t* out, CopyOut kind);
 
 }  // namespace fsdp::detail

@@ -2,8 +2,8 @@
 #include <fsdp/fused_adamw.h>
 
 #include "adamw_kernels.h"
-#include "internal/sharded_model.h"
 #include "internal/optim_key.h"
+#include "internal/sharded_model.h"
 
 #include <ATen/Parallel.h>
 
@@ -17,9 +17,12 @@ namespace {
 
 detail::KernelIsa to_kernel(FusedAdamW::Isa isa) {
   switch (isa) {
-    case FusedAdamW::Isa::kAvx512: return detail::KernelIsa::kAvx512;
-    case FusedAdamW::Isa::kAvx2: return detail::KernelIsa::kAvx2;
-    default: return detail::KernelIsa::kScalar;
+    case FusedAdamW::Isa::kAvx512:
+      return detail::KernelIsa::kAvx512;
+    case FusedAdamW::Isa::kAvx2:
+      return detail::KernelIsa::kAvx2;
+    default:
+      return detail::KernelIsa::kScalar;
   }
 }
 
@@ -43,8 +46,8 @@ std::atomic<int>& forced() {
   static std::atomic<int> f{[] {
     const char* env = std::getenv("FSDP_ADAMW_ISA");
     auto isa = env ? parse_isa(env) : FusedAdamW::Isa::kAuto;
-    TORCH_CHECK(isa == FusedAdamW::Isa::kAuto || FusedAdamW::isa_supported(isa), "FSDP_ADAMW_ISA=", env,
-                ": this CPU does not support it");
+    TORCH_CHECK(isa == FusedAdamW::Isa::kAuto || FusedAdamW::isa_supported(isa),
+                "FSDP_ADAMW_ISA=", env, ": this CPU does not support it");
     return static_cast<int>(isa);
   }()};
   return f;
@@ -52,7 +55,8 @@ std::atomic<int>& forced() {
 
 }  // namespace
 
-FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::AdamWOptions defaults)
+FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+                       torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(std::move(groups), std::move(defaults)) {}
 
 FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults)
@@ -63,12 +67,17 @@ FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions def
   detail::attach_copy_out(model, *this);
 }
 
-bool FusedAdamW::isa_supported(Isa isa) { return isa == Isa::kAuto || detail::isa_available(to_kernel(isa)); }
+bool FusedAdamW::isa_supported(Isa isa) {
+  return isa == Isa::kAuto || detail::isa_available(to_kernel(isa));
+}
 
-const char* FusedAdamW::isa_name(Isa isa) { return isa == Isa::kAuto ? "auto" : detail::isa_name(to_kernel(isa)); }
+const char* FusedAdamW::isa_name(Isa isa) {
+  return isa == Isa::kAuto ? "auto" : detail::isa_name(to_kernel(isa));
+}
 
 void FusedAdamW::force_isa(Isa isa) {
-  TORCH_CHECK(isa_supported(isa), "FusedAdamW::force_isa: this CPU does not support ", isa_name(isa));
+  TORCH_CHECK(isa_supported(isa), "FusedAdamW::force_isa: this CPU does not support ",
+              isa_name(isa));
   forced().store(static_cast<int>(isa));
 }
 
@@ -83,10 +92,11 @@ void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out,
     copy_out_.erase(param.unsafeGetTensorImpl());
     return;
   }
-  TORCH_CHECK(out.is_cpu() && out.is_contiguous() &&
-                  (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat16),
-              "FusedAdamW::set_copy_out: the copy must be a contiguous CPU bf16 or fp16 tensor, got ",
-              out.toString());
+  TORCH_CHECK(
+      out.is_cpu() && out.is_contiguous() &&
+          (out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kFloat16),
+      "FusedAdamW::set_copy_out: the copy must be a contiguous CPU bf16 or fp16 tensor, got ",
+      out.toString());
   TORCH_CHECK(out.numel() == param.numel(), "FusedAdamW::set_copy_out: the copy has ", out.numel(),
               " elements but the parameter has ", param.numel());
   copy_out_[param.unsafeGetTensorImpl()] = CopyOut{std::move(out), std::move(written)};
@@ -103,12 +113,15 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   auto& states = state();
   for (auto& group : param_groups()) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
-    TORCH_CHECK(!o.amsgrad(), "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
+    TORCH_CHECK(!o.amsgrad(),
+                "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
-                  "FusedAdamW steps contiguous fp32 CPU parameters (e.g. fsdp's shards with cpu_offload); got ",
-                  p.toString(), p.is_contiguous() ? "" : " (not contiguous)", ". Use torch::optim::AdamW for others.");
+                  "FusedAdamW steps contiguous fp32 CPU parameters (e.g. fsdp's shards with "
+                  "cpu_offload); got ",
+                  p.toString(), p.is_contiguous() ? "" : " (not contiguous)",
+                  ". Use torch::optim::AdamW for others.");
       torch::Tensor g = p.grad();
       TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
       if (g.scalar_type() != torch::kFloat || !g.is_contiguous() || !g.is_cpu()) {
@@ -124,9 +137,10 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         it = states.emplace(key, std::move(st)).first;
       }
       auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      TORCH_CHECK(st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
-                      st.exp_avg().scalar_type() == torch::kFloat,
-                  "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
+      TORCH_CHECK(
+          st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
+              st.exp_avg().scalar_type() == torch::kFloat,
+          "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
       st.step(st.step() + 1);
       const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
       const double bc1 = 1 - std::pow(beta1, static_cast<double>(st.step()));
@@ -146,7 +160,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       auto co = copy_out_.find(p.unsafeGetTensorImpl());
       if (co != copy_out_.end()) {
         out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
-        kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16 : detail::CopyOut::kF16;
+        kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16
+                                                                : detail::CopyOut::kF16;
       }
       float* pp = p.data_ptr<float>();
       const float* gp = g.data_ptr<float>();
@@ -154,7 +169,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       float* vp = st.exp_avg_sq().data_ptr<float>();
       // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
       at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
-        detail::adamw_update(isa, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr, kind);
+        detail::adamw_update(isa, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
+                             kind);
       });
       // Written through raw pointers: tell the version counter, as in-place ops do.
       p.unsafeGetTensorImpl()->bump_version();

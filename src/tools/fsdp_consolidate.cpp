@@ -2,7 +2,8 @@
 // for inference tools, offline.
 //
 //   fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]
-//   fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]
+//   fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size
+//   BYTES]
 //
 // No process group: it reads the rank files one parameter at a time, so its memory
 // stays about one parameter plus a constant whatever the model size.
@@ -31,20 +32,20 @@ double peak_rss_mib() {
 }
 
 int run(int argc, char** argv) {
-  cxxopts::Options opts("fsdp-consolidate",
-                        "Turns a sharded fsdp checkpoint into one consolidated HDF5 file, or into safetensors");
+  cxxopts::Options opts(
+      "fsdp-consolidate",
+      "Turns a sharded fsdp checkpoint into one consolidated HDF5 file, or into safetensors");
   opts.positional_help("SHARDED_DIR OUT.h5|OUT_DIR");
-  opts.add_options()
-    ("dtype", "dtype of the written parameters: fp32, bf16 or fp16", cxxopts::value<std::string>()->default_value("fp32"))
-    ("format", "hdf5 (one file) or safetensors (a directory: model.safetensors, or shards and an index)",
-     cxxopts::value<std::string>()->default_value("hdf5"))
-    ("max-shard-size", "safetensors: most bytes of tensor data per file", cxxopts::value<std::string>()->default_value("5000000000"))
-    ("with-optimizer", "also write /optimizer/<FQN>/<state> (hdf5 only)")
-    ("q,quiet", "no progress output")
-    ("h,help", "show this help")
-    ("version", "print the version")
-    ("sharded", "", cxxopts::value<std::string>())
-    ("out", "", cxxopts::value<std::string>());
+  opts.add_options()("dtype", "dtype of the written parameters: fp32, bf16 or fp16",
+                     cxxopts::value<std::string>()->default_value("fp32"))(
+      "format",
+      "hdf5 (one file) or safetensors (a directory: model.safetensors, or shards and an index)",
+      cxxopts::value<std::string>()->default_value("hdf5"))(
+      "max-shard-size", "safetensors: most bytes of tensor data per file",
+      cxxopts::value<std::string>()->default_value("5000000000"))(
+      "with-optimizer", "also write /optimizer/<FQN>/<state> (hdf5 only)")(
+      "q,quiet", "no progress output")("h,help", "show this help")("version", "print the version")(
+      "sharded", "", cxxopts::value<std::string>())("out", "", cxxopts::value<std::string>());
   opts.parse_positional({"sharded", "out"});
   {
     auto r = opts.parse(argc, argv);
@@ -60,13 +61,17 @@ int run(int argc, char** argv) {
       throw fsdp::tools::UsageError(
           "expected SHARDED_DIR and OUT.h5 (or OUT_DIR with --format safetensors)\n"
           "usage: fsdp-consolidate SHARDED_DIR OUT.h5 [--dtype fp32|bf16|fp16] [--with-optimizer]\n"
-          "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] [--max-shard-size BYTES]");
+          "       fsdp-consolidate SHARDED_DIR OUT_DIR --format safetensors [--dtype ...] "
+          "[--max-shard-size BYTES]");
     }
     const std::string d = r["dtype"].as<std::string>();
     fsdp::ckpt::ExportDtype dtype;
-    if (d == "fp32") dtype = fsdp::ckpt::ExportDtype::kF32;
-    else if (d == "bf16") dtype = fsdp::ckpt::ExportDtype::kBF16;
-    else if (d == "fp16") dtype = fsdp::ckpt::ExportDtype::kF16;
+    if (d == "fp32")
+      dtype = fsdp::ckpt::ExportDtype::kF32;
+    else if (d == "bf16")
+      dtype = fsdp::ckpt::ExportDtype::kBF16;
+    else if (d == "fp16")
+      dtype = fsdp::ckpt::ExportDtype::kF16;
     else {
       throw fsdp::tools::UsageError("--dtype " + d + " is unknown; use fp32, bf16 or fp16");
     }
@@ -76,7 +81,8 @@ int run(int argc, char** argv) {
       throw fsdp::tools::UsageError("--format " + format + " is unknown; use hdf5 or safetensors");
     }
     if (format == "safetensors" && with_optimizer) {
-      throw fsdp::tools::UsageError("--with-optimizer needs --format hdf5: safetensors holds weights only");
+      throw fsdp::tools::UsageError(
+          "--with-optimizer needs --format hdf5: safetensors holds weights only");
     }
     uint64_t max_shard = 0;
     {
@@ -88,7 +94,8 @@ int run(int argc, char** argv) {
         used = 0;
       }
       if (used != m.size() || m.empty() || m[0] == '-' || max_shard == 0) {
-        throw fsdp::tools::UsageError("--max-shard-size " + m + " is not a positive number of bytes (e.g. 5000000000)");
+        throw fsdp::tools::UsageError("--max-shard-size " + m +
+                                      " is not a positive number of bytes (e.g. 5000000000)");
       }
     }
     const bool quiet = r.count("quiet") > 0;
@@ -102,10 +109,11 @@ int run(int argc, char** argv) {
       if (quiet || (pct / step == last_pct / step && done != total)) return;
       last_pct = pct;
       if (tty) {
-        std::cerr << "\r[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn
-                  << "\033[K" << std::flush;
+        std::cerr << "\r[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct
+                  << "%) " << fqn << "\033[K" << std::flush;
       } else {
-        std::cerr << "[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct << "%) " << fqn << "\n";
+        std::cerr << "[fsdp-consolidate] " << done << "/" << total << " parameters (" << pct
+                  << "%) " << fqn << "\n";
       }
     };
     const std::string in = r["sharded"].as<std::string>(), out = r["out"].as<std::string>();
@@ -120,8 +128,8 @@ int run(int argc, char** argv) {
       throw;
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s << " s, peak RSS "
-              << peak_rss_mib() << " MiB" << std::endl;
+    std::cerr << (quiet || !tty ? "" : "\n") << "[fsdp-consolidate] wrote " << out << " in " << s
+              << " s, peak RSS " << peak_rss_mib() << " MiB" << std::endl;
     return 0;
   }
 }

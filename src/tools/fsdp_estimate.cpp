@@ -8,8 +8,8 @@
 //                 [--world-size W] [--strategy full|grad_op|none|hybrid] [--hybrid-group-size G]
 //                 [--precision fp32|bf16|fp16] [--cpu-offload] [--activation-checkpointing]
 //                 [--micro-batch B] [--max-gathered-units K] [--json]
-#include <fsdp/version.h>
 #include <fsdp/estimate.h>
+#include <fsdp/version.h>
 
 #include "tool_main.h"
 
@@ -62,28 +62,32 @@ measured ("rough"). Exit status: 0, or 2 for bad input.
 )";
 
 cxxopts::Options make_options() {
-  cxxopts::Options o("fsdp-estimate", "Per-rank memory of fully sharded training, by term, on device and host.");
-  o.add_options("Model (a GPT shape, or --params)")
-    ("n-layer", "GPT blocks", cxxopts::value<int64_t>())
-    ("n-head", "GPT attention heads", cxxopts::value<int64_t>())
-    ("d-model", "GPT width", cxxopts::value<int64_t>())
-    ("block-size", "GPT context length", cxxopts::value<int64_t>())
-    ("vocab-size", "GPT vocabulary", cxxopts::value<int64_t>()->default_value("256"))
-    ("params", "a parameter count instead of a GPT shape (e.g. 1.3e9)", cxxopts::value<std::string>())
-    ("units", "with --params: equal units it is wrapped into", cxxopts::value<int64_t>()->default_value("1"));
-  o.add_options("Run")
-    ("world-size", "ranks", cxxopts::value<int>()->default_value("1"))
-    ("strategy", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))
-    ("hybrid-group-size", "ranks per shard group for hybrid (0: the world)", cxxopts::value<int>()->default_value("0"))
-    ("precision", "fp32|bf16|fp16: gathered parameters and reduced gradients", cxxopts::value<std::string>()->default_value("fp32"))
-    ("cpu-offload", "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload)")
-    ("activation-checkpointing", "recompute every block in backward")
-    ("micro-batch", "sequences per rank per micro-batch, for activations (GPT only)", cxxopts::value<int64_t>()->default_value("1"))
-    ("max-gathered-units", "ShardingOptions::max_gathered_units", cxxopts::value<int>()->default_value("2"));
-  o.add_options("Output")
-    ("json", "print JSON instead of a table")
-    ("h,help", "show this help")
-    ("version", "print the version");
+  cxxopts::Options o("fsdp-estimate",
+                     "Per-rank memory of fully sharded training, by term, on device and host.");
+  o.add_options("Model (a GPT shape, or --params)")(
+      "n-layer", "GPT blocks", cxxopts::value<int64_t>())("n-head", "GPT attention heads",
+                                                          cxxopts::value<int64_t>())(
+      "d-model", "GPT width", cxxopts::value<int64_t>())("block-size", "GPT context length",
+                                                         cxxopts::value<int64_t>())(
+      "vocab-size", "GPT vocabulary", cxxopts::value<int64_t>()->default_value("256"))(
+      "params", "a parameter count instead of a GPT shape (e.g. 1.3e9)",
+      cxxopts::value<std::string>())("units", "with --params: equal units it is wrapped into",
+                                     cxxopts::value<int64_t>()->default_value("1"));
+  o.add_options("Run")("world-size", "ranks", cxxopts::value<int>()->default_value("1"))(
+      "strategy", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
+      "hybrid-group-size", "ranks per shard group for hybrid (0: the world)",
+      cxxopts::value<int>()->default_value("0"))(
+      "precision", "fp32|bf16|fp16: gathered parameters and reduced gradients",
+      cxxopts::value<std::string>()->default_value("fp32"))(
+      "cpu-offload",
+      "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload)")(
+      "activation-checkpointing", "recompute every block in backward")(
+      "micro-batch", "sequences per rank per micro-batch, for activations (GPT only)",
+      cxxopts::value<int64_t>()->default_value("1"))("max-gathered-units",
+                                                     "ShardingOptions::max_gathered_units",
+                                                     cxxopts::value<int>()->default_value("2"));
+  o.add_options("Output")("json", "print JSON instead of a table")("h,help", "show this help")(
+      "version", "print the version");
   return o;
 }
 
@@ -97,8 +101,10 @@ int64_t parse_count(const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != text.size()) bad_input("--params '" + text + "' is not a number; give a count such as 1.3e9");
-  if (!(v >= 1) || v > 1e15) bad_input("--params " + text + " is invalid; give a positive count such as 1.3e9");
+  if (used == 0 || used != text.size())
+    bad_input("--params '" + text + "' is not a number; give a count such as 1.3e9");
+  if (!(v >= 1) || v > 1e15)
+    bad_input("--params " + text + " is invalid; give a positive count such as 1.3e9");
   return static_cast<int64_t>(std::llround(v));
 }
 
@@ -110,34 +116,47 @@ void read_model(const cxxopts::ParseResult& r, fsdp::EstimateInput& in) {
   if (gpt && r.count("params")) bad_input("give either a GPT shape or --params, not both");
   if (gpt) {
     for (const char* f : shape) {
-      if (!r.count(f)) bad_input(std::string("--") + f + " is missing; a GPT shape needs --n-layer, --n-head, --d-model and --block-size");
+      if (!r.count(f))
+        bad_input(std::string("--") + f +
+                  " is missing; a GPT shape needs --n-layer, --n-head, --d-model and --block-size");
     }
-    if (r.count("units")) bad_input("--units applies to --params only; a GPT shape has one unit per block");
+    if (r.count("units"))
+      bad_input("--units applies to --params only; a GPT shape has one unit per block");
     in.n_layer = r["n-layer"].as<int64_t>();
     in.n_head = r["n-head"].as<int64_t>();
     in.d_model = r["d-model"].as<int64_t>();
     in.block_size = r["block-size"].as<int64_t>();
     in.vocab_size = r["vocab-size"].as<int64_t>();
     in.micro_batch = r["micro-batch"].as<int64_t>();
-    if (in.n_layer <= 0) bad_input("--n-layer " + std::to_string(in.n_layer) + " is invalid; it must be positive");
-    if (in.micro_batch <= 0) bad_input("--micro-batch " + std::to_string(in.micro_batch) + " is invalid; it must be positive");
+    if (in.n_layer <= 0)
+      bad_input("--n-layer " + std::to_string(in.n_layer) + " is invalid; it must be positive");
+    if (in.micro_batch <= 0)
+      bad_input("--micro-batch " + std::to_string(in.micro_batch) +
+                " is invalid; it must be positive");
     // Shape errors (d_model % n_head, ...) are estimate_memory's, in the same words.
     in.unit_params = fsdp::gpt_unit_params(in.n_layer, std::max<int64_t>(in.d_model, 0),
-                                           std::max<int64_t>(in.block_size, 0), std::max<int64_t>(in.vocab_size, 0));
+                                           std::max<int64_t>(in.block_size, 0),
+                                           std::max<int64_t>(in.vocab_size, 0));
     return;
   }
-  if (!r.count("params")) bad_input("no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params N");
+  if (!r.count("params"))
+    bad_input(
+        "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params "
+        "N");
   const int64_t params = parse_count(r["params"].as<std::string>());
   const int64_t units = r["units"].as<int64_t>();
-  if (units <= 0) bad_input("--units " + std::to_string(units) + " is invalid; it must be positive");
+  if (units <= 0)
+    bad_input("--units " + std::to_string(units) + " is invalid; it must be positive");
   // An empty root and `units` units as equal as integers allow: the largest is what
   // bounds the gathered memory.
   in.unit_params = {0};
-  for (int64_t i = 0; i < units; ++i) in.unit_params.push_back(params / units + (i < params % units ? 1 : 0));
+  for (int64_t i = 0; i < units; ++i)
+    in.unit_params.push_back(params / units + (i < params % units ? 1 : 0));
 }
 
 fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
-  if (!r.unmatched().empty()) bad_input("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  if (!r.unmatched().empty())
+    bad_input("unexpected argument '" + r.unmatched()[0] + "'; see --help");
   fsdp::EstimateInput in;
   read_model(r, in);
   in.world_size = r["world-size"].as<int>();
@@ -154,26 +173,28 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
 }
 
 void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
-  nlohmann::json j = {
-      {"params", est.total_params},
-      {"largest_unit_params", est.largest_unit_params},
-      {"units", in.unit_params},
-      {"world_size", in.world_size},
-      {"strategy", in.strategy},
-      {"shard_group_size", est.shard_group_size},
-      {"precision", in.precision},
-      {"cpu_offload", in.cpu_offload},
-      {"activation_checkpointing", in.activation_checkpointing},
-      {"max_gathered_units", in.max_gathered_units},
-      {"micro_batch", in.micro_batch},
-      {"device_total_bytes", est.device_total()},
-      {"host_total_bytes", est.host_total()},
-      {"model_states_device_bytes", est.model_states_device()},
-      {"model_states_host_bytes", est.model_states_host()},
-      {"terms", nlohmann::json::array()}};
+  nlohmann::json j = {{"params", est.total_params},
+                      {"largest_unit_params", est.largest_unit_params},
+                      {"units", in.unit_params},
+                      {"world_size", in.world_size},
+                      {"strategy", in.strategy},
+                      {"shard_group_size", est.shard_group_size},
+                      {"precision", in.precision},
+                      {"cpu_offload", in.cpu_offload},
+                      {"activation_checkpointing", in.activation_checkpointing},
+                      {"max_gathered_units", in.max_gathered_units},
+                      {"micro_batch", in.micro_batch},
+                      {"device_total_bytes", est.device_total()},
+                      {"host_total_bytes", est.host_total()},
+                      {"model_states_device_bytes", est.model_states_device()},
+                      {"model_states_host_bytes", est.model_states_host()},
+                      {"terms", nlohmann::json::array()}};
   for (const auto& t : est.terms) {
-    j["terms"].push_back({{"key", t.key}, {"label", t.label}, {"basis", t.basis},
-                          {"device_bytes", t.device_bytes}, {"host_bytes", t.host_bytes}});
+    j["terms"].push_back({{"key", t.key},
+                          {"label", t.label},
+                          {"basis", t.basis},
+                          {"device_bytes", t.device_bytes},
+                          {"host_bytes", t.host_bytes}});
   }
   std::cout << j.dump(2) << std::endl;
 }
@@ -181,18 +202,20 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) 
 void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
   const size_t units = in.unit_params.size();
   const std::string model =
-      in.n_layer > 0 ? "GPT " + std::to_string(in.n_layer) + " x " + std::to_string(in.d_model) + ": " +
-                           std::to_string(units - 1) + " blocks + root; micro-batch " + std::to_string(in.micro_batch) +
-                           " x " + std::to_string(in.block_size) + " tokens"
-                     : std::to_string(units - 1) + " equal units + empty root";
-  std::printf("Per-rank memory: %s parameters (%s), world size %d, strategy %s (shard group %d), %s%s%s\n",
-              millions(est.total_params).c_str(), model.c_str(), in.world_size, in.strategy.c_str(),
-              est.shard_group_size, in.precision.c_str(), in.cpu_offload ? ", CPU offload" : "",
-              in.activation_checkpointing ? ", activation checkpointing" : "");
+      in.n_layer > 0
+          ? "GPT " + std::to_string(in.n_layer) + " x " + std::to_string(in.d_model) + ": " +
+                std::to_string(units - 1) + " blocks + root; micro-batch " +
+                std::to_string(in.micro_batch) + " x " + std::to_string(in.block_size) + " tokens"
+          : std::to_string(units - 1) + " equal units + empty root";
+  std::printf(
+      "Per-rank memory: %s parameters (%s), world size %d, strategy %s (shard group %d), %s%s%s\n",
+      millions(est.total_params).c_str(), model.c_str(), in.world_size, in.strategy.c_str(),
+      est.shard_group_size, in.precision.c_str(), in.cpu_offload ? ", CPU offload" : "",
+      in.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  %-34s %-6s %14s %14s\n", "term", "basis", "device", "host");
   for (const auto& t : est.terms) {
-    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(), human(t.device_bytes).c_str(),
-                human(t.host_bytes).c_str());
+    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(),
+                human(t.device_bytes).c_str(), human(t.host_bytes).c_str());
   }
   std::printf("  %-34s %-6s %14s %14s\n", "total", "", human(est.device_total()).c_str(),
               human(est.host_total()).c_str());
@@ -200,8 +223,8 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
   // model states: 16 B per sharded element plus the gathered units. Host is per rank.
   std::printf("\nEstimated memory needed for params, optim states and gradients for a:\n");
   std::printf("HW: Setup with %d ranks.\n", in.world_size);
-  std::printf("SW: Model with %s total params, %s largest unit params.\n", millions(est.total_params).c_str(),
-              millions(est.largest_unit_params).c_str());
+  std::printf("SW: Model with %s total params, %s largest unit params.\n",
+              millions(est.total_params).c_str(), millions(est.largest_unit_params).c_str());
   std::printf("  per CPU (rank) |    per GPU |   Options\n");
   std::printf("  %14s | %10s | offload_optimizer=%s, strategy=%s, precision=%s\n",
               human(est.model_states_host()).c_str(), human(est.model_states_device()).c_str(),

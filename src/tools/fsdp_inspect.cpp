@@ -19,11 +19,9 @@ namespace {
 int run(int argc, char** argv) {
   cxxopts::Options opts("fsdp-inspect", "Describes and verifies an fsdp checkpoint");
   opts.positional_help("CHECKPOINT");
-  opts.add_options()
-    ("no-verify", "describe only; do not read every dataset")
-    ("h,help", "show this help")
-    ("version", "print the version")
-    ("path", "", cxxopts::value<std::string>());
+  opts.add_options()("no-verify", "describe only; do not read every dataset")(
+      "h,help", "show this help")("version", "print the version")("path", "",
+                                                                  cxxopts::value<std::string>());
   opts.parse_positional({"path"});
   auto r = opts.parse(argc, argv);
   if (r.count("help")) {
@@ -34,7 +32,9 @@ int run(int argc, char** argv) {
     std::cout << fsdp::version_line("fsdp-inspect") << std::endl;
     return 0;
   }
-  if (!r.count("path")) throw fsdp::tools::UsageError("expected CHECKPOINT\nusage: fsdp-inspect CHECKPOINT [--no-verify]");
+  if (!r.count("path"))
+    throw fsdp::tools::UsageError(
+        "expected CHECKPOINT\nusage: fsdp-inspect CHECKPOINT [--no-verify]");
   std::cout << fsdp::ckpt::inspect(r["path"].as<std::string>(), r.count("no-verify") == 0);
   return 0;
 }

@@ -3,8 +3,9 @@
 //   fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...
 //
 // Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
-// MASTER_PORT (and OMP_NUM_THREADS=1 unless set, as torchrun). SIGINT and SIGTERM are forwarded to every rank. If a rank fails, the
-// others are stopped and fsdp-run exits non-zero, naming the rank and how it ended.
+// MASTER_PORT (and OMP_NUM_THREADS=1 unless set, as torchrun). SIGINT and SIGTERM are forwarded to
+// every rank. If a rank fails, the others are stopped and fsdp-run exits non-zero, naming the rank
+// and how it ended.
 // --peak-rss-json writes each rank's peak resident memory ({"peak_rss_kb": [...]}, from
 // wait4): the rank process's own, unlike the getrusage(RUSAGE_CHILDREN) or wait4 figure
 // of fsdp-run itself, which keeps the peak of whatever process exec'd fsdp-run (the
@@ -38,7 +39,8 @@ void on_signal(int sig) { g_signal = sig; }
 
 int usage(const std::string& why) {
   std::cerr << "fsdp-run: error: " << why << "\n"
-            << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...\n";
+            << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD "
+               "ARGS...\n";
   return 2;
 }
 
@@ -68,7 +70,8 @@ std::string describe(int status) {
   if (WIFSIGNALED(status)) {
     int sig = WTERMSIG(status);
     const char* name = sigabbrev_np(sig);
-    return std::string("was killed by signal ") + (name ? std::string("SIG") + name : std::to_string(sig));
+    return std::string("was killed by signal ") +
+           (name ? std::string("SIG") + name : std::to_string(sig));
   }
   return "ended with status " + std::to_string(status);
 }
@@ -89,11 +92,13 @@ int run(int argc, char** argv) {
       return 0;
     }
     if (a == "-h" || a == "--help") {
-      std::cout << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- CMD ARGS...\n"
+      std::cout << "usage: fsdp-run --nproc N [--master-port P] [--tee] [--peak-rss-json FILE] -- "
+                   "CMD ARGS...\n"
                    "  --nproc N        ranks to start on this machine\n"
                    "  --master-port P  rendezvous port (default: a free one)\n"
                    "  --tee            prefix every output line with its rank\n"
-                   "  --peak-rss-json FILE  at the end, write each rank's peak RSS: {\"peak_rss_kb\": [...]}\n"
+                   "  --peak-rss-json FILE  at the end, write each rank's peak RSS: "
+                   "{\"peak_rss_kb\": [...]}\n"
                    "  --version        print the version\n";
       return 0;
     }
@@ -106,7 +111,8 @@ int run(int argc, char** argv) {
     };
     if (a == "--nproc" || a.rfind("--nproc=", 0) == 0) {
       std::string v = value("--nproc");
-      if (!parse_int(v, nproc) || nproc < 1) return usage("--nproc '" + v + "' must be a positive integer");
+      if (!parse_int(v, nproc) || nproc < 1)
+        return usage("--nproc '" + v + "' must be a positive integer");
     } else if (a == "--master-port" || a.rfind("--master-port=", 0) == 0) {
       std::string v = value("--master-port");
       if (!parse_int(v, port) || port < 1 || port > 65535) {
@@ -117,7 +123,8 @@ int run(int argc, char** argv) {
     } else if (a == "--peak-rss-json" || a.rfind("--peak-rss-json=", 0) == 0) {
       rss_json = value("--peak-rss-json");
       if (rss_json.empty()) return usage("--peak-rss-json needs a file name");
-      if (!std::ofstream(rss_json)) return usage("--peak-rss-json " + rss_json + ": cannot write the file");
+      if (!std::ofstream(rss_json))
+        return usage("--peak-rss-json " + rss_json + ": cannot write the file");
     } else {
       return usage("unknown option '" + a + "'; put the command after --");
     }

@@ -62,8 +62,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   // `anchor` is an empty tensor that requires grad: autograd connects a custom
   // Function's outputs to the graph only if some input requires grad, and a region's
   // parameters are not inputs (PyTorch's reentrant checkpoint has the same need).
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<FnCapsule> fn, at::Tensor anchor,
-                               at::TensorList input_list) {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<FnCapsule> fn,
+                               at::Tensor anchor, at::TensorList input_list) {
     (void)anchor;
     variable_list inputs = input_list.vec();
     auto rng = c10::make_intrusive<RngCapsule>();
@@ -122,28 +122,33 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     variable_list result{at::Tensor(), at::Tensor()};  // the callable, the anchor
-    for (const auto& i : inputs) result.push_back(i.defined() && i.requires_grad() ? i.grad() : at::Tensor());
+    for (const auto& i : inputs)
+      result.push_back(i.defined() && i.requires_grad() ? i.grad() : at::Tensor());
     return result;
   }
 };
 
 }  // namespace
 
-std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn, const std::vector<torch::Tensor>& inputs) {
+std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
+                                      const std::vector<torch::Tensor>& inputs) {
   TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
   if (!at::GradMode::is_enabled()) return fn(inputs);  // nothing would be saved anyway
   auto anchor = at::empty({0});
   anchor.set_requires_grad(true);
   // As a TensorList, so that autograd sees every input as a variable.
-  return CheckpointFunction::apply(c10::make_intrusive<FnCapsule>(fn), anchor, at::TensorList(inputs));
+  return CheckpointFunction::apply(c10::make_intrusive<FnCapsule>(fn), anchor,
+                                   at::TensorList(inputs));
 }
 
 int64_t activation_recomputes() { return recomputes.load(std::memory_order_relaxed); }
 
-torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input) {
+torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                         const torch::Tensor& input) {
   TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
-  return checkpoint([fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; },
-                    std::vector<torch::Tensor>{input})[0];
+  return checkpoint(
+      [fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; },
+      std::vector<torch::Tensor>{input})[0];
 }
 
 }  // namespace fsdp

@@ -16,7 +16,8 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
   std::vector<at::Tensor> grads = detail::grad_shards(model);
   // Each shard group holds the model once (padding is zero), and replicas across
   // groups hold the same values, so reducing over the shard group gives the global norm.
-  auto local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(model.sharding_options().device));
+  auto local = at::zeros(
+      {1}, at::TensorOptions().dtype(at::kDouble).device(model.sharding_options().device));
   for (const auto& g : grads) {
     if (inf) {
       local = at::maximum(local, g.abs().max().to(local.device(), at::kDouble).reshape({1}));

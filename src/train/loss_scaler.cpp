@@ -10,13 +10,15 @@ LossScaler::LossScaler(ShardedModel model, LossScalerOptions options)
     : model_(std::move(model)), options_(options) {
   TORCH_CHECK(options_.loss_scale >= 0, "LossScalerOptions::loss_scale=", options_.loss_scale,
               " must be 0 (dynamic) or positive (static)");
-  TORCH_CHECK(options_.loss_scale_window >= 1, "LossScalerOptions::loss_scale_window=",
-              options_.loss_scale_window, " must be at least 1");
+  TORCH_CHECK(options_.loss_scale_window >= 1,
+              "LossScalerOptions::loss_scale_window=", options_.loss_scale_window,
+              " must be at least 1");
   TORCH_CHECK(options_.hysteresis >= 1, "LossScalerOptions::hysteresis=", options_.hysteresis,
               " must be at least 1");
-  TORCH_CHECK(options_.min_loss_scale > 0, "LossScalerOptions::min_loss_scale=",
-              options_.min_loss_scale, " must be positive");
-  state_.scale = options_.loss_scale > 0 ? options_.loss_scale : std::ldexp(1.0, options_.initial_scale_power);
+  TORCH_CHECK(options_.min_loss_scale > 0,
+              "LossScalerOptions::min_loss_scale=", options_.min_loss_scale, " must be positive");
+  state_.scale =
+      options_.loss_scale > 0 ? options_.loss_scale : std::ldexp(1.0, options_.initial_scale_power);
   TORCH_CHECK(options_.loss_scale > 0 || state_.scale >= options_.min_loss_scale,
               "LossScalerOptions: the initial scale 2^", options_.initial_scale_power,
               " is below min_loss_scale=", options_.min_loss_scale);
@@ -56,7 +58,8 @@ bool LossScaler::step(torch::optim::Optimizer& optimizer) {
 }
 
 void LossScaler::update() {
-  TORCH_CHECK(unscaled_, "LossScaler::update() was called before step() or unscale_() in this step");
+  TORCH_CHECK(unscaled_,
+              "LossScaler::update() was called before step() or unscale_() in this step");
   const bool overflow = overflow_;
   unscaled_ = false;
   overflow_ = false;
@@ -77,7 +80,8 @@ void LossScaler::update() {
       --state_.hysteresis_left;
     }
     state_.last_overflow_iteration = state_.iteration;
-  } else if ((state_.iteration - state_.last_overflow_iteration) % options_.loss_scale_window == 0) {
+  } else if ((state_.iteration - state_.last_overflow_iteration) % options_.loss_scale_window ==
+             0) {
     state_.hysteresis_left = options_.hysteresis;
     state_.scale *= 2;
   }

@@ -7,13 +7,13 @@
 
 #include "../../examples/gpt/gpt_model.h"
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <string>
-#include <unistd.h>
 
 namespace {
 
@@ -82,11 +82,16 @@ int main(int argc, char** argv) {
   auto [kb1, t1] = measure("all");
   std::printf("GPT 8 layers, d_model 256, batch 8x128, CPU, fsdp world 1; median of 5 steps\n");
   std::printf("%-26s %14s %14s\n", "", "no checkpoint", "checkpoint all");
-  std::printf("%-26s %11.1f MB %11.1f MB\n", "peak RSS growth per step", kb0 / 1024.0, kb1 / 1024.0);
+  std::printf("%-26s %11.1f MB %11.1f MB\n", "peak RSS growth per step", kb0 / 1024.0,
+              kb1 / 1024.0);
   std::printf("%-26s %11.1f ms %11.1f ms\n", "step time", t0 * 1e3, t1 * 1e3);
-  std::printf("{\"metric\": \"activation_ckpt_memory_ratio\", \"value\": %.3f, \"unit\": \"ratio\", "
-              "\"baseline\": \"peak RSS growth per step without checkpointing\"}\n", static_cast<double>(kb1) / kb0);
-  std::printf("{\"metric\": \"activation_ckpt_step_time_ratio\", \"value\": %.3f, \"unit\": \"ratio\", "
-              "\"baseline\": \"step time without checkpointing\"}\n", t1 / t0);
+  std::printf(
+      "{\"metric\": \"activation_ckpt_memory_ratio\", \"value\": %.3f, \"unit\": \"ratio\", "
+      "\"baseline\": \"peak RSS growth per step without checkpointing\"}\n",
+      static_cast<double>(kb1) / kb0);
+  std::printf(
+      "{\"metric\": \"activation_ckpt_step_time_ratio\", \"value\": %.3f, \"unit\": \"ratio\", "
+      "\"baseline\": \"step time without checkpointing\"}\n",
+      t1 / t0);
   return 0;
 }

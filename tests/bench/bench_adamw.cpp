@@ -45,8 +45,8 @@ double median_s(int reps, F&& f) {
 }
 
 void metric(const char* name, double value, const char* unit, const char* baseline) {
-  std::printf("{\"metric\": \"%s\", \"value\": %.4f, \"unit\": \"%s\", \"baseline\": \"%s\"}\n", name, value, unit,
-              baseline);
+  std::printf("{\"metric\": \"%s\", \"value\": %.4f, \"unit\": \"%s\", \"baseline\": \"%s\"}\n",
+              name, value, unit, baseline);
 }
 
 }  // namespace
@@ -61,8 +61,9 @@ int main(int argc, char** argv) {
   // thread: Debian 12's does here).
   const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(threads);
-  std::printf("AdamW step on %lld fp32 parameters, %d threads, fused kernel: %s\n", static_cast<long long>(n),
-              at::get_num_threads(), fsdp::FusedAdamW::isa_name(fsdp::FusedAdamW::active_isa()));
+  std::printf("AdamW step on %lld fp32 parameters, %d threads, fused kernel: %s\n",
+              static_cast<long long>(n), at::get_num_threads(),
+              fsdp::FusedAdamW::isa_name(fsdp::FusedAdamW::active_isa()));
   auto p1 = torch::randn({n}), p2 = p1.clone();
   p1.mutable_grad() = torch::randn({n}) * 1e-2;
   p2.mutable_grad() = p1.grad().clone();
@@ -82,11 +83,12 @@ int main(int argc, char** argv) {
   //   a fourth (reads 4, writes 3: 28 bytes per element, as the step).
   // The fraction is taken against the higher of the two: a limit the kernel cannot beat.
   const int64_t m = n;
-  std::vector<float> a(static_cast<size_t>(m)), b(static_cast<size_t>(m)), c(static_cast<size_t>(m)),
-      d(static_cast<size_t>(m));
+  std::vector<float> a(static_cast<size_t>(m)), b(static_cast<size_t>(m)),
+      c(static_cast<size_t>(m)), d(static_cast<size_t>(m));
   auto on_all_cores = [&](const std::function<void(int64_t, int64_t)>& body) {
     std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(body, m * t / threads, m * (t + 1) / threads);
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back(body, m * t / threads, m * (t + 1) / threads);
     for (auto& th : pool) th.join();
   };
   on_all_cores([&](int64_t lo, int64_t hi) {
@@ -120,8 +122,10 @@ int main(int argc, char** argv) {
       }
     });
   });
-  if (a[static_cast<size_t>(m / 2)] != 7.0f + 0.5f * 7) {  // the triad's 7, then 7 passes adding 0.5
-    std::fprintf(stderr, "bench_adamw: the bandwidth kernels computed %f, not 10.5\n", a[static_cast<size_t>(m / 2)]);
+  if (a[static_cast<size_t>(m / 2)] !=
+      7.0f + 0.5f * 7) {  // the triad's 7, then 7 passes adding 0.5
+    std::fprintf(stderr, "bench_adamw: the bandwidth kernels computed %f, not 10.5\n",
+                 a[static_cast<size_t>(m / 2)]);
     return 1;
   }
   const double triad_bw = 12.0 * static_cast<double>(m) / t_triad;
@@ -133,11 +137,16 @@ int main(int argc, char** argv) {
   std::printf("%-36s %10s %14s\n", "", "ms/step", "M params/s");
   std::printf("%-36s %10.1f %14.0f\n", "torch::optim::AdamW", t_ref * 1e3, n / t_ref / 1e6);
   std::printf("%-36s %10.1f %14.0f\n", "fsdp::FusedAdamW", t_fused * 1e3, n / t_fused / 1e6);
-  std::printf("limit on %d threads: STREAM triad %.1f GB/s, the step's traffic without arithmetic %.1f GB/s\n",
-              threads, triad_bw / 1e9, same_bw / 1e9);
-  std::printf("fused step traffic (%d LibTorch threads): %.1f GB/s\n", at::get_num_threads(), fused_bw / 1e9);
-  metric("fused_adamw_speedup", t_ref / t_fused, "x (target >= 4)", "torch::optim::AdamW, same parameters, same run");
+  std::printf(
+      "limit on %d threads: STREAM triad %.1f GB/s, the step's traffic without arithmetic %.1f "
+      "GB/s\n",
+      threads, triad_bw / 1e9, same_bw / 1e9);
+  std::printf("fused step traffic (%d LibTorch threads): %.1f GB/s\n", at::get_num_threads(),
+              fused_bw / 1e9);
+  metric("fused_adamw_speedup", t_ref / t_fused, "x (target >= 4)",
+         "torch::optim::AdamW, same parameters, same run");
   metric("fused_adamw_bandwidth_fraction", fused_bw / limit_bw, "fraction (target >= 0.8)",
-         "all cores: the higher of a STREAM triad and the step's 4-read 3-write traffic without arithmetic, same run");
+         "all cores: the higher of a STREAM triad and the step's 4-read 3-write traffic without "
+         "arithmetic, same run");
   return 0;
 }

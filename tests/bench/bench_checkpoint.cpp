@@ -106,7 +106,9 @@ double rss_growth_mib(F&& fn) {
     std::ofstream clear("/proc/self/clear_refs");
     clear << "5";
     if (!clear) {
-      std::fprintf(stderr, "cannot reset the peak RSS (/proc/self/clear_refs): live export memory not measured\n");
+      std::fprintf(
+          stderr,
+          "cannot reset the peak RSS (/proc/self/clear_refs): live export memory not measured\n");
       fn();
       return std::nan("");
     }
@@ -126,9 +128,10 @@ std::string stderr_of(const std::string& cmd) {
   return out;
 }
 
-void metric(const std::string& name, double value, const std::string& unit, const std::string& baseline) {
-  std::printf("{\"metric\": \"%s\", \"value\": %.4f, \"unit\": \"%s\", \"baseline\": \"%s\"}\n", name.c_str(),
-              value, unit.c_str(), baseline.c_str());
+void metric(const std::string& name, double value, const std::string& unit,
+            const std::string& baseline) {
+  std::printf("{\"metric\": \"%s\", \"value\": %.4f, \"unit\": \"%s\", \"baseline\": \"%s\"}\n",
+              name.c_str(), value, unit.c_str(), baseline.c_str());
 }
 
 }  // namespace
@@ -148,14 +151,15 @@ int main(int argc, char** argv) {
   const int layers = std::max(1, static_cast<int>(gb * (1 << 30) / (in * out * 4.0) + 0.999));
   torch::NoGradGuard g;
   torch::nn::Sequential seq;
-  for (int i = 0; i < layers; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)));
+  for (int i = 0; i < layers; ++i)
+    seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)));
   auto model = fsdp::shard_sequential(seq);
   auto shards = model.sharded_parameters();
   int64_t bytes = 0;
   for (auto& s : shards) bytes += s.numel() * 4;
   const double mb = static_cast<double>(bytes) / (1 << 20);
-  std::cout << "checkpoint benchmark: " << layers << " units, " << mb << " MiB of fp32 parameters, dir " << dir
-            << "\n";
+  std::cout << "checkpoint benchmark: " << layers << " units, " << mb
+            << " MiB of fp32 parameters, dir " << dir << "\n";
 
   fsdp::TrainingState st;
   st.step = 1;
@@ -163,7 +167,8 @@ int main(int argc, char** argv) {
   const std::string raw = dir + "/raw.bin";
   raw_write(raw, shards);
   // Best of 5, alternating, so both see the same machine state.
-  double t_raw_w = 1e30, t_save = 1e30, t_raw_r = 1e30, t_load = 1e30, t_raw_rc = 1e30, t_load_c = 1e30;
+  double t_raw_w = 1e30, t_save = 1e30, t_raw_r = 1e30, t_load = 1e30, t_raw_rc = 1e30,
+         t_load_c = 1e30;
   for (int rep = 0; rep < 5; ++rep) {
     t_raw_w = std::min(t_raw_w, raw_write(raw, shards));
     // The previous checkpoint goes before the save, as raw_write removes its old file
@@ -201,7 +206,8 @@ int main(int argc, char** argv) {
     if (auto latest = fsdp::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
     st.step = 100 + rep;
     const double t0 = now_s();
-    fsdp::AsyncSave pending = fsdp::save_sharded_checkpoint_async(dir + "/sharded", model, nullptr, st);
+    fsdp::AsyncSave pending =
+        fsdp::save_sharded_checkpoint_async(dir + "/sharded", model, nullptr, st);
     const double blocked = now_s() - t0;
     pending.wait();
     if (rep == 0) {
@@ -214,61 +220,74 @@ int main(int argc, char** argv) {
   fsdp::release_checkpoint_staging(model);
   std::printf("%-40s %10s %10s\n", "", "seconds", "MiB/s");
   std::printf("%-40s %10.3f %10.0f\n", "raw write (write + fsync)", t_raw_w, mb / t_raw_w);
-  std::printf("%-40s %10.3f %10.0f\n", "sharded save (HDF5, checksums, fsync)", t_save, mb / t_save);
-  std::printf("%-40s %10.3f %10.0f\n", "raw read, cold (page cache evicted)", t_raw_rc, mb / t_raw_rc);
-  std::printf("%-40s %10.3f %10.0f\n", "sharded load, cold (verify checksums)", t_load_c, mb / t_load_c);
+  std::printf("%-40s %10.3f %10.0f\n", "sharded save (HDF5, checksums, fsync)", t_save,
+              mb / t_save);
+  std::printf("%-40s %10.3f %10.0f\n", "raw read, cold (page cache evicted)", t_raw_rc,
+              mb / t_raw_rc);
+  std::printf("%-40s %10.3f %10.0f\n", "sharded load, cold (verify checksums)", t_load_c,
+              mb / t_load_c);
   std::printf("%-40s %10.3f %10.0f\n", "raw read, warm (page cache)", t_raw_r, mb / t_raw_r);
-  std::printf("%-40s %10.3f %10.0f\n", "sharded load, warm (verify checksums)", t_load, mb / t_load);
+  std::printf("%-40s %10.3f %10.0f\n", "sharded load, warm (verify checksums)", t_load,
+              mb / t_load);
   metric("ckpt_save_vs_raw", t_raw_w / t_save, "throughput ratio (target >= 0.8)",
          "raw sequential write() + fsync of the same bytes, same directory, same run");
-  std::printf("%-40s %10.3f %10s\n", "async save: blocked, first (fresh memory)", t_blocked_first, "");
+  std::printf("%-40s %10.3f %10s\n", "async save: blocked, first (fresh memory)", t_blocked_first,
+              "");
   std::printf("%-40s %10.3f %10s\n", "async save: training blocked", t_blocked, "");
-  std::printf("%-40s %10.3f %10.0f\n", "async save: until on disk", t_async_total, mb / t_async_total);
+  std::printf("%-40s %10.3f %10.0f\n", "async save: until on disk", t_async_total,
+              mb / t_async_total);
   metric("async_save_blocked_fraction", t_blocked / t_save, "fraction (target <= 0.15)",
-         "the synchronous save of the same state, same run (best of 5 vs best of saves 2-4, which reuse "
+         "the synchronous save of the same state, same run (best of 5 vs best of saves 2-4, which "
+         "reuse "
          "the first one's staging buffers)");
-  metric("ckpt_load_vs_raw", t_raw_rc / t_load_c, "throughput ratio (target >= 0.8)",
-         "raw sequential read() of the same bytes, both evicted from the page cache first, same run");
+  metric(
+      "ckpt_load_vs_raw", t_raw_rc / t_load_c, "throughput ratio (target >= 0.8)",
+      "raw sequential read() of the same bytes, both evicted from the page cache first, same run");
   metric("ckpt_load_vs_raw_warm", t_raw_r / t_load, "throughput ratio",
          "raw read() from the page cache (memcpy speed), same run");
 
   // Offline consolidation: peak RSS against the largest parameter.
   const std::string self = fs::canonical("/proc/self/exe").parent_path().string();
-  const std::string line = stderr_of(self + "/fsdp-consolidate " + dir + "/sharded " + dir + "/full.h5 -q");
+  const std::string line =
+      stderr_of(self + "/fsdp-consolidate " + dir + "/sharded " + dir + "/full.h5 -q");
   const size_t at = line.find("peak RSS ");
   if (at == std::string::npos) throw std::runtime_error("no peak RSS in: " + line);
   const double peak = std::stod(line.substr(at + 9));
   const double largest = static_cast<double>(in * out * 4) / 1048576.0;
-  std::printf("fsdp-consolidate: peak RSS %.1f MiB, largest parameter %.1f MiB, checkpoint %.0f MiB\n", peak,
-              largest, mb);
+  std::printf(
+      "fsdp-consolidate: peak RSS %.1f MiB, largest parameter %.1f MiB, checkpoint %.0f MiB\n",
+      peak, largest, mb);
   metric("consolidate_peak_rss_over_largest_param_mb", peak - largest, "MiB (target <= 64)",
          "size of the largest parameter (fp32)");
   // The same into safetensors: one parameter plus a buffer, whatever the model's size.
-  const std::string st_line =
-      stderr_of(self + "/fsdp-consolidate " + dir + "/sharded " + dir + "/st --format safetensors -q");
+  const std::string st_line = stderr_of(self + "/fsdp-consolidate " + dir + "/sharded " + dir +
+                                        "/st --format safetensors -q");
   const size_t st_at = st_line.find("peak RSS ");
   if (st_at == std::string::npos) throw std::runtime_error("no peak RSS in: " + st_line);
   const double st_peak = std::stod(st_line.substr(st_at + 9));
   std::printf("fsdp-consolidate --format safetensors: peak RSS %.1f MiB\n", st_peak);
-  metric("consolidate_safetensors_peak_rss_over_largest_param_mb", st_peak - largest, "MiB (target <= 64)",
-         "size of the largest parameter (fp32)");
+  metric("consolidate_safetensors_peak_rss_over_largest_param_mb", st_peak - largest,
+         "MiB (target <= 64)", "size of the largest parameter (fp32)");
   // The live exports: rank 0 gathers one unit at a time, so it grows by about one unit's
   // full fp32 parameters (here one layer, the largest parameter too) plus a write buffer.
   model.reset_peak_memory();
   const double live_h5 =
       rss_growth_mib([&] { fsdp::export_consolidated(dir + "/live.h5", model, nullptr, st); });
-  const double live_h5_counted = static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
+  const double live_h5_counted =
+      static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
   model.reset_peak_memory();
-  const double live_st = rss_growth_mib([&] { fsdp::export_safetensors(dir + "/live_st", model, st); });
-  const double live_st_counted = static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
-  std::printf("export_consolidated (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n", live_h5,
-              live_h5_counted);
-  std::printf("export_safetensors (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n", live_st,
-              live_st_counted);
+  const double live_st =
+      rss_growth_mib([&] { fsdp::export_safetensors(dir + "/live_st", model, st); });
+  const double live_st_counted =
+      static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
+  std::printf("export_consolidated (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n",
+              live_h5, live_h5_counted);
+  std::printf("export_safetensors (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n",
+              live_st, live_st_counted);
   metric("export_live_rss_growth_over_largest_unit_mb", live_h5 - largest, "MiB (target <= 64)",
          "one unit's full fp32 parameters (the largest)");
-  metric("export_safetensors_live_rss_growth_over_largest_unit_mb", live_st - largest, "MiB (target <= 64)",
-         "one unit's full fp32 parameters (the largest)");
+  metric("export_safetensors_live_rss_growth_over_largest_unit_mb", live_st - largest,
+         "MiB (target <= 64)", "one unit's full fp32 parameters (the largest)");
   fs::remove_all(dir);
   return 0;
 }

@@ -95,7 +95,8 @@ std::optional<double> peak_bf16_flops() {
   return std::nullopt;
 }
 
-void json(const std::string& metric, double value, const std::string& unit, const std::string& baseline) {
+void json(const std::string& metric, double value, const std::string& unit,
+          const std::string& baseline) {
   std::cout << "{\"metric\": \"" << metric << "\", \"value\": " << value << ", \"unit\": \"" << unit
             << "\", \"baseline\": \"" << baseline << "\"}\n";
 }
@@ -113,7 +114,8 @@ fsdp::ShardingOptions gpu_options(bool offload, bool bf16) {
 
 bool is_out_of_memory(const c10::Error& e) {
   const std::string what = e.what();
-  return what.find("out of memory") != std::string::npos || what.find("host RAM") != std::string::npos ||
+  return what.find("out of memory") != std::string::npos ||
+         what.find("host RAM") != std::string::npos ||
          what.find("host memory") != std::string::npos;
 }
 
@@ -121,7 +123,8 @@ bool is_out_of_memory(const c10::Error& e) {
 // offload); false when the GPU (or, for offload, the host check) runs out of memory.
 bool trains(gpt::Config cfg, int64_t layers, bool offload, int64_t& params) {
   cfg.n_layer = layers;
-  auto rows = torch::randint(0, cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong).to(torch::kCUDA);
+  auto rows =
+      torch::randint(0, cfg.vocab_size, {4, cfg.block_size + 1}, torch::kLong).to(torch::kCUDA);
   bool ok = true;
   try {
     gpt::GPT model(cfg);
@@ -153,8 +156,8 @@ int64_t max_params(const gpt::Config& cfg, bool offload, int64_t start, double s
     int64_t params = 0;
     if (!trains(cfg, layers, offload, params)) break;
     best = params;
-    std::cout << "  " << (offload ? "offload" : "plain  ") << " " << layers << " layers, " << params / 1e6
-              << "M params: trains\n";
+    std::cout << "  " << (offload ? "offload" : "plain  ") << " " << layers << " layers, "
+              << params / 1e6 << "M params: trains\n";
     if (std::chrono::duration<double>(Clock::now() - t0).count() > seconds) break;
   }
   return best;
@@ -177,9 +180,11 @@ int main(int argc, char** argv) {
   cfg.vocab_size = 256;
   const int64_t batch = 16;
   const int64_t tokens = batch * cfg.block_size;
-  auto rows = torch::randint(0, cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong).to(torch::kCUDA);
-  std::cout << "GPU: " << at::cuda::getCurrentDeviceProperties()->name << "; GPT " << cfg.n_layer << " layers, d_model "
-            << cfg.d_model << ", batch " << batch << "x" << cfg.block_size << "\n";
+  auto rows =
+      torch::randint(0, cfg.vocab_size, {batch, cfg.block_size + 1}, torch::kLong).to(torch::kCUDA);
+  std::cout << "GPU: " << at::cuda::getCurrentDeviceProperties()->name << "; GPT " << cfg.n_layer
+            << " layers, d_model " << cfg.d_model << ", batch " << batch << "x" << cfg.block_size
+            << "\n";
 
   // Throughput: fsdp (fp32, world 1) and plain LibTorch side by side, alternating steps.
   double tok_plain = 0, tok_sharded = 0, tok_bf16 = 0;
@@ -210,8 +215,8 @@ int main(int argc, char** argv) {
     tok_sharded = tokens / median(ts);
     tok_bf16 = tokens / median(tb);
   }
-  std::cout << "tokens/s: plain LibTorch " << tok_plain << ", fsdp world 1 " << tok_sharded << ", fsdp bf16 "
-            << tok_bf16 << "\n";
+  std::cout << "tokens/s: plain LibTorch " << tok_plain << ", fsdp world 1 " << tok_sharded
+            << ", fsdp bf16 " << tok_bf16 << "\n";
 
   // Peak GPU memory of a training step, each model alone on the GPU.
   const int64_t peak_plain = isolated_peak([&] {
@@ -236,15 +241,18 @@ int main(int argc, char** argv) {
     reset_peak();
     for (int i = 0; i < 3; ++i) step_seconds(off, opt, rows);
   });
-  std::cout << "peak GPU MiB per step: plain LibTorch " << peak_plain / 1048576.0 << ", fsdp world 1 "
-            << peak_sharded / 1048576.0 << ", fsdp bf16 + cpu_offload " << peak_off / 1048576.0 << "\n";
+  std::cout << "peak GPU MiB per step: plain LibTorch " << peak_plain / 1048576.0
+            << ", fsdp world 1 " << peak_sharded / 1048576.0 << ", fsdp bf16 + cpu_offload "
+            << peak_off / 1048576.0 << "\n";
 
   json("gpu_tokens_per_s_vs_plain_libtorch", tok_sharded / tok_plain, "ratio",
        "plain LibTorch tokens/s, same GPT, fp32 AdamW, one GPU");
-  json("gpu_peak_memory_vs_plain_libtorch", static_cast<double>(peak_sharded) / static_cast<double>(peak_plain),
-       "ratio", "plain LibTorch peak allocated GPU bytes per step");
-  json("gpu_peak_memory_offload_vs_plain_libtorch", static_cast<double>(peak_off) / static_cast<double>(peak_plain),
-       "ratio", "plain LibTorch (fp32) peak allocated GPU bytes; fsdp with cpu_offload and bf16");
+  json("gpu_peak_memory_vs_plain_libtorch",
+       static_cast<double>(peak_sharded) / static_cast<double>(peak_plain), "ratio",
+       "plain LibTorch peak allocated GPU bytes per step");
+  json("gpu_peak_memory_offload_vs_plain_libtorch",
+       static_cast<double>(peak_off) / static_cast<double>(peak_plain), "ratio",
+       "plain LibTorch (fp32) peak allocated GPU bytes; fsdp with cpu_offload and bf16");
   if (auto peak = peak_bf16_flops()) {
     const double flops_per_token =
         6.0 * static_cast<double>(n_params) + 12.0 * cfg.n_layer * cfg.d_model * cfg.block_size;
@@ -259,8 +267,8 @@ int main(int argc, char** argv) {
   big.d_model = 2048;
   big.n_head = 16;
   big.block_size = 256;
-  std::cout << "largest GPT (d_model 2048) that trains one step, layers doubled, ~" << search_seconds
-            << " s each:\n";
+  std::cout << "largest GPT (d_model 2048) that trains one step, layers doubled, ~"
+            << search_seconds << " s each:\n";
   const int64_t plain_max = max_params(big, false, 12, search_seconds);
   const int64_t offload_max = max_params(big, true, 12, search_seconds);
   json("offload_max_params", static_cast<double>(offload_max), "params",

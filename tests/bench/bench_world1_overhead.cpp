@@ -52,11 +52,13 @@ int main(int argc, char** argv) {
     s.push_back(step_seconds(sharded, sharded_opt, rows));
   }
   const double ratio = median(s) / median(p);
-  std::cout << "GPT d_model 256, 8 layers, batch 8x64, AdamW, CPU, " << reps << " alternating steps each\n"
+  std::cout << "GPT d_model 256, 8 layers, batch 8x64, AdamW, CPU, " << reps
+            << " alternating steps each\n"
             << "plain LibTorch step (median): " << median(p) * 1e3 << " ms\n"
             << "fsdp world 1 step (median):   " << median(s) * 1e3 << " ms\n"
             << "fsdp_world1_overhead: " << ratio << " (target <= 1.05)\n";
   std::cout << "{\"metric\": \"fsdp_world1_overhead\", \"value\": " << ratio
-            << ", \"unit\": \"ratio\", \"baseline\": \"plain LibTorch step, same model and optimizer\"}\n";
+            << ", \"unit\": \"ratio\", \"baseline\": \"plain LibTorch step, same model and "
+               "optimizer\"}\n";
   return 0;
 }

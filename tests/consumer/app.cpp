@@ -27,8 +27,9 @@ struct ClassifierImpl : torch::nn::Module {
       : embed(register_module("embed", torch::nn::Linear(in, width))),
         head(register_module("head", torch::nn::Linear(width, classes))) {
     for (int i = 0; i < depth; ++i) {
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       fsdp::FullyShardedModule<ResidualBlock>(ResidualBlock(width))));
+      blocks.push_back(
+          register_module("block" + std::to_string(i),
+                          fsdp::FullyShardedModule<ResidualBlock>(ResidualBlock(width))));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -85,9 +86,11 @@ int main(int argc, char** argv) {
     opts.process_group.all_reduce_sum(mean);
     (step == 0 ? first : last) = mean.item<double>() / opts.process_group.size();
   }
-  check(last < 0.8 * first, "the loss did not fall: " + std::to_string(first) + " -> " + std::to_string(last), rank);
+  check(last < 0.8 * first,
+        "the loss did not fall: " + std::to_string(first) + " -> " + std::to_string(last), rank);
   const auto saved_stats = model.memory_stats();
-  check(saved_stats.gathered_params.current == 0, "parameters stayed gathered after the step", rank);
+  check(saved_stats.gathered_params.current == 0, "parameters stayed gathered after the step",
+        rank);
 
   fsdp::TrainingState state;
   state.step = steps;
@@ -101,9 +104,11 @@ int main(int argc, char** argv) {
   fsdp::FusedAdamW opt2(restored, torch::optim::AdamWOptions(3e-3));
   fsdp::TrainingState got;
   fsdp::load_sharded_checkpoint(dir, restored, &opt2, &got);
-  check(got.step == steps && got.extra["app"] == "consumer", "the training state did not round-trip", rank);
+  check(got.step == steps && got.extra["app"] == "consumer",
+        "the training state did not round-trip", rank);
   const auto loaded = fsdp::full_state_dict(restored);
-  check(saved.size() == loaded.size() && !saved.empty(), "parameter count differs after loading", rank);
+  check(saved.size() == loaded.size() && !saved.empty(), "parameter count differs after loading",
+        rank);
   for (size_t i = 0; i < std::min(saved.size(), loaded.size()); ++i) {
     check(saved[i].first == loaded[i].first && torch::equal(saved[i].second, loaded[i].second),
           "parameter " + saved[i].first + " differs after loading", rank);
@@ -117,12 +122,14 @@ int main(int argc, char** argv) {
   opt2.step();
   const auto a = fsdp::full_state_dict(model), b = fsdp::full_state_dict(restored);
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    check(torch::equal(a[i].second, b[i].second), "step after resume differs at " + a[i].first, rank);
+    check(torch::equal(a[i].second, b[i].second), "step after resume differs at " + a[i].first,
+          rank);
   }
   if (rank == 0) {
-    std::cout << "consumer: fsdp " << fsdp::version() << " (headers " << FSDP_VERSION_STRING << "), "
-              << opts.process_group.size() << " ranks, loss " << first << " -> " << last << ", saved and loaded "
-              << path << ": " << (failures == 0 ? "ok" : "FAILED") << std::endl;
+    std::cout << "consumer: fsdp " << fsdp::version() << " (headers " << FSDP_VERSION_STRING
+              << "), " << opts.process_group.size() << " ranks, loss " << first << " -> " << last
+              << ", saved and loaded " << path << ": " << (failures == 0 ? "ok" : "FAILED")
+              << std::endl;
   }
   return failures == 0 ? 0 : 1;
 }

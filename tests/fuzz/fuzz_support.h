@@ -52,7 +52,8 @@ void expect_error_or_success(Fn&& fn) {
 /// Open file descriptors of this process.
 inline int open_fds() {
   int n = 0;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) n += e.is_symlink() ? 1 : 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd"))
+    n += e.is_symlink() ? 1 : 0;
   return n;
 }
 

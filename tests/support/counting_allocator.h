@@ -25,7 +25,9 @@ class CountingCpuAllocator : public at::Allocator {
   }
 
   at::DataPtr allocate(size_t n) override { return counted_allocate(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
   at::DeleterFnPtr raw_deleter() const override { return &CountingCpuAllocator::release; }
 
   /// Bytes currently allocated through this allocator.

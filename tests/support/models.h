@@ -21,7 +21,8 @@ class MlpNetImpl : public torch::nn::Module {
       : inp(register_module("inp", torch::nn::Linear(in, hidden))) {
     auto list = register_module("hidden", torch::nn::ModuleList());
     for (int64_t i = 0; i < layers; ++i) {
-      this->hidden.emplace_back(torch::nn::Sequential(torch::nn::Linear(hidden, hidden), torch::nn::Tanh()));
+      this->hidden.emplace_back(
+          torch::nn::Sequential(torch::nn::Linear(hidden, hidden), torch::nn::Tanh()));
       list->push_back(this->hidden.back());
     }
     this->out = register_module("out", torch::nn::Linear(hidden, out));

@@ -1,5 +1,5 @@
-#include <iostream>
 #include "multirank.h"
+#include <iostream>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -174,14 +174,19 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     int fd = mkstemp(tmpl);
     close(fd);
     outs.emplace_back(tmpl);
-    std::vector<std::string> vars = {"FSDP_TEST_RANK_PROCESS=1", "RANK=" + std::to_string(r),
-                                     "LOCAL_RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
-                                     "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
-                                     "FSDP_TIMEOUT_S=60", "OMP_NUM_THREADS=1",
+    std::vector<std::string> vars = {"FSDP_TEST_RANK_PROCESS=1",
+                                     "RANK=" + std::to_string(r),
+                                     "LOCAL_RANK=" + std::to_string(r),
+                                     "WORLD_SIZE=" + std::to_string(world),
+                                     "MASTER_ADDR=127.0.0.1",
+                                     "MASTER_PORT=" + std::to_string(port),
+                                     "FSDP_TIMEOUT_S=60",
+                                     "OMP_NUM_THREADS=1",
                                      "FSDP_TEST_RANK_CALL=" + std::to_string(index)};
     for (const auto& kv : env) {  // the caller's value replaces a default of the same name
       const std::string name = kv.substr(0, kv.find('=') + 1);
-      vars.erase(std::remove_if(vars.begin(), vars.end(), [&](const std::string& v) { return v.rfind(name, 0) == 0; }),
+      vars.erase(std::remove_if(vars.begin(), vars.end(),
+                                [&](const std::string& v) { return v.rfind(name, 0) == 0; }),
                  vars.end());
       vars.push_back(kv);
     }
@@ -217,7 +222,8 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     std::string out = read_file(outs[r]);
     unlink(outs[r].c_str());
     EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << world << " failed (exit " << codes[r]
-                           << "); its output:\n" << out;
+                           << "); its output:\n"
+                           << out;
     if (codes[r] == 0 && out.find("[fsdp rank body done]") == std::string::npos) {
       ADD_FAILURE() << "rank " << r << " ran no test (filter " << filter << "); output:\n" << out;
     }

@@ -38,8 +38,8 @@ struct CommandResult {
 };
 
 /// Runs argv with extra environment entries ("K=V"), collecting its output.
-CommandResult run_command(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
-                          int timeout_s = 120);
+CommandResult run_command(const std::vector<std::string>& argv,
+                          const std::vector<std::string>& env = {}, int timeout_s = 120);
 
 /// Path of this test binary's directory (build/bin).
 std::string bin_dir();

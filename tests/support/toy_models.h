@@ -34,7 +34,8 @@ TORCH_MODULE(Nested);
 class ReuseImpl : public torch::nn::Module {
  public:
   ReuseImpl()
-      : shared(register_module("shared", FullyShardedModule<torch::nn::Linear>(torch::nn::Linear(8, 8)))),
+      : shared(register_module("shared",
+                               FullyShardedModule<torch::nn::Linear>(torch::nn::Linear(8, 8)))),
         head(register_module("head", torch::nn::Linear(8, 3))) {}
   torch::Tensor forward(const torch::Tensor& x) { return head(shared(torch::tanh(shared(x)))); }
   FullyShardedModule<torch::nn::Linear> shared;

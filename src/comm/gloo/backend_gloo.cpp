@@ -34,7 +34,8 @@ bool gloo_reduces(at::ScalarType t) {
 
 class GlooBackend : public Backend {
  public:
-  GlooBackend(const BackendInit& init, std::string prefix) : init_(init), prefix_(std::move(prefix)) {
+  GlooBackend(const BackendInit& init, std::string prefix)
+      : init_(init), prefix_(std::move(prefix)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(init.timeout);
     const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
     if (iface != nullptr && *iface != '\0') {
@@ -66,7 +67,8 @@ class GlooBackend : public Backend {
     return std::make_shared<C10dWork>(pg_->allgather(outputs, inputs));
   }
 
-  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
+                                           const at::Tensor& shard) override {
     // A SUM all-reduce, then this rank's chunk: Gloo's reduce_scatter is not in every
     // supported LibTorch (issue 26 measures the native one where it exists).
     auto buf = gloo_reduces(full.scalar_type()) ? full : full.to(at::kFloat);

@@ -22,7 +22,8 @@ class NcclWork : public Work {
 
 class NcclBackend : public Backend {
  public:
-  NcclBackend(const BackendInit& init, std::string prefix) : init_(init), prefix_(std::move(prefix)) {
+  NcclBackend(const BackendInit& init, std::string prefix)
+      : init_(init), prefix_(std::move(prefix)) {
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(init.device_index));
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = init.timeout;
@@ -41,7 +42,8 @@ class NcclBackend : public Backend {
     return std::make_shared<NcclWork>(pg_->_allgather_base(out, in));
   }
 
-  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full, const at::Tensor& shard) override {
+  std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
+                                           const at::Tensor& shard) override {
     at::Tensor out = shard;
     at::Tensor in = full;
     c10d::ReduceScatterOptions o;
