@@ -168,6 +168,24 @@ TEST(FullyShard, ShardingTwiceIsAnError) {
   }
 }
 
+TEST(FullyShard, AnInnerUnitCalledAfterItsModelIsGoneSaysWhatToKeep) {
+  ShardingOptions o;
+  o.auto_wrap_policy = always_wrap_policy();
+  FullyShardedModule<Inner> inner{nullptr};
+  {
+    auto root = fully_shard(Nested(), o);
+    inner = root->module()->inner;
+  }  // the handle, and with it the model's runtime, is gone; the inner unit is still held
+  try {
+    inner(torch::randn({2, 8}));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "FSDP unit 'inner': the sharded model it belonged to has been destroyed; keep the "
+              "handle fully_shard() returned alive while its modules are used");
+  }
+}
+
 TEST(FullyShard, AnEmptyHandleSaysWhatToAssign) {
   ShardedModel model;
   EXPECT_FALSE(model);

@@ -15,9 +15,9 @@ const char* to_string(ShardedState s) {
 }
 
 CommContext& Unit::comm() const {
-  TORCH_CHECK(comm_ != nullptr, "FSDP unit ", display_name(),
-              ": the sharded model it belonged to has been destroyed; keep the handle "
-              "fully_shard() returned alive while its modules are used");
+  // Every call reaches a unit through its live runtime; a wrap point whose model is gone
+  // fails before that (EngineAccess::runtime), naming the fix.
+  TORCH_INTERNAL_ASSERT(comm_ != nullptr, "unit ", display_name(), " used after its runtime");
   return *comm_;
 }
 

@@ -43,7 +43,7 @@ class Unit : public UnitCore {
   /// "<root>" for the root, else the FQN; for messages.
   std::string display_name() const { return fqn_.empty() ? "<root>" : "'" + fqn_ + "'"; }
   int index() const { return index_; }
-  /// The model's communication context; an error once the model is gone (detach()).
+  /// The model's communication context (not after detach()).
   CommContext& comm() const;
   /// Called by the runtime's destructor: frees the flat parameters while the counters
   /// they report to still exist (wrap points, which hold units, may outlive the
