@@ -157,10 +157,23 @@ TEST(FullyShard, ModuleTypePolicyPicksOnlyThatClass) {
   EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner"}));
 }
 
+// Whether fully_shard(const T&) compiles: the handle fully_shard returns must not.
+template <class T, class = void>
+struct CanFullyShard : std::false_type {};
+template <class T>
+struct CanFullyShard<T, std::void_t<decltype(fully_shard(std::declval<const T&>()))>>
+    : std::true_type {};
+static_assert(CanFullyShard<Nested>::value, "a module shards");
+static_assert(CanFullyShard<FullyShardedModule<Nested>>::value, "a wrap point shards");
+static_assert(!CanFullyShard<Sharded<Nested>>::value,
+              "sharding the handle fully_shard returned must not compile");
+
 TEST(FullyShard, ShardingTwiceIsAnError) {
   auto root = fully_shard(Nested());
   try {
-    fully_shard(root);
+    // Sharding the handle again does not compile (above); a wrap point sliced from it
+    // reaches the engine, which refuses it.
+    fully_shard(FullyShardedModule<Nested>(root));
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),

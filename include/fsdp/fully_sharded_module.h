@@ -24,10 +24,52 @@
 
 namespace fsdp {
 class FusedAdamW;
-// Engine objects behind the public handles: declared here, defined inside the library.
-class UnitCore;
-class ModelCore;
 struct EngineAccess;
+namespace detail {
+/// The engine's state of one wrap point (its unit, its model, its casts), defined inside
+/// the library (src/engine/engine_access.h): no engine type appears in this header.
+struct WrapPointState;
+
+// Mixed precision: floating-point tensor arguments of a unit's forward are cast to its
+// compute dtype; everything else passes through untouched.
+template <class T>
+decltype(auto) cast_floating(T&& v, torch::Dtype) {
+  return std::forward<T>(v);
+}
+inline torch::Tensor cast_floating(const torch::Tensor& t, torch::Dtype d) {
+  return t.defined() && t.is_floating_point() ? t.to(d) : t;
+}
+inline torch::Tensor cast_floating(torch::Tensor& t, torch::Dtype d) {
+  return cast_floating(static_cast<const torch::Tensor&>(t), d);
+}
+inline torch::Tensor cast_floating(torch::Tensor&& t, torch::Dtype d) {
+  return cast_floating(static_cast<const torch::Tensor&>(t), d);
+}
+
+// Collects the tensors in a forward's output so that pre-backward hooks can be set on
+// them. Unknown types contribute nothing.
+inline void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
+  if (t.defined()) out.push_back(t);
+}
+inline void collect_tensors(const std::vector<torch::Tensor>& ts, std::vector<torch::Tensor>& out) {
+  for (const auto& t : ts) collect_tensors(t, out);
+}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out);
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out);
+template <class T>
+void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
+template <class A, class B>
+void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
+  collect_tensors(p.first, out);
+  collect_tensors(p.second, out);
+}
+template <class... Ts>
+void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
+  std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
+}
+}  // namespace detail
 
 /// Where one original parameter lives inside its unit's flat parameter.
 struct ParamInfo {
@@ -42,79 +84,42 @@ struct ParamInfo {
 /// Base of every wrap point; not a template, so the engine can walk the module tree.
 class WrapPointImpl : public torch::nn::Module {
  public:
+  ~WrapPointImpl() override;
+  WrapPointImpl(const WrapPointImpl&) = delete;
+  WrapPointImpl& operator=(const WrapPointImpl&) = delete;
+
   /// The wrapped module (the M in FullyShardedModule<M>).
   virtual std::shared_ptr<torch::nn::Module> wrapped() const = 0;
 
   /// True once fully_shard made this wrap point a unit.
-  bool is_unit() const { return unit_ != nullptr; }
+  bool is_unit() const;
   /// True when ShardingOptions::checkpoint_policy picked this wrap point.
-  bool checkpointed() const { return checkpoint_; }
+  bool checkpointed() const;
 
  protected:
-  explicit WrapPointImpl(const std::string& name) : torch::nn::Module(name) {}
-  void pre_forward();
-  void post_forward(std::vector<torch::Tensor> outputs);
+  explicit WrapPointImpl(const std::string& name);
+
+  // The engine's side of a call through a wrap point. FullyShardedModuleImpl::forward
+  // (a template, so in this header) calls these; the engine's state stays in the library.
+
   /// The one path of a Tensor -> Tensor wrap point (FullyShardedModule and
   /// shard_sequential's entries alike): gather, cast the input under mixed precision,
   /// run `fn` (activation-checkpointed when the checkpoint policy picked this wrap
   /// point), cast the output, set the pre-backward hook, free.
   torch::Tensor run_tensor_forward(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
                                    torch::Tensor x);
-  /// Throws: the checkpoint policy picked this wrap point, but its forward is not
-  /// Tensor -> Tensor, which activation checkpointing needs.
-  [[noreturn]] void fail_checkpoint_needs_tensor_forward() const;
-
-  // Mixed precision: floating-point tensor arguments are cast to the unit's compute
-  // dtype; everything else passes through untouched.
-  template <class T>
-  static decltype(auto) cast_floating(T&& v, torch::Dtype) {
-    return std::forward<T>(v);
-  }
-  static torch::Tensor cast_floating(const torch::Tensor& t, torch::Dtype d) {
-    return t.defined() && t.is_floating_point() ? t.to(d) : t;
-  }
-  static torch::Tensor cast_floating(torch::Tensor& t, torch::Dtype d) {
-    return cast_floating(static_cast<const torch::Tensor&>(t), d);
-  }
-  static torch::Tensor cast_floating(torch::Tensor&& t, torch::Dtype d) {
-    return cast_floating(static_cast<const torch::Tensor&>(t), d);
-  }
-
-  // Collects the tensors in a forward's output so that pre-backward hooks can be set on
-  // them. Unknown types contribute nothing.
-  static void collect_tensors(const torch::Tensor& t, std::vector<torch::Tensor>& out) {
-    if (t.defined()) out.push_back(t);
-  }
-  static void collect_tensors(const std::vector<torch::Tensor>& ts,
-                              std::vector<torch::Tensor>& out) {
-    for (const auto& t : ts) collect_tensors(t, out);
-  }
-  template <class A, class B>
-  static void collect_tensors(const std::pair<A, B>& p, std::vector<torch::Tensor>& out) {
-    collect_tensors(p.first, out);
-    collect_tensors(p.second, out);
-  }
-  template <class... Ts>
-  static void collect_tensors(const std::tuple<Ts...>& t, std::vector<torch::Tensor>& out) {
-    std::apply([&](const auto&... e) { (collect_tensors(e, out), ...); }, t);
-  }
-  template <class T>
-  static void collect_tensors(const T&, std::vector<torch::Tensor>&) {}
-
-  /// Set by fully_shard under mixed precision: floating inputs are cast to this dtype.
-  std::optional<torch::Dtype> cast_inputs_;
-  /// Set on the root when MixedPrecision::output_dtype is given.
-  std::optional<torch::Dtype> cast_outputs_;
-  /// Set by fully_shard when the checkpoint policy picks this wrap point.
-  bool checkpoint_ = false;
-  /// This wrap point's clean FQN, for errors (set by fully_shard).
-  std::string fqn_;
+  /// Any other forward, before the call: refuses activation checkpointing (it needs
+  /// Tensor -> Tensor), gathers a unit's parameters. Returns the dtype floating inputs
+  /// are cast to under mixed precision, if any.
+  std::optional<torch::Dtype> before_forward();
+  /// After the call: casts a floating tensor output to the root's output dtype, if set.
+  torch::Tensor cast_output(torch::Tensor out) const;
+  /// After the call: sets the pre-backward hooks on a unit's outputs and frees it.
+  void after_forward(std::vector<torch::Tensor> outputs);
 
  private:
   friend struct EngineAccess;
-  std::shared_ptr<UnitCore> unit_;      ///< set when this wrap point is a unit
-  std::weak_ptr<ModelCore> model_;      ///< the engine, set with unit_
-  std::shared_ptr<ModelCore> runtime_;  ///< set on the root only; owns the engine
+  std::unique_ptr<detail::WrapPointState> state_;
 };
 
 /// A wrap point around module holder `M` (e.g. torch::nn::Linear or a TORCH_MODULE).
@@ -137,18 +142,15 @@ class FullyShardedModuleImpl : public WrapPointImpl {
                                 (torch::Tensor(std::forward<Args>(args)), ...));
     } else {
       if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
-      if (checkpointed() && torch::GradMode::is_enabled()) fail_checkpoint_needs_tensor_forward();
-      if (is_unit()) pre_forward();
-      auto out = cast_inputs_
-                     ? module_->forward(cast_floating(std::forward<Args>(args), *cast_inputs_)...)
-                     : module_->forward(std::forward<Args>(args)...);
-      if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>) {
-        if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
-      }
+      const std::optional<torch::Dtype> cast = before_forward();
+      auto out = cast ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast)...)
+                      : module_->forward(std::forward<Args>(args)...);
+      if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>)
+        out = cast_output(std::move(out));
       if (is_unit()) {
         std::vector<torch::Tensor> tensors;
-        collect_tensors(out, tensors);
-        post_forward(std::move(tensors));
+        detail::collect_tensors(out, tensors);
+        after_forward(std::move(tensors));
       }
       return out;
     }
@@ -269,11 +271,10 @@ Sharded<M> fully_shard(FullyShardedModule<M> root, const ShardingOptions& option
   return Sharded<M>(std::move(root), options);
 }
 
-/// A model is sharded once: sharding a sharded model again is an error.
+/// A model is sharded once: sharding a sharded model again does not compile. (A copy of
+/// its root wrap point, sliced from the handle, is refused at run time.)
 template <class M>
-Sharded<M> fully_shard(const Sharded<M>& model, const ShardingOptions& options = {}) {
-  return Sharded<M>(model, options);
-}
+Sharded<M> fully_shard(const Sharded<M>& model, const ShardingOptions& options = {}) = delete;
 
 /// Shards a torch::nn::Sequential with no change to its code: each entry becomes a wrap
 /// point (subject to the policy), keeping its name, so FQNs stay "0.weight", "1.bias", ...

@@ -13,6 +13,19 @@
 
 namespace fsdp {
 
+namespace detail {
+/// What a wrap point holds of the engine (the public header declares it opaque).
+struct WrapPointState {
+  std::shared_ptr<Unit> unit;                ///< set when this wrap point is a unit
+  std::weak_ptr<Runtime> model;              ///< the engine, set with unit
+  std::shared_ptr<Runtime> owner;            ///< set on the root only; owns the engine
+  std::optional<torch::Dtype> cast_inputs;   ///< mixed precision: floating inputs to this dtype
+  std::optional<torch::Dtype> cast_outputs;  ///< the root's MixedPrecision::output_dtype
+  bool checkpointed = false;                 ///< picked by the checkpoint policy
+  std::string fqn;                           ///< this wrap point's clean FQN, for errors
+};
+}  // namespace detail
+
 /// The engine's way into the public handles' private members (a friend of WrapPointImpl).
 struct EngineAccess {
   static detail::Unit* unit(const WrapPointImpl& wp);

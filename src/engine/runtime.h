@@ -15,12 +15,6 @@
 
 namespace fsdp {
 
-/// What the root wrap point holds (declared opaque in fsdp/fully_sharded_module.h).
-class ModelCore {
- public:
-  virtual ~ModelCore() = default;
-};
-
 namespace detail {
 
 /// Where an iteration is. kIdle -> kForward (a training forward of the root) ->
@@ -31,7 +25,7 @@ enum class Phase { kIdle, kForward, kBackward };
 
 const char* to_string(Phase s);
 
-class Runtime : public ModelCore, public std::enable_shared_from_this<Runtime> {
+class Runtime : public std::enable_shared_from_this<Runtime> {
  public:
   explicit Runtime(ShardingOptions options);
   /// Waits for what is still in flight before the units and their buffers go.

@@ -13,12 +13,6 @@
 
 namespace fsdp {
 
-/// What a wrap point holds (declared opaque in fsdp/fully_sharded_module.h).
-class UnitCore {
- public:
-  virtual ~UnitCore() = default;
-};
-
 namespace detail {
 
 /// Where a unit's full parameters are. Transitions: kSharded -> kGathering
@@ -32,7 +26,7 @@ enum class ShardedState {
 
 const char* to_string(ShardedState s);
 
-class Unit : public UnitCore {
+class Unit {
  public:
   /// `comm` is the model's communication context; it must outlive the unit's use
   /// (detach() forgets it).

@@ -4,44 +4,69 @@
 
 namespace fsdp {
 
-detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) {
-  return static_cast<detail::Unit*>(wp.unit_.get());
-}
+WrapPointImpl::WrapPointImpl(const std::string& name)
+    : torch::nn::Module(name), state_(std::make_unique<detail::WrapPointState>()) {}
+WrapPointImpl::~WrapPointImpl() = default;
+
+bool WrapPointImpl::is_unit() const { return state_->unit != nullptr; }
+bool WrapPointImpl::checkpointed() const { return state_->checkpointed; }
+
+detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) { return wp.state_->unit.get(); }
 void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) {
-  wp.unit_ = std::move(unit);
+  wp.state_->unit = std::move(unit);
 }
 void EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
                                bool owner) {
-  wp.model_ = runtime;
-  if (owner) wp.runtime_ = runtime;
+  wp.state_->model = runtime;
+  if (owner) wp.state_->owner = runtime;
 }
 detail::Runtime& EngineAccess::runtime(const WrapPointImpl& wp) {
-  auto model = wp.model_.lock();
+  auto model = wp.state_->model.lock();
   TORCH_CHECK(model != nullptr, "FSDP unit ", unit(wp)->display_name(),
               ": the sharded model it belonged to has been destroyed; keep the handle "
               "fully_shard() returned alive while its modules are used");
-  // The root's runtime_ (or the caller's handle) keeps it alive beyond this call.
-  return *static_cast<detail::Runtime*>(model.get());
+  // The root's owner (or the caller's handle) keeps it alive beyond this call.
+  return *model;
 }
 void EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
                              std::optional<torch::Dtype> outputs) {
-  wp.cast_inputs_ = inputs;
-  wp.cast_outputs_ = outputs;
+  wp.state_->cast_inputs = inputs;
+  wp.state_->cast_outputs = outputs;
 }
 void EngineAccess::set_checkpointed(WrapPointImpl& wp, const std::string& fqn) {
-  wp.checkpoint_ = true;
-  wp.fqn_ = fqn;
+  wp.state_->checkpointed = true;
+  wp.state_->fqn = fqn;
 }
 detail::Runtime& EngineAccess::runtime(const ShardedModel& model) {
-  return *static_cast<detail::Runtime*>(model.root().runtime_.get());
+  return *model.root().state_->owner;
 }
 
-void WrapPointImpl::pre_forward() {
-  EngineAccess::runtime(*this).pre_forward(*EngineAccess::unit(*this));
+namespace {
+void pre_forward(WrapPointImpl& wp) {
+  EngineAccess::runtime(wp).pre_forward(*EngineAccess::unit(wp));
+}
+void post_forward(WrapPointImpl& wp, std::vector<torch::Tensor> outputs) {
+  EngineAccess::runtime(wp).post_forward(*EngineAccess::unit(wp), outputs);
+}
+}  // namespace
+
+std::optional<torch::Dtype> WrapPointImpl::before_forward() {
+  TORCH_CHECK(!(checkpointed() && torch::GradMode::is_enabled()),
+              "ShardingOptions::checkpoint_policy picked wrap point '", state_->fqn,
+              "', whose forward is not Tensor -> Tensor; activation checkpointing here recomputes "
+              "a forward of one tensor to one tensor. Leave it out of the policy (e.g. "
+              "predicate_policy), or call fsdp::checkpoint inside its forward.");
+  if (is_unit()) pre_forward(*this);
+  return state_->cast_inputs;
 }
 
-void WrapPointImpl::post_forward(std::vector<torch::Tensor> outputs) {
-  EngineAccess::runtime(*this).post_forward(*EngineAccess::unit(*this), outputs);
+torch::Tensor WrapPointImpl::cast_output(torch::Tensor out) const {
+  const auto& to = state_->cast_outputs;
+  return to && out.defined() && out.is_floating_point() ? out.to(*to) : out;
+}
+
+void WrapPointImpl::after_forward(std::vector<torch::Tensor> outputs) {
+  if (is_unit()) post_forward(*this, std::move(outputs));
 }
 
 ShardedModel::ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOptions& options)
@@ -115,20 +140,13 @@ torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
 torch::Tensor WrapPointImpl::run_tensor_forward(
     const std::function<torch::Tensor(const torch::Tensor&)>& fn, torch::Tensor x) {
   if (!is_unit() && !checkpointed()) return fn(x);
-  if (is_unit()) pre_forward();
-  if (cast_inputs_) x = cast_floating(x, *cast_inputs_);
+  if (is_unit()) pre_forward(*this);
+  if (state_->cast_inputs) x = detail::cast_floating(x, *state_->cast_inputs);
   torch::Tensor out =
       checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
-  if (cast_outputs_ && out.defined() && out.is_floating_point()) out = out.to(*cast_outputs_);
-  if (is_unit()) post_forward({out});
+  out = cast_output(std::move(out));
+  if (is_unit()) post_forward(*this, {out});
   return out;
-}
-
-void WrapPointImpl::fail_checkpoint_needs_tensor_forward() const {
-  TORCH_CHECK(false, "ShardingOptions::checkpoint_policy picked wrap point '", fqn_,
-              "', whose forward is not Tensor -> Tensor; activation checkpointing here recomputes "
-              "a forward of one tensor to one tensor. Leave it out of the policy (e.g. "
-              "predicate_policy), or call fsdp::checkpoint inside its forward.");
 }
 
 namespace detail {
