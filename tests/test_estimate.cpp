@@ -13,9 +13,11 @@
 
 #include <nlohmann/json.hpp>
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
+#include "../src/tools/gpt_units.h"         // the GPT example's units, as fsdp-estimate counts them
 
 using namespace fsdp;
 using namespace fsdp::testing;
+using fsdp::tools::gpt_unit_params;
 
 namespace {
 
@@ -39,14 +41,25 @@ struct Scenario {
   }
 };
 
+ShardingStrategy strategy_of(const Scenario& run) {
+  if (run.strategy == "grad_op") return ShardingStrategy::kShardGradOp;
+  if (run.strategy == "none") return ShardingStrategy::kNoShard;
+  if (run.strategy == "hybrid") return ShardingStrategy::kHybridShard;
+  return ShardingStrategy::kFullShard;
+}
+
+Precision precision_of(const Scenario& run) {
+  if (run.precision == "bf16") return Precision::kBf16;
+  if (run.precision == "fp16") return Precision::kFp16;
+  return Precision::kFp32;
+}
+
 ShardingOptions options_for(const Scenario& run, const ProcessGroup& pg) {
   ShardingOptions o;
   o.process_group = pg;
   o.cpu_offload = run.offload;
   o.hybrid_group_size = run.hybrid_group_size;
-  if (run.strategy == "grad_op") o.strategy = ShardingStrategy::kShardGradOp;
-  if (run.strategy == "none") o.strategy = ShardingStrategy::kNoShard;
-  if (run.strategy == "hybrid") o.strategy = ShardingStrategy::kHybridShard;
+  o.strategy = strategy_of(run);
   if (run.precision != "fp32") {
     const auto dt = run.precision == "bf16" ? torch::kBFloat16 : torch::kHalf;
     o.mixed_precision.param_dtype = dt;
@@ -59,9 +72,9 @@ EstimateInput input_for(const Scenario& run, const gpt::Config& cfg, int world) 
   EstimateInput in;
   in.unit_params = gpt_unit_params(cfg.n_layer, cfg.d_model, cfg.block_size, cfg.vocab_size);
   in.world_size = world;
-  in.strategy = run.strategy;
+  in.strategy = strategy_of(run);
   in.hybrid_group_size = run.hybrid_group_size;
-  in.precision = run.precision;
+  in.precision = precision_of(run);
   in.cpu_offload = run.offload;
   return in;
 }
@@ -145,7 +158,7 @@ TEST(EstimateRules, HandWorkedFigures) {
   EstimateInput in;
   in.unit_params = {10, 100, 100, 50};  // root, then three units
   in.world_size = 4;
-  in.precision = "bf16";
+  in.precision = Precision::kBf16;
   auto est = estimate_memory(in);
   // Padded to 12, 100, 100, 52; shards 3 + 25 + 25 + 13 = 66 elements.
   EXPECT_EQ(est.term("parameters").device_bytes, 66 * 4);
@@ -158,23 +171,25 @@ TEST(EstimateRules, HandWorkedFigures) {
   EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2 + 25 * 2);
   EXPECT_EQ(est.host_total(), 0);
 
-  in.strategy = "grad_op";  // every unit gathered from forward on: no prefetch in backward
+  in.strategy = ShardingStrategy::kShardGradOp;  // every unit gathered from forward on: no prefetch
+                                                 // in backward
   est = estimate_memory(in);
   EXPECT_EQ(est.term("gathered_units").device_bytes, (12 + 100 + 100 + 52) * 2);
   EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);
-  in.strategy = "hybrid";
+  in.strategy = ShardingStrategy::kHybridShard;
   in.hybrid_group_size = 2;  // padded 10, 100, 100, 50; shards 5 + 50 + 50 + 25
   EXPECT_EQ(estimate_memory(in).term("parameters").device_bytes, 130 * 4);
   EXPECT_EQ(estimate_memory(in).shard_group_size, 2);
-  in.strategy = "none";
-  in.precision = "fp32";  // a group of one in fp32 computes on the shard: nothing gathered
+  in.strategy = ShardingStrategy::kNoShard;
+  in.precision =
+      Precision::kFp32;  // a group of one in fp32 computes on the shard: nothing gathered
   est = estimate_memory(in);
   EXPECT_EQ(est.term("parameters").device_bytes, 260 * 4);
   EXPECT_EQ(est.term("gathered_units").device_bytes, 0);
   EXPECT_EQ(est.term("comm_buffers").device_bytes, (10 + 100 + 100) * 4);  // world 4: still reduced
 
-  in.strategy = "full";
-  in.precision = "bf16";
+  in.strategy = ShardingStrategy::kFullShard;
+  in.precision = Precision::kBf16;
   in.cpu_offload = true;
   est = estimate_memory(in);
   EXPECT_EQ(est.term("optimizer_state").host_bytes, 66 * 8);
@@ -191,11 +206,9 @@ TEST(EstimateRules, HandWorkedFigures) {
 
 TEST(EstimateRules, ActivationCheckpointingKeepsBlockInputsAndOneBlock) {
   EstimateInput in;
-  in.n_layer = 4;
-  in.n_head = 2;
-  in.d_model = 64;
-  in.block_size = 32;
-  in.micro_batch = 3;
+  in.activations = {/*n_layer=*/4,      /*n_head=*/2,
+                    /*d_model=*/64,     /*block_size=*/32,
+                    /*vocab_size=*/256, /*micro_batch=*/3};
   in.unit_params = gpt_unit_params(4, 64, 32);
   const int64_t sbh = 32 * 3 * 64, logits = 2 * 32 * 3 * 256 * 4;
   const int64_t block = sbh * (34 + 5 * 2 * 32 / 64);  // fp32: twice the 2-byte figure / 2
@@ -222,14 +235,12 @@ EstimateInput shape_input() {
   EstimateInput in;
   in.unit_params = gpt_unit_params(24, 2048, 1024);
   in.world_size = 8;
-  in.precision = "bf16";
+  in.precision = Precision::kBf16;
   in.cpu_offload = true;
   in.activation_checkpointing = true;
-  in.n_layer = 24;
-  in.n_head = 16;
-  in.d_model = 2048;
-  in.block_size = 1024;
-  in.micro_batch = 4;
+  in.activations = {/*n_layer=*/24,     /*n_head=*/16,
+                    /*d_model=*/2048,   /*block_size=*/1024,
+                    /*vocab_size=*/256, /*micro_batch=*/4};
   return in;
 }
 

@@ -6,29 +6,47 @@
 // cpu_offload moving the model state to the host. Plain C++; no LibTorch needed, so the tool starts
 // at once.
 
+#include <fsdp/strategy.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace fsdp {
 
+/// The dtype of gathered parameters and reduced gradients (MixedPrecision::param_dtype
+/// and reduce_dtype); the shards and the optimizer stay fp32 either way.
+enum class Precision { kFp32, kBf16, kFp16 };
+
+/// "fp32", "bf16" or "fp16".
+const char* to_string(Precision p);
+
+/// A decoder-only transformer of GPT-2-style blocks (attention, then a 4x MLP), for the
+/// rough activation term. n_layer == 0 or micro_batch == 0: no activation estimate.
+struct TransformerShape {
+  int64_t n_layer = 0;      ///< blocks
+  int64_t n_head = 0;       ///< attention heads
+  int64_t d_model = 0;      ///< width
+  int64_t block_size = 0;   ///< sequence length, in tokens
+  int64_t vocab_size = 0;   ///< the logits' width
+  int64_t micro_batch = 0;  ///< sequences per rank per micro-batch
+};
+
 /// What the estimate needs to know about a run.
 struct EstimateInput {
   /// Trainable parameters per unit, root unit first (the engine's flat parameters, in
   /// unit order). A unit with none (e.g. an empty root) is 0.
   std::vector<int64_t> unit_params;
-  int world_size = 1;             ///< ranks in the job
-  std::string strategy = "full";  ///< full | grad_op | none | hybrid (ShardingStrategy)
-  int hybrid_group_size = 0;      ///< hybrid: ranks per shard group (0: the world)
-  /// fp32 | bf16 | fp16: MixedPrecision::param_dtype and reduce_dtype (as train_gpt sets
-  /// them); the shards and the optimizer stay fp32 either way.
-  std::string precision = "fp32";
-  bool cpu_offload = false;               ///< ShardingOptions::cpu_offload
-  bool activation_checkpointing = false;  ///< every block checkpointed
-  int max_gathered_units = 2;             ///< ShardingOptions::max_gathered_units
-  /// Activations: a GPT's shape (docs/design.md, "Contracts") and the per-rank micro-batch in
-  /// sequences. n_layer == 0 or micro_batch == 0: no activation estimate (e.g. --params).
-  int64_t n_layer = 0, n_head = 0, d_model = 0, block_size = 0, vocab_size = 256, micro_batch = 0;
+  int world_size = 1;                                        ///< ranks in the job
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;  ///< ShardingOptions::strategy
+  int hybrid_group_size = 0;               ///< kHybridShard: ranks per shard group (0: the world)
+  Precision precision = Precision::kFp32;  ///< gathered parameters and reduced gradients
+  bool cpu_offload = false;                ///< ShardingOptions::cpu_offload
+  bool activation_checkpointing = false;   ///< every block checkpointed
+  int max_gathered_units = 2;              ///< ShardingOptions::max_gathered_units
+  /// The model's shape and micro-batch, for activations (none by default, e.g. for a
+  /// bare parameter count).
+  TransformerShape activations;
 };
 
 /// One term of the estimate, per rank.
@@ -58,11 +76,6 @@ struct MemoryEstimate {
   /// The term with this key (throws std::invalid_argument if none).
   const MemoryTerm& term(const std::string& key) const;
 };
-
-/// Trainable parameters per unit of the GPT (docs/design.md, "Contracts") wrapped per block
-/// (wrap=block): the root unit (wte, wpe, ln_f, lm_head) first, then one per block.
-std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, int64_t block_size,
-                                     int64_t vocab_size = 256);
 
 /// Validates `in` (throws std::invalid_argument naming the value and the fix) and
 /// estimates the per-rank memory.

@@ -2,6 +2,7 @@
 // Options for fully_shard, as plain structs with their defaults.
 
 #include <fsdp/process_group.h>
+#include <fsdp/strategy.h>
 #include <fsdp/wrap_policy.h>
 
 #include <torch/torch.h>
@@ -9,14 +10,6 @@
 #include <optional>
 
 namespace fsdp {
-
-/// How parameters, gradients and optimizer state are split over ranks.
-enum class ShardingStrategy {
-  kFullShard,    ///< ZeRO-3: parameters gathered for forward, freed, gathered again for backward
-  kShardGradOp,  ///< ZeRO-2: parameters stay gathered from forward through backward
-  kNoShard,      ///< data parallel: parameters replicated, gradients all-reduced
-  kHybridShard,  ///< FULL_SHARD inside groups of `hybrid_group_size`, replicated across groups
-};
 
 /// Mixed precision over fp32 master weights. The shards, and the optimizer, stay fp32.
 struct MixedPrecision {

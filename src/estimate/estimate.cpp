@@ -17,25 +17,37 @@ int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
 // Ranks each flat parameter is split over (src/engine/fully_shard.cpp: FULL_SHARD and
 // SHARD_GRAD_OP shard over the world, HYBRID_SHARD within groups, NO_SHARD not at all).
 int shard_group_size(const EstimateInput& in) {
-  if (in.strategy == "full" || in.strategy == "grad_op") return in.world_size;
-  if (in.strategy == "none") return 1;
-  if (in.strategy == "hybrid") {
-    const int g = in.hybrid_group_size == 0 ? in.world_size : in.hybrid_group_size;
-    if (g < 1 || in.world_size % g != 0) {
-      bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) +
-          " is invalid; it must divide the world size " + std::to_string(in.world_size) +
-          " (e.g. the ranks per node), or be 0 for the whole world");
+  switch (in.strategy) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      return in.world_size;
+    case ShardingStrategy::kNoShard:
+      return 1;
+    case ShardingStrategy::kHybridShard: {
+      const int g = in.hybrid_group_size == 0 ? in.world_size : in.hybrid_group_size;
+      if (g < 1 || in.world_size % g != 0) {
+        bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) +
+            " is invalid; it must divide the world size " + std::to_string(in.world_size) +
+            " (e.g. the ranks per node), or be 0 for the whole world");
+      }
+      return g;
     }
-    return g;
   }
-  bad("--strategy '" + in.strategy + "' is unknown; use full, grad_op, none or hybrid");
+  bad("strategy " + std::to_string(static_cast<int>(in.strategy)) +
+      " is not a ShardingStrategy; use one of its enumerators");
 }
 
 // Bytes per element of the gathered parameters and reduced gradients.
-int64_t precision_bytes(const std::string& precision) {
-  if (precision == "fp32") return 4;
-  if (precision == "bf16" || precision == "fp16") return 2;
-  bad("--precision '" + precision + "' is unknown; use fp32, bf16 or fp16");
+int64_t precision_bytes(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32:
+      return 4;
+    case Precision::kBf16:
+    case Precision::kFp16:
+      return 2;
+  }
+  bad("precision " + std::to_string(static_cast<int>(precision)) +
+      " is not a Precision; use one of its enumerators");
 }
 
 void require_positive(const char* flag, int64_t v) {
@@ -57,18 +69,19 @@ void validate(const EstimateInput& in) {
     bad("--max-gathered-units " + std::to_string(in.max_gathered_units) +
         " is invalid; it must be at least 1 (the unit that computes)");
   }
-  if (in.n_layer > 0) {
-    require_positive("--n-head", in.n_head);
-    require_positive("--d-model", in.d_model);
-    require_positive("--block-size", in.block_size);
-    require_positive("--vocab-size", in.vocab_size);
-    if (in.d_model % in.n_head != 0) {
-      bad("--d-model " + std::to_string(in.d_model) + " is not divisible by --n-head " +
-          std::to_string(in.n_head) + "; pick a width that is a multiple of the head count");
+  const TransformerShape& a = in.activations;
+  if (a.n_layer > 0) {
+    require_positive("--n-head", a.n_head);
+    require_positive("--d-model", a.d_model);
+    require_positive("--block-size", a.block_size);
+    require_positive("--vocab-size", a.vocab_size);
+    if (a.d_model % a.n_head != 0) {
+      bad("--d-model " + std::to_string(a.d_model) + " is not divisible by --n-head " +
+          std::to_string(a.n_head) + "; pick a width that is a multiple of the head count");
     }
   }
-  if (in.micro_batch < 0)
-    bad("--micro-batch " + std::to_string(in.micro_batch) + " is invalid; it must not be negative");
+  if (a.micro_batch < 0)
+    bad("--micro-batch " + std::to_string(a.micro_batch) + " is invalid; it must not be negative");
 }
 
 // The unit sizes the engine allocates with, per rank.
@@ -121,12 +134,14 @@ bool direct_grads(const EstimateInput& in, int group, int64_t elem) {
 // most max_gathered_units non-root units gathered, the computing one included.
 int64_t gathered_elems(const EstimateInput& in, const Layout& l, int64_t elem) {
   if (aliased(in, l.group, elem)) return 0;
-  if (in.strategy == "grad_op" || in.strategy == "none") return sum(l.padded);
+  if (in.strategy == ShardingStrategy::kShardGradOp || in.strategy == ShardingStrategy::kNoShard)
+    return sum(l.padded);
   return l.padded[0] + largest_non_root(l.padded, in.max_gathered_units);
 }
 
 bool reshards_after_forward(const EstimateInput& in) {
-  return in.strategy == "full" || in.strategy == "hybrid";
+  return in.strategy == ShardingStrategy::kFullShard ||
+         in.strategy == ShardingStrategy::kHybridShard;
 }
 
 // Shard elements whose gathers can be in flight at once (FlatParam::gather holds a
@@ -182,16 +197,17 @@ int64_t offload_host_bytes(const Layout& l) {
 // With checkpointing every block keeps only its input, and one block is recomputed at a
 // time. Plus the logits and their gradient in fp32 (s*b*V*4 each).
 int64_t activation_bytes(const EstimateInput& in, int64_t elem) {
-  if (in.n_layer == 0 || in.micro_batch == 0) return 0;
-  const double s = static_cast<double>(in.block_size), b = static_cast<double>(in.micro_batch);
-  const double h = static_cast<double>(in.d_model), a = static_cast<double>(in.n_head);
+  const TransformerShape& m = in.activations;
+  if (m.n_layer == 0 || m.micro_batch == 0) return 0;
+  const double s = static_cast<double>(m.block_size), b = static_cast<double>(m.micro_batch);
+  const double h = static_cast<double>(m.d_model), a = static_cast<double>(m.n_head);
   const double scale = static_cast<double>(elem) / 2.0;
   const double per_block = s * b * h * (34.0 + 5.0 * a * s / h) * scale;
   const double block_input = s * b * h * static_cast<double>(elem);
-  const double layers = static_cast<double>(in.n_layer);
+  const double layers = static_cast<double>(m.n_layer);
   const double blocks =
       in.activation_checkpointing ? layers * block_input + per_block : layers * per_block;
-  const double logits = 2.0 * s * b * static_cast<double>(in.vocab_size) * 4.0;
+  const double logits = 2.0 * s * b * static_cast<double>(m.vocab_size) * 4.0;
   return static_cast<int64_t>(blocks + logits);
 }
 
@@ -236,17 +252,16 @@ const MemoryTerm& MemoryEstimate::term(const std::string& key) const {
   throw std::invalid_argument("no memory term '" + key + "'");
 }
 
-std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, int64_t block_size,
-                                     int64_t vocab_size) {
-  const int64_t d = d_model;
-  // Root: wte (V x d), wpe (block x d), ln_f (2d), lm_head (d x V, no bias).
-  std::vector<int64_t> units = {vocab_size * d + block_size * d + 2 * d + d * vocab_size};
-  // Block: ln1, ln2 (2d each), qkv (d x 3d + 3d), attn.proj (d x d + d), fc (d x 4d + 4d),
-  // mlp.proj (4d x d + d).
-  const int64_t block =
-      4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-  for (int64_t i = 0; i < n_layer; ++i) units.push_back(block);
-  return units;
+const char* to_string(Precision p) {
+  switch (p) {
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
+  }
+  return "unknown";
 }
 
 MemoryEstimate estimate_memory(const EstimateInput& in) {
@@ -271,7 +286,8 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)",
                                   8 * shard_elems, in.cpu_offload));
 
-  est.terms.push_back({"gathered_units", "gathered units (" + in.precision + ")", "bound",
+  est.terms.push_back({"gathered_units",
+                       std::string("gathered units (") + to_string(in.precision) + ")", "bound",
                        gathered_elems(in, l, elem) * elem, 0});
   est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound",
                        comm_buffer_bytes(in, l, elem), 0});
@@ -280,8 +296,8 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
                          offload_device_bytes(in, l, elem), offload_host_bytes(l)});
   }
   std::string act_label = "activations";
-  if (in.n_layer == 0 || in.micro_batch == 0) {
-    act_label += " (needs a GPT shape)";
+  if (in.activations.n_layer == 0 || in.activations.micro_batch == 0) {
+    act_label += " (no model shape given)";
   } else if (in.activation_checkpointing) {
     act_label += " (checkpointed)";
   }

@@ -11,6 +11,7 @@
 #include <fsdp/estimate.h>
 #include <fsdp/version.h>
 
+#include "gpt_units.h"
 #include "tool_main.h"
 
 #include <cxxopts.hpp>
@@ -91,6 +92,39 @@ cxxopts::Options make_options() {
   return o;
 }
 
+// The names --strategy and --precision take, and what they mean.
+struct StrategyName {
+  const char* name;
+  fsdp::ShardingStrategy strategy;
+};
+constexpr StrategyName kStrategies[] = {{"full", fsdp::ShardingStrategy::kFullShard},
+                                        {"grad_op", fsdp::ShardingStrategy::kShardGradOp},
+                                        {"none", fsdp::ShardingStrategy::kNoShard},
+                                        {"hybrid", fsdp::ShardingStrategy::kHybridShard}};
+constexpr fsdp::Precision kPrecisions[] = {fsdp::Precision::kFp32, fsdp::Precision::kBf16,
+                                           fsdp::Precision::kFp16};
+
+fsdp::ShardingStrategy parse_strategy(const std::string& text) {
+  for (const auto& s : kStrategies) {
+    if (text == s.name) return s.strategy;
+  }
+  bad_input("--strategy '" + text + "' is unknown; use full, grad_op, none or hybrid");
+}
+
+const char* strategy_name(fsdp::ShardingStrategy strategy) {
+  for (const auto& s : kStrategies) {
+    if (s.strategy == strategy) return s.name;
+  }
+  return "unknown";
+}
+
+fsdp::Precision parse_precision(const std::string& text) {
+  for (fsdp::Precision p : kPrecisions) {
+    if (text == fsdp::to_string(p)) return p;
+  }
+  bad_input("--precision '" + text + "' is unknown; use fp32, bf16 or fp16");
+}
+
 // --params: a count such as 1300000000 or 1.3e9, read here rather than by cxxopts so that
 // the error names the flag.
 int64_t parse_count(const std::string& text) {
@@ -122,21 +156,22 @@ void read_model(const cxxopts::ParseResult& r, fsdp::EstimateInput& in) {
     }
     if (r.count("units"))
       bad_input("--units applies to --params only; a GPT shape has one unit per block");
-    in.n_layer = r["n-layer"].as<int64_t>();
-    in.n_head = r["n-head"].as<int64_t>();
-    in.d_model = r["d-model"].as<int64_t>();
-    in.block_size = r["block-size"].as<int64_t>();
-    in.vocab_size = r["vocab-size"].as<int64_t>();
-    in.micro_batch = r["micro-batch"].as<int64_t>();
-    if (in.n_layer <= 0)
-      bad_input("--n-layer " + std::to_string(in.n_layer) + " is invalid; it must be positive");
-    if (in.micro_batch <= 0)
-      bad_input("--micro-batch " + std::to_string(in.micro_batch) +
+    fsdp::TransformerShape& m = in.activations;
+    m.n_layer = r["n-layer"].as<int64_t>();
+    m.n_head = r["n-head"].as<int64_t>();
+    m.d_model = r["d-model"].as<int64_t>();
+    m.block_size = r["block-size"].as<int64_t>();
+    m.vocab_size = r["vocab-size"].as<int64_t>();
+    m.micro_batch = r["micro-batch"].as<int64_t>();
+    if (m.n_layer <= 0)
+      bad_input("--n-layer " + std::to_string(m.n_layer) + " is invalid; it must be positive");
+    if (m.micro_batch <= 0)
+      bad_input("--micro-batch " + std::to_string(m.micro_batch) +
                 " is invalid; it must be positive");
     // Shape errors (d_model % n_head, ...) are estimate_memory's, in the same words.
-    in.unit_params = fsdp::gpt_unit_params(in.n_layer, std::max<int64_t>(in.d_model, 0),
-                                           std::max<int64_t>(in.block_size, 0),
-                                           std::max<int64_t>(in.vocab_size, 0));
+    in.unit_params = fsdp::tools::gpt_unit_params(m.n_layer, std::max<int64_t>(m.d_model, 0),
+                                                  std::max<int64_t>(m.block_size, 0),
+                                                  std::max<int64_t>(m.vocab_size, 0));
     return;
   }
   if (!r.count("params"))
@@ -160,12 +195,12 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   fsdp::EstimateInput in;
   read_model(r, in);
   in.world_size = r["world-size"].as<int>();
-  in.strategy = r["strategy"].as<std::string>();
+  in.strategy = parse_strategy(r["strategy"].as<std::string>());
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
-  if (r.count("hybrid-group-size") && in.strategy != "hybrid") {
+  if (r.count("hybrid-group-size") && in.strategy != fsdp::ShardingStrategy::kHybridShard) {
     bad_input("--hybrid-group-size applies to --strategy hybrid only");
   }
-  in.precision = r["precision"].as<std::string>();
+  in.precision = parse_precision(r["precision"].as<std::string>());
   in.cpu_offload = r.count("cpu-offload") > 0;
   in.activation_checkpointing = r.count("activation-checkpointing") > 0;
   in.max_gathered_units = r["max-gathered-units"].as<int>();
@@ -177,13 +212,13 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) 
                       {"largest_unit_params", est.largest_unit_params},
                       {"units", in.unit_params},
                       {"world_size", in.world_size},
-                      {"strategy", in.strategy},
+                      {"strategy", strategy_name(in.strategy)},
                       {"shard_group_size", est.shard_group_size},
-                      {"precision", in.precision},
+                      {"precision", fsdp::to_string(in.precision)},
                       {"cpu_offload", in.cpu_offload},
                       {"activation_checkpointing", in.activation_checkpointing},
                       {"max_gathered_units", in.max_gathered_units},
-                      {"micro_batch", in.micro_batch},
+                      {"micro_batch", in.activations.micro_batch},
                       {"device_total_bytes", est.device_total()},
                       {"host_total_bytes", est.host_total()},
                       {"model_states_device_bytes", est.model_states_device()},
@@ -201,16 +236,19 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) 
 
 void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
   const size_t units = in.unit_params.size();
+  const fsdp::TransformerShape& m = in.activations;
   const std::string model =
-      in.n_layer > 0
-          ? "GPT " + std::to_string(in.n_layer) + " x " + std::to_string(in.d_model) + ": " +
+      m.n_layer > 0
+          ? "GPT " + std::to_string(m.n_layer) + " x " + std::to_string(m.d_model) + ": " +
                 std::to_string(units - 1) + " blocks + root; micro-batch " +
-                std::to_string(in.micro_batch) + " x " + std::to_string(in.block_size) + " tokens"
+                std::to_string(m.micro_batch) + " x " + std::to_string(m.block_size) + " tokens"
           : std::to_string(units - 1) + " equal units + empty root";
+  const char* strategy = strategy_name(in.strategy);
+  const char* precision = fsdp::to_string(in.precision);
   std::printf(
       "Per-rank memory: %s parameters (%s), world size %d, strategy %s (shard group %d), %s%s%s\n",
-      millions(est.total_params).c_str(), model.c_str(), in.world_size, in.strategy.c_str(),
-      est.shard_group_size, in.precision.c_str(), in.cpu_offload ? ", CPU offload" : "",
+      millions(est.total_params).c_str(), model.c_str(), in.world_size, strategy,
+      est.shard_group_size, precision, in.cpu_offload ? ", CPU offload" : "",
       in.activation_checkpointing ? ", activation checkpointing" : "");
   std::printf("  %-34s %-6s %14s %14s\n", "term", "basis", "device", "host");
   for (const auto& t : est.terms) {
@@ -228,7 +266,7 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
   std::printf("  per CPU (rank) |    per GPU |   Options\n");
   std::printf("  %14s | %10s | offload_optimizer=%s, strategy=%s, precision=%s\n",
               human(est.model_states_host()).c_str(), human(est.model_states_device()).c_str(),
-              in.cpu_offload ? "cpu" : "none", in.strategy.c_str(), in.precision.c_str());
+              in.cpu_offload ? "cpu" : "none", strategy, precision);
 }
 
 int run(int argc, char** argv) {
