@@ -32,8 +32,11 @@ if [ "${1:-}" = --plot-only ]; then
   exec /usr/bin/python3 tests/interop/compare_fsdp.py plot "$2" "${3:-$(dirname "$2")}"
 fi
 B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/in-debian13.sh
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$B" -j2 --target train_gpt fsdp-run
+. scripts/lib/python-env.sh
+. scripts/lib/build.sh
+fsdp_torch_setup
+fsdp_configure "$([ -n "${FSDP_IN_DEBIAN13:-}" ] && echo debian13 || echo release)" "$B" >/dev/null
+fsdp_build "$B" --target train_gpt fsdp-run
 mkdir -p "$B/bench"
 echo "== train_gpt vs PyTorch FSDP1 ($(/usr/bin/python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no python3-torch'))"
 exec /usr/bin/python3 tests/interop/compare_fsdp.py bench --bin-dir "$B/bin" --out "$B/bench/vs_pytorch" \

@@ -74,13 +74,13 @@ if [ "$ROOT_ONLY" = 0 ]; then
   mkdir -p "$BUILD"
   rm -f "$BUILD"/*.deb
   # Prefix /usr: GNUInstallDirs then picks Debian's multiarch libdir (lib/x86_64-linux-gnu).
-  PACKAGE_CMD="set -e; GEN=(); command -v ninja >/dev/null && [ ! -f '$BUILD/CMakeCache.txt' ] && GEN=(-G Ninja)
-    echo '[deb-check] configuring $BUILD'
-    cmake -S '$PROJECT' -B '$BUILD' \"\${GEN[@]}\" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=/usr -DFSDP_BUILD_TESTS=OFF \
-      -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_BUILD_BENCHMARKS=OFF -DFSDP_INSTALL=ON >'$BUILD/deb-check-configure.log' 2>&1 ||
+  # The preset "deb" of CMakePresets.json: prefix /usr, library and tools only.
+  PACKAGE_CMD="set -e; cd '$PROJECT'
+    echo '[deb-check] configuring $BUILD (cmake --preset deb)'
+    cmake --preset deb -B '$BUILD' >'$BUILD/deb-check-configure.log' 2>&1 ||
       { tail -30 '$BUILD/deb-check-configure.log' >&2; exit 1; }
-    echo '[deb-check] building (cmake --build -j${FSDP_JOBS:-2})'
-    cmake --build '$BUILD' -j${FSDP_JOBS:-2} >'$BUILD/deb-check-build.log' 2>&1 || { tail -30 '$BUILD/deb-check-build.log' >&2; exit 1; }
+    echo '[deb-check] building (cmake --build -j${FSDP_JOBS:-$(nproc)})'
+    cmake --build '$BUILD' -j${FSDP_JOBS:-$(nproc)} >'$BUILD/deb-check-build.log' 2>&1 || { tail -30 '$BUILD/deb-check-build.log' >&2; exit 1; }
     echo '[deb-check] cpack -G DEB'
     cd '$BUILD' && cpack -G DEB >'$BUILD/deb-check-cpack.log' 2>&1 || { tail -30 '$BUILD/deb-check-cpack.log' >&2; exit 1; }"
   if [ "$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")" = trixie ] && dpkg -s libtorch-dev >/dev/null 2>&1; then

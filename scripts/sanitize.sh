@@ -22,19 +22,18 @@ if [ "${1:-}" = "--engine-and-checkpoint" ]; then
            test_reshard_plan)
   labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
 fi
-# -O1 with line tables: what the sanitizers' documentation advises (readable reports,
-# modest slowdown), and faster to compile than -O2 with full debug information.
-# The LibTorch and Python of scripts/test.sh (scripts/lib/python-env.sh).
+# The preset "sanitize" (CMakePresets.json: -O1 with line tables), with the LibTorch and
+# Python of scripts/test.sh (scripts/lib/python-env.sh).
 . scripts/lib/python-env.sh
+. scripts/lib/build.sh
 fsdp_torch_setup
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DFSDP_SANITIZE=ON "${TORCH_CMAKE_ARGS[@]}" >/dev/null
+fsdp_configure sanitize "$B" >/dev/null
 if [ ${#targets[@]} -gt 0 ]; then
-  cmake --build "$B" -j2 --target "${targets[@]}"
+  fsdp_build "$B" --target "${targets[@]}"
 else
-  cmake --build "$B" -j2
+  fsdp_build "$B"
 fi
 # Every child process (ranks, tools) inherits these through the environment.
 export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
-ctest --test-dir "$B" --output-on-failure -j2 -E '^Consumer\.' "${labels[@]}" "$@"
+fsdp_ctest "$B" -E '^Consumer\.' "${labels[@]}" "$@"

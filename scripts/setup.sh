@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
 ./scripts/install-deps.sh
 . scripts/lib/python-env.sh
+. scripts/lib/build.sh
 fsdp_torch_setup
 echo "[setup] configuring and building (the first build takes about 25 minutes on 2 cores)"
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release "${TORCH_CMAKE_ARGS[@]}" | grep -E '^-- fsdp:|Warning|Error' || true
-cmake --build "$B" -j2
+fsdp_configure release "$B" | grep -E '^-- fsdp:|Warning|Error' || true
+fsdp_build "$B"
 ./scripts/demo.sh

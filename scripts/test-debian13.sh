@@ -30,9 +30,10 @@ B="${FSDP_BUILD_DIR:-build-debian13}"
 BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_mixed_precision test_memory_comm
           test_fused_adamw test_checkpoint test_safetensors)
 . scripts/lib/python-env.sh
+. scripts/lib/build.sh
 fsdp_torch_setup
-cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_BENCHMARKS=OFF "${TORCH_CMAKE_ARGS[@]}"
+fsdp_configure debian13 "$B"
 # With the programs the tests run (test_examples and test_checkpoint depend on most).
-cmake --build "$B" -j2 --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
-ctest --test-dir "$B" --output-on-failure --no-tests=error -j2 -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
-ctest --test-dir "$B" --output-on-failure --no-tests=error -R '^TrainGpt\.TorchrunGivesTheSameLossesAsFsdpRun$' "$@"
+fsdp_build "$B" --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
+fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
+fsdp_ctest "$B" --no-tests=error -R '^TrainGpt\.TorchrunGivesTheSameLossesAsFsdpRun$' "$@"

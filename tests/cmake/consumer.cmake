@@ -67,7 +67,7 @@ if(TORCH_CACHE)
   list(PREPEND args -C "${TORCH_CACHE}")
 endif()
 run("configure" ${CMAKE_COMMAND} -E env ${env_prefix} ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${dir}" -G "${GENERATOR}" ${args})
-run("build" ${CMAKE_COMMAND} --build "${dir}" -j2)
+run("build" ${CMAKE_COMMAND} --build "${dir}")  # jobs: CMAKE_BUILD_PARALLEL_LEVEL, or the generator's default
 file(REMOVE_RECURSE "${dir}/ck")
 run("2 ranks under the installed fsdp-run" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/consumer_app" "${dir}/ck")
 message(STATUS "${last_output}")
