@@ -7,6 +7,7 @@
 #   scripts/in-debian13.sh ./scripts/compare-pytorch.sh           # full run, ~15-20 min on 2 cores
 #   scripts/in-debian13.sh ./scripts/compare-pytorch.sh --quick   # smaller model, one repetition, ~3 min
 #   ./scripts/compare-pytorch.sh --plot-only build-debian13/bench/vs_pytorch/vs_pytorch.json [OUTDIR]
+#   ./scripts/compare-pytorch.sh --perf [W] [P]   # perf profiles of one row, both sides (below)
 #
 # Two sizes (small: 4 layers, d_model 128, block 64; large: 4 layers, d_model 512, block
 # 128), worlds 1, 2 and 4, fp32 and bf16; one thread per rank (OMP_NUM_THREADS=1, the
@@ -27,6 +28,30 @@
 # --precisions fp32, --parts train|ckpt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# --perf [W] [P] (default 1 fp32), from this (Debian 12) host: perf profiles of the large
+# GPT at world W and precision P, trained 13 steps by train_gpt and by
+# tests/interop/fsdp_gpt.py (PyTorch FSDP1) in the Debian 13 root, each under
+# `perf record -F 499 -e cpu-clock`. Needs build-debian13 (a full run builds it). Writes
+# build-debian13/prof/{cpp,py}_w{W}_{P}.data and prints samples by shared object.
+if [ "${1:-}" = --perf ]; then
+  W=${2:-1}
+  P=${3:-fp32}
+  ROOT=/var/cache/fsdp-libtorch/debian13-cpu
+  OUT=build-debian13/prof
+  SIZE="--n-layer 4 --n-head 8 --d-model 512 --block-size 128 --batch-size 8 --steps 13 --seed 1337 --warmup-steps 3 --lr 5e-4"
+  command -v perf >/dev/null || { echo "compare-pytorch: perf is missing (apt-get install linux-perf)" >&2; exit 2; }
+  mkdir -p "$OUT"
+  scripts/in-debian13.sh bash -c "test -f $OUT/init.h5 || /usr/bin/python3 tests/interop/fsdp_gpt.py --write-init $OUT/init.h5 $SIZE"
+  for impl in cpp py; do
+    if [ $impl = cpp ]; then PROG="build-debian13/bin/train_gpt $SIZE --log-every 13"; else PROG="/usr/bin/python3 tests/interop/fsdp_gpt.py $SIZE"; fi
+    perf record -q -F 499 -e cpu-clock -o "$OUT/${impl}_w${W}_${P}.data" -- scripts/in-debian13.sh bash -c \
+      "OMP_NUM_THREADS=1 USE_LIBUV=0 build-debian13/bin/fsdp-run --nproc $W -- $PROG --precision $P --init-from $OUT/init.h5 --log-jsonl $OUT/${impl}_w${W}_${P}.jsonl" \
+      > "$OUT/${impl}_w${W}_${P}.out" 2>&1
+    echo "== $impl, world $W, $P: samples by shared object"
+    perf report -i "$OUT/${impl}_w${W}_${P}.data" --symfs="$ROOT" --sort dso -n --stdio 2>/dev/null | grep -v '^#' | grep . | head -8
+  done
+  exit 0
+fi
 if [ "${1:-}" = --plot-only ]; then
   [ $# -ge 2 ] || { echo "compare-pytorch: --plot-only needs the vs_pytorch.json of a run" >&2; exit 2; }
   exec /usr/bin/python3 tests/interop/compare_fsdp.py plot "$2" "${3:-$(dirname "$2")}"
