@@ -121,8 +121,10 @@ LaunchEnv read_launch_env() {
   return e;
 }
 
-ProcessGroup init_process_group(const ProcessGroupOptions& options) {
-  LaunchEnv e = read_launch_env();
+namespace {
+
+// ProcessGroupOptions::timeout_s, or FSDP_TIMEOUT_S when set.
+double rendezvous_timeout_s(const ProcessGroupOptions& options) {
   double timeout_s = options.timeout_s;
   if (const char* t = env("FSDP_TIMEOUT_S")) {
     char* end = nullptr;
@@ -131,17 +133,22 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
                 "' is not a positive number of seconds");
   }
   TORCH_CHECK(timeout_s > 0, "ProcessGroupOptions::timeout_s=", timeout_s, " must be positive");
-  detail::desync_debug_enabled();  // a bad FSDP_DEBUG fails here, before the rendezvous
-  std::string backend = options.backend;
+  return timeout_s;
+}
+
+// "gloo" or "nccl": ProcessGroupOptions::backend, with "auto" resolved.
+std::string resolve_backend(const ProcessGroupOptions& options) {
+  const std::string& backend = options.backend;
   TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl",
               "ProcessGroupOptions::backend='", backend, "' is unknown; use auto, gloo or nccl");
-  if (backend == "auto") {
-    backend = (detail::nccl_available() && torch::cuda::is_available()) ? "nccl" : "gloo";
-  }
-  if (e.world_size == 1) return ProcessGroup();
+  if (backend != "auto") return backend;
+  return detail::nccl_available() && torch::cuda::is_available() ? "nccl" : "gloo";
+}
 
-  auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+// The TCP store at MASTER_ADDR:MASTER_PORT: rank 0 serves it (unless torchrun's agent
+// does), the others connect. Failures name the address and the fix.
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& e, double timeout_s) {
+  const std::string where = e.master_addr + ":" + std::to_string(e.master_port);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
   // Under torchrun the elastic agent already serves a store on MASTER_PORT and tells
@@ -151,19 +158,18 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   so.isServer = e.rank == 0 && !use_agent_store;
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
-  so.timeout = timeout;
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   const char* use_libuv = env("USE_LIBUV");  // as torch reads it: "1" (or unset) is on
   so.useLibUV = use_libuv == nullptr || std::string(use_libuv) == "1";
-  c10::intrusive_ptr<c10d::Store> store;
   try {
     try {
-      store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+      return c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
     } catch (const c10::Error& ex) {
       // Note [TCPStore and libuv]: this build has no libuv; use the classic server.
       const std::string what = ex.what_without_backtrace();
       if (what.find("without libuv support") == std::string::npos || !so.useLibUV) throw;
       so.useLibUV = false;
-      store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
+      return c10::make_intrusive<c10d::TCPStore>(e.master_addr, so);
     }
   } catch (const std::exception& ex) {
     std::string what = ex.what();
@@ -183,24 +189,26 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
                 "is running and that MASTER_ADDR/MASTER_PORT point at it, or raise the timeout "
                 "(FSDP_TIMEOUT_S).");
   }
+}
 
-  // Note [Rendezvous arrival]
-  // Each rank announces itself under its own key and waits for all the others, so a
-  // timeout can name exactly the ranks that never came (c10d's own waits cannot).
-  const std::string tag =
-      std::string("fsdp/") +
-      (env("TORCHELASTIC_RESTART_COUNT") ? env("TORCHELASTIC_RESTART_COUNT") : "0") + "/";
-  store->set(tag + "arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+// Note [Rendezvous arrival]
+// Each rank announces itself under its own key and waits for all the others, so a
+// timeout can name exactly the ranks that never came (c10d's own waits cannot).
+void wait_for_every_rank(c10d::Store& store, const std::string& tag, const LaunchEnv& e,
+                         double timeout_s) {
+  const std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+  store.set(tag + "arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   std::vector<int> missing;
   for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
   while (true) {
     std::vector<int> still;
     for (int r : missing) {
-      if (!store->check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
+      if (!store.check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
     }
     missing.swap(still);
-    if (missing.empty()) break;
+    if (missing.empty()) return;
     if (std::chrono::steady_clock::now() > deadline) {
       std::ostringstream list;
       for (size_t i = 0; i < missing.size(); ++i) list << (i ? ", " : "") << missing[i];
@@ -212,12 +220,29 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+}
+
+}  // namespace
+
+ProcessGroup init_process_group(const ProcessGroupOptions& options) {
+  LaunchEnv e = read_launch_env();
+  const double timeout_s = rendezvous_timeout_s(options);
+  detail::desync_debug_enabled();  // a bad FSDP_DEBUG fails here, before the rendezvous
+  const std::string backend = resolve_backend(options);
+  if (e.world_size == 1) return ProcessGroup();
+
+  c10::intrusive_ptr<c10d::Store> store = connect_store(e, timeout_s);
+  // Keys of this launch (a torchrun restart starts a fresh set).
+  const std::string tag =
+      std::string("fsdp/") +
+      (env("TORCHELASTIC_RESTART_COUNT") ? env("TORCHELASTIC_RESTART_COUNT") : "0") + "/";
+  wait_for_every_rank(*store, tag, e, timeout_s);
 
   detail::BackendInit init;
   init.store = c10::make_intrusive<c10d::PrefixStore>(tag, store);
   init.rank = e.rank;
   init.size = e.world_size;
-  init.timeout = timeout;
+  init.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   init.master_addr = e.master_addr;
   init.device_index = e.local_rank;
   // Every collective of the job is numbered and kept in the ring its errors print

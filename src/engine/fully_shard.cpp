@@ -187,27 +187,8 @@ void attach_unit(const std::shared_ptr<Runtime>& rt, WrapPointImpl& wp,
   EngineAccess::set_casts(wp, cast_inputs, cast_outputs);
 }
 
-}  // namespace
-
-void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
-  TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
-  TORCH_CHECK(!root->is_unit(),
-              "fully_shard: this model is already sharded; call fully_shard once");
-  validate(options);
-  check_host_memory(*root, options);
-
-  WrapNode tree;
-  tree.wp = root.get();
-  walk(*root->wrapped(), "", tree);
-  const bool mixed = options.mixed_precision.param_dtype != at::kFloat;
-  decide(tree, options.auto_wrap_policy, mixed ? options.mixed_precision.keep_fp32_policy : nullptr,
-         /*is_root=*/true);
-  std::vector<WrapNode*> nodes;
-  collect_units(tree, nodes);
-  std::vector<std::pair<WrapPointImpl*, std::string>> checkpointed;  // with its FQN
-  if (options.checkpoint_policy) mark_checkpointed(tree, options.checkpoint_policy, checkpointed);
-
-  // Tied parameters must land in one unit (docs/design.md, "The engine").
+// Tied parameters must land in one unit (docs/design.md, "The engine").
+void check_tied_in_one_unit(const std::vector<WrapNode*>& nodes) {
   std::map<c10::TensorImpl*, std::pair<std::string, std::string>> owner;  // impl -> (fqn, unit)
   for (WrapNode* n : nodes) {
     for (const auto& p : n->params) {
@@ -224,16 +205,20 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
                   "wrap points holding them are not units, or wrap their common parent.");
     }
   }
+}
 
-  if (options.mixed_precision.buffer_dtype) {
-    at::NoGradGuard no_grad;
-    for (auto& b : root->buffers(/*recurse=*/true)) {
-      if (b.is_floating_point()) b.set_data(b.to(*options.mixed_precision.buffer_dtype));
-    }
+void cast_buffers(torch::nn::Module& root, const MixedPrecision& mp) {
+  if (!mp.buffer_dtype) return;
+  at::NoGradGuard no_grad;
+  for (auto& b : root.buffers(/*recurse=*/true)) {
+    if (b.is_floating_point()) b.set_data(b.to(*mp.buffer_dtype));
   }
+}
 
-  auto rt = std::make_shared<Runtime>(options);
-  // Groups: FULL_SHARD shards over the world; HYBRID within groups; NO_SHARD not at all.
+// What every flat parameter of the model shares: dtypes, device, offload, counters, and
+// the groups. FULL_SHARD and SHARD_GRAD_OP shard over the world; HYBRID_SHARD within
+// groups of hybrid_group_size and replicates across them; NO_SHARD not at all.
+FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   const ProcessGroup& world = options.process_group;
   FlatConfig cfg;
   cfg.world_size = world.size();
@@ -242,7 +227,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
   cfg.offload = options.cpu_offload;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
-  cfg.acct = &rt->acct();
+  cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);
   cfg.replicate_group = make_single_backend();
   if (options.strategy == ShardingStrategy::kNoShard) {
@@ -259,42 +244,88 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
     cfg.shard_group = GroupAccess::backend(world)->split(shard_groups);
     cfg.replicate_group = GroupAccess::backend(world)->split(rep_groups);
   }
-  Backend* bcast = options.sync_module_states ? GroupAccess::backend(world).get() : nullptr;
-  rt->set_flat_config(cfg);
+  return cfg;
+}
 
-  for (WrapNode* n : nodes) {
-    Unit& unit = rt->add_unit(n->fqn);
-    unit.keep_fp32 = n->keep_fp32;
-    FlatConfig unit_cfg = cfg;
-    unit_cfg.label = n->fqn.empty() ? std::string("the root unit") : "unit '" + n->fqn + "'";
-    if (n->keep_fp32) unit_cfg.param_dtype = at::kFloat;
-    std::vector<ParamSlot> trainable, frozen;
-    std::map<c10::TensorImpl*, ParamSlot*> seen;
-    for (auto& p : n->params) {
-      auto* impl = p.second.unsafeGetTensorImpl();
-      if (seen.count(impl)) continue;
-      seen[impl] = nullptr;
-      ParamSlot s;
-      s.fqn = p.first;
-      s.param = p.second;
-      (p.second.requires_grad() ? trainable : frozen).push_back(std::move(s));
-    }
-    // Aliases: later FQNs of a tensor already placed.
-    for (auto* v : {&trainable, &frozen}) {
-      for (auto& s : *v) seen[s.param.unsafeGetTensorImpl()] = &s;
-    }
-    std::map<c10::TensorImpl*, bool> first;
-    for (auto& p : n->params) {
-      auto* impl = p.second.unsafeGetTensorImpl();
-      if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
-    }
-    if (!trainable.empty()) {
-      rt->add_flat(unit, std::make_unique<FlatParam>(std::move(trainable), true, unit_cfg, bcast));
-    }
-    if (!frozen.empty()) {
-      rt->add_flat(unit, std::make_unique<FlatParam>(std::move(frozen), false, unit_cfg, bcast));
-    }
+/// A unit's parameters, split into trainable and frozen slots (each tensor once, its
+/// later names as aliases).
+struct UnitSlots {
+  std::vector<ParamSlot> trainable, frozen;
+};
+
+UnitSlots unit_slots(const WrapNode& n) {
+  UnitSlots out;
+  std::map<c10::TensorImpl*, ParamSlot*> seen;
+  for (auto& p : n.params) {
+    auto* impl = p.second.unsafeGetTensorImpl();
+    if (seen.count(impl)) continue;
+    seen[impl] = nullptr;
+    ParamSlot s;
+    s.fqn = p.first;
+    s.param = p.second;
+    (p.second.requires_grad() ? out.trainable : out.frozen).push_back(std::move(s));
   }
+  // Aliases: later FQNs of a tensor already placed.
+  for (auto* v : {&out.trainable, &out.frozen}) {
+    for (auto& s : *v) seen[s.param.unsafeGetTensorImpl()] = &s;
+  }
+  std::map<c10::TensorImpl*, bool> first;
+  for (auto& p : n.params) {
+    auto* impl = p.second.unsafeGetTensorImpl();
+    if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
+  }
+  return out;
+}
+
+// Makes node `n` a unit of `rt`, with a flat parameter for its trainable parameters and
+// one for its frozen ones. `bcast`: the group that broadcasts rank 0's values
+// (sync_module_states), or null.
+void make_unit(Runtime& rt, const WrapNode& n, const FlatConfig& cfg, Backend* bcast) {
+  Unit& unit = rt.add_unit(n.fqn);
+  unit.keep_fp32 = n.keep_fp32;
+  FlatConfig unit_cfg = cfg;
+  unit_cfg.label = n.fqn.empty() ? std::string("the root unit") : "unit '" + n.fqn + "'";
+  if (n.keep_fp32) unit_cfg.param_dtype = at::kFloat;
+  UnitSlots slots = unit_slots(n);
+  if (!slots.trainable.empty()) {
+    rt.add_flat(unit,
+                std::make_unique<FlatParam>(std::move(slots.trainable), true, unit_cfg, bcast));
+  }
+  if (!slots.frozen.empty()) {
+    rt.add_flat(unit, std::make_unique<FlatParam>(std::move(slots.frozen), false, unit_cfg, bcast));
+  }
+}
+
+}  // namespace
+
+void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
+  TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
+  TORCH_CHECK(!root->is_unit(),
+              "fully_shard: this model is already sharded; call fully_shard once");
+  validate(options);
+  check_host_memory(*root, options);
+
+  // Decide the units: walk the tree, let the policies pick, check tied parameters.
+  WrapNode tree;
+  tree.wp = root.get();
+  walk(*root->wrapped(), "", tree);
+  const bool mixed = options.mixed_precision.param_dtype != at::kFloat;
+  decide(tree, options.auto_wrap_policy, mixed ? options.mixed_precision.keep_fp32_policy : nullptr,
+         /*is_root=*/true);
+  std::vector<WrapNode*> nodes;
+  collect_units(tree, nodes);
+  std::vector<std::pair<WrapPointImpl*, std::string>> checkpointed;  // with its FQN
+  if (options.checkpoint_policy) mark_checkpointed(tree, options.checkpoint_policy, checkpointed);
+  check_tied_in_one_unit(nodes);
+  cast_buffers(*root, options.mixed_precision);
+
+  // Build them: the runtime, each unit's flat parameters, and the wrap points' links.
+  auto rt = std::make_shared<Runtime>(options);
+  const FlatConfig cfg = model_flat_config(options, *rt);
+  rt->set_flat_config(cfg);
+  Backend* bcast =
+      options.sync_module_states ? GroupAccess::backend(options.process_group).get() : nullptr;
+  for (WrapNode* n : nodes) make_unit(*rt, *n, cfg, bcast);
   for (size_t i = 0; i < nodes.size(); ++i) attach_unit(rt, *nodes[i]->wp, rt->units()[i]);
   for (auto& [wp, fqn] : checkpointed) EngineAccess::set_checkpointed(*wp, fqn);
 }
