@@ -51,6 +51,9 @@ class FusedAdamW : public torch::optim::AdamW {
   static const char* isa_name(Isa isa);
 
  private:
+  /// One parameter's update: its fp32 gradient, state and the kernels (and its copy-out).
+  void step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa);
+
   struct CopyOut {
     torch::Tensor out;
     std::shared_ptr<std::atomic<int64_t>> written;

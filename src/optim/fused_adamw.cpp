@@ -102,6 +102,63 @@ void FusedAdamW::set_copy_out(const torch::Tensor& param, torch::Tensor out,
   copy_out_[param.unsafeGetTensorImpl()] = CopyOut{std::move(out), std::move(written)};
 }
 
+namespace {
+
+// The gradient of `p` as the kernels read it: contiguous fp32 on the CPU.
+torch::Tensor fp32_grad(const torch::Tensor& p) {
+  TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
+              "FusedAdamW steps contiguous fp32 CPU parameters (e.g. fsdp's shards with "
+              "cpu_offload); got ",
+              p.toString(), p.is_contiguous() ? "" : " (not contiguous)",
+              ". Use torch::optim::AdamW for others.");
+  torch::Tensor g = p.grad();
+  TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
+  if (g.scalar_type() != torch::kFloat || !g.is_contiguous() || !g.is_cpu()) {
+    g = g.to(torch::kCPU, torch::kFloat).contiguous();
+  }
+  return g;
+}
+
+// The AdamW state of `p` (zero moments at the first step), checked for the kernels.
+// (The map's key type differs among LibTorch 2.x versions: internal/optim_key.h.)
+template <class States>
+torch::optim::AdamWParamState& adamw_state(States& states, const torch::Tensor& p) {
+  const auto key = detail::optim_state_key(states, p);
+  auto it = states.find(key);
+  if (it == states.end()) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    it = states.emplace(key, std::move(st)).first;
+  }
+  auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+  TORCH_CHECK(
+      st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
+          st.exp_avg().scalar_type() == torch::kFloat,
+      "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
+  return st;
+}
+
+// The step's scalars for the kernels, at step number `step` (1 for the first).
+detail::AdamWConstants adamw_constants(const torch::optim::AdamWOptions& o, int64_t step) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  const double bc1 = 1 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1 - std::pow(beta2, static_cast<double>(step));
+  detail::AdamWConstants c;
+  c.decay = static_cast<float>(o.weight_decay() != 0 ? 1 - o.lr() * o.weight_decay() : 1.0);
+  c.beta1 = static_cast<float>(beta1);
+  c.one_minus_beta1 = static_cast<float>(1 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(o.eps());
+  c.step_size = static_cast<float>(o.lr() / bc1);
+  return c;
+}
+
+}  // namespace
+
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
@@ -109,77 +166,46 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  const auto isa = to_kernel(active_isa());
-  auto& states = state();
+  const Isa isa = active_isa();
   for (auto& group : param_groups()) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
     TORCH_CHECK(!o.amsgrad(),
                 "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
-                  "FusedAdamW steps contiguous fp32 CPU parameters (e.g. fsdp's shards with "
-                  "cpu_offload); got ",
-                  p.toString(), p.is_contiguous() ? "" : " (not contiguous)",
-                  ". Use torch::optim::AdamW for others.");
-      torch::Tensor g = p.grad();
-      TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
-      if (g.scalar_type() != torch::kFloat || !g.is_contiguous() || !g.is_cpu()) {
-        g = g.to(torch::kCPU, torch::kFloat).contiguous();
-      }
-      const auto key = detail::optim_state_key(states, p);
-      auto it = states.find(key);
-      if (it == states.end()) {
-        auto st = std::make_unique<torch::optim::AdamWParamState>();
-        st->step(0);
-        st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        it = states.emplace(key, std::move(st)).first;
-      }
-      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      TORCH_CHECK(
-          st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
-              st.exp_avg().scalar_type() == torch::kFloat,
-          "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
-      st.step(st.step() + 1);
-      const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-      const double bc1 = 1 - std::pow(beta1, static_cast<double>(st.step()));
-      const double bc2 = 1 - std::pow(beta2, static_cast<double>(st.step()));
-      detail::AdamWConstants c;
-      c.decay = static_cast<float>(o.weight_decay() != 0 ? 1 - o.lr() * o.weight_decay() : 1.0);
-      c.beta1 = static_cast<float>(beta1);
-      c.one_minus_beta1 = static_cast<float>(1 - beta1);
-      c.beta2 = static_cast<float>(beta2);
-      c.one_minus_beta2 = static_cast<float>(1 - beta2);
-      c.sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
-      c.eps = static_cast<float>(o.eps());
-      c.step_size = static_cast<float>(o.lr() / bc1);
-
-      uint16_t* out = nullptr;
-      detail::CopyOut kind = detail::CopyOut::kNone;
-      auto co = copy_out_.find(p.unsafeGetTensorImpl());
-      if (co != copy_out_.end()) {
-        out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
-        kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16
-                                                                : detail::CopyOut::kF16;
-      }
-      float* pp = p.data_ptr<float>();
-      const float* gp = g.data_ptr<float>();
-      float* mp = st.exp_avg().data_ptr<float>();
-      float* vp = st.exp_avg_sq().data_ptr<float>();
-      // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
-      at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
-        detail::adamw_update(isa, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
-                             kind);
-      });
-      // Written through raw pointers: tell the version counter, as in-place ops do.
-      p.unsafeGetTensorImpl()->bump_version();
-      st.exp_avg().unsafeGetTensorImpl()->bump_version();
-      st.exp_avg_sq().unsafeGetTensorImpl()->bump_version();
-      if (co != copy_out_.end() && co->second.written) co->second.written->store(p._version());
+      if (p.grad().defined()) step_param(p, o, isa);
     }
   }
   return loss;
+}
+
+void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa) {
+  const torch::Tensor g = fp32_grad(p);
+  auto& st = adamw_state(state(), p);
+  st.step(st.step() + 1);
+  const detail::AdamWConstants c = adamw_constants(o, st.step());
+  uint16_t* out = nullptr;
+  detail::CopyOut kind = detail::CopyOut::kNone;
+  auto co = copy_out_.find(p.unsafeGetTensorImpl());
+  if (co != copy_out_.end()) {
+    out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
+    kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16
+                                                            : detail::CopyOut::kF16;
+  }
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = st.exp_avg().data_ptr<float>();
+  float* vp = st.exp_avg_sq().data_ptr<float>();
+  const detail::KernelIsa kernel = to_kernel(isa);
+  // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
+  at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
+    detail::adamw_update(kernel, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
+                         kind);
+  });
+  // Written through raw pointers: tell the version counter, as in-place ops do.
+  p.unsafeGetTensorImpl()->bump_version();
+  st.exp_avg().unsafeGetTensorImpl()->bump_version();
+  st.exp_avg_sq().unsafeGetTensorImpl()->bump_version();
+  if (co != copy_out_.end() && co->second.written) co->second.written->store(p._version());
 }
 
 }  // namespace fsdp
