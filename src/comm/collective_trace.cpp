@@ -18,7 +18,7 @@ thread_local std::string t_label;
 constexpr size_t kRingSize = 16;
 
 /// One collective as this rank issued it.
-struct Entry {
+struct TraceEntry {
   int64_t seq = 0;
   std::string group;
   std::string op;
@@ -29,7 +29,7 @@ struct Entry {
 };
 
 std::mutex g_ring_mu;
-std::deque<std::shared_ptr<Entry>> g_ring;  // newest last
+std::deque<std::shared_ptr<TraceEntry>> g_ring;  // newest last
 
 std::string human_bytes(int64_t b) {
   std::ostringstream s;
@@ -57,7 +57,7 @@ std::string what_of(const std::string& op, const std::string& label, int64_t byt
   return s;
 }
 
-std::string describe(const Entry& e) {
+std::string describe(const TraceEntry& e) {
   const int st = e.state.load();
   return "#" + std::to_string(e.seq) + " on " + e.group + ": " +
          what_of(e.op, e.label, e.bytes, e.root) +
@@ -99,7 +99,7 @@ void copy_field(char* dst, size_t cap, const std::string& s) {
 }
 
 std::string failure_message(int global_rank, const std::string& group, int size, bool desync,
-                            const Entry& e, const std::string& error) {
+                            const TraceEntry& e, const std::string& error) {
   std::ostringstream s;
   s << "rank " << global_rank << ": collective #" << e.seq << " on " << group << " (" << size
     << " ranks), " << what_of(e.op, e.label, e.bytes, e.root) << ", did not complete: " << error
@@ -115,7 +115,7 @@ std::string failure_message(int global_rank, const std::string& group, int size,
 
 class TracedWork : public Work {
  public:
-  TracedWork(std::shared_ptr<Work> inner, std::shared_ptr<Entry> entry,
+  TracedWork(std::shared_ptr<Work> inner, std::shared_ptr<TraceEntry> entry,
              std::function<std::string(const std::string&)> fail)
       : inner_(std::move(inner)), entry_(std::move(entry)), fail_(std::move(fail)) {}
   void wait() override {
@@ -131,7 +131,7 @@ class TracedWork : public Work {
 
  private:
   std::shared_ptr<Work> inner_;
-  std::shared_ptr<Entry> entry_;
+  std::shared_ptr<TraceEntry> entry_;
   std::function<std::string(const std::string&)> fail_;
 };
 
@@ -185,8 +185,8 @@ class TracedBackend : public Backend {
   }
 
  private:
-  std::shared_ptr<Entry> begin(const char* op, const at::Tensor& t, int root) {
-    auto e = std::make_shared<Entry>();
+  std::shared_ptr<TraceEntry> begin(const char* op, const at::Tensor& t, int root) {
+    auto e = std::make_shared<TraceEntry>();
     e->seq = ++seq_;
     e->group = group_;
     e->op = op;
@@ -203,7 +203,7 @@ class TracedBackend : public Backend {
   }
 
   template <class Issue>
-  std::shared_ptr<Work> traced(const std::shared_ptr<Entry>& e, Issue&& issue) {
+  std::shared_ptr<Work> traced(const std::shared_ptr<TraceEntry>& e, Issue&& issue) {
     // By value: a Work may be waited for after its backend is gone.
     auto fail = [rank = global_rank_, group = group_, size = size(), desync = desync_,
                  e](const std::string& error) {
@@ -219,13 +219,13 @@ class TracedBackend : public Backend {
     return std::make_shared<TracedWork>(std::move(w), e, fail);
   }
 
-  std::string failure(const Entry& e, const std::string& error) const {
+  std::string failure(const TraceEntry& e, const std::string& error) const {
     return failure_message(global_rank_, group_, size(), desync_, e, error);
   }
 
   // Under FSDP_DEBUG=desync: every rank of the group learns every rank's next collective
   // and all fail alike when they differ.
-  void check_in_step(Entry& e, at::Device device) {
+  void check_in_step(TraceEntry& e, at::Device device) {
     Fingerprint mine{};
     mine.seq = e.seq;
     mine.global_rank = global_rank_;

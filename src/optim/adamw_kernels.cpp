@@ -50,13 +50,13 @@ namespace scalar {
 }  // namespace scalar
 
 void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
-                  uint16_t* out, CopyOut kind) {
+                  uint16_t* out, CopyOutDtype kind) {
   scalar::adamw_body<ScalarTraits>(c, p, g, m, v, n, out, kind);
 }
 
 /// The scalar build from element `i` on (a vector loop's tail).
 void tail(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t i,
-          int64_t n, uint16_t* out, CopyOut kind) {
+          int64_t n, uint16_t* out, CopyOutDtype kind) {
   if (i < n)
     scalar_range(c, p + i, g + i, m + i, v + i, n - i, out == nullptr ? nullptr : out + i, kind);
 }
@@ -98,7 +98,7 @@ struct Traits {
 #include "adamw_body.inc"
 
 void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
-           uint16_t* out, CopyOut kind) {
+           uint16_t* out, CopyOutDtype kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
 }
 
@@ -140,7 +140,7 @@ struct Traits {
 #include "adamw_body.inc"
 
 void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
-           uint16_t* out, CopyOut kind) {
+           uint16_t* out, CopyOutDtype kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
 }
 
@@ -181,7 +181,7 @@ const char* isa_name(KernelIsa isa) {
 }
 
 void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m,
-                  float* v, int64_t n, uint16_t* out, CopyOut kind) {
+                  float* v, int64_t n, uint16_t* out, CopyOutDtype kind) {
 #if defined(__x86_64__)
   if (isa == KernelIsa::kAvx512) return avx512::range(c, p, g, m, v, n, out, kind);
   if (isa == KernelIsa::kAvx2) return avx2::range(c, p, g, m, v, n, out, kind);

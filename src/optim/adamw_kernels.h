@@ -19,7 +19,7 @@ struct AdamWConstants {
 };
 
 /// Low-precision copy of the updated parameters written in the same pass.
-enum class CopyOut { kNone, kBF16, kF16 };
+enum class CopyOutDtype { kNone, kBF16, kF16 };
 
 /// Instruction sets, best first.
 enum class KernelIsa { kAvx512, kAvx2, kScalar };
@@ -29,6 +29,6 @@ const char* isa_name(KernelIsa isa);
 
 /// p, g, m, v: n floats. out: n 16-bit values (bf16 or fp16 bits) or null.
 void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float* g, float* m,
-                  float* v, int64_t n, uint16_t* out, CopyOut kind);
+                  float* v, int64_t n, uint16_t* out, CopyOutDtype kind);
 
 }  // namespace fsdp::detail

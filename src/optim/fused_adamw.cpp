@@ -184,12 +184,12 @@ void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& 
   st.step(st.step() + 1);
   const detail::AdamWConstants c = adamw_constants(o, st.step());
   uint16_t* out = nullptr;
-  detail::CopyOut kind = detail::CopyOut::kNone;
+  detail::CopyOutDtype kind = detail::CopyOutDtype::kNone;
   auto co = copy_out_.find(p.unsafeGetTensorImpl());
   if (co != copy_out_.end()) {
     out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
-    kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOut::kBF16
-                                                            : detail::CopyOut::kF16;
+    kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOutDtype::kBF16
+                                                            : detail::CopyOutDtype::kF16;
   }
   float* pp = p.data_ptr<float>();
   const float* gp = g.data_ptr<float>();

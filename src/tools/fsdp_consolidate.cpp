@@ -110,9 +110,9 @@ Request read_request(const cxxopts::ParseResult& r) {
 }
 
 // Progress on stderr: on a terminal one line updates in place; in a log, a line per 10%.
-class Progress {
+class ProgressLine {
  public:
-  explicit Progress(bool quiet) : quiet_(quiet), tty_(::isatty(2) != 0) {}
+  explicit ProgressLine(bool quiet) : quiet_(quiet), tty_(::isatty(2) != 0) {}
 
   void operator()(size_t done, size_t total, const std::string& fqn) {
     const size_t pct = total ? done * 100 / total : 100;
@@ -145,7 +145,7 @@ int run(int argc, char** argv) {
   }
   const Request q = read_request(r);
   const auto t0 = std::chrono::steady_clock::now();
-  Progress progress(q.quiet);
+  ProgressLine progress(q.quiet);
   auto report = [&](size_t done, size_t total, const std::string& fqn) {
     progress(done, total, fqn);
   };
