@@ -101,74 +101,35 @@ bool wait_for_saves(const std::string& progress, int64_t n) {
   return false;
 }
 
-// Half the kills are aimed into the write of a rank file (the saver announces it), half
-// land at random moments of the save loop (after its first `saves_first` saves returned,
-// so that each such round makes progress however slow the machine: it may run under
-// sanitizers): after each, the newest complete checkpoint loads, whole.
-TEST(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
-  const std::string dir = scratch_dir("crash");
-  const std::string signal = dir + ".writing";
-  int status = 0;
-  pid_t first = start_saver(dir, /*once=*/true);
-  waitpid(first, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  std::mt19937 rng(12345);
-  auto model = fully_shard(MlpNet(64, 512, 8, 64));
-  int64_t last_step = 1, aimed = 0, killed_writing = 0;
-  for (int round = 0; round < 20; ++round) {
-    fs::remove(signal);
-    const bool aim = round % 2 == 0;
-    const std::string progress = dir + ".progress";
-    fs::remove(progress);
-    pid_t pid = start_saver(dir, false, false, aim ? signal : "", progress);
-    if (aim) {
-      for (int i = 0; i < 30000 && !fs::exists(signal); ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no write began";
-      std::this_thread::sleep_for(
-          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
-      ++aimed;
-    } else {
-      ASSERT_TRUE(wait_for_saves(progress, 1)) << "round " << round << ": no save returned";
-      std::this_thread::sleep_for(
-          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "round " << round << ": the saver ended before the kill";
-    // A kill inside a save leaves its temporary directory behind (the next save removes it).
-    bool tmp_left = false;
-    for (const auto& e : fs::directory_iterator(dir))
-      tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
-    killed_writing += aim && tmp_left ? 1 : 0;
-    // The previous complete checkpoint loads, whole and consistent.
-    TrainingState st;
-    ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
-    EXPECT_GE(st.step, last_step) << "latest went backwards";
-    last_step = st.step;
-    for (auto& p : model.sharded_parameters()) {
-      ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>())
-          << "files of two checkpoints mixed";
-    }
-    EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
-  }
-  EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the write";
-  EXPECT_GT(last_step, 1)
-      << "no save ever completed: the kill times are too short to test anything";
-  fs::remove(signal);
-}
+// The two kinds of save the crash test kills.
+struct CrashCase {
+  const char* name;     ///< "Sync" or "Async": the test's name ends in it
+  bool async;           ///< save_sharded_checkpoint_async, else save_sharded_checkpoint
+  const char* tag;      ///< the scratch directory's
+  uint32_t seed;        ///< of the kill times
+  int64_t saves_first;  ///< returned saves before a kill at a random moment
+  const char* write;    ///< what an aimed kill lands in
+};
+// Names the case in test listings (ctest shows it).
+void PrintTo(const CrashCase& c, std::ostream* os) { *os << c.name; }
 
-// The same with asynchronous saves, half the kills aimed into a background write (the
-// thread announces it), half at random moments: every checkpoint `latest` names loads,
-// whole, with the values of its own step (the staging copy, not what training wrote after).
-TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
-  const std::string dir = scratch_dir("crash_async");
+class CrashSafety : public ::testing::TestWithParam<CrashCase> {};
+
+// Half the kills are aimed into the write of a rank file (the saver announces it; for an
+// asynchronous save, its background thread), half land at random moments of the save
+// loop (after its first `saves_first` saves returned, so that each such round makes
+// progress however slow the machine: it may run under sanitizers): after each, the
+// newest complete checkpoint `latest` names loads, whole, with the values of its own step
+// (for an asynchronous save, the staging copy, not what training wrote after).
+TEST_P(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
+  const CrashCase& c = GetParam();
+  const std::string dir = scratch_dir(c.tag);
   const std::string signal = dir + ".writing";
   int status = 0;
-  pid_t first = start_saver(dir, /*once=*/true, /*async=*/true);
+  pid_t first = start_saver(dir, /*once=*/true, c.async);
   waitpid(first, &status, 0);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  std::mt19937 rng(2024);
+  std::mt19937 rng(c.seed);
   auto model = fully_shard(MlpNet(64, 512, 8, 64));
   int64_t last_step = 1, aimed = 0, killed_writing = 0;
   for (int round = 0; round < 20; ++round) {
@@ -176,19 +137,21 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
     const bool aim = round % 2 == 0;
     const std::string progress = dir + ".progress";
     fs::remove(progress);
-    pid_t pid = start_saver(dir, false, true, aim ? signal : "", progress);
+    pid_t pid = start_saver(dir, false, c.async, aim ? signal : "", progress);
     if (aim) {
-      // The first write is announced after start-up, a load and one snapshot.
+      // The first write is announced after start-up, a load and (async) one snapshot.
       for (int i = 0; i < 30000 && !fs::exists(signal); ++i)
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no background write began";
+      ASSERT_TRUE(fs::exists(signal)) << "round " << round << ": no " << c.write << " began";
       // Well inside the 300 ms the write lingers, even on a loaded machine.
       std::this_thread::sleep_for(
           std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 50)(rng)));
       ++aimed;
     } else {
-      // Two returned calls: the second waited for the first's write, now complete.
-      ASSERT_TRUE(wait_for_saves(progress, 2)) << "round " << round << ": no save returned";
+      // Asynchronous: two returned calls, since the second waited for the first's write,
+      // now complete.
+      ASSERT_TRUE(wait_for_saves(progress, c.saves_first))
+          << "round " << round << ": no save returned";
       std::this_thread::sleep_for(
           std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
     }
@@ -200,6 +163,7 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
     for (const auto& e : fs::directory_iterator(dir))
       tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
     killed_writing += aim && tmp_left ? 1 : 0;
+    // The previous complete checkpoint loads, whole and consistent.
     TrainingState st;
     ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
     EXPECT_GE(st.step, last_step) << "latest went backwards";
@@ -207,14 +171,21 @@ TEST(CrashSafety, KilledAsyncSavesNeverBreakThePreviousCheckpoint) {
     for (auto& p : model.sharded_parameters()) {
       ASSERT_TRUE(torch::all(p == static_cast<float>(st.step)).item<bool>())
           << "round " << round << ": checkpoint " << st.step
-          << " does not hold its own step's values";
+          << " does not hold its own step's values (files of two checkpoints mixed?)";
     }
     EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
   }
-  EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the background write";
-  EXPECT_GT(last_step, 1) << "no save ever completed";
+  EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the " << c.write;
+  EXPECT_GT(last_step, 1)
+      << "no save ever completed: the kill times are too short to test anything";
   fs::remove(signal);
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    SaveKinds, CrashSafety,
+    ::testing::Values(CrashCase{"Sync", false, "crash", 12345, 1, "write"},
+                      CrashCase{"Async", true, "crash_async", 2024, 2, "background write"}),
+    [](const ::testing::TestParamInfo<CrashCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
 
