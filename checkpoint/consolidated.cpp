@@ -2,6 +2,7 @@
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
 #include "agree.h"
+#include "name_match.h"
 #include "optim_state.h"
 #include "safetensors.h"
 #include "tensor_io.h"
@@ -20,9 +21,6 @@ namespace fs = std::filesystem;
 
 namespace fsdp {
 namespace ckpt {
-void report_mismatch(const std::string& what, const std::vector<std::string>& missing,
-                     const std::vector<std::string>& unexpected, bool strict);
-
 namespace {
 
 ExportDtype export_dtype(torch::Dtype d) {

@@ -1,7 +1,8 @@
 #pragma once
 // The parts of a sharded checkpoint's rank file besides its flat parameters (layout in
 // layout.h): each part's writer and reader side by side, so that a change to one is made
-// to both. Save and load (sharded.cpp) call them in the file's order.
+// to both. The rank file's writer (snapshot.cpp) and the load (sharded_load.cpp) call
+// them in the file's order.
 
 #include "layout.h"
 

@@ -14,7 +14,9 @@
 #   test_mixed_precision bf16/fp16 CPU kernels and Gloo's reductions of them
 #   test_memory_comm     the CPU allocator interface (the counting allocator), exact bytes
 #   test_fused_adamw     bit-equality with this LibTorch's torch::optim::AdamW
-#   test_checkpoint      optimizer state keys, dtype conversions (NaN bits), HDF5 1.14
+#   test_checkpoint_*    optimizer state keys, dtype conversions (NaN bits), HDF5 1.14
+#                        (every checkpoint binary: sharded, async, crash, consolidated,
+#                        safetensors, errors, integrity)
 #   test_safetensors     the same conversions into safetensors
 #   Interop.*            PyTorch FSDP1 and safetensors of Debian's python3-torch 2.6
 # and, of test_examples, only TrainGpt.TorchrunGivesTheSameLossesAsFsdpRun: torchrun of
@@ -28,12 +30,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B="${FSDP_BUILD_DIR:-build-debian13}"
 BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_mixed_precision test_memory_comm
-          test_fused_adamw test_checkpoint test_safetensors)
+          test_fused_adamw test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash
+          test_checkpoint_consolidated test_checkpoint_safetensors test_checkpoint_errors
+          test_checkpoint_integrity test_safetensors)
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh
 fsdp_torch_setup
 fsdp_configure debian13 "$B"
-# With the programs the tests run (test_examples and test_checkpoint depend on most).
+# With the programs the tests run (test_examples and the checkpoint tests depend on most).
 fsdp_build "$B" --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
 fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
 fsdp_ctest "$B" --no-tests=error -R '^TrainGpt\.TorchrunGivesTheSameLossesAsFsdpRun$' "$@"

@@ -1,0 +1,173 @@
+// Loading a sharded checkpoint saved at any world size and under any wrap policy
+// (include/fsdp/checkpoint.h; docs/design.md, "Checkpoints").
+#include "async_save.h"
+#include "layout.h"
+#include "name_match.h"
+#include "optim_state.h"
+#include "rank_parts.h"
+#include "reshard_plan.h"
+#include "tensor_io.h"
+
+#include <fsdp/checkpoint.h>
+#include <fsdp/process_group.h>
+
+#include "internal/sharded_model.h"
+
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace fsdp {
+namespace ckpt {
+namespace {
+
+// The optimizer is of the kind whose state the checkpoint holds.
+void check_optimizer_kind(const ShardedReader& src, torch::optim::Optimizer& optimizer,
+                          const std::string& what) {
+  const std::string kind = optimizer_kind(optimizer);
+  TORCH_CHECK(src.optimizer() != "none", what,
+              " holds no optimizer state; pass nullptr as the optimizer "
+              "to load only the model");
+  TORCH_CHECK(src.optimizer() == kind, what, " holds ", src.optimizer(),
+              " state but the optimizer is ", kind);
+}
+
+// Matches the model's parameter names against the checkpoint's before anything changes,
+// so that a wrong checkpoint fails first: a shape mismatch always throws; missing and
+// unexpected names go to `report` and throw under `strict`.
+void match_names(const ShardedReader& src, const std::vector<LocalShard>& shards,
+                 const std::string& what, bool strict, LoadReport& report) {
+  std::set<std::string> model_names;
+  std::vector<std::string> mismatched;
+  for (const auto& ls : shards) {
+    for (const auto& p : ls.params) {
+      model_names.insert(p.fqn);
+      auto it = src.by_fqn().find(p.fqn);
+      if (it == src.by_fqn().end()) {
+        report.missing.push_back(p.fqn);
+        continue;
+      }
+      const auto& e = src.flats()[it->second.first].table[it->second.second];
+      if (e.shape != p.shape) {
+        mismatched.push_back(p.fqn + " (checkpoint " + describe_shape(e.shape) + ", model " +
+                             describe_shape(p.shape) + ")");
+      }
+    }
+  }
+  for (const auto& [fqn, loc] : src.by_fqn()) {
+    if (!model_names.count(fqn)) report.unexpected.push_back(fqn);
+  }
+  TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ",
+              list_names(mismatched), ". Was it saved from another model?");
+  report_mismatch(what, report.missing, report.unexpected, strict);
+}
+
+// The pieces of this rank's [begin, begin + length) that the checkpoint has
+// (reshard_plan.h).
+std::vector<Piece> plan_shard_pieces(const ShardedReader& src, const LocalShard& ls) {
+  std::vector<TargetParam> targets;
+  for (const auto& p : ls.params) targets.push_back(TargetParam{p.fqn, p.offset, p.numel});
+  return plan_shard_read(
+      ls.begin, ls.length, targets, [&](const std::string& fqn) -> std::optional<SourceParam> {
+        auto it = src.by_fqn().find(fqn);
+        if (it == src.by_fqn().end()) return std::nullopt;
+        return SourceParam{it->second.first,
+                           src.flats()[it->second.first].table[it->second.second].offset};
+      });
+}
+
+// Reads `dataset` ("param", "optim/exp_avg") of the pieces into `dst`, a shard-sized
+// fp32 tensor on any device, and zeroes its padding past `length`.
+void fill_from_pieces(ShardedReader& src, const std::vector<Piece>& pieces, int64_t length,
+                      const at::Tensor& dst, const std::string& dataset) {
+  at::Tensor buf =
+      dst.device().is_cpu() && dst.is_contiguous() ? dst : dst.to(at::kCPU).contiguous();
+  float* out = buf.data_ptr<float>();
+  for (const auto& p : pieces) src.read(p.src_flat, dataset, p.src, p.n, out + p.dst);
+  if (length < buf.numel()) buf.narrow(0, length, buf.numel() - length).zero_();
+  if (!buf.is_same(dst)) dst.copy_(buf);
+}
+
+// The optimizer state of one trainable shard, over the same pieces as its parameters.
+void load_shard_optim_state(ShardedReader& src, const LocalShard& ls,
+                            const std::vector<Piece>& pieces, torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(find_param(optimizer, ls.shard).first >= 0,
+              "load: the optimizer does not hold the shard of "
+              "unit '",
+              ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
+  // The state names and step come from the first source flat this shard reads.
+  if (pieces.empty()) return;
+  const SourceFlat& sf = src.flats()[pieces.front().src_flat];
+  if (sf.optim_states.empty()) return;  // saved before the first optimizer step
+  ParamState st;
+  h5::Obj og =
+      h5::open_group(src.file(0), flat_group(pieces.front().src_flat) + "/optim", src.file_path(0));
+  st.step = h5::get_int(og, "step", src.file_path(0));
+  // Uninitialised when the pieces cover the shard (the fill zeroes the padding), so each
+  // byte is touched once, by the read; zeros where a parameter is missing from the file.
+  for (const auto& name : sf.optim_states) {
+    at::Tensor t = covered(pieces) == ls.length
+                       ? at::empty_like(ls.shard.detach(), at::MemoryFormat::Contiguous)
+                       : at::zeros_like(ls.shard.detach(), at::MemoryFormat::Contiguous);
+    fill_from_pieces(src, pieces, ls.length, t, "optim/" + name);
+    st.tensors.emplace_back(name, t);
+  }
+  set_param_state(optimizer, ls.shard, std::move(st));
+}
+
+// One local shard: its parameters and, with an optimizer, their state.
+void load_shard(ShardedReader& src, const LocalShard& ls, torch::optim::Optimizer* optimizer) {
+  const std::vector<Piece> pieces = plan_shard_pieces(src, ls);
+  fill_from_pieces(src, pieces, ls.length, ls.shard.detach(), "param");
+  ls.shard.unsafeGetTensorImpl()->bump_version();  // written through a raw pointer
+  if (optimizer && ls.info.requires_grad) load_shard_optim_state(src, ls, pieces, *optimizer);
+}
+
+// The other parts (rank_parts.h). Buffers are replicated: every rank reads rank 0's
+// copy, as it does the optimizer's groups and the training state. RNG streams belong to
+// ranks: they are restored only when the ranks are the same.
+void load_rank_parts(ShardedReader& src, const ShardedModel& root,
+                     torch::optim::Optimizer* optimizer, TrainingState* state,
+                     const LoadOptions& options, const std::string& what, LoadReport& report) {
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  hid_t f0 = src.file(0);
+  const std::string p0 = src.file_path(0);
+  read_buffers(f0, p0, root.as_module(), report.missing, report.unexpected);
+  report_mismatch(what, report.missing, report.unexpected, options.strict);
+  if (optimizer) read_optimizer_groups(f0, p0, *optimizer, what);
+  if (state) *state = read_training_state(f0, p0);
+  if (options.restore_rng && src.world_size() == pg.size())
+    restore_rng(src.file(pg.rank()), src.file_path(pg.rank()));
+}
+
+}  // namespace
+}  // namespace ckpt
+
+std::optional<std::string> latest_checkpoint(const std::string& dir) {
+  if (!fs::exists(fs::path(dir) / "latest")) return std::nullopt;
+  return ckpt::resolve_checkpoint_dir(dir);
+}
+
+LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
+                                   torch::optim::Optimizer* optimizer, TrainingState* state,
+                                   const LoadOptions& options) {
+  using namespace ckpt;
+  wait_for_async_save();  // the save just made is complete before anything reads
+  ShardedReader src(path);
+  LoadReport report;
+  report.path = src.dir();
+  const std::string what = "checkpoint " + src.dir();
+  if (optimizer) check_optimizer_kind(src, *optimizer, what);
+  const std::vector<LocalShard> shards = detail::local_shards(root);
+  match_names(src, shards, what, options.strict, report);
+  at::NoGradGuard no_grad;
+  for (const LocalShard& ls : shards) load_shard(src, ls, optimizer);
+  load_rank_parts(src, root, optimizer, state, options, what, report);
+  return report;
+}
+
+}  // namespace fsdp

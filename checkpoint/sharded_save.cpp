@@ -1,0 +1,91 @@
+// Sharded saves, synchronous and asynchronous (include/fsdp/checkpoint.h): the directory
+// protocol (dir_protocol.h) around this rank's snapshot (snapshot.h), written at once or
+// by the background job (async_save.h).
+#include "agree.h"
+#include "async_save.h"
+#include "dir_protocol.h"
+#include "save_hook.h"
+#include "snapshot.h"
+
+#include <fsdp/checkpoint.h>
+#include <fsdp/process_group.h>
+
+#include "internal/sharded_model.h"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+namespace fsdp {
+
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options) {
+  using namespace ckpt;
+  const char* fn = "save_sharded_checkpoint";
+  check_save_args(state, options, fn);
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  const int rank = pg.rank(), world = pg.size();
+  const auto t0 = std::chrono::steady_clock::now();
+  settle_previous(pg, fn);
+  const SavePlan plan = plan_save(dir, state.step, pg, fn);
+
+  // Every rank writes its own file at once; no data moves between ranks.
+  std::string error;
+  try {
+    const std::string file = (plan.tmp / rank_file_name(rank)).string();
+    call_save_hook("write", file);
+    write_snapshot(file, take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree_or_abandon(pg, plan, fn, dir, error);
+
+  rank0_tries(pg, std::string(fn) + ": publishing " + plan.final_dir.string(), [&] {
+    call_save_hook("publish", plan.final_dir.string());
+    publish(plan, options.keep_last);
+  });
+  if (options.verbose && rank == 0) report_saved(plan, world, t0, "");
+  return plan.final_dir.string();
+}
+
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state, const SaveOptions& options) {
+  using namespace ckpt;
+  const char* fn = "save_sharded_checkpoint_async";
+  check_save_args(state, options, fn);
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  const int rank = pg.rank(), world = pg.size();
+  settle_previous(pg, fn);
+  const SavePlan plan = plan_save(dir, state.step, pg, fn);
+  // The copy is made on every rank before any rank goes on training: a rank that fails
+  // here (out of host memory, say) fails the call everywhere, and nothing is written.
+  // The last save's buffers are given to the stager; what it does not use is freed with it.
+  std::string error;
+  RankSnapshot snap;
+  {
+    Stager stager(root, std::exchange(detail::checkpoint_staging_pool(root), {}));
+    try {
+      snap = take_snapshot(root, optimizer, state, rank, world, &stager);
+    } catch (const std::exception& e) {
+      error = e.what();
+      snap = RankSnapshot();
+      stager.forget_used();
+    }
+  }
+  try {
+    agree_or_abandon(pg, plan, fn, dir, error);
+  } catch (...) {  // another rank failed: what this rank staged is kept, or freed, as after a save
+    if (options.keep_staging) {
+      detail::checkpoint_staging_pool(root) = std::move(snap.staged);
+    } else {
+      detail::account_checkpoint_staging(root, -snap.staged_bytes);
+    }
+    throw;
+  }
+  return AsyncSave(
+      start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,81 @@
+#pragma once
+// One rank's part of a sharded checkpoint, taken from the live model in one pass
+// (Note [Rank snapshot]) and written as its rank file (layout in layout.h); for an
+// asynchronous save, staged into host memory that the model keeps for the next one
+// (Note [Staging reuse]).
+
+#include "layout.h"
+
+#include <fsdp/checkpoint.h>
+
+#include "internal/sharded_model.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp::ckpt {
+
+/// Everything one rank's file holds (Note [Rank snapshot]).
+struct RankSnapshot {
+  struct Flat {
+    FlatParamInfo info;
+    int64_t begin = 0, length = 0;
+    std::vector<TableEntry> table;
+    at::Tensor param;  ///< [length] fp32
+    bool has_optim = false;
+    int64_t optim_step = 0, optim_group = 0;
+    std::vector<std::pair<std::string, at::Tensor>> optim;  ///< [length] each
+  };
+  int rank = 0, world = 1;
+  int64_t shard_group_size = 1;
+  std::string optimizer_kind = "none";
+  std::vector<Flat> flats;
+  std::vector<std::map<std::string, AttrValue>> groups;  ///< optimizer hyperparameters
+  TrainingState state;
+  std::vector<std::pair<std::string, at::Tensor>> rng;      ///< "cpu", "cuda_<i>"
+  std::vector<std::pair<std::string, at::Tensor>> buffers;  ///< rank 0 only
+  int64_t staged_bytes = 0;                                 ///< host copies held (async)
+  /// The staging buffers above by what they hold, for the next save (Note [Staging reuse]).
+  std::map<std::string, at::Tensor> staged;
+};
+
+/// Bytes the buffers hold.
+int64_t staged_bytes(const std::map<std::string, at::Tensor>& buffers);
+
+/// Makes the host copies of an asynchronous save (Note [Staging reuse]).
+class Stager {
+ public:
+  /// `spare`: the model's kept buffers, already counted in checkpoint_staging; every
+  /// byte allocated or freed from here on is counted as it happens.
+  Stager(const ShardedModel& model, std::map<std::string, at::Tensor> spare)
+      : model_(model), spare_(std::move(spare)) {}
+  ~Stager() { free_spare(); }
+  Stager(const Stager&) = delete;
+  Stager& operator=(const Stager&) = delete;
+  /// A host copy of `t` (pinned when `t` is on a GPU), made into the last save's buffer
+  /// for `what` when it fits.
+  at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap);
+  /// Frees the kept buffers this save did not use.
+  void free_spare();
+  /// The snapshot was dropped (a failure while staging): its buffers are gone.
+  void forget_used();
+
+ private:
+  const ShardedModel& model_;
+  std::map<std::string, at::Tensor> spare_;
+  int64_t used_bytes_ = 0;
+};
+
+/// This rank's snapshot of the model, `opt`'s state (may be null) and `state`. `stager`
+/// null: views of the live tensors (a synchronous save); else host copies.
+RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt,
+                           const TrainingState& state, int rank, int world, Stager* stager);
+
+/// Writes `snap` as the rank file `path` and fsyncs it.
+void write_snapshot(const std::string& path, const RankSnapshot& snap);
+
+}  // namespace fsdp::ckpt

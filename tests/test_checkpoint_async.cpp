@@ -1,0 +1,374 @@
+// Asynchronous sharded saves (Note [Asynchronous saves]): the state of the call while
+// training goes on, staging reuse, and failures while staging, writing or publishing,
+// each reported on every rank.
+#include <fsdp/checkpoint.h>
+
+#include "support/checkpoint_helpers.h"
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <thread>
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
+
+namespace fs = std::filesystem;
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+// ---------------------------------------------------------------------------------
+// Asynchronous saves (Note [Asynchronous saves]).
+
+// What the async save of step 3 must hold: the state at the call, though training goes
+// on before the save is waited for. Rank r's flat shards and AdamW moments are staged,
+// and rank 0's buffers: checkpoint_staging counts exactly those bytes until the wait.
+void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
+  const auto cfg = small_gpt_config();
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
+  auto opt = make_adamw(model);
+  for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, pg);
+  torch::manual_seed(42 + pg.rank());
+  int64_t expected_staging = 0;
+  for (const auto& ls : fsdp::detail::local_shards(model)) {
+    const int64_t length = ls.writer ? ls.length : 0;
+    expected_staging +=
+        4 * length * (1 + (ls.info.requires_grad ? 2 : 0));  // param, exp_avg, exp_avg_sq
+  }
+  if (pg.rank() == 0) {
+    for (const auto& b : model.as_module().buffers())
+      expected_staging += static_cast<int64_t>(b.nbytes());
+  }
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3));
+  EXPECT_EQ(pending.path(), dir + "/step_00000003");
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging);
+  const auto rng_after_save = torch::rand({4});
+  std::vector<double> uninterrupted;
+  // Training changes every shard and moment while the thread may still be writing.
+  for (int64_t s = 3; s < 6; ++s) uninterrupted.push_back(train_step(model, opt, s, pg));
+  EXPECT_EQ(pending.wait(), dir + "/step_00000003");
+  EXPECT_TRUE(pending.done());
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging)
+      << "kept for the next save";
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, expected_staging);
+  release_checkpoint_staging(model);
+  EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
+  EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
+  pg.barrier();  // rank 0's wait() returns once published; the others' once written
+  EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir + "/step_00000003"))
+    names.push_back(e.path().filename().string());
+  EXPECT_EQ(names.size(), static_cast<size_t>(pg.size())) << "markers left in the checkpoint";
+
+  torch::manual_seed(7);
+  auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
+  torch::optim::AdamW opt2(model2.sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
+  TrainingState st;
+  torch::manual_seed(999);
+  load_sharded_checkpoint(dir, model2, &opt2, &st);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save))
+      << "the RNG state of the call was not saved";
+  EXPECT_EQ(st.step, 3);
+  EXPECT_EQ(st.extra, sample_state(3).extra);
+  for (int64_t s = 3; s < 6; ++s) {
+    EXPECT_EQ(train_step(model2, opt2, s, pg), uninterrupted[static_cast<size_t>(s - 3)])
+        << "step " << s << " differs after resuming from the asynchronous save";
+  }
+}
+
+TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtTwoRanks) {
+  const std::string dir = scratch_dir("async");
+  run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+// Note [Staging reuse]: the second save copies into the first one's buffers (the same
+// memory, so the counter never holds two snapshots) and still writes its own step's
+// values; buffers a save no longer needs are freed; keep_staging = false and
+// release_checkpoint_staging give the memory back.
+TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) {
+  const std::string dir = scratch_dir("async_reuse");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    const auto cfg = small_gpt_config();
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
+    auto opt = make_adamw(model);
+    train_step(model, opt, 0, pg);
+    int64_t param_bytes = 0, optim_bytes = 0;
+    for (const auto& ls : fsdp::detail::local_shards(model)) {
+      const int64_t length = ls.writer ? ls.length : 0;
+      param_bytes += 4 * length;
+      if (ls.info.requires_grad) optim_bytes += 2 * 4 * length;  // exp_avg, exp_avg_sq
+    }
+    if (pg.rank() == 0) {
+      for (const auto& b : model.as_module().buffers())
+        param_bytes += static_cast<int64_t>(b.nbytes());
+    }
+    auto stats = [&] { return model.memory_stats().checkpoint_staging; };
+    auto addresses = [&] {
+      std::map<std::string, const void*> a;
+      for (const auto& [key, t] : fsdp::detail::checkpoint_staging_pool(model))
+        a[key] = t.data_ptr();
+      return a;
+    };
+
+    // Without the optimizer: parameters (and rank 0's buffers) only.
+    AsyncSave first = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1));
+    first.wait();
+    EXPECT_EQ(stats().current, param_bytes);
+    const auto kept = addresses();
+    EXPECT_FALSE(kept.empty());
+
+    // With it: the parameters' buffers are reused, the moments' are new.
+    train_step(model, opt, 1, pg);
+    std::vector<torch::Tensor> expected;
+    for (const auto& ls : fsdp::detail::local_shards(model))
+      expected.push_back(ls.shard.narrow(0, 0, ls.length).clone());
+    AsyncSave second = save_sharded_checkpoint_async(dir, model, &opt, sample_state(2));
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    EXPECT_EQ(stats().peak, param_bytes + optim_bytes)
+        << "the first save's buffers were not reused";
+    train_step(model, opt, 2, pg);  // changes every shard while the second save may write
+    second.wait();
+    const auto now = addresses();
+    for (const auto& [key, ptr] : kept) {
+      ASSERT_TRUE(now.count(key)) << key;
+      EXPECT_EQ(now.at(key), ptr) << key << " was allocated afresh";
+    }
+    EXPECT_GT(now.size(), kept.size());
+
+    // The reused buffers held the second save's values.
+    pg.barrier();
+    torch::manual_seed(5);
+    auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
+    load_sharded_checkpoint(dir, model2, nullptr, nullptr);
+    const auto loaded = fsdp::detail::local_shards(model2);
+    ASSERT_EQ(loaded.size(), expected.size());
+    for (size_t k = 0; k < expected.size(); ++k) {
+      EXPECT_TRUE(torch::equal(loaded[k].shard.narrow(0, 0, loaded[k].length), expected[k])) << k;
+    }
+
+    // Without the optimizer again: its moments' buffers are freed.
+    AsyncSave third = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    third.wait();
+    EXPECT_EQ(stats().current, param_bytes);
+
+    SaveOptions no_keep;
+    no_keep.keep_staging = false;
+    AsyncSave fourth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(4), no_keep);
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    fourth.wait();
+    EXPECT_EQ(stats().current, 0);
+    EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
+
+    AsyncSave fifth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(5));
+    fifth.wait();
+    EXPECT_EQ(stats().current, param_bytes + optim_bytes);
+    release_checkpoint_staging(model);
+    EXPECT_EQ(stats().current, 0);
+    EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
+  });
+}
+
+TEST(AsyncCheckpoint, AnEmptyHandleHoldsNoSave) {
+  AsyncSave none;
+  EXPECT_TRUE(none.done());
+  EXPECT_EQ(none.path(), "");
+  const std::string msg = error_of([&] { none.wait(); });
+  EXPECT_NE(msg.find("AsyncSave::wait: this handle holds no save"), std::string::npos) << msg;
+}
+
+TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtOneRank) {
+  const std::string dir = scratch_dir("async");
+  run_ranks(1, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+// A write that fails in the background (a full disk, injected on rank 1): wait() says so
+// on each rank, `latest` stays at the previous checkpoint, the next save throws on every
+// rank naming the file and saves nothing, and the save after it works.
+TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
+  const std::string dir = scratch_dir("async_fail");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
+      if (step == "write" && pg.rank() == 1)
+        throw std::runtime_error("No space left on device (injected)");
+      (void)file;
+    });
+    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    const std::string waited = error_of([&] { pending.wait(); });
+    const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
+    EXPECT_NE(waited.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos)
+        << waited;
+    EXPECT_NE(waited.find("writing " + file1 + " failed: No space left on device (injected)"),
+              std::string::npos)
+        << waited;
+    if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
+    fsdp::detail::set_save_hook({});
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
+    EXPECT_GT(model.memory_stats().checkpoint_staging.current, 0);
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current,
+              model.memory_stats().checkpoint_staging.peak);
+
+    const std::string next =
+        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir +
+                        "/step_00000002 failed"),
+              std::string::npos)
+        << next;
+    EXPECT_NE(next.find("this call saved nothing"), std::string::npos) << next;
+    pg.barrier();
+    EXPECT_FALSE(fs::exists(dir + "/step_00000003"));
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+
+    AsyncSave again = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    EXPECT_EQ(again.wait(), dir + "/step_00000003");
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+    std::sort(left.begin(), left.end());
+    EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001", "step_00000003"}));
+  });
+}
+
+// Rank 1's background write stalls (its thread holds back until rank 0 has given up):
+// rank 0's thread waits the process group's timeout (3 s here) without the files growing,
+// says so naming the directory and the count, and removes the temporary directory; rank
+// 1's write then fails; the next save throws on both and `latest` stays.
+TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
+  const std::string dir = scratch_dir("async_stall");
+  const std::string tmp = dir + "/.tmp-step_00000002";
+  run_ranks(
+      2,
+      [&](const ProcessGroup& pg) {
+        ASSERT_EQ(pg.timeout_s(), 3.0);
+        auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+        save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+        fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
+          if (step != "write" || pg.rank() != 1) return;
+          const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+          while (fs::exists(tmp) && std::chrono::steady_clock::now() < give_up) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+          (void)file;
+        });
+        const auto t0 = std::chrono::steady_clock::now();
+        AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+        const std::string waited = error_of([&] { pending.wait(); });
+        const double waited_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (pg.rank() == 0) {
+          EXPECT_NE(waited.find("waited 3 s (the process group's timeout, FSDP_TIMEOUT_S) for the "
+                                "other ranks' files in " +
+                                tmp + " without progress: 1 of 2 complete"),
+                    std::string::npos)
+              << waited;
+          EXPECT_GE(waited_s, 3.0);
+          EXPECT_LT(waited_s, 20.0);
+        } else {
+          EXPECT_NE(waited.find("writing " + tmp + "/rank_00001.h5 failed"), std::string::npos)
+              << waited;
+        }
+        EXPECT_FALSE(fs::exists(tmp));
+        fsdp::detail::set_save_hook({});
+        const std::string next =
+            error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+        EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+                  std::string::npos)
+            << next;
+        pg.barrier();
+        EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+        EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
+      },
+      300, {"FSDP_TIMEOUT_S=3"});
+}
+
+// Staging fails on rank 1 halfway (out of host memory, injected at its second flat, with
+// the last save's buffers in hand): the call throws on both ranks before either goes on
+// training, nothing is written, and rank 1 holds no staging memory afterwards (what it
+// had staged and what it kept are both freed and uncounted). The next save works.
+TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
+  const std::string dir = scratch_dir("async_stage");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1)).wait();
+    const int64_t snapshot_bytes = model.memory_stats().checkpoint_staging.current;
+    ASSERT_GT(snapshot_bytes, 0);
+    int staged = 0;
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+      if (step == "stage" && pg.rank() == 1 && ++staged == 2)
+        throw std::runtime_error("out of host memory (injected)");
+    });
+    const std::string msg = error_of(
+        [&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
+    fsdp::detail::set_save_hook({});
+    EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)"
+                                      : "on another rank (see its error)"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, pg.rank() == 1 ? 0 : snapshot_bytes);
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, snapshot_bytes);
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
+    pg.barrier();  // both have looked before the next save makes that directory again
+    EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(),
+              dir + "/step_00000002");
+    EXPECT_EQ(model.memory_stats().checkpoint_staging.current, snapshot_bytes);
+  });
+}
+
+// Publishing fails on rank 0 (the rename or `latest`, injected): rank 0's wait() names
+// the directory; rank 1, whose file was written, learns it at the next save, which throws
+// on both; nothing of the save is left and `latest` stays.
+TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
+  const std::string dir = scratch_dir("async_publish");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& what) {
+      if (step == "publish" && what == dir + "/step_00000002")
+        throw std::runtime_error("rename: Input/output error (injected)");
+    });
+    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    if (pg.rank() == 0) {
+      const std::string waited = error_of([&] { pending.wait(); });
+      EXPECT_NE(waited.find("publishing " + dir +
+                            "/step_00000002 failed: rename: Input/output error (injected)"),
+                std::string::npos)
+          << waited;
+      EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
+    } else {
+      EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
+    }
+    fsdp::detail::set_save_hook({});
+    const std::string next =
+        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos)
+        << next;
+    if (pg.rank() == 1)
+      EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+    std::sort(left.begin(), left.end());
+    EXPECT_EQ(left, (std::vector<std::string>{"latest", "step_00000001"}));
+  });
+}
+
+}  // namespace
