@@ -80,6 +80,67 @@ h5::Elem elem_of(ExportDtype d) {
   TORCH_CHECK(false, "internal: export dtype ", static_cast<int>(d));
 }
 
+namespace {
+
+// The optimizer's hyperparameters per group, from rank 0's file.
+std::map<int64_t, std::map<std::string, AttrValue>> optimizer_group_hyperparams(
+    hid_t f0, const std::string& p0) {
+  std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
+  h5::Obj og = h5::open_group(f0, "optimizer", p0);
+  const int64_t groups = h5::get_int(og, "num_groups", p0);
+  for (int64_t g = 0; g < groups; ++g) {
+    h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), p0);
+    for (const auto& n : h5::attr_names(gg, p0)) group_hp[g][n] = h5::get_attr(gg, n, p0);
+  }
+  return group_hp;
+}
+
+// Flat `k`'s optimizer state, one dataset per parameter and state, in fp32.
+void write_flat_optim_state(ShardedReader& src, size_t k, ConsolidatedWriter& w,
+                            const std::map<int64_t, std::map<std::string, AttrValue>>& group_hp) {
+  const SourceFlat& sf = src.flats()[k];
+  if (sf.optim_states.empty()) return;
+  hid_t f0 = src.file(0);
+  const std::string p0 = src.file_path(0);
+  h5::Obj og = h5::open_group(f0, flat_group(k) + "/optim", p0);
+  const int64_t step = h5::get_int(og, "step", p0);
+  static const std::map<std::string, AttrValue> kNone;  // a group rank 0 does not list
+  const auto it = group_hp.find(h5::get_int(og, "group", p0));
+  const auto& hp = it == group_hp.end() ? kNone : it->second;
+  for (const auto& e : sf.table) w.optim_group(e.fqn, step, hp);
+  std::vector<float> buf;
+  for (const auto& name : sf.optim_states) {
+    for (const auto& e : sf.table) {
+      buf.assign(static_cast<size_t>(e.numel), 0.0f);
+      src.read(k, "optim/" + name, e.offset, e.numel, buf.data());
+      h5::write(w.optim, e.fqn + "/" + name, buf.data(), h5::Elem::kF32, h5::Elem::kF32, e.shape,
+                w.tmp + ":/optimizer");
+    }
+  }
+}
+
+// Buffers: floating ones in the export dtype (through fp32, as the live export does),
+// integer ones as stored.
+void write_consolidated_buffers(hid_t f0, const std::string& p0, ConsolidatedWriter& w,
+                                h5::Elem dtype) {
+  if (!h5::exists(f0, "buffers")) return;
+  h5::Obj bg = h5::open_group(f0, "buffers", p0);
+  const std::string where = p0 + ":/buffers";
+  for (const auto& n : h5::children(bg, where)) {
+    const auto shape = h5::shape_of(bg, n, where);
+    const int64_t numel = h5::numel_of(shape, where, n);
+    h5::check_fits_in_file(bg, n, numel, 1, where);  // before sizing `raw` by it
+    const h5::Elem stored = h5::elem_of(bg, n, where);
+    const bool floating = stored == h5::Elem::kF32 || stored == h5::Elem::kF64;
+    const h5::Elem mem = floating ? h5::Elem::kF32 : stored;
+    std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
+    h5::read_range(bg, n, 0, numel, raw.data(), mem, where);
+    h5::write(w.model, n, raw.data(), mem, floating ? dtype : stored, shape, w.tmp + ":/model");
+  }
+}
+
+}  // namespace
+
 void consolidate_offline(const std::string& sharded, const std::string& out_file,
                          ExportDtype export_dtype, bool with_optimizer, const Progress& progress) {
   const h5::Elem dtype = elem_of(export_dtype);
@@ -89,63 +150,27 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
               " holds no optimizer state; drop --with-optimizer");
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  const std::map<std::string, AttrValue> attrs = model_attrs(src);
   std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
-  if (with_optimizer) {
-    h5::Obj og = h5::open_group(f0, "optimizer", p0);
-    const int64_t groups = h5::get_int(og, "num_groups", p0);
-    for (int64_t g = 0; g < groups; ++g) {
-      h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), p0);
-      for (const auto& n : h5::attr_names(gg, p0)) group_hp[g][n] = h5::get_attr(gg, n, p0);
-    }
-  }
+  if (with_optimizer) group_hp = optimizer_group_hyperparams(f0, p0);
   size_t total = 0, done = 0;
   for (const auto& sf : src.flats()) total += sf.table.size();
 
-  ConsolidatedWriter w(out_file, dtype, src.step(), attrs, with_optimizer ? src.optimizer() : "");
-  std::vector<float> buf;
+  ConsolidatedWriter w(out_file, dtype, src.step(), model_attrs(src),
+                       with_optimizer ? src.optimizer() : "");
   try {
+    std::vector<float> buf;
     for (size_t k = 0; k < src.flats().size(); ++k) {
-      const SourceFlat& sf = src.flats()[k];
-      for (const auto& e : sf.table) {
+      for (const auto& e : src.flats()[k].table) {
         buf.assign(static_cast<size_t>(e.numel), 0.0f);
         src.read(k, "param", e.offset, e.numel, buf.data());
         h5::write(w.model, e.fqn, buf.data(), h5::Elem::kF32, dtype, e.shape, w.tmp + ":/model");
         ++done;
         if (progress) progress(done, total, e.fqn);
       }
-      if (!with_optimizer || sf.optim_states.empty()) continue;
-      h5::Obj og = h5::open_group(f0, flat_group(k) + "/optim", p0);
-      const int64_t step = h5::get_int(og, "step", p0);
-      const auto& hp = group_hp[h5::get_int(og, "group", p0)];
-      for (const auto& e : sf.table) w.optim_group(e.fqn, step, hp);
-      for (const auto& name : sf.optim_states) {
-        for (const auto& e : sf.table) {
-          buf.assign(static_cast<size_t>(e.numel), 0.0f);
-          src.read(k, "optim/" + name, e.offset, e.numel, buf.data());
-          h5::write(w.optim, e.fqn + "/" + name, buf.data(), h5::Elem::kF32, h5::Elem::kF32,
-                    e.shape, w.tmp + ":/optimizer");
-        }
-      }
+      if (with_optimizer) write_flat_optim_state(src, k, w, group_hp);
     }
     buf = std::vector<float>();
-    // Buffers: floating ones in the export dtype (through fp32, as the live export does),
-    // integer ones as stored.
-    if (h5::exists(f0, "buffers")) {
-      h5::Obj bg = h5::open_group(f0, "buffers", p0);
-      const std::string where = p0 + ":/buffers";
-      for (const auto& n : h5::children(bg, where)) {
-        const auto shape = h5::shape_of(bg, n, where);
-        const int64_t numel = h5::numel_of(shape, where, n);
-        h5::check_fits_in_file(bg, n, numel, 1, where);  // before sizing `raw` by it
-        const h5::Elem stored = h5::elem_of(bg, n, where);
-        const bool floating = stored == h5::Elem::kF32 || stored == h5::Elem::kF64;
-        const h5::Elem mem = floating ? h5::Elem::kF32 : stored;
-        std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
-        h5::read_range(bg, n, 0, numel, raw.data(), mem, where);
-        h5::write(w.model, n, raw.data(), mem, floating ? dtype : stored, shape, w.tmp + ":/model");
-      }
-    }
+    write_consolidated_buffers(f0, p0, w, dtype);
     w.finish();
   } catch (...) {
     w.abandon();

@@ -322,14 +322,12 @@ Reader::~Reader() {
   for (int fd : fds_) ::close(fd);
 }
 
-void Reader::open_file(const std::string& path, bool take_metadata) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot open safetensors file ", path, ": ", err_text());
-  fds_.push_back(fd);
-  files_.push_back(path);
-  struct stat sb {};
-  TORCH_CHECK(::fstat(fd, &sb) == 0, "cannot stat ", path, ": ", err_text());
-  const auto size = static_cast<uint64_t>(sb.st_size);
+namespace {
+
+// The JSON header of an open safetensors file of `size` bytes; `header_len` receives its
+// length (the data start 8 bytes after it).
+nlohmann::json read_header_json(int fd, const std::string& path, uint64_t size,
+                                uint64_t& header_len) {
   TORCH_CHECK(size >= 8, path, " (", size,
               " bytes) is not a safetensors file: shorter than its 8-byte header length");
   unsigned char len[8];
@@ -352,6 +350,72 @@ void Reader::open_file(const std::string& path, bool take_metadata) {
     TORCH_CHECK(false, path, ": the header is not valid JSON: ", e.what());
   }
   TORCH_CHECK(h.is_object(), path, ": the header is not a JSON object");
+  header_len = n;
+  return h;
+}
+
+// One tensor's header entry, checked against the `data_len` bytes of data.
+Entry parse_entry(const std::string& path, const std::string& key, const nlohmann::json& v,
+                  size_t file, uint64_t data_len) {
+  TORCH_CHECK(
+      v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+      path, ": tensor '", key, "' lacks dtype, shape or data_offsets");
+  Entry e;
+  e.file = file;
+  TORCH_CHECK(v["dtype"].is_string(), path, ": tensor '", key, "': dtype is not a string");
+  e.dtype = v["dtype"].get<std::string>();
+  TORCH_CHECK(v["shape"].is_array(), path, ": tensor '", key, "': shape is not an array");
+  for (auto& d : v["shape"]) {
+    TORCH_CHECK(d.is_number_unsigned(), path, ": tensor '", key, "': shape holds ", d.dump(),
+                ", not a non-negative integer");
+    e.shape.push_back(d.get<int64_t>());
+  }
+  const auto& off = v["data_offsets"];
+  TORCH_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() &&
+                  off[1].is_number_unsigned(),
+              path, ": tensor '", key, "': data_offsets is not [begin, end]");
+  e.begin = off[0].get<uint64_t>();
+  e.end = off[1].get<uint64_t>();
+  TORCH_CHECK(e.begin <= e.end && e.end <= data_len, path, ": tensor '", key, "': data_offsets [",
+              e.begin, ", ", e.end, "] lie outside the ", data_len,
+              " bytes of data: truncated or corrupted");
+  const uint64_t want = nbytes(Spec{key, e.dtype, e.shape});
+  TORCH_CHECK(e.end - e.begin == want, path, ": tensor '", key, "' (", e.dtype, ", ",
+              e.shape.size(), " dims) needs ", want, " bytes but data_offsets give ",
+              e.end - e.begin);
+  return e;
+}
+
+// The tensors' [begin, end) ranges must tile the data exactly: no overlap, no gap, nothing
+// after the last.
+void check_ranges_tile(const std::string& path, std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                       uint64_t data_len) {
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = 0;
+  for (const auto& [b, e] : ranges) {
+    TORCH_CHECK(b == at, path, ": the tensors' data_offsets ",
+                b == at  ? ""
+                : b < at ? "overlap"
+                         : "leave a gap",
+                " at byte ", std::min(b, at), " of the data");
+    at = e;
+  }
+  TORCH_CHECK(at == data_len, path, ": ", data_len - at,
+              " bytes after the last tensor's data: not a valid file");
+}
+
+}  // namespace
+
+void Reader::open_file(const std::string& path, bool take_metadata) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot open safetensors file ", path, ": ", err_text());
+  fds_.push_back(fd);
+  files_.push_back(path);
+  struct stat sb {};
+  TORCH_CHECK(::fstat(fd, &sb) == 0, "cannot stat ", path, ": ", err_text());
+  const auto size = static_cast<uint64_t>(sb.st_size);
+  uint64_t n = 0;
+  const nlohmann::json h = read_header_json(fd, path, size, n);
   const size_t file = files_.size() - 1;
   const uint64_t data_len = size - 8 - n;
   data_start_.push_back(8 + n);
@@ -365,49 +429,13 @@ void Reader::open_file(const std::string& path, bool take_metadata) {
       }
       continue;
     }
-    TORCH_CHECK(
-        v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
-        path, ": tensor '", key, "' lacks dtype, shape or data_offsets");
-    Entry e;
-    e.file = file;
-    TORCH_CHECK(v["dtype"].is_string(), path, ": tensor '", key, "': dtype is not a string");
-    e.dtype = v["dtype"].get<std::string>();
-    TORCH_CHECK(v["shape"].is_array(), path, ": tensor '", key, "': shape is not an array");
-    for (auto& d : v["shape"]) {
-      TORCH_CHECK(d.is_number_unsigned(), path, ": tensor '", key, "': shape holds ", d.dump(),
-                  ", not a non-negative integer");
-      e.shape.push_back(d.get<int64_t>());
-    }
-    const auto& off = v["data_offsets"];
-    TORCH_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() &&
-                    off[1].is_number_unsigned(),
-                path, ": tensor '", key, "': data_offsets is not [begin, end]");
-    e.begin = off[0].get<uint64_t>();
-    e.end = off[1].get<uint64_t>();
-    TORCH_CHECK(e.begin <= e.end && e.end <= data_len, path, ": tensor '", key, "': data_offsets [",
-                e.begin, ", ", e.end, "] lie outside the ", data_len,
-                " bytes of data: truncated or corrupted");
-    const uint64_t want = nbytes(Spec{key, e.dtype, e.shape});
-    TORCH_CHECK(e.end - e.begin == want, path, ": tensor '", key, "' (", e.dtype, ", ",
-                e.shape.size(), " dims) needs ", want, " bytes but data_offsets give ",
-                e.end - e.begin);
+    Entry e = parse_entry(path, key, v, file, data_len);
     TORCH_CHECK(!entries_.count(key), path, ": tensor '", key, "' also appears in ",
                 files_[entries_[key].file]);
     ranges.emplace_back(e.begin, e.end);
     entries_[key] = std::move(e);
   }
-  std::sort(ranges.begin(), ranges.end());
-  uint64_t at = 0;
-  for (const auto& [b, e] : ranges) {
-    TORCH_CHECK(b == at, path, ": the tensors' data_offsets ",
-                b == at  ? ""
-                : b < at ? "overlap"
-                         : "leave a gap",
-                " at byte ", std::min(b, at), " of the data");
-    at = e;
-  }
-  TORCH_CHECK(at == data_len, path, ": ", data_len - at,
-              " bytes after the last tensor's data: not a valid file");
+  check_ranges_tile(path, std::move(ranges), data_len);
 }
 
 void Reader::read(const std::string& name, uint64_t offset, uint64_t n, void* out) const {
