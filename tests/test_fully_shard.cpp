@@ -199,6 +199,23 @@ TEST(FullyShard, AnInnerUnitCalledAfterItsModelIsGoneSaysWhatToKeep) {
   }
 }
 
+TEST(FullyShard, AGradientForAParameterOfADestroyedModelSaysWhatToKeep) {
+  torch::Tensor loss;
+  {
+    auto root = fully_shard(Nested());
+    root.unshard();  // full parameters in place, used below past the wrap points
+    loss = root->module()->head(torch::randn({2, 8})).sum();
+  }  // the handle, and with it the model's runtime, is gone; the graph still holds head's
+  try {
+    loss.backward();
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "FSDP: a gradient arrived for a sharded model that has been destroyed; keep the "
+              "handle fully_shard() returned alive while its modules are used");
+  }
+}
+
 TEST(FullyShard, AnEmptyHandleSaysWhatToAssign) {
   ShardedModel model;
   EXPECT_FALSE(model);

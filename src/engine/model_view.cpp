@@ -24,14 +24,10 @@ FlatParamInfo flat_info_of(const detail::Unit& u, const detail::FlatParam& f) {
 
 // Flat parameter `index` in flat_params() order, or an error naming the count.
 detail::FlatParam& flat_at(const ShardedModel& model, size_t index, const char* what) {
-  size_t i = 0;
-  for (const auto& u : model_runtime(model).units()) {
-    for (const auto& f : u->flats()) {
-      if (i++ == index) return *f;
-    }
-  }
-  TORCH_CHECK(false, what, ": index ", index, " is out of range; the model has ", i,
-              " flat parameters");
+  const auto& flats = model_runtime(model).flats();
+  TORCH_CHECK(index < flats.size(), what, ": index ", index, " is out of range; the model has ",
+              flats.size(), " flat parameters");
+  return *flats[index];
 }
 }  // namespace
 

@@ -24,6 +24,7 @@ Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {}
 
 Runtime::~Runtime() {
   comm_.reset();  // waits for gathers in flight into the flat parameters' buffers
+  flats_.clear();
   for (auto& u : units_) u->detach();
 }
 
@@ -69,9 +70,13 @@ class PostAccumulateHook : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 void Runtime::add_flat(Unit& u, std::unique_ptr<FlatParam> flat) {
+  // Units get their flats in turn, so flats_ keeps the model view's (unit) order.
+  TORCH_INTERNAL_ASSERT(!units_.empty() && &u == units_.back().get(),
+                        "flat parameters are added to the newest unit only");
   const size_t index = u.flats().size();
   FlatParam& f = *flat;
   u.add_flat(std::move(flat));
+  flats_.push_back(&f);
   if (!f.trainable()) return;
   for (size_t i = 0; i < f.slots().size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(f.slots()[i].param);

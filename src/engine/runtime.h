@@ -36,6 +36,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   const FlatConfig& flat_config() const { return flat_cfg_; }
   std::vector<std::shared_ptr<Unit>>& units() { return units_; }
   const std::vector<std::shared_ptr<Unit>>& units() const { return units_; }
+  /// Every flat parameter in unit order (the model view's index), for O(1) lookups.
+  const std::vector<FlatParam*>& flats() const { return flats_; }
 
   /// Sets the groups and dtypes the units are built with, and makes the communication
   /// context (with cfg.transfers under offload). Called once, before add_unit().
@@ -87,6 +89,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   FlatConfig flat_cfg_;
   Accounting acct_;
   std::vector<std::shared_ptr<Unit>> units_;  ///< root first, then in module order
+  std::vector<FlatParam*> flats_;             ///< owned by units_; cleared with them
   std::unique_ptr<CommContext> comm_;         ///< set by set_flat_config()
   Phase phase_ = Phase::kIdle;
   std::vector<Unit*> forward_order_;  ///< first call of each unit, first iteration
