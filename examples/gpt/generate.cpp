@@ -8,7 +8,7 @@
 // continuation goes to stdout; errors go to stderr (exit 2: bad flags, 1: bad file).
 #include <fsdp/checkpoint.h>
 
-#include "cli.h"
+#include "../common/cli.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -18,7 +18,7 @@
 
 namespace {
 
-using gpt::UsageError;
+using examples::UsageError;
 
 int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std::string& key,
                  const std::string& file) {
@@ -125,5 +125,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gpt::program_main("generate", [&] { return run(argc, argv); });
+  return examples::program_main("generate", [&] { return run(argc, argv); });
 }

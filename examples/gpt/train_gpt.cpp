@@ -9,7 +9,7 @@
 // the start; a GPT that learns the chain approaches the conditional entropy.
 #include <fsdp/fsdp.h>
 
-#include "cli.h"
+#include "../common/cli.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -33,7 +33,7 @@
 
 namespace {
 
-using gpt::UsageError;
+using examples::UsageError;
 
 // ---- data -------------------------------------------------------------------
 
@@ -791,5 +791,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gpt::program_main("train_gpt", [&] { return run(argc, argv); });
+  return examples::program_main("train_gpt", [&] { return run(argc, argv); });
 }
