@@ -10,6 +10,7 @@
 #include <fsdp/fsdp.h>
 
 #include "../common/cli.h"
+#include "data.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -24,7 +25,6 @@
 #include <iostream>
 #include <map>
 #include <optional>
-#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -34,112 +34,7 @@
 namespace {
 
 using examples::UsageError;
-
-// ---- data -------------------------------------------------------------------
-
-const std::string kAlphabet = "abcdefghijklmnopqrstuvwxyz .,;!?";
-
-/// Byte-level batches, identical on every rank and world size for a given step.
-class Data {
- public:
-  /// With a file, its last `val_fraction` is held out for validation (val_batch).
-  Data(uint64_t seed, const std::string& path, double val_fraction = 0)
-      : seed_(seed), synthetic_(path.empty()), path_(path) {
-    if (!synthetic_) {
-      std::ifstream f(path, std::ios::binary);
-      if (!f)
-        throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
-      std::stringstream ss;
-      ss << f.rdbuf();
-      text_ = ss.str();
-      train_end_ =
-          text_.size() - static_cast<size_t>(static_cast<double>(text_.size()) * val_fraction);
-      return;
-    }
-    std::mt19937_64 g(seed ^ 0x5eedULL);
-    std::uniform_int_distribution<int> pick(0, static_cast<int>(kAlphabet.size()) - 1);
-    for (size_t i = 0; i < kAlphabet.size(); ++i) next_.push_back({pick(g), pick(g)});
-  }
-
-  bool synthetic() const { return synthetic_; }
-
-  void check(int64_t block) const {
-    if (!synthetic() && static_cast<int64_t>(text_.size()) < block + 2) {
-      throw UsageError("--data holds " + std::to_string(text_.size()) +
-                       " bytes, fewer than --block-size + 2 = " + std::to_string(block + 2) +
-                       "; use a longer file or a smaller --block-size");
-    }
-    const auto need = static_cast<size_t>(block + 2);
-    if (!synthetic() && validates() && (train_end_ < need || text_.size() - train_end_ < need)) {
-      throw UsageError("--data " + path_ + " (" + std::to_string(text_.size()) +
-                       " bytes) split by --val-fraction "
-                       "leaves " +
-                       std::to_string(train_end_) + " bytes to train on and " +
-                       std::to_string(text_.size() - train_end_) +
-                       " to validate on; each needs --block-size + 2 = " + std::to_string(need) +
-                       ". Use a longer file, another --val-fraction, or 0 for none");
-    }
-  }
-
-  /// Whether a validation split is held out (a file and --val-fraction > 0).
-  bool validates() const { return !synthetic() && train_end_ < text_.size(); }
-  size_t train_bytes() const { return synthetic() ? 0 : train_end_; }
-  size_t val_bytes() const { return synthetic() ? 0 : text_.size() - train_end_; }
-
-  /// (rows, block + 1) tokens from the held-out part: validation batch `i` (fixed by the seed).
-  torch::Tensor val_batch(int64_t i, int64_t rows, int64_t block) const {
-    std::mt19937_64 g((seed_ ^ 0x7a11da7eULL) * 1000003ULL + static_cast<uint64_t>(i));
-    auto out = torch::empty({rows, block + 1}, torch::kLong);
-    auto a = out.accessor<int64_t, 2>();
-    const size_t span = text_.size() - train_end_ - static_cast<size_t>(block) - 1;
-    for (int64_t r = 0; r < rows; ++r) {
-      const size_t start = train_end_ + g() % span;
-      for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
-    }
-    return out;
-  }
-
-  /// (rows, block + 1) tokens for `step`.
-  torch::Tensor batch(int64_t step, int64_t rows, int64_t block) const {
-    std::mt19937_64 g(seed_ * 1000003ULL + static_cast<uint64_t>(step));
-    auto out = torch::empty({rows, block + 1}, torch::kLong);
-    auto a = out.accessor<int64_t, 2>();
-    for (int64_t r = 0; r < rows; ++r) {
-      if (synthetic()) {
-        int s = static_cast<int>(g() % kAlphabet.size());
-        for (int64_t t = 0; t <= block; ++t) {
-          a[r][t] = static_cast<unsigned char>(kAlphabet[s]);
-          s = (g() % 10 < 7) ? next_[s].first : next_[s].second;
-        }
-      } else {
-        uint64_t start = g() % (train_end_ - block - 1);
-        for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
-      }
-    }
-    return out;
-  }
-
-  /// Entropy in nats of the byte distribution (the loss of a context-free model).
-  double unigram_entropy(int64_t block) const {
-    auto b = batch(-1, 256, block);
-    auto counts = torch::bincount(b.reshape({-1}), {}, 256).to(torch::kDouble);
-    auto p = counts / counts.sum();
-    p = p.masked_select(p > 0);
-    return -(p * p.log()).sum().item<double>();
-  }
-
-  /// Entropy in nats of the next character given the current one (the synthetic task's floor).
-  double conditional_entropy() const { return -(0.7 * std::log(0.7) + 0.3 * std::log(0.3)); }
-
- private:
-  uint64_t seed_;
-  bool synthetic_;  ///< no --data: the Markov task (an empty file is an error, not this)
-  std::string path_;
-  std::string text_;
-  size_t train_end_ = 0;  ///< text_[0, train_end_) trains; the rest validates
-  std::vector<std::pair<int, int>>
-      next_;  ///< per character: likely (p=0.7) and other (0.3) successor
-};
+using gpt::Data;
 
 // ---- options ----------------------------------------------------------------
 
