@@ -9,6 +9,7 @@
 #include <fsdp/checkpoint.h>
 
 #include "../common/cli.h"
+#include "architecture.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -80,11 +81,8 @@ int run(int argc, char** argv) {
   const std::string file = r["weights"].as<std::string>();
   const auto attrs = fsdp::consolidated_attributes(file);
   gpt::Config cfg;
-  cfg.n_layer = int_attr(attrs, "n_layer", file);
-  cfg.n_head = int_attr(attrs, "n_head", file);
-  cfg.d_model = int_attr(attrs, "d_model", file);
-  cfg.block_size = int_attr(attrs, "block_size", file);
-  cfg.vocab_size = int_attr(attrs, "vocab_size", file);
+  for (const auto& [key, field] : gpt::architecture_fields(cfg))
+    *field = int_attr(attrs, key, file);
   if (top_k < 0 || top_k > cfg.vocab_size) {
     throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." +
                      std::to_string(cfg.vocab_size) + " (0: no limit)");

@@ -10,6 +10,7 @@
 #include <fsdp/fsdp.h>
 
 #include "../common/cli.h"
+#include "architecture.h"
 #include "data.h"
 #include "gpt_model.h"
 
@@ -170,12 +171,7 @@ void apply_init_file(const std::string& file, gpt::Config& cfg, const cxxopts::P
     throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
                      e.what_without_backtrace() + ")");
   }
-  const std::pair<const char*, int64_t*> fields[] = {{"n_layer", &cfg.n_layer},
-                                                     {"n_head", &cfg.n_head},
-                                                     {"d_model", &cfg.d_model},
-                                                     {"block_size", &cfg.block_size},
-                                                     {"vocab_size", &cfg.vocab_size}};
-  for (const auto& [key, field] : fields) {
+  for (const auto& [key, field] : gpt::architecture_fields(cfg)) {
     std::string flag = key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     // vocab_size has no flag: the byte-level vocabulary is always 256.
@@ -445,11 +441,7 @@ int run(int argc, char** argv) {
   auto training_state = [&](int64_t step) {
     fsdp::TrainingState st;
     st.step = step;
-    st.model_attrs = {{"n_layer", cfg.n_layer},
-                      {"n_head", cfg.n_head},
-                      {"d_model", cfg.d_model},
-                      {"block_size", cfg.block_size},
-                      {"vocab_size", cfg.vocab_size}};
+    st.model_attrs = gpt::architecture_attrs(cfg);
     st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
     if (scaler) st.loss_scaler = scaler->state();
     return st;
