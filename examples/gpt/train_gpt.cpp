@@ -12,223 +12,27 @@
 #include "../common/cli.h"
 #include "architecture.h"
 #include "data.h"
+#include "flags.h"
 #include "gpt_model.h"
 
-#include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
-#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <string>
 #include <tuple>
-#include <variant>
 
 namespace {
 
 using examples::UsageError;
 using gpt::Data;
-
-// ---- options ----------------------------------------------------------------
-
-cxxopts::Options make_options() {
-  cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
-  o.add_options("model")("n-layer", "transformer blocks",
-                         cxxopts::value<int64_t>()->default_value("2"))(
-      "n-head", "attention heads", cxxopts::value<int64_t>()->default_value("4"))(
-      "d-model", "model width", cxxopts::value<int64_t>()->default_value("64"))(
-      "block-size", "context length in bytes", cxxopts::value<int64_t>()->default_value("32"))(
-      "dropout", "dropout probability", cxxopts::value<double>()->default_value("0"));
-  o.add_options("training")("batch-size", "global batch in sequences, split across ranks",
-                            cxxopts::value<int64_t>()->default_value("16"))(
-      "grad-accum", "micro-batches per step", cxxopts::value<int64_t>()->default_value("1"))(
-      "steps", "optimizer steps", cxxopts::value<int64_t>()->default_value("200"))(
-      "lr", "peak learning rate", cxxopts::value<double>()->default_value("3e-3"))(
-      "weight-decay", "AdamW weight decay", cxxopts::value<double>()->default_value("0.01"))(
-      "warmup-steps", "linear warm-up steps", cxxopts::value<int64_t>()->default_value("10"))(
-      "lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))(
-      "clip-grad", "clip the global gradient norm to this (0: off)",
-      cxxopts::value<double>()->default_value("1.0"))(
-      "seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))(
-      "data", "train on this text file, byte-level (default: the synthetic task)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "val-fraction",
-      "with --data: hold out this last fraction of the file; its loss is printed as training goes "
-      "(0: none)",
-      cxxopts::value<double>()->default_value("0.1"));
-  o.add_options("sharding")("precision",
-                            "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over "
-                            "fp32 masters; fp16 with a dynamic loss scale)",
-                            cxxopts::value<std::string>()->default_value("fp32"))(
-      "loss-scale-power",
-      "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)",
-      cxxopts::value<int>()->default_value("16"))(
-      "sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
-      "hybrid-group-size", "ranks per shard group for --sharding hybrid",
-      cxxopts::value<int>()->default_value("0"))(
-      "wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))(
-      "activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
-      cxxopts::value<std::string>()->default_value("none"))(
-      "cpu-offload",
-      "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
-  o.add_options("checkpoint")("save-dir",
-                              "save sharded checkpoints here (every rank writes its own file)",
-                              cxxopts::value<std::string>()->default_value(""))(
-      "save-every", "save every K steps (0: only at the end)",
-      cxxopts::value<int64_t>()->default_value("0"))("keep",
-                                                     "keep the newest K checkpoints (0: all)",
-                                                     cxxopts::value<int64_t>()->default_value("3"))(
-      "async-save",
-      "save in the background: training waits only while this rank's state is copied to host "
-      "memory")("stop-at",
-                "stop after this step, as if preempted (a checkpoint is saved); the schedule still "
-                "spans --steps",
-                cxxopts::value<int64_t>()->default_value("0"))(
-      "resume",
-      "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")(
-      "init-from",
-      "start from these consolidated weights: an HDF5 file, or safetensors (file, index or "
-      "directory); step 0, fresh optimizer; the architecture is the file's (model flags given must "
-      "agree)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "consolidate-to",
-      "at the end, write one consolidated HDF5 file here (for generate and other tools)",
-      cxxopts::value<std::string>()->default_value(""));
-  o.add_options("output")("log-jsonl", "rank 0 writes one JSON object per step here",
-                          cxxopts::value<std::string>()->default_value(""))(
-      "log-every", "progress line every K steps (0: about 20 lines per run)",
-      cxxopts::value<int64_t>()->default_value("0"))(
-      "io-log",
-      "rank 0 appends one JSON object per checkpoint save, load and consolidated export here "
-      "({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "config", "JSON file with any of these options; flags given here override it",
-      cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
-  return o;
-}
-
-// Turns {"n_layer": 4, "lr-schedule": "cosine", "resume": true} into
-// "--n-layer=4 --lr-schedule=cosine --resume" (a switch set to false is left out).
-std::vector<std::string> config_args(const std::string& path, const cxxopts::Options& options) {
-  std::ifstream f(path);
-  if (!f) throw UsageError("--config " + path + ": cannot open the file");
-  nlohmann::json j;
-  try {
-    f >> j;
-  } catch (const std::exception& e) {
-    throw UsageError("--config " + path + ": not valid JSON (" + std::string(e.what()) + ")");
-  }
-  if (!j.is_object())
-    throw UsageError("--config " + path + ": the top level must be a JSON object");
-  std::vector<std::string> out;
-  for (auto& [key, value] : j.items()) {
-    std::string flag = key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    if (flag == "config" || flag == "help")
-      throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
-    if (value.is_object() || value.is_array() || value.is_null()) {
-      throw UsageError("--config " + path + ": key '" + key +
-                       "' must be a number, a string or true/false");
-    }
-    if (value.is_boolean()) {
-      if (value.get<bool>()) out.push_back("--" + flag);
-      continue;
-    }
-    const std::string v = value.is_string() ? value.get<std::string>() : value.dump();
-    out.push_back("--" + flag + "=" + v);
-  }
-  (void)options;
-  return out;
-}
-
-fsdp::ShardingStrategy parse_sharding(const std::string& s) {
-  if (s == "full") return fsdp::ShardingStrategy::kFullShard;
-  if (s == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
-  if (s == "none") return fsdp::ShardingStrategy::kNoShard;
-  if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
-  throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
-}
-
-// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
-// attributes, or a safetensors __metadata__). A flag given on the command line must agree
-// with the file, each disagreement named with both values (checked before any rank
-// starts training).
-void apply_init_file(const std::string& file, gpt::Config& cfg, const cxxopts::ParseResult& r) {
-  if (!std::filesystem::exists(file))
-    throw UsageError("--init-from " + file + ": cannot open the file");
-  std::map<std::string, fsdp::AttrValue> attrs;
-  try {
-    attrs = fsdp::consolidated_attributes(file);
-  } catch (const c10::Error& e) {
-    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
-                     e.what_without_backtrace() + ")");
-  }
-  for (const auto& [key, field] : gpt::architecture_fields(cfg)) {
-    std::string flag = key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    // vocab_size has no flag: the byte-level vocabulary is always 256.
-    const bool given = flag == "vocab-size" || r.count(flag) > 0;
-    const std::string ours =
-        (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
-    auto it = attrs.find(key);
-    if (it == attrs.end()) {
-      throw UsageError("--init-from " + file + " has no attribute " + key +
-                       " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
-    }
-    if (!std::holds_alternative<int64_t>(it->second) ||
-        (given && std::get<int64_t>(it->second) != *field)) {
-      const std::string theirs = std::holds_alternative<int64_t>(it->second)
-                                     ? std::to_string(std::get<int64_t>(it->second))
-                                 : std::holds_alternative<double>(it->second)
-                                     ? std::to_string(std::get<double>(it->second))
-                                     : std::get<std::string>(it->second);
-      throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
-                       "; leave the flag out to take the file's, or give another file");
-    }
-    *field = std::get<int64_t>(it->second);
-  }
-}
-
-fsdp::WrapPolicy parse_wrap(const std::string& s) {
-  if (s == "block") return fsdp::module_type_policy<gpt::Block>();
-  if (s == "none") return fsdp::never_wrap_policy();
-  if (s.rfind("size:", 0) == 0) {
-    try {
-      size_t used = 0;
-      long long n = std::stoll(s.substr(5), &used);
-      if (used == s.size() - 5 && n >= 0) return fsdp::size_based_policy(n);
-    } catch (const std::exception&) {
-    }
-  }
-  throw UsageError("--wrap " + s +
-                   " is unknown; use block, none or size:N (N = least parameters per unit)");
-}
-
-fsdp::WrapPolicy parse_checkpointing(const std::string& s) {
-  if (s == "none") return nullptr;
-  if (s == "all") return fsdp::module_type_policy<gpt::Block>();
-  if (s.rfind("every:", 0) == 0) {
-    try {
-      size_t used = 0;
-      int k = std::stoi(s.substr(6), &used);
-      if (used == s.size() - 6 && k >= 1) {
-        return fsdp::all_policy(
-            {fsdp::module_type_policy<gpt::Block>(), fsdp::every_kth_policy(k)});
-      }
-    } catch (const std::exception&) {
-    }
-  }
-  throw UsageError("--activation-checkpointing " + s +
-                   " is unknown; use none, all or every:K (K >= 1)");
-}
 
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};
@@ -256,157 +60,37 @@ std::string human_seconds(double s) {
 }
 
 int run(int argc, char** argv) {
-  auto options = make_options();
-  std::vector<std::string> args{argv[0]};
-  // A first pass finds --config; its values go first so that flags override them.
-  {
-    auto first = make_options();
-    first.allow_unrecognised_options();
-    auto r = first.parse(argc, argv);
-    if (r.count("help")) {
-      std::cout << options.help() << std::endl;
-      return 0;
-    }
-    if (!r["config"].as<std::string>().empty()) {
-      auto extra = config_args(r["config"].as<std::string>(), options);
-      args.insert(args.end(), extra.begin(), extra.end());
-    }
-  }
-  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-  std::vector<char*> cargs;
-  for (auto& a : args) cargs.push_back(a.data());
-  auto r = options.parse(static_cast<int>(cargs.size()), cargs.data());
-  if (!r.unmatched().empty())
-    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
-
-  gpt::Config cfg;
-  cfg.n_layer = r["n-layer"].as<int64_t>();
-  cfg.n_head = r["n-head"].as<int64_t>();
-  cfg.d_model = r["d-model"].as<int64_t>();
-  cfg.block_size = r["block-size"].as<int64_t>();
-  cfg.dropout = r["dropout"].as<double>();
-  const std::string init_from = r["init-from"].as<std::string>();
-  if (!init_from.empty()) apply_init_file(init_from, cfg, r);
-  const int64_t batch = r["batch-size"].as<int64_t>();
-  const int64_t accum = r["grad-accum"].as<int64_t>();
-  const int64_t steps = r["steps"].as<int64_t>();
-  const double lr = r["lr"].as<double>();
-  const int64_t warmup = r["warmup-steps"].as<int64_t>();
-  const std::string schedule = r["lr-schedule"].as<std::string>();
-  const double clip = r["clip-grad"].as<double>();
-  const uint64_t seed = r["seed"].as<uint64_t>();
-
-  auto positive = [](const char* flag, double v) {
-    if (!(v > 0))
-      throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
-  };
-  positive("n-layer", cfg.n_layer);
-  positive("n-head", cfg.n_head);
-  positive("d-model", cfg.d_model);
-  positive("block-size", cfg.block_size);
-  positive("batch-size", batch);
-  positive("grad-accum", accum);
-  positive("steps", steps);
-  positive("lr", lr);
-  if (cfg.d_model % cfg.n_head != 0) {
-    throw UsageError("--d-model " + std::to_string(cfg.d_model) +
-                     " must be divisible by --n-head " + std::to_string(cfg.n_head));
-  }
-  if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
-  if (warmup < 0) throw UsageError("--warmup-steps must not be negative");
-  if (clip < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
-  if (schedule != "constant" && schedule != "cosine") {
-    throw UsageError("--lr-schedule " + schedule + " is unknown; use constant or cosine");
-  }
-  const std::string precision = r["precision"].as<std::string>();
-  const int scale_power = r["loss-scale-power"].as<int>();
-  if (r.count("loss-scale-power") && precision != "fp16") {
-    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " +
-                     precision + ")");
-  }
-  if (scale_power < 0 || scale_power > 60) {
-    throw UsageError("--loss-scale-power " + std::to_string(scale_power) +
-                     " must be between 0 and 60 (the default is 16)");
-  }
-  fsdp::ShardingOptions so;
-  if (precision == "bf16") {
-    so.mixed_precision.param_dtype = torch::kBFloat16;
-    so.mixed_precision.reduce_dtype = torch::kBFloat16;
-    so.mixed_precision.output_dtype = torch::kFloat32;
-  } else if (precision == "fp16") {
-    // fp16 gradients under- and overflow without a loss scale: a dynamic one (DeepSpeed's
-    // rules) scales the loss, and a step whose gradients hold inf or nan is skipped.
-    so.mixed_precision.param_dtype = torch::kHalf;
-    so.mixed_precision.reduce_dtype = torch::kHalf;
-    so.mixed_precision.output_dtype = torch::kFloat32;
-  } else if (precision != "fp32") {
-    throw UsageError("--precision " + precision + " is unknown; use fp32, bf16 or fp16");
-  }
-
-  so.strategy = parse_sharding(r["sharding"].as<std::string>());
-  so.hybrid_group_size = r["hybrid-group-size"].as<int>();
-  so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());
-  so.checkpoint_policy = parse_checkpointing(r["activation-checkpointing"].as<std::string>());
-
-  const double val_fraction = r["val-fraction"].as<double>();
-  if (!(val_fraction >= 0 && val_fraction < 1)) {
-    std::ostringstream v;
-    v << val_fraction;
-    throw UsageError("--val-fraction " + v.str() +
-                     " must be at least 0 and below 1 (0: no validation)");
-  }
-  Data data(seed, r["data"].as<std::string>(), val_fraction);
+  const std::optional<gpt::Flags> flags = gpt::parse_flags(argc, argv);
+  if (!flags) return 0;  // --help
+  const gpt::Flags& f = *flags;
+  const gpt::Config& cfg = f.model;
+  const int64_t batch = f.training.batch_size;
+  const int64_t accum = f.training.grad_accum;
+  const int64_t steps = f.training.steps;
+  const double lr = f.training.lr;
+  const int64_t warmup = f.training.warmup_steps;
+  const std::string& schedule = f.training.lr_schedule;
+  const double clip = f.training.clip_grad;
+  const uint64_t seed = f.training.seed;
+  const double val_fraction = f.training.val_fraction;
+  const std::string& precision = f.sharding.precision;
+  Data data(seed, f.training.data, val_fraction);
   data.check(cfg.block_size);
 
   fsdp::ProcessGroup pg = fsdp::init_process_group();
-  so.process_group = pg;
   const int world = pg.size();
   const bool main_rank = pg.rank() == 0;
-  if (batch % (world * accum) != 0) {
-    throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +
-                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) +
-                     "; try --batch-size " +
-                     std::to_string((batch / (world * accum) + 1) * world * accum));
-  }
-
-  const std::string save_dir = r["save-dir"].as<std::string>();
-  const int64_t save_every = r["save-every"].as<int64_t>();
-  const int64_t keep = r["keep"].as<int64_t>();
-  const bool resume = r.count("resume") > 0;
-  const std::string consolidate_to = r["consolidate-to"].as<std::string>();
-  if (save_every < 0)
-    throw UsageError("--save-every " + std::to_string(save_every) + " must not be negative");
-  const int64_t stop_at = r["stop-at"].as<int64_t>();
-  if (stop_at < 0 || stop_at > steps) {
-    throw UsageError("--stop-at " + std::to_string(stop_at) + " must be between 1 and --steps " +
-                     std::to_string(steps) + " (0: run all steps)");
-  }
-  if (keep < 0)
-    throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
-  if ((resume || save_every > 0 || r.count("async-save")) && save_dir.empty()) {
-    throw UsageError(std::string(resume           ? "--resume"
-                                 : save_every > 0 ? "--save-every"
-                                                  : "--async-save") +
-                     " needs --save-dir DIR");
-  }
-  // Output locations are checked now, not after hours of training.
-  if (!save_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(save_dir, ec);
-    if (ec || !std::filesystem::is_directory(save_dir)) {
-      throw UsageError("--save-dir " + save_dir + ": cannot create the directory (" + ec.message() +
-                       ")");
-    }
-  }
-  if (!consolidate_to.empty()) {
-    const auto parent = std::filesystem::absolute(consolidate_to).parent_path();
-    if (!std::filesystem::is_directory(parent)) {
-      throw UsageError("--consolidate-to " + consolidate_to + ": the directory " + parent.string() +
-                       " does not exist");
-    }
-  }
-
-  so.cpu_offload = r.count("cpu-offload") > 0;
+  gpt::check_batch_for_world(f.training, world);
+  gpt::check_checkpoint_flags(f.checkpoint, steps);
+  const std::string& save_dir = f.checkpoint.save_dir;
+  const int64_t save_every = f.checkpoint.save_every;
+  const int64_t keep = f.checkpoint.keep;
+  const bool resume = f.checkpoint.resume;
+  const std::string& consolidate_to = f.checkpoint.consolidate_to;
+  const std::string& init_from = f.checkpoint.init_from;
+  const int64_t stop_at = f.checkpoint.stop_at;
+  fsdp::ShardingOptions so = f.sharding.options;
+  so.process_group = pg;
 
   torch::manual_seed(seed);
   auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
@@ -420,13 +104,13 @@ int run(int argc, char** argv) {
   std::optional<fsdp::LossScaler> scaler;
   if (precision == "fp16") {
     fsdp::LossScalerOptions lso;
-    lso.initial_scale_power = r["loss-scale-power"].as<int>();
+    lso.initial_scale_power = f.sharding.loss_scale_power;
     scaler.emplace(model, lso);
   }
   // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
   // shards on a GPU with LibTorch's. Under bf16 the fused step also writes each shard's
   // bf16 copy, which the next gathers send instead of casting the shard again.
-  const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>());
+  const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(f.training.weight_decay);
   std::unique_ptr<torch::optim::AdamW> opt_ptr;
   if (so.cpu_offload || so.device.is_cpu()) {
     opt_ptr = std::make_unique<fsdp::FusedAdamW>(model, adamw);
@@ -442,13 +126,13 @@ int run(int argc, char** argv) {
     fsdp::TrainingState st;
     st.step = step;
     st.model_attrs = gpt::architecture_attrs(cfg);
-    st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
+    st.extra = {{"seed", std::to_string(seed)}, {"data", f.training.data}};
     if (scaler) st.loss_scaler = scaler->state();
     return st;
   };
   // --io-log: each save, load and export timed on rank 0 from a barrier to a barrier, so
   // the figure is the slowest rank's (scripts/compare-pytorch.sh compares it with DCP's).
-  const std::string io_log_path = r["io-log"].as<std::string>();
+  const std::string& io_log_path = f.output.io_log;
   std::ofstream io_log;
   if (main_rank && !io_log_path.empty()) {
     io_log.open(io_log_path, std::ios::app);
@@ -489,7 +173,7 @@ int run(int argc, char** argv) {
   save_opts.keep_last = static_cast<int>(keep);
   save_opts.verbose = true;
   int64_t last_saved = first_step;
-  const bool async_save = r.count("async-save") > 0;
+  const bool async_save = f.checkpoint.async_save;
   fsdp::AsyncSave pending;  // --async-save: the save in flight
   auto save = [&](int64_t at_step) {
     timed("save", [&] {
@@ -504,11 +188,9 @@ int run(int argc, char** argv) {
   };
 
   std::ofstream jsonl;
-  if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
-    jsonl.open(r["log-jsonl"].as<std::string>());
-    if (!jsonl)
-      throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() +
-                       ": cannot write the file");
+  if (main_rank && !f.output.log_jsonl.empty()) {
+    jsonl.open(f.output.log_jsonl);
+    if (!jsonl) throw UsageError("--log-jsonl " + f.output.log_jsonl + ": cannot write the file");
   }
   // Parameters, each counted once: tied ones (aliases) share their unit's offset.
   int64_t n_params = 0;
@@ -547,12 +229,11 @@ int run(int argc, char** argv) {
     return sum.item<double>() / static_cast<double>(world * kValBatches);
   };
   if (main_rank && data.validates()) {
-    std::cout << "train_gpt: " << r["data"].as<std::string>() << ": " << data.train_bytes()
+    std::cout << "train_gpt: " << f.training.data << ": " << data.train_bytes()
               << " bytes to train on, " << data.val_bytes()
               << " held out for validation (--val-fraction " << val_fraction << ")" << std::endl;
   }
-  const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>()
-                                                             : std::max<int64_t>(1, steps / 20);
+  const int64_t log_every = f.output.log_every;
   const int64_t micro = batch / accum;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t last_step = stop_at > 0 ? std::max(first_step, stop_at) : steps;
