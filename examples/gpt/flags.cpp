@@ -263,6 +263,28 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   return s;
 }
 
+CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
+  CheckpointFlags c;
+  c.save_dir = r["save-dir"].as<std::string>();
+  c.save_every = r["save-every"].as<int64_t>();
+  c.keep = r["keep"].as<int64_t>();
+  c.async_save = r.count("async-save") > 0;
+  c.stop_at = r["stop-at"].as<int64_t>();
+  c.resume = r.count("resume") > 0;
+  c.init_from = r["init-from"].as<std::string>();
+  c.consolidate_to = r["consolidate-to"].as<std::string>();
+  return c;
+}
+
+OutputFlags read_output(const cxxopts::ParseResult& r, int64_t steps) {
+  OutputFlags o;
+  o.log_jsonl = r["log-jsonl"].as<std::string>();
+  const int64_t log_every = r["log-every"].as<int64_t>();
+  o.log_every = log_every > 0 ? log_every : std::max<int64_t>(1, steps / 20);
+  o.io_log = r["io-log"].as<std::string>();
+  return o;
+}
+
 }  // namespace
 
 std::optional<Flags> parse_flags(int argc, char** argv) {
@@ -281,14 +303,8 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
   check_model_and_training(f.model, f.training);
   f.sharding = read_sharding(r);
   check_val_fraction(f.training.val_fraction);
-  f.checkpoint = {r["save-dir"].as<std::string>(),  r["save-every"].as<int64_t>(),
-                  r["keep"].as<int64_t>(),          r.count("async-save") > 0,
-                  r["stop-at"].as<int64_t>(),       r.count("resume") > 0,
-                  r["init-from"].as<std::string>(), r["consolidate-to"].as<std::string>()};
-  const int64_t log_every = r["log-every"].as<int64_t>();
-  f.output = {r["log-jsonl"].as<std::string>(),
-              log_every > 0 ? log_every : std::max<int64_t>(1, f.training.steps / 20),
-              r["io-log"].as<std::string>()};
+  f.checkpoint = read_checkpoint(r);
+  f.output = read_output(r, f.training.steps);
   return f;
 }
 
