@@ -4,7 +4,7 @@
 #   1. every file of the library lives in a folder of the folder table; directly in src/
 #      only the files that table names there; every src/engine file has a rank;
 #   2. a quoted #include, or an #include <fsdp/...>, names a file of a folder the
-#      includer's folder may include;
+#      includer's folder may include (an example: its own folder, never another example's);
 #   3. the facade (include/fsdp/fully_sharded_module.h and every header that includes it,
 #      src/internal/sharded_model.h among them) is included only by the folders whose
 #      "Facade" column says yes, and inside src/engine only from the top rank;
@@ -59,7 +59,7 @@ folder_of() {  # the table folder holding PATH: the longest matching one ('examp
   local best="" f
   for f in "${FOLDERS[@]}"; do
     case "$f" in
-      'examples/*') [[ "$1" == examples/*/* ]] && best="$f" ;;
+      'examples/*') [[ "$1" == examples/*/* ]] && [ -z "$best" ] && best="$f" ;;
       src) [[ "$1" == src/* && "$1" != src/*/* ]] && [ -z "$best" ] && best=src ;;
       *) [[ "$1" == "$f"/* ]] && [ "${#f}" -gt "${#best}" ] && best="$f" ;;
     esac
@@ -139,10 +139,10 @@ for e in "${EDGES[@]}"; do
   from="${e%%	*}" to="${e#*	}"
   own="${FOLDER[$from]:-}" theirs="${FOLDER[$to]:-}"
   [ -n "$own" ] && [ -n "$theirs" ] || continue
-  # Rule 2.
-  if [ "$own" = 'examples/*' ] || [ "$theirs" = 'examples/*' ]; then
-    if [ "$theirs" = 'examples/*' ] && { [ "$own" != 'examples/*' ] || [ "$(example_of "$from")" != "$(example_of "$to")" ]; }; then
-      bad "$from includes $to, a file of another example: an example includes the public API and its own files"
+  # Rule 2 (an example's own files are its folder's; another example's are never).
+  if [ "$theirs" = 'examples/*' ]; then
+    if [ "$own" != 'examples/*' ] || [ "$(example_of "$from")" != "$(example_of "$to")" ]; then
+      bad "$from includes $to, a file of another example: an example includes the public API, what examples share and its own files"
       continue
     fi
   elif [[ "${MAY[$own]}" != *" $theirs "* ]]; then

@@ -8,7 +8,8 @@
 // continuation goes to stdout; errors go to stderr (exit 2: bad flags, 1: bad file).
 #include <fsdp/checkpoint.h>
 
-#include "cli.h"
+#include "../common/cli.h"
+#include "architecture.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -18,7 +19,7 @@
 
 namespace {
 
-using gpt::UsageError;
+using examples::UsageError;
 
 int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std::string& key,
                  const std::string& file) {
@@ -32,7 +33,7 @@ int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std:
   return std::get<int64_t>(it->second);
 }
 
-int run(int argc, char** argv) {
+cxxopts::Options make_options() {
   cxxopts::Options o(
       "generate", "Generate text from a consolidated GPT checkpoint (train_gpt --consolidate-to).");
   o.add_options()("weights", "consolidated HDF5 file", cxxopts::value<std::string>())(
@@ -46,6 +47,44 @@ int run(int argc, char** argv) {
       cxxopts::value<uint64_t>()->default_value("0"))(
       "threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
       cxxopts::value<int>()->default_value("1"))("h,help", "show this help");
+  return o;
+}
+
+/// The model's shape, from the file's root attributes.
+gpt::Config read_architecture(const std::string& file) {
+  const auto attrs = fsdp::consolidated_attributes(file);
+  gpt::Config cfg;
+  for (const auto& [key, field] : gpt::architecture_fields(cfg))
+    *field = int_attr(attrs, key, file);
+  return cfg;
+}
+
+/// How the next byte is picked: the most likely one, or a sample.
+struct Sampling {
+  bool greedy = false;     ///< --greedy: the most likely byte
+  double temperature = 1;  ///< --temperature
+  int64_t top_k = 0;       ///< --top-k: sample among the K most likely (0: all)
+  at::Generator gen;       ///< seeded by --seed
+};
+
+/// The byte after `tokens`, of which the last block_size are the model's context.
+int64_t next_token(gpt::GPT& model, const std::vector<int64_t>& tokens, int64_t block_size,
+                   const Sampling& how) {
+  const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - block_size);
+  auto ctx = torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong)
+                 .unsqueeze(0);
+  auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kFloat);
+  if (how.greedy) return logits.argmax().item<int64_t>();
+  logits = logits / how.temperature;
+  if (how.top_k > 0 && how.top_k < logits.size(0)) {
+    auto kth = std::get<0>(logits.topk(how.top_k)).min();
+    logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
+  }
+  return torch::multinomial(torch::softmax(logits, 0), 1, false, how.gen).item<int64_t>();
+}
+
+int run(int argc, char** argv) {
+  auto o = make_options();
   auto r = o.parse(argc, argv);
   if (r.count("help")) {
     std::cout << o.help() << std::endl;
@@ -78,13 +117,7 @@ int run(int argc, char** argv) {
   at::set_num_threads(threads);
 
   const std::string file = r["weights"].as<std::string>();
-  const auto attrs = fsdp::consolidated_attributes(file);
-  gpt::Config cfg;
-  cfg.n_layer = int_attr(attrs, "n_layer", file);
-  cfg.n_head = int_attr(attrs, "n_head", file);
-  cfg.d_model = int_attr(attrs, "d_model", file);
-  cfg.block_size = int_attr(attrs, "block_size", file);
-  cfg.vocab_size = int_attr(attrs, "vocab_size", file);
+  const gpt::Config cfg = read_architecture(file);
   if (top_k < 0 || top_k > cfg.vocab_size) {
     throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." +
                      std::to_string(cfg.vocab_size) + " (0: no limit)");
@@ -94,29 +127,13 @@ int run(int argc, char** argv) {
   model->eval();
 
   torch::NoGradGuard no_grad;
-  auto gen = at::detail::createCPUGenerator(r["seed"].as<uint64_t>());
+  const Sampling how{greedy, temperature, top_k,
+                     at::detail::createCPUGenerator(r["seed"].as<uint64_t>())};
   std::vector<int64_t> tokens;
   for (unsigned char c : prompt) tokens.push_back(c);
   for (int64_t i = 0; i < n_new; ++i) {
-    const int64_t start =
-        std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - cfg.block_size);
-    auto ctx =
-        torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong)
-            .unsqueeze(0);
-    auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kFloat);
-    int64_t next;
-    if (greedy) {
-      next = logits.argmax().item<int64_t>();
-    } else {
-      logits = logits / temperature;
-      if (top_k > 0 && top_k < logits.size(0)) {
-        auto kth = std::get<0>(logits.topk(top_k)).min();
-        logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-      }
-      next = torch::multinomial(torch::softmax(logits, 0), 1, false, gen).item<int64_t>();
-    }
-    tokens.push_back(next);
-    std::cout.put(static_cast<char>(next));
+    tokens.push_back(next_token(model, tokens, cfg.block_size, how));
+    std::cout.put(static_cast<char>(tokens.back()));
   }
   std::cout << std::flush;
   return 0;
@@ -125,5 +142,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gpt::program_main("generate", [&] { return run(argc, argv); });
+  return examples::program_main("generate", [&] { return run(argc, argv); });
 }

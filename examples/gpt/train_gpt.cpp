@@ -7,782 +7,185 @@
 // a random Markov chain over 32 characters in which each character has two likely
 // successors. A model that ignores context cannot beat the unigram entropy printed at
 // the start; a GPT that learns the chain approaches the conditional entropy.
+//
+// This file is the training program; the rest of the folder is what it reads:
+// flags.h (the command line), data.h (the batches), train_log.h (the progress lines and
+// the JSONL log), checkpoints.h (resume, saves, --stop-at, the consolidated export).
 #include <fsdp/fsdp.h>
 
-#include "cli.h"
+#include "../common/cli.h"
+#include "checkpoints.h"
+#include "data.h"
+#include "flags.h"
 #include "gpt_model.h"
-
-#include <cxxopts.hpp>
-#include <nlohmann/json.hpp>
+#include "train_log.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <functional>
 #include <iostream>
-#include <map>
+#include <memory>
 #include <optional>
-#include <random>
-#include <set>
-#include <sstream>
-#include <string>
-#include <tuple>
-#include <variant>
 
 namespace {
 
-using gpt::UsageError;
+using namespace gpt;
 
-// ---- data -------------------------------------------------------------------
-
-const std::string kAlphabet = "abcdefghijklmnopqrstuvwxyz .,;!?";
-
-/// Byte-level batches, identical on every rank and world size for a given step.
-class Data {
- public:
-  /// With a file, its last `val_fraction` is held out for validation (val_batch).
-  Data(uint64_t seed, const std::string& path, double val_fraction = 0)
-      : seed_(seed), synthetic_(path.empty()), path_(path) {
-    if (!synthetic_) {
-      std::ifstream f(path, std::ios::binary);
-      if (!f)
-        throw UsageError("--data " + path + ": cannot open the file; give a readable text file");
-      std::stringstream ss;
-      ss << f.rdbuf();
-      text_ = ss.str();
-      train_end_ =
-          text_.size() - static_cast<size_t>(static_cast<double>(text_.size()) * val_fraction);
-      return;
-    }
-    std::mt19937_64 g(seed ^ 0x5eedULL);
-    std::uniform_int_distribution<int> pick(0, static_cast<int>(kAlphabet.size()) - 1);
-    for (size_t i = 0; i < kAlphabet.size(); ++i) next_.push_back({pick(g), pick(g)});
-  }
-
-  bool synthetic() const { return synthetic_; }
-
-  void check(int64_t block) const {
-    if (!synthetic() && static_cast<int64_t>(text_.size()) < block + 2) {
-      throw UsageError("--data holds " + std::to_string(text_.size()) +
-                       " bytes, fewer than --block-size + 2 = " + std::to_string(block + 2) +
-                       "; use a longer file or a smaller --block-size");
-    }
-    const auto need = static_cast<size_t>(block + 2);
-    if (!synthetic() && validates() && (train_end_ < need || text_.size() - train_end_ < need)) {
-      throw UsageError("--data " + path_ + " (" + std::to_string(text_.size()) +
-                       " bytes) split by --val-fraction "
-                       "leaves " +
-                       std::to_string(train_end_) + " bytes to train on and " +
-                       std::to_string(text_.size() - train_end_) +
-                       " to validate on; each needs --block-size + 2 = " + std::to_string(need) +
-                       ". Use a longer file, another --val-fraction, or 0 for none");
-    }
-  }
-
-  /// Whether a validation split is held out (a file and --val-fraction > 0).
-  bool validates() const { return !synthetic() && train_end_ < text_.size(); }
-  size_t train_bytes() const { return synthetic() ? 0 : train_end_; }
-  size_t val_bytes() const { return synthetic() ? 0 : text_.size() - train_end_; }
-
-  /// (rows, block + 1) tokens from the held-out part: validation batch `i` (fixed by the seed).
-  torch::Tensor val_batch(int64_t i, int64_t rows, int64_t block) const {
-    std::mt19937_64 g((seed_ ^ 0x7a11da7eULL) * 1000003ULL + static_cast<uint64_t>(i));
-    auto out = torch::empty({rows, block + 1}, torch::kLong);
-    auto a = out.accessor<int64_t, 2>();
-    const size_t span = text_.size() - train_end_ - static_cast<size_t>(block) - 1;
-    for (int64_t r = 0; r < rows; ++r) {
-      const size_t start = train_end_ + g() % span;
-      for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
-    }
-    return out;
-  }
-
-  /// (rows, block + 1) tokens for `step`.
-  torch::Tensor batch(int64_t step, int64_t rows, int64_t block) const {
-    std::mt19937_64 g(seed_ * 1000003ULL + static_cast<uint64_t>(step));
-    auto out = torch::empty({rows, block + 1}, torch::kLong);
-    auto a = out.accessor<int64_t, 2>();
-    for (int64_t r = 0; r < rows; ++r) {
-      if (synthetic()) {
-        int s = static_cast<int>(g() % kAlphabet.size());
-        for (int64_t t = 0; t <= block; ++t) {
-          a[r][t] = static_cast<unsigned char>(kAlphabet[s]);
-          s = (g() % 10 < 7) ? next_[s].first : next_[s].second;
-        }
-      } else {
-        uint64_t start = g() % (train_end_ - block - 1);
-        for (int64_t t = 0; t <= block; ++t) a[r][t] = static_cast<unsigned char>(text_[start + t]);
-      }
-    }
-    return out;
-  }
-
-  /// Entropy in nats of the byte distribution (the loss of a context-free model).
-  double unigram_entropy(int64_t block) const {
-    auto b = batch(-1, 256, block);
-    auto counts = torch::bincount(b.reshape({-1}), {}, 256).to(torch::kDouble);
-    auto p = counts / counts.sum();
-    p = p.masked_select(p > 0);
-    return -(p * p.log()).sum().item<double>();
-  }
-
-  /// Entropy in nats of the next character given the current one (the synthetic task's floor).
-  double conditional_entropy() const { return -(0.7 * std::log(0.7) + 0.3 * std::log(0.3)); }
-
- private:
-  uint64_t seed_;
-  bool synthetic_;  ///< no --data: the Markov task (an empty file is an error, not this)
-  std::string path_;
-  std::string text_;
-  size_t train_end_ = 0;  ///< text_[0, train_end_) trains; the rest validates
-  std::vector<std::pair<int, int>>
-      next_;  ///< per character: likely (p=0.7) and other (0.3) successor
+/// What a training step changes: the sharded model, its optimizer and, under fp16, the
+/// loss scaler.
+struct Training {
+  fsdp::Sharded<GPT> model;
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::optional<fsdp::LossScaler> scaler;
 };
 
-// ---- options ----------------------------------------------------------------
-
-cxxopts::Options make_options() {
-  cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
-  o.add_options("model")("n-layer", "transformer blocks",
-                         cxxopts::value<int64_t>()->default_value("2"))(
-      "n-head", "attention heads", cxxopts::value<int64_t>()->default_value("4"))(
-      "d-model", "model width", cxxopts::value<int64_t>()->default_value("64"))(
-      "block-size", "context length in bytes", cxxopts::value<int64_t>()->default_value("32"))(
-      "dropout", "dropout probability", cxxopts::value<double>()->default_value("0"));
-  o.add_options("training")("batch-size", "global batch in sequences, split across ranks",
-                            cxxopts::value<int64_t>()->default_value("16"))(
-      "grad-accum", "micro-batches per step", cxxopts::value<int64_t>()->default_value("1"))(
-      "steps", "optimizer steps", cxxopts::value<int64_t>()->default_value("200"))(
-      "lr", "peak learning rate", cxxopts::value<double>()->default_value("3e-3"))(
-      "weight-decay", "AdamW weight decay", cxxopts::value<double>()->default_value("0.01"))(
-      "warmup-steps", "linear warm-up steps", cxxopts::value<int64_t>()->default_value("10"))(
-      "lr-schedule", "constant|cosine", cxxopts::value<std::string>()->default_value("cosine"))(
-      "clip-grad", "clip the global gradient norm to this (0: off)",
-      cxxopts::value<double>()->default_value("1.0"))(
-      "seed", "seed for weights and data", cxxopts::value<uint64_t>()->default_value("1337"))(
-      "data", "train on this text file, byte-level (default: the synthetic task)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "val-fraction",
-      "with --data: hold out this last fraction of the file; its loss is printed as training goes "
-      "(0: none)",
-      cxxopts::value<double>()->default_value("0.1"));
-  o.add_options("sharding")("precision",
-                            "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over "
-                            "fp32 masters; fp16 with a dynamic loss scale)",
-                            cxxopts::value<std::string>()->default_value("fp32"))(
-      "loss-scale-power",
-      "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)",
-      cxxopts::value<int>()->default_value("16"))(
-      "sharding", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
-      "hybrid-group-size", "ranks per shard group for --sharding hybrid",
-      cxxopts::value<int>()->default_value("0"))(
-      "wrap", "block|size:N|none", cxxopts::value<std::string>()->default_value("block"))(
-      "activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
-      cxxopts::value<std::string>()->default_value("none"))(
-      "cpu-offload",
-      "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
-  o.add_options("checkpoint")("save-dir",
-                              "save sharded checkpoints here (every rank writes its own file)",
-                              cxxopts::value<std::string>()->default_value(""))(
-      "save-every", "save every K steps (0: only at the end)",
-      cxxopts::value<int64_t>()->default_value("0"))("keep",
-                                                     "keep the newest K checkpoints (0: all)",
-                                                     cxxopts::value<int64_t>()->default_value("3"))(
-      "async-save",
-      "save in the background: training waits only while this rank's state is copied to host "
-      "memory")("stop-at",
-                "stop after this step, as if preempted (a checkpoint is saved); the schedule still "
-                "spans --steps",
-                cxxopts::value<int64_t>()->default_value("0"))(
-      "resume",
-      "continue from the newest checkpoint in --save-dir (a fresh start if there is none)")(
-      "init-from",
-      "start from these consolidated weights: an HDF5 file, or safetensors (file, index or "
-      "directory); step 0, fresh optimizer; the architecture is the file's (model flags given must "
-      "agree)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "consolidate-to",
-      "at the end, write one consolidated HDF5 file here (for generate and other tools)",
-      cxxopts::value<std::string>()->default_value(""));
-  o.add_options("output")("log-jsonl", "rank 0 writes one JSON object per step here",
-                          cxxopts::value<std::string>()->default_value(""))(
-      "log-every", "progress line every K steps (0: about 20 lines per run)",
-      cxxopts::value<int64_t>()->default_value("0"))(
-      "io-log",
-      "rank 0 appends one JSON object per checkpoint save, load and consolidated export here "
-      "({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)",
-      cxxopts::value<std::string>()->default_value(""))(
-      "config", "JSON file with any of these options; flags given here override it",
-      cxxopts::value<std::string>()->default_value(""))("h,help", "show this help");
-  return o;
-}
-
-// Turns {"n_layer": 4, "lr-schedule": "cosine", "resume": true} into
-// "--n-layer=4 --lr-schedule=cosine --resume" (a switch set to false is left out).
-std::vector<std::string> config_args(const std::string& path, const cxxopts::Options& options) {
-  std::ifstream f(path);
-  if (!f) throw UsageError("--config " + path + ": cannot open the file");
-  nlohmann::json j;
-  try {
-    f >> j;
-  } catch (const std::exception& e) {
-    throw UsageError("--config " + path + ": not valid JSON (" + std::string(e.what()) + ")");
-  }
-  if (!j.is_object())
-    throw UsageError("--config " + path + ": the top level must be a JSON object");
-  std::vector<std::string> out;
-  for (auto& [key, value] : j.items()) {
-    std::string flag = key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    if (flag == "config" || flag == "help")
-      throw UsageError("--config " + path + ": key '" + key + "' is not allowed in a config file");
-    if (value.is_object() || value.is_array() || value.is_null()) {
-      throw UsageError("--config " + path + ": key '" + key +
-                       "' must be a number, a string or true/false");
-    }
-    if (value.is_boolean()) {
-      if (value.get<bool>()) out.push_back("--" + flag);
-      continue;
-    }
-    const std::string v = value.is_string() ? value.get<std::string>() : value.dump();
-    out.push_back("--" + flag + "=" + v);
-  }
-  (void)options;
-  return out;
-}
-
-fsdp::ShardingStrategy parse_sharding(const std::string& s) {
-  if (s == "full") return fsdp::ShardingStrategy::kFullShard;
-  if (s == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
-  if (s == "none") return fsdp::ShardingStrategy::kNoShard;
-  if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
-  throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
-}
-
-// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
-// attributes, or a safetensors __metadata__). A flag given on the command line must agree
-// with the file, each disagreement named with both values (checked before any rank
-// starts training).
-void apply_init_file(const std::string& file, gpt::Config& cfg, const cxxopts::ParseResult& r) {
-  if (!std::filesystem::exists(file))
-    throw UsageError("--init-from " + file + ": cannot open the file");
-  std::map<std::string, fsdp::AttrValue> attrs;
-  try {
-    attrs = fsdp::consolidated_attributes(file);
-  } catch (const c10::Error& e) {
-    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
-                     e.what_without_backtrace() + ")");
-  }
-  const std::pair<const char*, int64_t*> fields[] = {{"n_layer", &cfg.n_layer},
-                                                     {"n_head", &cfg.n_head},
-                                                     {"d_model", &cfg.d_model},
-                                                     {"block_size", &cfg.block_size},
-                                                     {"vocab_size", &cfg.vocab_size}};
-  for (const auto& [key, field] : fields) {
-    std::string flag = key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    // vocab_size has no flag: the byte-level vocabulary is always 256.
-    const bool given = flag == "vocab-size" || r.count(flag) > 0;
-    const std::string ours =
-        (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
-    auto it = attrs.find(key);
-    if (it == attrs.end()) {
-      throw UsageError("--init-from " + file + " has no attribute " + key +
-                       " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
-    }
-    if (!std::holds_alternative<int64_t>(it->second) ||
-        (given && std::get<int64_t>(it->second) != *field)) {
-      const std::string theirs = std::holds_alternative<int64_t>(it->second)
-                                     ? std::to_string(std::get<int64_t>(it->second))
-                                 : std::holds_alternative<double>(it->second)
-                                     ? std::to_string(std::get<double>(it->second))
-                                     : std::get<std::string>(it->second);
-      throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
-                       "; leave the flag out to take the file's, or give another file");
-    }
-    *field = std::get<int64_t>(it->second);
-  }
-}
-
-fsdp::WrapPolicy parse_wrap(const std::string& s) {
-  if (s == "block") return fsdp::module_type_policy<gpt::Block>();
-  if (s == "none") return fsdp::never_wrap_policy();
-  if (s.rfind("size:", 0) == 0) {
-    try {
-      size_t used = 0;
-      long long n = std::stoll(s.substr(5), &used);
-      if (used == s.size() - 5 && n >= 0) return fsdp::size_based_policy(n);
-    } catch (const std::exception&) {
-    }
-  }
-  throw UsageError("--wrap " + s +
-                   " is unknown; use block, none or size:N (N = least parameters per unit)");
-}
-
-fsdp::WrapPolicy parse_checkpointing(const std::string& s) {
-  if (s == "none") return nullptr;
-  if (s == "all") return fsdp::module_type_policy<gpt::Block>();
-  if (s.rfind("every:", 0) == 0) {
-    try {
-      size_t used = 0;
-      int k = std::stoi(s.substr(6), &used);
-      if (used == s.size() - 6 && k >= 1) {
-        return fsdp::all_policy(
-            {fsdp::module_type_policy<gpt::Block>(), fsdp::every_kth_policy(k)});
-      }
-    } catch (const std::exception&) {
-    }
-  }
-  throw UsageError("--activation-checkpointing " + s +
-                   " is unknown; use none, all or every:K (K >= 1)");
-}
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
-  int i = 0;
-  while (b >= 1024 && i < 4) {
-    b /= 1024;
-    ++i;
-  }
-  std::ostringstream os;
-  os.precision(i == 0 ? 0 : 1);
-  os << std::fixed << b << " " << units[i];
-  return os.str();
-}
-
-std::string human_seconds(double s) {
-  std::ostringstream os;
-  os.precision(1);
-  os << std::fixed;
-  if (s < 60) {
-    os << s << "s";
-  } else {
-    os << static_cast<int>(s / 60) << "m" << static_cast<int>(std::fmod(s, 60)) << "s";
-  }
-  return os.str();
-}
-
-int run(int argc, char** argv) {
-  auto options = make_options();
-  std::vector<std::string> args{argv[0]};
-  // A first pass finds --config; its values go first so that flags override them.
-  {
-    auto first = make_options();
-    first.allow_unrecognised_options();
-    auto r = first.parse(argc, argv);
-    if (r.count("help")) {
-      std::cout << options.help() << std::endl;
-      return 0;
-    }
-    if (!r["config"].as<std::string>().empty()) {
-      auto extra = config_args(r["config"].as<std::string>(), options);
-      args.insert(args.end(), extra.begin(), extra.end());
-    }
-  }
-  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-  std::vector<char*> cargs;
-  for (auto& a : args) cargs.push_back(a.data());
-  auto r = options.parse(static_cast<int>(cargs.size()), cargs.data());
-  if (!r.unmatched().empty())
-    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
-
-  gpt::Config cfg;
-  cfg.n_layer = r["n-layer"].as<int64_t>();
-  cfg.n_head = r["n-head"].as<int64_t>();
-  cfg.d_model = r["d-model"].as<int64_t>();
-  cfg.block_size = r["block-size"].as<int64_t>();
-  cfg.dropout = r["dropout"].as<double>();
-  const std::string init_from = r["init-from"].as<std::string>();
-  if (!init_from.empty()) apply_init_file(init_from, cfg, r);
-  const int64_t batch = r["batch-size"].as<int64_t>();
-  const int64_t accum = r["grad-accum"].as<int64_t>();
-  const int64_t steps = r["steps"].as<int64_t>();
-  const double lr = r["lr"].as<double>();
-  const int64_t warmup = r["warmup-steps"].as<int64_t>();
-  const std::string schedule = r["lr-schedule"].as<std::string>();
-  const double clip = r["clip-grad"].as<double>();
-  const uint64_t seed = r["seed"].as<uint64_t>();
-
-  auto positive = [](const char* flag, double v) {
-    if (!(v > 0))
-      throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
-  };
-  positive("n-layer", cfg.n_layer);
-  positive("n-head", cfg.n_head);
-  positive("d-model", cfg.d_model);
-  positive("block-size", cfg.block_size);
-  positive("batch-size", batch);
-  positive("grad-accum", accum);
-  positive("steps", steps);
-  positive("lr", lr);
-  if (cfg.d_model % cfg.n_head != 0) {
-    throw UsageError("--d-model " + std::to_string(cfg.d_model) +
-                     " must be divisible by --n-head " + std::to_string(cfg.n_head));
-  }
-  if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
-  if (warmup < 0) throw UsageError("--warmup-steps must not be negative");
-  if (clip < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
-  if (schedule != "constant" && schedule != "cosine") {
-    throw UsageError("--lr-schedule " + schedule + " is unknown; use constant or cosine");
-  }
-  const std::string precision = r["precision"].as<std::string>();
-  const int scale_power = r["loss-scale-power"].as<int>();
-  if (r.count("loss-scale-power") && precision != "fp16") {
-    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " +
-                     precision + ")");
-  }
-  if (scale_power < 0 || scale_power > 60) {
-    throw UsageError("--loss-scale-power " + std::to_string(scale_power) +
-                     " must be between 0 and 60 (the default is 16)");
-  }
-  fsdp::ShardingOptions so;
-  if (precision == "bf16") {
-    so.mixed_precision.param_dtype = torch::kBFloat16;
-    so.mixed_precision.reduce_dtype = torch::kBFloat16;
-    so.mixed_precision.output_dtype = torch::kFloat32;
-  } else if (precision == "fp16") {
-    // fp16 gradients under- and overflow without a loss scale: a dynamic one (DeepSpeed's
-    // rules) scales the loss, and a step whose gradients hold inf or nan is skipped.
-    so.mixed_precision.param_dtype = torch::kHalf;
-    so.mixed_precision.reduce_dtype = torch::kHalf;
-    so.mixed_precision.output_dtype = torch::kFloat32;
-  } else if (precision != "fp32") {
-    throw UsageError("--precision " + precision + " is unknown; use fp32, bf16 or fp16");
-  }
-
-  so.strategy = parse_sharding(r["sharding"].as<std::string>());
-  so.hybrid_group_size = r["hybrid-group-size"].as<int>();
-  so.auto_wrap_policy = parse_wrap(r["wrap"].as<std::string>());
-  so.checkpoint_policy = parse_checkpointing(r["activation-checkpointing"].as<std::string>());
-
-  const double val_fraction = r["val-fraction"].as<double>();
-  if (!(val_fraction >= 0 && val_fraction < 1)) {
-    std::ostringstream v;
-    v << val_fraction;
-    throw UsageError("--val-fraction " + v.str() +
-                     " must be at least 0 and below 1 (0: no validation)");
-  }
-  Data data(seed, r["data"].as<std::string>(), val_fraction);
-  data.check(cfg.block_size);
-
-  fsdp::ProcessGroup pg = fsdp::init_process_group();
+Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
+  fsdp::ShardingOptions so = f.sharding.options;
   so.process_group = pg;
-  const int world = pg.size();
-  const bool main_rank = pg.rank() == 0;
-  if (batch % (world * accum) != 0) {
-    throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +
-                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) +
-                     "; try --batch-size " +
-                     std::to_string((batch / (world * accum) + 1) * world * accum));
-  }
-
-  const std::string save_dir = r["save-dir"].as<std::string>();
-  const int64_t save_every = r["save-every"].as<int64_t>();
-  const int64_t keep = r["keep"].as<int64_t>();
-  const bool resume = r.count("resume") > 0;
-  const std::string consolidate_to = r["consolidate-to"].as<std::string>();
-  if (save_every < 0)
-    throw UsageError("--save-every " + std::to_string(save_every) + " must not be negative");
-  const int64_t stop_at = r["stop-at"].as<int64_t>();
-  if (stop_at < 0 || stop_at > steps) {
-    throw UsageError("--stop-at " + std::to_string(stop_at) + " must be between 1 and --steps " +
-                     std::to_string(steps) + " (0: run all steps)");
-  }
-  if (keep < 0)
-    throw UsageError("--keep " + std::to_string(keep) + " must not be negative (0 keeps all)");
-  if ((resume || save_every > 0 || r.count("async-save")) && save_dir.empty()) {
-    throw UsageError(std::string(resume           ? "--resume"
-                                 : save_every > 0 ? "--save-every"
-                                                  : "--async-save") +
-                     " needs --save-dir DIR");
-  }
-  // Output locations are checked now, not after hours of training.
-  if (!save_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(save_dir, ec);
-    if (ec || !std::filesystem::is_directory(save_dir)) {
-      throw UsageError("--save-dir " + save_dir + ": cannot create the directory (" + ec.message() +
-                       ")");
-    }
-  }
-  if (!consolidate_to.empty()) {
-    const auto parent = std::filesystem::absolute(consolidate_to).parent_path();
-    if (!std::filesystem::is_directory(parent)) {
-      throw UsageError("--consolidate-to " + consolidate_to + ": the directory " + parent.string() +
-                       " does not exist");
-    }
-  }
-
-  so.cpu_offload = r.count("cpu-offload") > 0;
-
-  torch::manual_seed(seed);
-  auto model = fsdp::fully_shard(gpt::GPT(cfg), so);
+  torch::manual_seed(f.training.seed);
+  Training t{fsdp::fully_shard(GPT(f.model), so), nullptr, std::nullopt};
   // --init-from: the starting weights come from a consolidated file (written by this
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
-  if (!init_from.empty()) {
-    fsdp::import_consolidated(init_from, model);
-    if (main_rank) std::cout << "train_gpt: initial weights from " << init_from << std::endl;
+  if (!f.checkpoint.init_from.empty()) {
+    fsdp::import_consolidated(f.checkpoint.init_from, t.model);
+    if (pg.rank() == 0)
+      std::cout << "train_gpt: initial weights from " << f.checkpoint.init_from << std::endl;
   }
-  std::optional<fsdp::LossScaler> scaler;
-  if (precision == "fp16") {
+  if (f.sharding.precision == "fp16") {
     fsdp::LossScalerOptions lso;
-    lso.initial_scale_power = r["loss-scale-power"].as<int>();
-    scaler.emplace(model, lso);
+    lso.initial_scale_power = f.sharding.loss_scale_power;
+    t.scaler.emplace(t.model, lso);
   }
   // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
   // shards on a GPU with LibTorch's. Under bf16 the fused step also writes each shard's
   // bf16 copy, which the next gathers send instead of casting the shard again.
-  const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(r["weight-decay"].as<double>());
-  std::unique_ptr<torch::optim::AdamW> opt_ptr;
+  const auto adamw =
+      torch::optim::AdamWOptions(f.training.lr).weight_decay(f.training.weight_decay);
   if (so.cpu_offload || so.device.is_cpu()) {
-    opt_ptr = std::make_unique<fsdp::FusedAdamW>(model, adamw);
+    t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
   } else {
-    opt_ptr = std::make_unique<torch::optim::AdamW>(model.sharded_parameters(), adamw);
+    t.opt = std::make_unique<torch::optim::AdamW>(t.model.sharded_parameters(), adamw);
   }
-  torch::optim::AdamW& opt = *opt_ptr;
+  return t;
+}
 
-  // What a checkpoint carries besides weights and optimizer state: enough for
-  // generate (the architecture) and for an exact resume (the step; batches are a
-  // function of the step and the seed).
-  auto training_state = [&](int64_t step) {
-    fsdp::TrainingState st;
-    st.step = step;
-    st.model_attrs = {{"n_layer", cfg.n_layer},
-                      {"n_head", cfg.n_head},
-                      {"d_model", cfg.d_model},
-                      {"block_size", cfg.block_size},
-                      {"vocab_size", cfg.vocab_size}};
-    st.extra = {{"seed", std::to_string(seed)}, {"data", r["data"].as<std::string>()}};
-    if (scaler) st.loss_scaler = scaler->state();
-    return st;
-  };
-  // --io-log: each save, load and export timed on rank 0 from a barrier to a barrier, so
-  // the figure is the slowest rank's (scripts/compare-pytorch.sh compares it with DCP's).
-  const std::string io_log_path = r["io-log"].as<std::string>();
-  std::ofstream io_log;
-  if (main_rank && !io_log_path.empty()) {
-    io_log.open(io_log_path, std::ios::app);
-    if (!io_log) throw UsageError("--io-log " + io_log_path + ": cannot write the file");
-  }
-  auto timed = [&](const char* event, const std::function<std::string()>& op) {
-    if (!io_log_path.empty()) pg.barrier();
-    const auto start = std::chrono::steady_clock::now();
-    const std::string path = op();
-    if (!io_log_path.empty()) pg.barrier();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (io_log.is_open())
-      io_log << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump()
-             << std::endl;
-  };
-  int64_t first_step = 0;
-  if (resume) {
-    if (auto latest = fsdp::latest_checkpoint(save_dir)) {
-      fsdp::TrainingState st;
-      timed("load", [&] { return fsdp::load_sharded_checkpoint(save_dir, model, &opt, &st).path; });
-      if (st.extra.count("seed") && st.extra.at("seed") != std::to_string(seed) && main_rank) {
-        std::cout << "train_gpt: warning: the checkpoint was trained with --seed "
-                  << st.extra.at("seed") << ", this run uses " << seed
-                  << " (the data stream changes)\n";
-      }
-      first_step = st.step;
-      if (scaler && st.loss_scaler) scaler->load_state(*st.loss_scaler);
-      if (main_rank)
-        std::cout << "train_gpt: resumed from " << *latest << " at step " << first_step
-                  << std::endl;
-    } else if (main_rank) {
-      std::cout << "train_gpt: --resume: no checkpoint in " << save_dir
-                << " yet; starting from step 0" << std::endl;
-    }
-  }
-  fsdp::SaveOptions save_opts;
-  save_opts.keep_last = static_cast<int>(keep);
-  save_opts.verbose = true;
-  int64_t last_saved = first_step;
-  const bool async_save = r.count("async-save") > 0;
-  fsdp::AsyncSave pending;  // --async-save: the save in flight
-  auto save = [&](int64_t at_step) {
-    timed("save", [&] {
-      if (!async_save)
-        return fsdp::save_sharded_checkpoint(save_dir, model, &opt, training_state(at_step),
-                                             save_opts);
-      pending = fsdp::save_sharded_checkpoint_async(save_dir, model, &opt, training_state(at_step),
-                                                    save_opts);
-      return pending.path();
-    });
-    last_saved = at_step;
-  };
+/// The learning rate of `step`: a linear warm-up, then constant or a cosine decay to 10%.
+double lr_at(const TrainingFlags& t, int64_t step) {
+  if (step < t.warmup_steps)
+    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+  if (t.lr_schedule != "cosine") return t.lr;
+  double progress =
+      static_cast<double>(step - t.warmup_steps) / std::max<int64_t>(1, t.steps - t.warmup_steps);
+  return t.lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+}
 
-  std::ofstream jsonl;
-  if (main_rank && !r["log-jsonl"].as<std::string>().empty()) {
-    jsonl.open(r["log-jsonl"].as<std::string>());
-    if (!jsonl)
-      throw UsageError("--log-jsonl " + r["log-jsonl"].as<std::string>() +
-                       ": cannot write the file");
-  }
-  // Parameters, each counted once: tied ones (aliases) share their unit's offset.
-  int64_t n_params = 0;
-  std::set<std::string> units;
-  std::set<std::tuple<std::string, bool, int64_t>> seen;
-  for (const auto& p : model.param_table()) {
-    units.insert(p.unit_fqn);
-    if (seen.emplace(p.unit_fqn, p.requires_grad, p.offset).second) n_params += p.numel;
-  }
-  if (main_rank) {
-    std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
-              << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
-    if (data.synthetic()) {
-      std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
-                << data.unigram_entropy(cfg.block_size)
-                << " nats (no context), conditional entropy " << data.conditional_entropy()
-                << " nats (the floor)\n";
-    }
-    std::cout << std::flush;
-  }
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+}
 
-  // Validation loss over the held-out part: the same 4 batches every time, each rank its
-  // rows, no gradients, dropout off; the mean over ranks and batches.
-  auto val_loss = [&]() {
-    constexpr int64_t kValBatches = 4;
-    torch::NoGradGuard no_grad;
-    model->eval();
-    auto sum = torch::zeros({1}, torch::kDouble);
-    for (int64_t i = 0; i < kValBatches; ++i) {
-      auto rows = data.val_batch(i, batch, cfg.block_size);
-      auto mine = rows.narrow(0, pg.rank() * (batch / world), batch / world);
-      sum += gpt::loss_on(model, mine).to(torch::kDouble).reshape({1});
-    }
-    model->train();
-    pg.all_reduce_sum(sum);
-    return sum.item<double>() / static_cast<double>(world * kValBatches);
-  };
-  if (main_rank && data.validates()) {
-    std::cout << "train_gpt: " << r["data"].as<std::string>() << ": " << data.train_bytes()
-              << " bytes to train on, " << data.val_bytes()
-              << " held out for validation (--val-fraction " << val_fraction << ")" << std::endl;
+/// This rank's rows of a batch that every rank holds whole.
+torch::Tensor my_rows(const torch::Tensor& rows, const fsdp::ProcessGroup& pg) {
+  const int64_t n = rows.size(0) / pg.size();
+  return rows.narrow(0, pg.rank() * n, n);
+}
+
+/// One optimizer step on the global batch `global`, in --grad-accum micro-batches, each
+/// rank its rows of each. Returns the step's loss, the mean over ranks.
+double train_step(Training& t, const torch::Tensor& global, const TrainingFlags& f,
+                  const fsdp::ProcessGroup& pg) {
+  const int64_t accum = f.grad_accum, micro = f.batch_size / accum;
+  double loss_sum = 0;
+  for (int64_t m = 0; m < accum; ++m) {
+    auto mine = my_rows(global.narrow(0, m * micro, micro), pg);
+    auto loss = loss_on(t.model, mine) / static_cast<double>(accum);
+    (t.scaler ? t.scaler->scale(loss) : loss).backward();
+    loss_sum += loss.item<double>();
   }
-  const int64_t log_every = r["log-every"].as<int64_t>() > 0 ? r["log-every"].as<int64_t>()
-                                                             : std::max<int64_t>(1, steps / 20);
-  const int64_t micro = batch / accum;
-  const auto t0 = std::chrono::steady_clock::now();
-  const int64_t last_step = stop_at > 0 ? std::max(first_step, stop_at) : steps;
+  if (t.scaler) t.scaler->unscale_();  // before clipping: the norm is of the true gradients
+  // (A step whose gradients overflowed is skipped: nothing to clip.)
+  if (f.clip_grad > 0 && !(t.scaler && t.scaler->overflowed()))
+    fsdp::clip_grad_norm_(t.model, f.clip_grad);
+  if (t.scaler) {
+    t.scaler->step(*t.opt);  // skipped, on every rank alike, when a gradient is inf or nan
+    t.scaler->update();
+  } else {
+    t.opt->step();
+  }
+  t.opt->zero_grad();
+  auto l = torch::tensor({loss_sum}, torch::kDouble);
+  pg.all_reduce_sum(l);
+  return l.item<double>() / pg.size();
+}
+
+/// Validation loss over the held-out part: the same 4 batches every time, each rank its
+/// rows, no gradients, dropout off; the mean over ranks and batches. Collective.
+double val_loss(Training& t, const Data& data, const Flags& f, const fsdp::ProcessGroup& pg) {
+  constexpr int64_t kValBatches = 4;
+  torch::NoGradGuard no_grad;
+  t.model->eval();
+  auto sum = torch::zeros({1}, torch::kDouble);
+  for (int64_t i = 0; i < kValBatches; ++i) {
+    auto rows = data.val_batch(i, f.training.batch_size, f.model.block_size);
+    sum += loss_on(t.model, my_rows(rows, pg)).to(torch::kDouble).reshape({1});
+  }
+  t.model->train();
+  pg.all_reduce_sum(sum);
+  return sum.item<double>() / static_cast<double>(pg.size() * kValBatches);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// The training loop: steps [first_step, last_step).
+void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGroup& pg,
+           TrainLog& log, CheckpointPolicy& checkpoints, int64_t first_step, int64_t last_step) {
+  const int64_t batch = f.training.batch_size, block = f.model.block_size;
   for (int64_t step = first_step; step < last_step; ++step) {
-    double step_lr = lr;
-    if (step < warmup) {
-      step_lr = lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
-    } else if (schedule == "cosine") {
-      double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, steps - warmup);
-      step_lr = lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
-    }
-    for (auto& g : opt.param_groups())
-      static_cast<torch::optim::AdamWOptions&>(g.options()).lr(step_lr);
+    StepRecord r;
+    r.step = step + 1;
+    r.lr = lr_at(f.training, step);
+    set_lr(*t.opt, r.lr);
+    const auto start = std::chrono::steady_clock::now();
+    r.loss = train_step(t, data.batch(step, batch, block), f.training, pg);
+    r.step_s = seconds_since(start);
+    r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
+    read_engine_stats(t.model, r);
+    if (data.validates() && log.progress_after(r.step)) r.val_loss = val_loss(t, data, f, pg);
+    if (t.scaler) r.loss_scaler = t.scaler->state();
+    log.write(r);
+    if (checkpoints.due(r.step)) checkpoints.save(r.step);
+  }
+}
 
-    const auto ts = std::chrono::steady_clock::now();
-    auto global = data.batch(step, batch, cfg.block_size);
-    double loss_sum = 0;
-    for (int64_t m = 0; m < accum; ++m) {
-      auto rows = global.narrow(0, m * micro, micro);
-      auto mine = rows.narrow(0, pg.rank() * (micro / world), micro / world);
-      auto loss = gpt::loss_on(model, mine) / static_cast<double>(accum);
-      (scaler ? scaler->scale(loss) : loss).backward();
-      loss_sum += loss.item<double>();
-    }
-    if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
-    // (A step whose gradients overflowed is skipped: nothing to clip.)
-    if (clip > 0 && !(scaler && scaler->overflowed())) fsdp::clip_grad_norm_(model, clip);
-    if (scaler) {
-      scaler->step(opt);  // skipped, on every rank alike, when a gradient is inf or nan
-      scaler->update();
-    } else {
-      opt.step();
-    }
-    opt.zero_grad();
-    auto l = torch::tensor({loss_sum}, torch::kDouble);
-    pg.all_reduce_sum(l);
-    const double loss = l.item<double>() / world;
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
-    const double tok_s = static_cast<double>(batch * cfg.block_size) / dt;
-    auto mem = model.memory_stats();
-    const int64_t peak = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak +
-                         mem.comm_buffers.peak;
-    const fsdp::CommStats step_comm = model.comm_stats().step;
-    const int64_t comm = step_comm.total_bytes();
-    const bool progress = (step + 1) % log_every == 0 || step + 1 == last_step;
-    const double vloss = data.validates() && progress ? val_loss() : std::nan("");  // collective
-    if (main_rank) {
-      if (jsonl.is_open()) {
-        nlohmann::json j = {{"step", step + 1},
-                            {"loss", loss},
-                            {"lr", step_lr},
-                            {"tokens_per_s", tok_s},
-                            {"step_s", dt},
-                            {"peak_bytes", peak},
-                            {"comm_bytes", comm},
-                            // What shows the features ran: regions recomputed so far (this
-                            // rank), and this step's offload copies.
-                            {"recomputes", fsdp::activation_recomputes()},
-                            {"offload_to_device_bytes", step_comm.offload_to_device_bytes},
-                            {"offload_to_host_bytes", step_comm.offload_to_host_bytes}};
-        if (!std::isnan(vloss)) j["val_loss"] = vloss;
-        if (scaler) {
-          j["loss_scale"] = scaler->state().scale;
-          j["skipped_steps"] = scaler->state().skipped_steps;
-        }
-        jsonl << j.dump() << "\n" << std::flush;
-      }
-      if (progress) {
-        double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        double eta = elapsed / static_cast<double>(step + 1 - first_step) *
-                     static_cast<double>(last_step - step - 1);
-        std::cout << "step " << step + 1 << "/" << steps << " | loss " << std::fixed
-                  << std::setprecision(4) << loss
-                  << (std::isnan(vloss) ? std::string()
-                                        : " | val loss " + std::to_string(vloss).substr(0, 6))
-                  << " | lr " << std::scientific << std::setprecision(2) << step_lr << std::fixed
-                  << " | " << std::setprecision(0) << tok_s << " tok/s | engine peak "
-                  << human_bytes(static_cast<double>(peak)) << " | comm "
-                  << human_bytes(static_cast<double>(comm)) << "/step"
-                  << (scaler ? " | loss scale " +
-                                   std::to_string(static_cast<int64_t>(scaler->state().scale)) +
-                                   ", skipped " + std::to_string(scaler->state().skipped_steps)
-                             : std::string())
-                  << " | elapsed " << human_seconds(elapsed) << " | eta " << human_seconds(eta)
-                  << std::endl;
-      }
-    }
-    if (save_every > 0 && (step + 1) % save_every == 0) {
-      save(step + 1);
-    }
-  }
+int run(int argc, char** argv) {
+  const std::optional<Flags> flags = parse_flags(argc, argv);
+  if (!flags) return 0;  // --help
+  const Flags& f = *flags;
+  const Data data(f.training.seed, f.training.data, f.training.val_fraction);
+  data.check(f.model.block_size);
+  const fsdp::ProcessGroup pg = fsdp::init_process_group();
+  check_batch_for_world(f.training, pg.size());
+  check_checkpoint_flags(f.checkpoint, f.training.steps);
+  const bool main_rank = pg.rank() == 0;
+
+  Training t = make_training(f, pg);
+  CheckpointPolicy checkpoints(f, t.model, *t.opt, t.scaler ? &*t.scaler : nullptr, pg);
+  const int64_t first_step = checkpoints.resume();
+  const int64_t last_step = checkpoints.last_step(first_step);
+  TrainLog log(f.output, f.training.steps, main_rank);
+  if (main_rank) print_summary(t.model, f, data, pg.size());
+  log.start(first_step, last_step);
+  train(t, f, data, pg, log, checkpoints, first_step, last_step);
+
   const int64_t final_step = std::max(first_step, last_step);
-  if (!save_dir.empty() && last_saved != final_step) {
-    save(final_step);
-  }
-  if (async_save && !pending.path().empty()) {
-    timed("save_wait", [&] { return pending.wait(); });
-  }
-  if (stop_at > 0 && main_rank) {
-    std::cout << "train_gpt: stopped at step " << final_step << " of " << steps << " (--stop-at)"
-              << (save_dir.empty() ? "" : "; continue with --resume") << std::endl;
-  }
-  if (!consolidate_to.empty()) {
-    fsdp::ExportOptions eo;
-    timed("export", [&] {
-      fsdp::export_consolidated(consolidate_to, model, nullptr, training_state(final_step), eo);
-      return consolidate_to;
-    });
-    if (main_rank)
-      std::cout << "train_gpt: wrote consolidated weights to " << consolidate_to << std::endl;
-  }
-  if (scaler) {
+  checkpoints.finish(final_step);
+  if (t.scaler) {
     // Every rank reports: skipping is agreed across ranks, so these lines must match.
     std::cout << "train_gpt: rank " << pg.rank() << ": fp16 skipped "
-              << scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
-              << static_cast<int64_t>(scaler->state().scale) << std::endl;
+              << t.scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
+              << static_cast<int64_t>(t.scaler->state().scale) << std::endl;
   }
   if (main_rank) std::cout << "train_gpt: done" << std::endl;
   return 0;
@@ -791,5 +194,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return gpt::program_main("train_gpt", [&] { return run(argc, argv); });
+  return examples::program_main("train_gpt", [&] { return run(argc, argv); });
 }

@@ -2,6 +2,8 @@
 //   build/bin/fsdp-run --nproc 2 -- build/bin/train_mlp
 #include <fsdp/fsdp.h>
 
+#include "../common/cli.h"
+
 #include <iostream>
 
 struct NetImpl : torch::nn::Module {
@@ -21,36 +23,33 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-int main() {
-  try {
-    fsdp::ShardingOptions opts;
-    opts.process_group = fsdp::init_process_group();
-    opts.auto_wrap_policy = fsdp::size_based_policy(10000);
-    torch::manual_seed(0);
-    auto model = fsdp::fully_shard(Net(), opts);
-    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
-    const int rank = opts.process_group.rank();
-    auto gen = at::detail::createCPUGenerator(rank + 1);  // each rank its own data
-    auto target = torch::randn({256, 10}, at::detail::createCPUGenerator(42));
-    for (int step = 0; step < 100; ++step) {
-      auto x = torch::randn({16, 256}, gen);
-      auto loss = torch::mse_loss(model(x), x.matmul(target) * 0.05);
-      loss.backward();
-      fsdp::clip_grad_norm_(model, 1.0);
-      opt.step();
-      opt.zero_grad();
-      if (rank == 0 && step % 20 == 0)
-        std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
-    }
-    fsdp::FullParamsOptions full;
-    full.rank0_only = true;
-    auto weights = fsdp::full_state_dict(model, full);  // FQN -> full fp32 tensor
-    if (rank == 0)
-      std::cout << "gathered " << weights.size() << " tensors, first: " << weights[0].first
-                << std::endl;
-    return 0;
-  } catch (const c10::Error& e) {
-    std::cerr << "train_mlp: error: " << e.what_without_backtrace() << std::endl;
-    return 1;
+int run() {
+  fsdp::ShardingOptions opts;
+  opts.process_group = fsdp::init_process_group();
+  opts.auto_wrap_policy = fsdp::size_based_policy(10000);
+  torch::manual_seed(0);
+  auto model = fsdp::fully_shard(Net(), opts);
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  const int rank = opts.process_group.rank();
+  auto gen = at::detail::createCPUGenerator(rank + 1);  // each rank its own data
+  auto target = torch::randn({256, 10}, at::detail::createCPUGenerator(42));
+  for (int step = 0; step < 100; ++step) {
+    auto x = torch::randn({16, 256}, gen);
+    auto loss = torch::mse_loss(model(x), x.matmul(target) * 0.05);
+    loss.backward();
+    fsdp::clip_grad_norm_(model, 1.0);
+    opt.step();
+    opt.zero_grad();
+    if (rank == 0 && step % 20 == 0)
+      std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
   }
+  fsdp::FullParamsOptions full;
+  full.rank0_only = true;
+  auto weights = fsdp::full_state_dict(model, full);  // FQN -> full fp32 tensor
+  if (rank == 0)
+    std::cout << "gathered " << weights.size() << " tensors, first: " << weights[0].first
+              << std::endl;
+  return 0;
 }
+
+int main() { return examples::program_main("train_mlp", run); }

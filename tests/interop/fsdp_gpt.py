@@ -67,7 +67,7 @@ class MT19937_64:
 
 
 class Sampler:
-    """train_gpt's synthetic Markov task (class Data in examples/gpt/train_gpt.cpp)."""
+    """train_gpt's synthetic Markov task (class Data in examples/gpt/data.cpp)."""
 
     def __init__(self, seed):
         self.seed = seed

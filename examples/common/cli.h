@@ -1,5 +1,5 @@
 #pragma once
-// What train_gpt and generate share as command-line programs: errors are printed as
+// What the example programs share as command-line programs: errors are printed as
 // "<program>: error: <message>"; a command line that cannot run as given exits 2, any
 // other failure 1.
 
@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace gpt {
+namespace examples {
 
 /// Writes "<program>: error: <message>\n" to stderr in one write(2): the ranks of a job
 /// share one stderr, and a message written piecewise (as `std::cerr <<` does) came out
@@ -54,4 +54,4 @@ int program_main(const char* program, Run&& run) {
   }
 }
 
-}  // namespace gpt
+}  // namespace examples

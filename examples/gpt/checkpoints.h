@@ -1,0 +1,53 @@
+#pragma once
+// train_gpt's checkpoint policy: where training starts (--resume from the newest
+// checkpoint in --save-dir), when it saves (every --save-every steps and at the end,
+// keeping the newest --keep, in the background with --async-save), where it stops
+// (--stop-at, as if preempted) and what it leaves (--consolidate-to).
+
+#include <fsdp/fsdp.h>
+
+#include "flags.h"
+#include "io_log.h"
+
+#include <cstdint>
+#include <optional>
+
+namespace gpt {
+
+class CheckpointPolicy {
+ public:
+  /// Opens --io-log. `scaler` (fp16) may be null; what it points to must outlive this.
+  CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model, torch::optim::Optimizer& opt,
+                   fsdp::LossScaler* scaler, fsdp::ProcessGroup pg);
+
+  /// --resume: loads the newest checkpoint, if any, into the model, optimizer and loss
+  /// scaler. Returns the step to start from (0 for a fresh start).
+  int64_t resume();
+  /// The step after which this run stops: --stop-at if given, else --steps.
+  int64_t last_step(int64_t first_step) const;
+
+  /// Whether to save after `steps_done` steps (every --save-every).
+  bool due(int64_t steps_done) const;
+  /// Saves the state after `steps_done` steps (in the background with --async-save).
+  void save(int64_t steps_done);
+  /// After the last step, `final_step`: saves unless that step is saved, waits for a
+  /// background save, and writes --consolidate-to.
+  void finish(int64_t final_step);
+
+ private:
+  /// What a checkpoint carries besides weights and optimizer state.
+  fsdp::TrainingState training_state(int64_t step) const;
+
+  const Flags& flags_;
+  const CheckpointFlags& ckpt_;
+  fsdp::ShardedModel model_;
+  torch::optim::Optimizer& opt_;
+  fsdp::LossScaler* scaler_;
+  bool main_rank_;
+  IoLog io_log_;
+  fsdp::SaveOptions save_opts_;
+  int64_t last_saved_ = 0;   ///< the step of the newest checkpoint (or the resumed one)
+  fsdp::AsyncSave pending_;  ///< --async-save: the save in flight
+};
+
+}  // namespace gpt

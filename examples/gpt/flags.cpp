@@ -1,0 +1,354 @@
+#include "flags.h"
+
+#include "../common/cli.h"
+#include "architecture.h"
+#include "config_file.h"
+#include "sharding_options.h"
+
+#include <cxxopts.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <variant>
+#include <vector>
+
+namespace gpt {
+namespace {
+
+using examples::UsageError;
+
+template <class T>
+std::shared_ptr<cxxopts::Value> value(const char* default_value) {
+  return cxxopts::value<T>()->default_value(default_value);
+}
+
+// ---- the flags, in the groups --help lists ------------------------------------------
+
+void add_model_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("model");
+  flag("n-layer", "transformer blocks", value<int64_t>("2"));
+  flag("n-head", "attention heads", value<int64_t>("4"));
+  flag("d-model", "model width", value<int64_t>("64"));
+  flag("block-size", "context length in bytes", value<int64_t>("32"));
+  flag("dropout", "dropout probability", value<double>("0"));
+}
+
+void add_training_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("training");
+  flag("batch-size", "global batch in sequences, split across ranks", value<int64_t>("16"));
+  flag("grad-accum", "micro-batches per step", value<int64_t>("1"));
+  flag("steps", "optimizer steps", value<int64_t>("200"));
+  flag("lr", "peak learning rate", value<double>("3e-3"));
+  flag("weight-decay", "AdamW weight decay", value<double>("0.01"));
+  flag("warmup-steps", "linear warm-up steps", value<int64_t>("10"));
+  flag("lr-schedule", "constant|cosine", value<std::string>("cosine"));
+  flag("clip-grad", "clip the global gradient norm to this (0: off)", value<double>("1.0"));
+  flag("seed", "seed for weights and data", value<uint64_t>("1337"));
+  flag("data", "train on this text file, byte-level (default: the synthetic task)",
+       value<std::string>(""));
+  flag("val-fraction",
+       "with --data: hold out this last fraction of the file; its loss is printed as training "
+       "goes (0: none)",
+       value<double>("0.1"));
+}
+
+void add_sharding_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("sharding");
+  flag("precision",
+       "fp32|bf16|fp16 (bf16, fp16: compute and communication in 16 bits over fp32 masters; "
+       "fp16 with a dynamic loss scale)",
+       value<std::string>("fp32"));
+  flag("loss-scale-power",
+       "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)",
+       value<int>("16"));
+  flag("sharding", "full|grad_op|none|hybrid", value<std::string>("full"));
+  flag("hybrid-group-size", "ranks per shard group for --sharding hybrid", value<int>("0"));
+  flag("wrap", "block|size:N|none", value<std::string>("block"));
+  flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
+       value<std::string>("none"));
+  flag("cpu-offload",
+       "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
+}
+
+void add_checkpoint_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("checkpoint");
+  flag("save-dir", "save sharded checkpoints here (every rank writes its own file)",
+       value<std::string>(""));
+  flag("save-every", "save every K steps (0: only at the end)", value<int64_t>("0"));
+  flag("keep", "keep the newest K checkpoints (0: all)", value<int64_t>("3"));
+  flag("async-save",
+       "save in the background: training waits only while this rank's state is copied to host "
+       "memory");
+  flag("stop-at",
+       "stop after this step, as if preempted (a checkpoint is saved); the schedule still spans "
+       "--steps",
+       value<int64_t>("0"));
+  flag("resume",
+       "continue from the newest checkpoint in --save-dir (a fresh start if there is none)");
+  flag("init-from",
+       "start from these consolidated weights: an HDF5 file, or safetensors (file, index or "
+       "directory); step 0, fresh optimizer; the architecture is the file's (model flags given "
+       "must agree)",
+       value<std::string>(""));
+  flag("consolidate-to",
+       "at the end, write one consolidated HDF5 file here (for generate and other tools)",
+       value<std::string>(""));
+}
+
+void add_output_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("output");
+  flag("log-jsonl", "rank 0 writes one JSON object per step here", value<std::string>(""));
+  flag("log-every", "progress line every K steps (0: about 20 lines per run)", value<int64_t>("0"));
+  flag("io-log",
+       "rank 0 appends one JSON object per checkpoint save, load and consolidated export here "
+       "({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)",
+       value<std::string>(""));
+  flag("config", "JSON file with any of these options; flags given here override it",
+       value<std::string>(""));
+  flag("h,help", "show this help");
+}
+
+cxxopts::Options make_options() {
+  cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
+  add_model_flags(o);
+  add_training_flags(o);
+  add_sharding_flags(o);
+  add_checkpoint_flags(o);
+  add_output_flags(o);
+  return o;
+}
+
+// The command line with --config's values first, so that flags given here override
+// them; std::nullopt after printing --help.
+std::optional<std::vector<std::string>> command_line(int argc, char** argv) {
+  auto first = make_options();
+  first.allow_unrecognised_options();
+  auto r = first.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << make_options().help() << std::endl;
+    return std::nullopt;
+  }
+  std::vector<std::string> args{argv[0]};
+  if (!r["config"].as<std::string>().empty()) {
+    auto extra = config_file_args(r["config"].as<std::string>());
+    args.insert(args.end(), extra.begin(), extra.end());
+  }
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  return args;
+}
+
+// ---- values: each group read, then checked in the order errors are reported ---------
+
+// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
+// attributes, or a safetensors __metadata__). A flag given on the command line must agree
+// with the file, each disagreement named with both values (checked before any rank
+// starts training).
+void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseResult& r) {
+  if (!std::filesystem::exists(file))
+    throw UsageError("--init-from " + file + ": cannot open the file");
+  std::map<std::string, fsdp::AttrValue> attrs;
+  try {
+    attrs = fsdp::consolidated_attributes(file);
+  } catch (const c10::Error& e) {
+    throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
+                     e.what_without_backtrace() + ")");
+  }
+  for (const auto& [key, field] : architecture_fields(cfg)) {
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    // vocab_size has no flag: the byte-level vocabulary is always 256.
+    const bool given = flag == "vocab-size" || r.count(flag) > 0;
+    const std::string ours =
+        (flag == "vocab-size" ? "vocab_size " : "--" + flag + " ") + std::to_string(*field);
+    auto it = attrs.find(key);
+    if (it == attrs.end()) {
+      throw UsageError("--init-from " + file + " has no attribute " + key +
+                       " (a GPT file records n_layer, n_head, d_model, block_size and vocab_size)");
+    }
+    if (!std::holds_alternative<int64_t>(it->second) ||
+        (given && std::get<int64_t>(it->second) != *field)) {
+      const std::string theirs = std::holds_alternative<int64_t>(it->second)
+                                     ? std::to_string(std::get<int64_t>(it->second))
+                                 : std::holds_alternative<double>(it->second)
+                                     ? std::to_string(std::get<double>(it->second))
+                                     : std::get<std::string>(it->second);
+      throw UsageError(ours + " but " + file + " has " + key + " " + theirs +
+                       "; leave the flag out to take the file's, or give another file");
+    }
+    *field = std::get<int64_t>(it->second);
+  }
+}
+
+Config read_model(const cxxopts::ParseResult& r) {
+  Config cfg;
+  cfg.n_layer = r["n-layer"].as<int64_t>();
+  cfg.n_head = r["n-head"].as<int64_t>();
+  cfg.d_model = r["d-model"].as<int64_t>();
+  cfg.block_size = r["block-size"].as<int64_t>();
+  cfg.dropout = r["dropout"].as<double>();
+  const std::string init_from = r["init-from"].as<std::string>();
+  if (!init_from.empty()) apply_init_file(init_from, cfg, r);
+  return cfg;
+}
+
+TrainingFlags read_training(const cxxopts::ParseResult& r) {
+  TrainingFlags t;
+  t.batch_size = r["batch-size"].as<int64_t>();
+  t.grad_accum = r["grad-accum"].as<int64_t>();
+  t.steps = r["steps"].as<int64_t>();
+  t.lr = r["lr"].as<double>();
+  t.weight_decay = r["weight-decay"].as<double>();
+  t.warmup_steps = r["warmup-steps"].as<int64_t>();
+  t.lr_schedule = r["lr-schedule"].as<std::string>();
+  t.clip_grad = r["clip-grad"].as<double>();
+  t.seed = r["seed"].as<uint64_t>();
+  t.data = r["data"].as<std::string>();
+  t.val_fraction = r["val-fraction"].as<double>();
+  return t;
+}
+
+void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
+  auto positive = [](const char* flag, double v) {
+    if (!(v > 0))
+      throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
+  };
+  positive("n-layer", cfg.n_layer);
+  positive("n-head", cfg.n_head);
+  positive("d-model", cfg.d_model);
+  positive("block-size", cfg.block_size);
+  positive("batch-size", t.batch_size);
+  positive("grad-accum", t.grad_accum);
+  positive("steps", t.steps);
+  positive("lr", t.lr);
+  if (cfg.d_model % cfg.n_head != 0) {
+    throw UsageError("--d-model " + std::to_string(cfg.d_model) +
+                     " must be divisible by --n-head " + std::to_string(cfg.n_head));
+  }
+  if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
+  if (t.warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
+  if (t.clip_grad < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
+  if (t.lr_schedule != "constant" && t.lr_schedule != "cosine") {
+    throw UsageError("--lr-schedule " + t.lr_schedule + " is unknown; use constant or cosine");
+  }
+}
+
+void check_val_fraction(double val_fraction) {
+  if (!(val_fraction >= 0 && val_fraction < 1)) {
+    std::ostringstream v;
+    v << val_fraction;
+    throw UsageError("--val-fraction " + v.str() +
+                     " must be at least 0 and below 1 (0: no validation)");
+  }
+}
+
+ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
+  ShardingFlags s;
+  s.precision = r["precision"].as<std::string>();
+  s.loss_scale_power = r["loss-scale-power"].as<int>();
+  if (r.count("loss-scale-power") && s.precision != "fp16") {
+    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " +
+                     s.precision + ")");
+  }
+  if (s.loss_scale_power < 0 || s.loss_scale_power > 60) {
+    throw UsageError("--loss-scale-power " + std::to_string(s.loss_scale_power) +
+                     " must be between 0 and 60 (the default is 16)");
+  }
+  s.options = sharding_options(s.precision, r["sharding"].as<std::string>(),
+                               r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
+                               r["activation-checkpointing"].as<std::string>());
+  s.options.cpu_offload = r.count("cpu-offload") > 0;
+  return s;
+}
+
+CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
+  CheckpointFlags c;
+  c.save_dir = r["save-dir"].as<std::string>();
+  c.save_every = r["save-every"].as<int64_t>();
+  c.keep = r["keep"].as<int64_t>();
+  c.async_save = r.count("async-save") > 0;
+  c.stop_at = r["stop-at"].as<int64_t>();
+  c.resume = r.count("resume") > 0;
+  c.init_from = r["init-from"].as<std::string>();
+  c.consolidate_to = r["consolidate-to"].as<std::string>();
+  return c;
+}
+
+OutputFlags read_output(const cxxopts::ParseResult& r, int64_t steps) {
+  OutputFlags o;
+  o.log_jsonl = r["log-jsonl"].as<std::string>();
+  const int64_t log_every = r["log-every"].as<int64_t>();
+  o.log_every = log_every > 0 ? log_every : std::max<int64_t>(1, steps / 20);
+  o.io_log = r["io-log"].as<std::string>();
+  return o;
+}
+
+}  // namespace
+
+std::optional<Flags> parse_flags(int argc, char** argv) {
+  const auto args = command_line(argc, argv);
+  if (!args) return std::nullopt;
+  std::vector<char*> cargs;
+  for (const auto& a : *args) cargs.push_back(const_cast<char*>(a.data()));
+  auto options = make_options();
+  const auto r = options.parse(static_cast<int>(cargs.size()), cargs.data());
+  if (!r.unmatched().empty())
+    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+
+  Flags f;
+  f.model = read_model(r);
+  f.training = read_training(r);
+  check_model_and_training(f.model, f.training);
+  f.sharding = read_sharding(r);
+  check_val_fraction(f.training.val_fraction);
+  f.checkpoint = read_checkpoint(r);
+  f.output = read_output(r, f.training.steps);
+  return f;
+}
+
+void check_batch_for_world(const TrainingFlags& t, int world) {
+  const int64_t batch = t.batch_size, accum = t.grad_accum;
+  if (batch % (world * accum) != 0) {
+    throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +
+                     std::to_string(world) + " x --grad-accum " + std::to_string(accum) +
+                     "; try --batch-size " +
+                     std::to_string((batch / (world * accum) + 1) * world * accum));
+  }
+}
+
+void check_checkpoint_flags(const CheckpointFlags& c, int64_t steps) {
+  if (c.save_every < 0)
+    throw UsageError("--save-every " + std::to_string(c.save_every) + " must not be negative");
+  if (c.stop_at < 0 || c.stop_at > steps) {
+    throw UsageError("--stop-at " + std::to_string(c.stop_at) + " must be between 1 and --steps " +
+                     std::to_string(steps) + " (0: run all steps)");
+  }
+  if (c.keep < 0)
+    throw UsageError("--keep " + std::to_string(c.keep) + " must not be negative (0 keeps all)");
+  if ((c.resume || c.save_every > 0 || c.async_save) && c.save_dir.empty()) {
+    throw UsageError(std::string(c.resume           ? "--resume"
+                                 : c.save_every > 0 ? "--save-every"
+                                                    : "--async-save") +
+                     " needs --save-dir DIR");
+  }
+  // Output locations are checked now, not after hours of training.
+  if (!c.save_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(c.save_dir, ec);
+    if (ec || !std::filesystem::is_directory(c.save_dir)) {
+      throw UsageError("--save-dir " + c.save_dir + ": cannot create the directory (" +
+                       ec.message() + ")");
+    }
+  }
+  if (!c.consolidate_to.empty()) {
+    const auto parent = std::filesystem::absolute(c.consolidate_to).parent_path();
+    if (!std::filesystem::is_directory(parent)) {
+      throw UsageError("--consolidate-to " + c.consolidate_to + ": the directory " +
+                       parent.string() + " does not exist");
+    }
+  }
+}
+
+}  // namespace gpt

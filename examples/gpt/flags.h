@@ -1,0 +1,76 @@
+#pragma once
+// train_gpt's command line: its flags in the groups --help lists, parsed from argv after
+// the values of a --config file, and checked. A flag that cannot work throws a UsageError
+// naming the flag, its value and what to give instead.
+
+#include <fsdp/fsdp.h>
+
+#include "gpt_model.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace gpt {
+
+/// How to train.
+struct TrainingFlags {
+  int64_t batch_size = 0;    ///< --batch-size: the global batch in sequences, split across ranks
+  int64_t grad_accum = 0;    ///< --grad-accum: micro-batches per step
+  int64_t steps = 0;         ///< --steps: optimizer steps the schedule spans
+  double lr = 0;             ///< --lr: the peak learning rate
+  double weight_decay = 0;   ///< --weight-decay: AdamW's
+  int64_t warmup_steps = 0;  ///< --warmup-steps: linear warm-up
+  std::string lr_schedule;   ///< --lr-schedule: constant|cosine
+  double clip_grad = 0;      ///< --clip-grad: the global gradient norm's bound (0: off)
+  uint64_t seed = 0;         ///< --seed: weights and data
+  std::string data;          ///< --data: a text file, byte-level ("": the synthetic task)
+  double val_fraction = 0;   ///< --val-fraction: with --data, the last part held out
+};
+
+/// How the model is sharded, and in which precision.
+struct ShardingFlags {
+  std::string precision;          ///< --precision: fp32|bf16|fp16
+  int loss_scale_power = 0;       ///< --loss-scale-power: fp16's loss scale starts at 2^N
+  fsdp::ShardingOptions options;  ///< all the flags say; the process group comes later
+};
+
+/// Where checkpoints go and where the weights come from.
+struct CheckpointFlags {
+  std::string save_dir;        ///< --save-dir ("": no checkpoints)
+  int64_t save_every = 0;      ///< --save-every: steps between saves (0: only at the end)
+  int64_t keep = 0;            ///< --keep: the newest K checkpoints stay (0: all)
+  bool async_save = false;     ///< --async-save: write in the background
+  int64_t stop_at = 0;         ///< --stop-at: stop after this step, as if preempted (0: never)
+  bool resume = false;         ///< --resume: from the newest checkpoint in save_dir
+  std::string init_from;       ///< --init-from: consolidated weights to start from
+  std::string consolidate_to;  ///< --consolidate-to: one HDF5 file written at the end
+};
+
+/// What rank 0 writes as training goes.
+struct OutputFlags {
+  std::string log_jsonl;  ///< --log-jsonl: one JSON object per step ("": none)
+  int64_t log_every = 0;  ///< --log-every, resolved: steps between progress lines
+  std::string io_log;     ///< --io-log: one JSON object per checkpoint save, load, export
+};
+
+struct Flags {
+  Config model;  ///< --n-layer, --n-head, ..., or --init-from's file
+  TrainingFlags training;
+  ShardingFlags sharding;
+  CheckpointFlags checkpoint;
+  OutputFlags output;
+};
+
+/// Parses and checks the command line, all but what needs the world size or touches the
+/// disk. std::nullopt after printing --help.
+std::optional<Flags> parse_flags(int argc, char** argv);
+
+/// The global batch must split evenly into `world` ranks' micro-batches.
+void check_batch_for_world(const TrainingFlags& training, int world);
+
+/// The checkpoint flags, and the places they write to, checked before any training: the
+/// save directory is created, and the consolidated file's directory must exist.
+void check_checkpoint_flags(const CheckpointFlags& checkpoint, int64_t steps);
+
+}  // namespace gpt

@@ -1,0 +1,29 @@
+#include "io_log.h"
+
+#include "../common/cli.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+
+namespace gpt {
+
+IoLog::IoLog(const std::string& path, fsdp::ProcessGroup pg)
+    : pg_(std::move(pg)), enabled_(!path.empty()) {
+  if (pg_.rank() == 0 && enabled_) {
+    file_.open(path, std::ios::app);
+    if (!file_) throw examples::UsageError("--io-log " + path + ": cannot write the file");
+  }
+}
+
+void IoLog::timed(const char* event, const std::function<std::string()>& op) {
+  if (enabled_) pg_.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  const std::string path = op();
+  if (enabled_) pg_.barrier();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (file_.is_open())
+    file_ << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump() << std::endl;
+}
+
+}  // namespace gpt

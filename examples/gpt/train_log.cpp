@@ -1,0 +1,146 @@
+#include "train_log.h"
+
+#include "../common/cli.h"
+
+#include <nlohmann/json.hpp>
+
+#include <iomanip>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+
+namespace gpt {
+namespace {
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int i = 0;
+  while (b >= 1024 && i < 4) {
+    b /= 1024;
+    ++i;
+  }
+  std::ostringstream os;
+  os.precision(i == 0 ? 0 : 1);
+  os << std::fixed << b << " " << units[i];
+  return os.str();
+}
+
+std::string human_seconds(double s) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed;
+  if (s < 60) {
+    os << s << "s";
+  } else {
+    os << static_cast<int>(s / 60) << "m" << static_cast<int>(std::fmod(s, 60)) << "s";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+void read_engine_stats(const fsdp::ShardedModel& model, StepRecord& r) {
+  auto mem = model.memory_stats();
+  r.peak_bytes = mem.sharded_params.peak + mem.grad_shards.peak + mem.gathered_params.peak +
+                 mem.comm_buffers.peak;
+  r.comm = model.comm_stats().step;
+  r.recomputes = fsdp::activation_recomputes();
+}
+
+void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Data& data,
+                   int world) {
+  // Parameters, each counted once: tied ones (aliases) share their unit's offset.
+  int64_t n_params = 0;
+  std::set<std::string> units;
+  std::set<std::tuple<std::string, bool, int64_t>> seen;
+  for (const auto& p : model.param_table()) {
+    units.insert(p.unit_fqn);
+    if (seen.emplace(p.unit_fqn, p.requires_grad, p.offset).second) n_params += p.numel;
+  }
+  const Config& cfg = flags.model;
+  std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
+            << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
+  if (data.synthetic()) {
+    std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
+              << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
+              << data.conditional_entropy() << " nats (the floor)\n";
+  }
+  std::cout << std::flush;
+  if (data.validates()) {
+    std::cout << "train_gpt: " << flags.training.data << ": " << data.train_bytes()
+              << " bytes to train on, " << data.val_bytes()
+              << " held out for validation (--val-fraction " << flags.training.val_fraction << ")"
+              << std::endl;
+  }
+}
+
+TrainLog::TrainLog(const OutputFlags& output, int64_t steps, bool main_rank)
+    : steps_(steps), log_every_(output.log_every), main_rank_(main_rank) {
+  if (main_rank && !output.log_jsonl.empty()) {
+    jsonl_.open(output.log_jsonl);
+    if (!jsonl_)
+      throw examples::UsageError("--log-jsonl " + output.log_jsonl + ": cannot write the file");
+  }
+}
+
+void TrainLog::start(int64_t first_step, int64_t last_step) {
+  first_step_ = first_step;
+  last_step_ = last_step;
+  t0_ = std::chrono::steady_clock::now();
+}
+
+bool TrainLog::progress_after(int64_t steps_done) const {
+  return steps_done % log_every_ == 0 || steps_done == last_step_;
+}
+
+void TrainLog::write(const StepRecord& r) {
+  if (!main_rank_) return;
+  if (jsonl_.is_open()) {
+    nlohmann::json j = {{"step", r.step},
+                        {"loss", r.loss},
+                        {"lr", r.lr},
+                        {"tokens_per_s", r.tokens_per_s},
+                        {"step_s", r.step_s},
+                        {"peak_bytes", r.peak_bytes},
+                        {"comm_bytes", r.comm.total_bytes()},
+                        // What shows the features ran: regions recomputed so far (this
+                        // rank), and this step's offload copies.
+                        {"recomputes", r.recomputes},
+                        {"offload_to_device_bytes", r.comm.offload_to_device_bytes},
+                        {"offload_to_host_bytes", r.comm.offload_to_host_bytes}};
+    if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;
+    if (r.loss_scaler) {
+      j["loss_scale"] = r.loss_scaler->scale;
+      j["skipped_steps"] = r.loss_scaler->skipped_steps;
+    }
+    jsonl_ << j.dump() << "\n" << std::flush;
+  }
+  if (progress_after(r.step)) print_progress(r);
+}
+
+// Written to std::cout with its manipulators, which stay set (the library's
+// "[fsdp] saved checkpoint ... s" lines print in them).
+void TrainLog::print_progress(const StepRecord& r) const {
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  const double eta = elapsed / static_cast<double>(r.step - first_step_) *
+                     static_cast<double>(last_step_ - r.step);
+  const auto& scaler = r.loss_scaler;
+  std::cout << "step " << r.step << "/" << steps_ << " | loss " << std::fixed
+            << std::setprecision(4) << r.loss
+            << (std::isnan(r.val_loss) ? std::string()
+                                       : " | val loss " + std::to_string(r.val_loss).substr(0, 6))
+            << " | lr " << std::scientific << std::setprecision(2) << r.lr << std::fixed << " | "
+            << std::setprecision(0) << r.tokens_per_s << " tok/s | engine peak "
+            << human_bytes(static_cast<double>(r.peak_bytes)) << " | comm "
+            << human_bytes(static_cast<double>(r.comm.total_bytes())) << "/step"
+            << (scaler ? " | loss scale " + std::to_string(static_cast<int64_t>(scaler->scale)) +
+                             ", skipped " + std::to_string(scaler->skipped_steps)
+                       : std::string())
+            << " | elapsed " << human_seconds(elapsed) << " | eta " << human_seconds(eta)
+            << std::endl;
+}
+
+}  // namespace gpt
