@@ -73,8 +73,9 @@ if [ "$ROOT_ONLY" = 0 ]; then
   case "$BUILD" in "$PROJECT"/*) ;; *) fail "FSDP_DEB_BUILD_DIR must be under the checkout ($PROJECT), got $BUILD" ;; esac
   mkdir -p "$BUILD"
   rm -f "$BUILD"/*.deb
-  # Prefix /usr: GNUInstallDirs then picks Debian's multiarch libdir (lib/x86_64-linux-gnu).
-  # The preset "deb" of CMakePresets.json: prefix /usr, library and tools only.
+  # The preset "deb" of CMakePresets.json: library and tools only, prefix /usr (so that
+  # GNUInstallDirs picks Debian's multiarch libdir, lib/x86_64-linux-gnu), Ninja
+  # (install-deps.sh installs ninja-build, here and in the root).
   PACKAGE_CMD="set -e; cd '$PROJECT'
     echo '[deb-check] configuring $BUILD (cmake --preset deb)'
     cmake --preset deb -B '$BUILD' >'$BUILD/deb-check-configure.log' 2>&1 ||
