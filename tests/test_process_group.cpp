@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include "../src/comm/route.h"  // the interface Gloo binds to
+
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -58,6 +61,43 @@ std::string error_of(const std::function<void()>& f) {
     return e.what_without_backtrace();
   }
   return "<no error>";
+}
+
+// Note [Gloo's interface]: without GLOO_SOCKET_IFNAME, Gloo binds to the local address
+// that reaches MASTER_ADDR.
+TEST(GlooInterface, AMasterOnLoopbackIsReachedFromLoopback) {
+  EXPECT_EQ(fsdp::detail::local_address_toward("127.0.0.1", "MASTER_ADDR"), "127.0.0.1");
+}
+
+// Rank 0 on a cluster: MASTER_ADDR is its own link address, which it must bind to (not
+// to the 127.0.1.1 its host name resolves to on Debian). Every IPv4 address of this
+// host, loopback included, reaches itself from itself.
+TEST(GlooInterface, EachAddressOfThisHostIsReachedFromItself) {
+  ifaddrs* ifs = nullptr;
+  ASSERT_EQ(getifaddrs(&ifs), 0);
+  int checked = 0;
+  for (const ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char ip[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, ip,
+              sizeof(ip));
+    EXPECT_EQ(fsdp::detail::local_address_toward(ip, "MASTER_ADDR"), ip) << i->ifa_name;
+    ++checked;
+  }
+  freeifaddrs(ifs);
+  EXPECT_GE(checked, 1);  // loopback at least
+}
+
+// A MASTER_ADDR other than the literal loopback names takes Note [Gloo's interface]'s path
+// (with GLOO_SOCKET_IFNAME unset), and the ranks meet.
+TEST(GlooInterface, RanksMeetAtAMasterAddressThatIsNotLiterallyLoopback) {
+  run_ranks(2,
+            [](const ProcessGroup& pg) {
+              auto t = torch::tensor({static_cast<double>(pg.rank() + 1)});
+              pg.all_reduce_sum(t);
+              EXPECT_EQ(t.item<double>(), 3.0);
+            },
+            120, {"MASTER_ADDR=127.0.0.2", "GLOO_SOCKET_IFNAME="});
 }
 
 TEST(LaunchEnv, NoVariablesMeansOneProcess) {

@@ -1,5 +1,6 @@
 // Gloo backend: CPU collectives through c10d::ProcessGroupGloo (see Note [Backend adaptor]).
 #include "comm/backend.h"
+#include "comm/route.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -44,7 +45,10 @@ class GlooBackend : public Backend {
                init.master_addr == "::1") {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     } else {
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      // Note [Gloo's interface]: the address that reaches the rendezvous host, not the
+      // one this host's name resolves to (127.0.1.1 on Debian).
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
+          local_address_toward(init.master_addr, "MASTER_ADDR")));
     }
     opts->threads = 2;
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix_, init.store);
