@@ -29,6 +29,7 @@ COMMON=(
   python3 python3-venv              # the project's Python environment (.venv, PyPI's torch)
   debian-archive-keyring            # verifies Debian's gloo headers (scripts/lib/python-env.sh)
   fortunes                          # the demo's English text (quotations; BSD licence)
+  iproute2                          # the two-host test's network namespaces (tests/multihost)
 )
 DEBIAN_TORCH_PKGS=(
   libtorch-dev libgloo-dev          # LibTorch (CPU) and the Gloo headers c10d needs
