@@ -25,7 +25,10 @@ if ! ip netns add "$H1" 2>"$OUT/ns.err"; then
   exit 77
 fi
 ip netns add "$H2"
-ip link add "${TAG}x" type veth peer name "${TAG}y"
+if ! ip link add "${TAG}x" type veth peer name "${TAG}y" 2>"$OUT/veth.err"; then
+  echo "two_hosts: cannot make a veth link here ($(cat "$OUT/veth.err")); skipped"
+  exit 77
+fi
 ip link set "${TAG}x" netns "$H1"
 ip link set "${TAG}y" netns "$H2"
 ip -n "$H1" addr add 10.9.0.1/24 dev "${TAG}x"
