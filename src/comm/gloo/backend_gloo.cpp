@@ -38,21 +38,35 @@ class GlooBackend : public Backend {
   GlooBackend(const BackendInit& init, std::string prefix)
       : init_(init), prefix_(std::move(prefix)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(init.timeout);
+    std::string bound;  // which address the ranks' sockets use, and why (for errors)
     const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
     if (iface != nullptr && *iface != '\0') {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      bound = std::string("interface ") + iface + " (GLOO_SOCKET_IFNAME)";
     } else if (init.master_addr == "127.0.0.1" || init.master_addr == "localhost" ||
                init.master_addr == "::1") {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      bound = "127.0.0.1 (MASTER_ADDR=" + init.master_addr + " is loopback)";
     } else {
       // Note [Gloo's interface]: the address that reaches the rendezvous host, not the
       // one this host's name resolves to (127.0.1.1 on Debian).
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
-          local_address_toward(init.master_addr, "MASTER_ADDR")));
+      const std::string local = local_address_toward(init.master_addr, "MASTER_ADDR");
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
+      bound = local + " (the address that reaches MASTER_ADDR=" + init.master_addr + ")";
     }
     opts->threads = 2;
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix_, init.store);
-    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, init.rank, init.size, opts);
+    try {
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, init.rank, init.size, opts);
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      TORCH_CHECK(false, "rank ", init.rank,
+                  " could not connect to the other ranks over Gloo from ", bound, ": ",
+                  what.substr(0, what.find('\n')),
+                  ". Ranks on several hosts must advertise an address their peers can reach: "
+                  "set GLOO_SOCKET_IFNAME to the interface that links the hosts (e.g. eth0) on "
+                  "every rank, or check that every host reaches MASTER_ADDR.");
+    }
   }
 
   int rank() const override { return init_.rank; }
