@@ -123,6 +123,15 @@ LaunchEnv read_launch_env() {
 
 namespace {
 
+std::chrono::milliseconds as_duration(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// MASTER_ADDR:MASTER_PORT, for messages.
+std::string rendezvous_address(const LaunchEnv& e) {
+  return e.master_addr + ":" + std::to_string(e.master_port);
+}
+
 // ProcessGroupOptions::timeout_s, or FSDP_TIMEOUT_S when set.
 double rendezvous_timeout_s(const ProcessGroupOptions& options) {
   double timeout_s = options.timeout_s;
@@ -148,7 +157,7 @@ std::string resolve_backend(const ProcessGroupOptions& options) {
 // The TCP store at MASTER_ADDR:MASTER_PORT: rank 0 serves it (unless torchrun's agent
 // does), the others connect. Failures name the address and the fix.
 c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& e, double timeout_s) {
-  const std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+  const std::string where = rendezvous_address(e);
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(e.master_port);
   // Under torchrun the elastic agent already serves a store on MASTER_PORT and tells
@@ -158,7 +167,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& e, double timeout
   so.isServer = e.rank == 0 && !use_agent_store;
   so.numWorkers = c10::nullopt;
   so.waitWorkers = false;
-  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  so.timeout = as_duration(timeout_s);
   const char* use_libuv = env("USE_LIBUV");  // as torch reads it: "1" (or unset) is on
   so.useLibUV = use_libuv == nullptr || std::string(use_libuv) == "1";
   try {
@@ -196,10 +205,9 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& e, double timeout
 // timeout can name exactly the ranks that never came (c10d's own waits cannot).
 void wait_for_every_rank(c10d::Store& store, const std::string& tag, const LaunchEnv& e,
                          double timeout_s) {
-  const std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+  const std::string where = rendezvous_address(e);
   store.set(tag + "arrived/" + std::to_string(e.rank), std::vector<uint8_t>{1});
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  auto deadline = std::chrono::steady_clock::now() + as_duration(timeout_s);
   std::vector<int> missing;
   for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
   while (true) {
@@ -242,7 +250,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.store = c10::make_intrusive<c10d::PrefixStore>(tag, store);
   init.rank = e.rank;
   init.size = e.world_size;
-  init.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  init.timeout = as_duration(timeout_s);
   init.master_addr = e.master_addr;
   init.device_index = e.local_rank;
   // Every collective of the job is numbered and kept in the ring its errors print
