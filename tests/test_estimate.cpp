@@ -154,6 +154,28 @@ TEST(EstimateStrategies, OtherStrategiesAndOffloadMatchTheCountersAtWorld2) {
 
 // The rules on numbers worked out by hand, so that a wrong rule fails even where the
 // engine would agree with it by accident.
+// A value cast into the enums from outside their enumerators is named, not estimated.
+TEST(EstimateRules, AValueOutsideTheEnumsIsNamed) {
+  EstimateInput in;
+  in.unit_params = {10, 100};
+  in.strategy = static_cast<ShardingStrategy>(7);
+  try {
+    estimate_memory(in);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "strategy 7 is not a ShardingStrategy; use one of its enumerators");
+  }
+  in.strategy = ShardingStrategy::kFullShard;
+  in.precision = static_cast<Precision>(9);
+  try {
+    estimate_memory(in);
+    FAIL() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "precision 9 is not a Precision; use one of its enumerators");
+  }
+}
+
 TEST(EstimateRules, HandWorkedFigures) {
   EstimateInput in;
   in.unit_params = {10, 100, 100, 50};  // root, then three units

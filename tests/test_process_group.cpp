@@ -9,9 +9,15 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cstring>
+#include <optional>
 
 #include <cstdlib>
 #include <map>
@@ -77,7 +83,9 @@ TEST(GlooInterface, EachAddressOfThisHostIsReachedFromItself) {
   ASSERT_EQ(getifaddrs(&ifs), 0);
   int checked = 0;
   for (const ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
-    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    // An address of a down interface has no local route: not this host's to reach.
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP))
+      continue;
     char ip[INET_ADDRSTRLEN] = {};
     inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, ip,
               sizeof(ip));
@@ -86,6 +94,62 @@ TEST(GlooInterface, EachAddressOfThisHostIsReachedFromItself) {
   }
   freeifaddrs(ifs);
   EXPECT_GE(checked, 1);  // loopback at least
+}
+
+// Runs `fn` in a child process inside a new network namespace, which has only a loopback
+// that is down: no route reaches anything and no name server answers. Returns the message
+// of the c10::Error `fn` threw ("" if none), or nullopt where this process may not make a
+// namespace (not root).
+std::optional<std::string> error_without_a_network(const std::function<void()>& fn) {
+  int fds[2];
+  if (pipe(fds) != 0) return std::nullopt;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    std::string msg = "\x01";  // no namespace
+    if (unshare(CLONE_NEWNET) == 0) {
+      msg.clear();
+      try {
+        fn();
+      } catch (const c10::Error& e) {
+        msg = e.what_without_backtrace();
+      }
+    }
+    (void)!write(fds[1], msg.data(), msg.size());
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string msg;
+  char buf[512];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof(buf))) > 0;) msg.append(buf, n);
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  if (msg == "\x01") return std::nullopt;
+  return msg;
+}
+
+const char* kInterfaceFix =
+    "; set GLOO_SOCKET_IFNAME to the network interface that reaches it (e.g. "
+    "GLOO_SOCKET_IFNAME=eth0), or fix MASTER_ADDR";
+
+TEST(GlooInterface, AMasterNoRouteReachesIsNamedWithTheFix) {
+  const auto msg = error_without_a_network(
+      [] { fsdp::detail::local_address_toward("10.9.9.9", "MASTER_ADDR"); });
+  if (!msg) GTEST_SKIP() << "needs root to make a network namespace";
+  EXPECT_EQ(*msg, std::string("no route from this host reaches MASTER_ADDR=10.9.9.9 (") +
+                      std::strerror(ENETUNREACH) + ")" + kInterfaceFix);
+}
+
+TEST(GlooInterface, AMasterThatDoesNotResolveIsNamedWithTheFix) {
+  const auto msg = error_without_a_network(
+      [] { fsdp::detail::local_address_toward("no-such-host.invalid", "MASTER_ADDR"); });
+  if (!msg) GTEST_SKIP() << "needs root to make a network namespace";
+  const std::string head = "MASTER_ADDR=no-such-host.invalid does not resolve (";
+  const std::string tail =
+      "), so no network interface can be chosen for it" + std::string(kInterfaceFix);
+  EXPECT_EQ(msg->substr(0, head.size()), head) << *msg;  // then the resolver's own words
+  ASSERT_GE(msg->size(), head.size() + tail.size()) << *msg;
+  EXPECT_EQ(msg->substr(msg->size() - tail.size()), tail) << *msg;
 }
 
 // A MASTER_ADDR other than the literal loopback names takes Note [Gloo's interface]'s path
