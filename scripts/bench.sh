@@ -10,7 +10,7 @@ BENCHES=(bench_adamw bench_world1_overhead bench_activation_checkpoint bench_che
 . scripts/lib/build.sh
 fsdp_torch_setup
 fsdp_configure release build >/dev/null
-fsdp_build build --target "${BENCHES[@]}" fsdp-run fsdp-consolidate
+cmake --build build --target "${BENCHES[@]}" fsdp-run fsdp-consolidate
 mkdir -p build/bench
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 results=build/bench/results.jsonl

@@ -61,7 +61,7 @@ B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/in-debian13.sh
 . scripts/lib/build.sh
 fsdp_torch_setup
 fsdp_configure "$([ -n "${FSDP_IN_DEBIAN13:-}" ] && echo debian13 || echo release)" "$B" >/dev/null
-fsdp_build "$B" --target train_gpt fsdp-run
+cmake --build "$B" --target train_gpt fsdp-run
 mkdir -p "$B/bench"
 echo "== train_gpt vs PyTorch FSDP1 ($(/usr/bin/python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no python3-torch'))"
 exec /usr/bin/python3 tests/interop/compare_fsdp.py bench --bin-dir "$B/bin" --out "$B/bench/vs_pytorch" \

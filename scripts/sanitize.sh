@@ -31,9 +31,9 @@ fi
 fsdp_torch_setup
 fsdp_configure sanitize "$B" >/dev/null
 if [ ${#targets[@]} -gt 0 ]; then
-  fsdp_build "$B" --target "${targets[@]}"
+  cmake --build "$B" --target "${targets[@]}"
 else
-  fsdp_build "$B"
+  cmake --build "$B"
 fi
 # Every child process (ranks, tools) inherits these through the environment.
 export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"

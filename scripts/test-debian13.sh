@@ -38,6 +38,6 @@ BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpo
 fsdp_torch_setup
 fsdp_configure debian13 "$B"
 # With the programs the tests run (test_examples and the checkpoint tests depend on most).
-fsdp_build "$B" --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
+cmake --build "$B" --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
 fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
 fsdp_ctest "$B" --no-tests=error -R '^TrainGpt\.TorchrunGivesTheSameLossesAsFsdpRun$' "$@"

@@ -11,6 +11,6 @@ read -ra EXTRA <<<"${FSDP_CMAKE_ARGS:-}"
 . scripts/lib/build.sh
 fsdp_torch_setup
 fsdp_configure release "$B" "${EXTRA[@]}"
-fsdp_build "$B"
+cmake --build "$B"
 [ "${FSDP_TEST_BUILD_ONLY:-0}" = 1 ] && exit 0   # CI times the build and the tests apart
 fsdp_ctest "$B" "$@"

@@ -16,7 +16,11 @@ namespace fsdp {
 
 /// The dtype of gathered parameters and reduced gradients (MixedPrecision::param_dtype
 /// and reduce_dtype); the shards and the optimizer stay fp32 either way.
-enum class Precision { kFp32, kBf16, kFp16 };
+enum class Precision {
+  kFp32,  ///< 4 bytes per gathered element
+  kBf16,  ///< 2 bytes
+  kFp16,  ///< 2 bytes
+};
 
 /// "fp32", "bf16" or "fp16".
 const char* to_string(Precision p);

@@ -1,6 +1,6 @@
 # Sourced by the scripts that build: configure through a preset of CMakePresets.json with
 # the LibTorch that scripts/lib/python-env.sh found (TORCH_CMAKE_ARGS; source that and call
-# fsdp_torch_setup first), build, and test. One place for what used to be a hand-written
+# fsdp_torch_setup first), and test; they build with plain `cmake --build DIR`. One place for what used to be a hand-written
 # `cmake -S . -B ... -G Ninja -DCMAKE_BUILD_TYPE=... -j2` in each script.
 #
 # Jobs: CMAKE_BUILD_PARALLEL_LEVEL and CTEST_PARALLEL_LEVEL, which cmake --build and ctest
@@ -14,13 +14,6 @@ fsdp_configure() {
   local preset="$1" dir="$2"
   shift 2
   cmake --preset "$preset" -B "$dir" "${TORCH_CMAKE_ARGS[@]}" "$@"
-}
-
-# fsdp_build DIR [cmake --build arguments, e.g. --target T...]
-fsdp_build() {
-  local dir="$1"
-  shift
-  cmake --build "$dir" "$@"
 }
 
 # fsdp_ctest DIR [ctest arguments...]

@@ -146,9 +146,7 @@ int run(int argc, char** argv) {
   const Request q = read_request(r);
   const auto t0 = std::chrono::steady_clock::now();
   ProgressLine progress(q.quiet);
-  auto report = [&](size_t done, size_t total, const std::string& fqn) {
-    progress(done, total, fqn);
-  };
+  const fsdp::ckpt::Progress report = std::ref(progress);
   try {
     if (q.safetensors) {
       fsdp::ckpt::consolidate_offline_safetensors(q.in, q.out, q.dtype, q.max_shard, report);
