@@ -71,6 +71,11 @@ void add_sharding_flags(cxxopts::Options& o) {
        value<std::string>("none"));
   flag("cpu-offload",
        "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
+  flag("construction",
+       "sharded|eager: sharded shards each block the moment it is built, so no rank ever holds "
+       "the whole model (fsdp::make_sharded); eager builds the whole model on every rank, then "
+       "shards it (fsdp::fully_shard). Same weights either way",
+       value<std::string>("sharded"));
 }
 
 void add_checkpoint_flags(cxxopts::Options& o) {
@@ -260,6 +265,11 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
                                r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
                                r["activation-checkpointing"].as<std::string>());
   s.options.cpu_offload = r.count("cpu-offload") > 0;
+  const auto construction = r["construction"].as<std::string>();
+  if (construction != "sharded" && construction != "eager") {
+    throw UsageError("--construction " + construction + " is unknown; use sharded or eager");
+  }
+  s.sharded_construction = construction == "sharded";
   return s;
 }
 

@@ -23,6 +23,24 @@ struct Config {
   double dropout = 0.0;
 };
 
+/// GPT-2 style initial weights for the parameters under `m`: N(0, 0.02) weights, zero
+/// biases, LayerNorms left at one and zero. Each block initialises itself in its
+/// constructor, before its wrap point is built (fsdp::make_sharded shards it then), and
+/// the model its own embeddings and head last; so the same seed gives the same weights
+/// whether the model is constructed in full or sharded, at any world size.
+inline void init_gpt2(torch::nn::Module& m) {
+  torch::NoGradGuard g;
+  for (auto& p : m.named_parameters()) {
+    const auto& n = p.key();
+    if (n.find("ln") != std::string::npos) continue;
+    if (n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0) {
+      p.value().zero_();
+    } else {
+      p.value().normal_(0.0, 0.02);
+    }
+  }
+}
+
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const Config& c)
@@ -79,7 +97,9 @@ class BlockImpl : public torch::nn::Module {
         attn(register_module("attn", Attention(c))),
         ln2(register_module(
             "ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5)))),
-        mlp(register_module("mlp", Mlp(c))) {}
+        mlp(register_module("mlp", Mlp(c))) {
+    init_gpt2(*this);
+  }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
     return x + mlp(ln2(x));
@@ -107,7 +127,11 @@ class GPTImpl : public torch::nn::Module {
     lm_head = register_module(
         "lm_head",
         torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
-    init_weights();
+    for (auto* m :
+         {static_cast<torch::nn::Module*>(wte.get()), static_cast<torch::nn::Module*>(wpe.get()),
+          static_cast<torch::nn::Module*>(lm_head.get())}) {
+      init_gpt2(*m);
+    }
   }
 
   /// idx: (B, T) int64 tokens -> (B, T, vocab) logits.
@@ -126,21 +150,6 @@ class GPTImpl : public torch::nn::Module {
   std::vector<fsdp::FullyShardedModule<Block>> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear lm_head{nullptr};
-
- private:
-  // GPT-2 style: N(0, 0.02) weights, zero biases, unit LayerNorms.
-  void init_weights() {
-    torch::NoGradGuard g;
-    for (auto& p : named_parameters()) {
-      const auto& n = p.key();
-      if (n.find("ln") != std::string::npos) continue;
-      if (n.size() >= 4 && n.compare(n.size() - 4, 4, "bias") == 0) {
-        p.value().zero_();
-      } else {
-        p.value().normal_(0.0, 0.02);
-      }
-    }
-  }
 };
 TORCH_MODULE(GPT);
 

@@ -43,7 +43,11 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   fsdp::ShardingOptions so = f.sharding.options;
   so.process_group = pg;
   torch::manual_seed(f.training.seed);
-  Training t{fsdp::fully_shard(GPT(f.model), so), nullptr, std::nullopt};
+  // Sharded construction: no rank ever holds the whole model (docs/design.md, "Sharded
+  // construction"); the weights are the same as eager construction's.
+  Training t{f.sharding.sharded_construction ? fsdp::make_sharded<GPT>(so, f.model)
+                                             : fsdp::fully_shard(GPT(f.model), so),
+             nullptr, std::nullopt};
   // --init-from: the starting weights come from a consolidated file (written by this
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
@@ -187,7 +191,10 @@ int run(int argc, char** argv) {
               << t.scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
               << static_cast<int64_t>(t.scaler->state().scale) << std::endl;
   }
-  if (main_rank) std::cout << "train_gpt: done" << std::endl;
+  if (main_rank) {
+    std::cout << "train_gpt: peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";
+    std::cout << "train_gpt: done" << std::endl;
+  }
   return 0;
 }
 

@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <set>
@@ -49,6 +50,14 @@ void read_engine_stats(const fsdp::ShardedModel& model, StepRecord& r) {
   r.recomputes = fsdp::activation_recomputes();
 }
 
+int64_t peak_rss_mib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) / 1024;
+  }
+  return -1;
+}
+
 void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Data& data,
                    int world) {
   // Parameters, each counted once: tied ones (aliases) share their unit's offset.
@@ -62,6 +71,9 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   const Config& cfg = flags.model;
   std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
             << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
+  std::cout << "train_gpt: " << (flags.sharding.sharded_construction ? "sharded" : "eager")
+            << " construction: the model is " << n_params * 4 / (1024 * 1024)
+            << " MiB in fp32; peak RSS of rank 0 so far " << peak_rss_mib() << " MiB\n";
   if (data.synthetic()) {
     std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
               << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "

@@ -35,6 +35,9 @@ void read_engine_stats(const fsdp::ShardedModel& model, StepRecord& r);
 
 /// Prints, before training, the parameters, the synthetic task's reference losses and
 /// the --data split (rank 0 calls it).
+/// This process's peak resident memory (VmHWM) in MiB, or -1 where /proc does not say.
+int64_t peak_rss_mib();
+
 void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Data& data,
                    int world);
 

@@ -29,6 +29,24 @@ namespace detail {
 /// The engine's state of one wrap point (its unit, its model, its casts), defined inside
 /// the library (src/engine/engine_access.h): no engine type appears in this header.
 struct WrapPointState;
+struct ConstructionState;
+
+/// Sharded construction (fsdp::make_sharded): while a scope lives on this thread, each
+/// wrap point shards its module the moment it is constructed, so a rank never holds more
+/// than its shards plus the unit being built. One scope per thread at a time; finish()
+/// ends it before the root is sharded. Defined in the library (src/engine).
+class ConstructionScope {
+ public:
+  explicit ConstructionScope(const ShardingOptions& options);
+  ~ConstructionScope();
+  ConstructionScope(const ConstructionScope&) = delete;
+  ConstructionScope& operator=(const ConstructionScope&) = delete;
+  /// Ends the scope: wrap points constructed after it are ordinary again.
+  void finish();
+
+ private:
+  std::shared_ptr<ConstructionState> state_;
+};
 
 // Mixed precision: floating-point tensor arguments of a unit's forward are cast to its
 // compute dtype; everything else passes through untouched.
@@ -98,6 +116,9 @@ class WrapPointImpl : public torch::nn::Module {
 
  protected:
   explicit WrapPointImpl(const std::string& name);
+  /// Called by a wrap point's constructor once its module is built: inside
+  /// fsdp::make_sharded, shards the module now (docs/design.md, "Sharded construction").
+  void constructed();
 
   // The engine's side of a call through a wrap point. FullyShardedModuleImpl::forward
   // (a template, so in this header) calls these; the engine's state stays in the library.
@@ -128,7 +149,9 @@ class FullyShardedModuleImpl : public WrapPointImpl {
  public:
   explicit FullyShardedModuleImpl(M module)
       : WrapPointImpl("fsdp::FullyShardedModule"),
-        module_(register_module(kWrappedName, std::move(module))) {}
+        module_(register_module(kWrappedName, std::move(module))) {
+    constructed();
+  }
 
   /// Calls M's forward; gathers and frees the unit's parameters around it.
   template <typename... Args>
@@ -269,6 +292,25 @@ Sharded<M> fully_shard(M module, const ShardingOptions& options = {}) {
 template <class M>
 Sharded<M> fully_shard(FullyShardedModule<M> root, const ShardingOptions& options = {}) {
   return Sharded<M>(std::move(root), options);
+}
+
+/// Constructs M(args...) already sharded (sharded construction, as DeepSpeed's zero.Init):
+/// each wrap point built during M's construction that `options.auto_wrap_policy` picks
+/// shards its module the moment its constructor finishes, so a rank's peak memory is its
+/// own shards plus the one unit being built, not the whole model; then the root is
+/// sharded as by fully_shard. Every rank builds every unit in full before keeping its
+/// shard, so the same seed gives the same weights at any world size, and the same as
+/// fully_shard(M(args...), options). The policy is asked as each wrap point finishes,
+/// before it has a name (WrapContext::fqn is empty). A module must be fully initialised
+/// when its wrap point is built: code that runs later in the parent's constructor must
+/// not read or write an inner unit's parameters (they are sharded by then; use
+/// FullParamsScope after make_sharded returns).
+template <class M, class... Args>
+Sharded<M> make_sharded(const ShardingOptions& options, Args&&... args) {
+  detail::ConstructionScope scope(options);
+  M module(std::forward<Args>(args)...);
+  scope.finish();
+  return fully_shard(std::move(module), options);
 }
 
 /// A model is sharded once: sharding a sharded model again does not compile. (A copy of

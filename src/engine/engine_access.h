@@ -23,6 +23,19 @@ struct WrapPointState {
   std::optional<torch::Dtype> cast_outputs;  ///< the root's MixedPrecision::output_dtype
   bool checkpointed = false;                 ///< picked by the checkpoint policy
   std::string fqn;                           ///< this wrap point's clean FQN, for errors
+  /// Sharded at construction (make_sharded): the runtime its flat parameters count into,
+  /// and the flat parameters, which fully_shard hands to this wrap point's unit.
+  std::shared_ptr<Runtime> built_in;
+  std::vector<std::unique_ptr<FlatParam>> built_flats;
+  bool built_keep_fp32 = false;  ///< MixedPrecision::keep_fp32_policy picked it
+};
+
+/// What a ConstructionScope holds: the runtime that units built during construction
+/// join, and how they are built (fully_shard.cpp).
+struct ConstructionState {
+  std::shared_ptr<Runtime> runtime;
+  Backend* broadcast = nullptr;  ///< sync_module_states: the world, else null
+  int units_built = 0;
 };
 }  // namespace detail
 
@@ -38,6 +51,8 @@ struct EngineAccess {
   static void set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
                         std::optional<torch::Dtype> outputs);
   static void set_checkpointed(WrapPointImpl& wp, const std::string& fqn);
+  /// The engine state of `wp` (sharded construction reads and fills it).
+  static detail::WrapPointState& state(WrapPointImpl& wp) { return *wp.state_; }
   /// The model's runtime; throws when the handle is empty.
   static detail::Runtime& runtime(const ShardedModel& model);
   static WrapPointImpl& root(const ShardedModel& model) { return model.root(); }
@@ -46,6 +61,11 @@ struct EngineAccess {
 namespace detail {
 /// Turns the tree under `root` into units; `root` becomes the root unit (fully_shard.cpp).
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
+/// Sharded construction: makes `wp`, whose module was just built, a unit of the scope's
+/// runtime now if the policy picks it (fully_shard.cpp).
+void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope);
+/// The scope active on this thread, or null.
+ConstructionState* active_construction();
 /// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.
 torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
 }  // namespace detail

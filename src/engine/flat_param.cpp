@@ -45,7 +45,14 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
 
   auto fp32 = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
   at::Tensor flat = at::zeros({padded_}, fp32);
-  for (const auto& s : slots_) flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
+  for (auto& s : slots_) {
+    flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
+    // Note [Flatten in place]
+    // Each original's bytes go as soon as they are copied (unless something else holds
+    // them), so flattening a unit needs the flat buffer plus one parameter, not the unit
+    // twice: the construction peak of make_sharded (docs/design.md, "Sharded construction").
+    s.param.set_data(at::empty({0}, s.param.options()));
+  }
   if (broadcast_group != nullptr && broadcast_group->size() > 1) {
     CollectiveLabel label(this->label());
     broadcast_group->broadcast(flat, 0);
@@ -75,6 +82,15 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   full_ = alias_ ? shard_.detach() : at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
   if (!alias_) free_storage(full_);
+}
+
+void FlatParam::set_names(const std::string& prefix, const std::string& label) {
+  auto join = [&](const std::string& n) { return prefix.empty() ? n : prefix + "." + n; };
+  for (auto& s : slots_) {
+    s.fqn = join(s.fqn);
+    for (auto& a : s.aliases) a = join(a);
+  }
+  cfg_.label = label;
 }
 
 FlatParam::~FlatParam() {

@@ -57,6 +57,10 @@ class FlatParam {
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
+  /// Names a flat parameter built before its unit's FQN was known (make_sharded): each
+  /// slot's FQN and aliases get `prefix`, and its collectives `label`.
+  void set_names(const std::string& prefix, const std::string& label);
+
   bool trainable() const { return trainable_; }
   int64_t numel() const { return numel_; }
   int64_t padded_numel() const { return padded_; }

@@ -3,6 +3,9 @@
 #include "engine_access.h"
 
 #include <cstdlib>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <fstream>
 #include <map>
 #include <set>
@@ -23,6 +26,7 @@ struct WrapNode {
   std::vector<std::unique_ptr<WrapNode>> children;
   bool is_unit = false;
   bool keep_fp32 = false;  ///< MixedPrecision::keep_fp32_policy picked it
+  bool built = false;      ///< sharded at construction (make_sharded): its flats exist
   // Parameters (by clean FQN, in registration order) mixing own params and children's,
   // so that merged wrap points keep their place in the order.
   std::vector<std::pair<std::string, at::Tensor>> ordered;
@@ -40,6 +44,7 @@ void walk(torch::nn::Module& m, const std::string& prefix, WrapNode& node) {
       auto child = std::make_unique<WrapNode>();
       child->wp = wp;
       child->fqn = fqn;
+      child->built = EngineAccess::state(*wp).built_in != nullptr;
       walk(*wp->wrapped(), fqn, *child);
       // Marker: the child's parameters go here in order unless it becomes a unit.
       node.ordered.emplace_back("\x01" + std::to_string(node.children.size()), at::Tensor());
@@ -50,9 +55,32 @@ void walk(torch::nn::Module& m, const std::string& prefix, WrapNode& node) {
   }
 }
 
+// A node sharded at construction is a unit whatever the policy says now; its parameters
+// are its flats' slots (listed for the tied-parameter check). Below it, only nodes that
+// were themselves built are units: the others' parameters are inside its flats.
+void mark_built(WrapNode& node) {
+  node.is_unit = node.built;
+  if (node.built) {
+    const auto& st = EngineAccess::state(*node.wp);
+    node.keep_fp32 = st.built_keep_fp32;
+    node.params.clear();
+    for (const auto& f : st.built_flats) {
+      for (const auto& s : f->slots()) {
+        node.params.emplace_back(join(node.fqn, s.fqn), s.param);
+        for (const auto& a : s.aliases) node.params.emplace_back(join(node.fqn, a), s.param);
+      }
+    }
+  }
+  for (auto& c : node.children) mark_built(*c);
+}
+
 // Bottom-up: decide units, and return the parameters this node passes to its parent.
 std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const WrapPolicy& policy,
                                                        const WrapPolicy& keep_fp32, bool is_root) {
+  if (node.built) {
+    mark_built(node);
+    return {};
+  }
   std::vector<std::pair<std::string, at::Tensor>> owned;
   for (auto& e : node.ordered) {
     if (!e.second.defined() && !e.first.empty() && e.first[0] == '\x01') {
@@ -136,9 +164,12 @@ std::string gib(double bytes) {
 
 // Refuses, before any allocation, a sharding whose host-resident state cannot fit:
 // per rank 4 bytes of fp32 shard + 4 of gradient + 8 of Adam state per sharded element,
-// times the ranks on this node (LOCAL_WORLD_SIZE), against MemAvailable. DeepSpeed
-// users meet this as a silent SIGKILL from the OOM killer partway into training.
-void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
+// less the shards make_sharded already built (`built_bytes`, no longer available), times
+// the ranks on this node (LOCAL_WORLD_SIZE), against MemAvailable. DeepSpeed users meet
+// this as a silent SIGKILL from the OOM killer partway into training. A model that was
+// constructed in full (fully_shard) already holds 4 bytes per parameter on every rank;
+// the message says so and names make_sharded.
+void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int64_t built_bytes) {
   if (!o.check_host_memory || !(o.cpu_offload || o.device.is_cpu())) return;
   int64_t numel = 0;
   std::set<const c10::TensorImpl*> seen;
@@ -152,19 +183,29 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o) {
   int local = 1;
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
   const double per_rank = 16.0 * static_cast<double>((numel + group - 1) / group);
-  const double need = per_rank * local;
+  const double need = std::max(0.0, per_rank - static_cast<double>(built_bytes)) * local;
   const int64_t avail = host_available_bytes();
   if (avail < 0) return;
+  const std::string eager =
+      built_bytes > 0 ? std::string()
+                      : " This model was constructed in full on every rank (" +
+                            gib(4.0 * static_cast<double>(numel)) +
+                            " of fp32 parameters per rank before sharding); fsdp::make_sharded "
+                            "constructs it already sharded.";
   TORCH_CHECK(need <= static_cast<double>(avail), "fully_shard: not enough host memory. ", numel,
               " parameters sharded over ", group, " ranks need ", gib(per_rank),
               " per rank in host RAM (fp32 shard, "
               "gradient and Adam state: 16 bytes per element)",
+              built_bytes > 0 ? ", of which make_sharded built " +
+                                    gib(static_cast<double>(built_bytes)) + " already"
+                              : std::string(),
               local > 1 ? ", times " + std::to_string(local) + " ranks on this node = " + gib(need)
                         : std::string(),
               ", but only ", gib(static_cast<double>(avail)),
               " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller "
               "model, or set "
-              "ShardingOptions::check_host_memory = false to try anyway.");
+              "ShardingOptions::check_host_memory = false to try anyway.",
+              eager);
 }
 
 // Points `wp` at its unit `u` of `rt` (and, for the root, at `rt`), with the casts of
@@ -253,10 +294,10 @@ struct UnitSlots {
   std::vector<ParamSlot> trainable, frozen;
 };
 
-UnitSlots unit_slots(const WrapNode& n) {
+UnitSlots unit_slots(const std::vector<std::pair<std::string, at::Tensor>>& params) {
   UnitSlots out;
   std::map<c10::TensorImpl*, ParamSlot*> seen;
-  for (auto& p : n.params) {
+  for (auto& p : params) {
     auto* impl = p.second.unsafeGetTensorImpl();
     if (seen.count(impl)) continue;
     seen[impl] = nullptr;
@@ -270,30 +311,104 @@ UnitSlots unit_slots(const WrapNode& n) {
     for (auto& s : *v) seen[s.param.unsafeGetTensorImpl()] = &s;
   }
   std::map<c10::TensorImpl*, bool> first;
-  for (auto& p : n.params) {
+  for (auto& p : params) {
     auto* impl = p.second.unsafeGetTensorImpl();
     if (!first.emplace(impl, true).second) seen[impl]->aliases.push_back(p.first);
   }
   return out;
 }
 
-// Makes node `n` a unit of `rt`, with a flat parameter for its trainable parameters and
-// one for its frozen ones. `bcast`: the group that broadcasts rank 0's values
-// (sync_module_states), or null.
+// A unit's flat parameters: one for its trainable parameters and one for its frozen
+// ones. `bcast`: the group that broadcasts rank 0's values (sync_module_states), or null.
+std::vector<std::unique_ptr<FlatParam>> make_flats(
+    const std::vector<std::pair<std::string, at::Tensor>>& params, const FlatConfig& cfg,
+    Backend* bcast) {
+  UnitSlots slots = unit_slots(params);
+  std::vector<std::unique_ptr<FlatParam>> out;
+  if (!slots.trainable.empty()) {
+    out.push_back(std::make_unique<FlatParam>(std::move(slots.trainable), true, cfg, bcast));
+  }
+  if (!slots.frozen.empty()) {
+    out.push_back(std::make_unique<FlatParam>(std::move(slots.frozen), false, cfg, bcast));
+  }
+  return out;
+}
+
+std::string unit_label(const std::string& fqn) {
+  return fqn.empty() ? std::string("the root unit") : "unit '" + fqn + "'";
+}
+
+// Makes node `n` a unit of `rt`: from its parameters now, or, if it was sharded at
+// construction, from the flat parameters it built then (named now that its FQN is known).
 void make_unit(Runtime& rt, const WrapNode& n, const FlatConfig& cfg, Backend* bcast) {
   Unit& unit = rt.add_unit(n.fqn);
   unit.keep_fp32 = n.keep_fp32;
-  FlatConfig unit_cfg = cfg;
-  unit_cfg.label = n.fqn.empty() ? std::string("the root unit") : "unit '" + n.fqn + "'";
-  if (n.keep_fp32) unit_cfg.param_dtype = at::kFloat;
-  UnitSlots slots = unit_slots(n);
-  if (!slots.trainable.empty()) {
-    rt.add_flat(unit,
-                std::make_unique<FlatParam>(std::move(slots.trainable), true, unit_cfg, bcast));
+  std::vector<std::unique_ptr<FlatParam>> flats;
+  if (n.built) {
+    auto& st = EngineAccess::state(*n.wp);
+    flats = std::move(st.built_flats);
+    st.built_flats.clear();
+    st.built_in.reset();
+    for (auto& f : flats) f->set_names(n.fqn, unit_label(n.fqn));
+  } else {
+    FlatConfig unit_cfg = cfg;
+    unit_cfg.label = unit_label(n.fqn);
+    if (n.keep_fp32) unit_cfg.param_dtype = at::kFloat;
+    flats = make_flats(n.params, unit_cfg, bcast);
   }
-  if (!slots.frozen.empty()) {
-    rt.add_flat(unit, std::make_unique<FlatParam>(std::move(slots.frozen), false, unit_cfg, bcast));
+  for (auto& f : flats) rt.add_flat(unit, std::move(f));
+}
+
+// The runtime the units join: the one of make_sharded's scope when wrap points were
+// sharded at construction (their flats count into it), else a new one.
+std::shared_ptr<Runtime> runtime_for_units(const std::vector<WrapNode*>& nodes,
+                                           const ShardingOptions& options) {
+  std::shared_ptr<Runtime> built;
+  for (WrapNode* n : nodes) {
+    if (!n->built) continue;
+    const auto& rt = EngineAccess::state(*n->wp).built_in;
+    TORCH_CHECK(built == nullptr || built == rt, "fully_shard: wrap point '", n->fqn,
+                "' was sharded by another fsdp::make_sharded than the rest of the model; build "
+                "the model in one make_sharded call");
+    built = rt;
   }
+  if (built != nullptr) {
+    TORCH_CHECK(GroupAccess::backend(built->options().process_group) ==
+                    GroupAccess::backend(options.process_group),
+                "fully_shard: the model's wrap points were sharded at construction over another "
+                "process group than ShardingOptions::process_group; pass the same options");
+    return built;
+  }
+  auto rt = std::make_shared<Runtime>(options);
+  rt->set_flat_config(model_flat_config(options, *rt));
+  return rt;
+}
+
+// The parameters that wrap point's module passes to its unit when sharded at
+// construction: its own and those of inner modules, except inner wrap points that were
+// sharded at construction themselves (registration order, names relative to `m`).
+void construction_params(torch::nn::Module& m, const std::string& prefix,
+                         std::vector<std::pair<std::string, at::Tensor>>& out) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    out.emplace_back(join(prefix, p.key()), p.value());
+  }
+  for (const auto& c : m.named_children()) {
+    const std::string fqn = join(prefix, c.key());
+    if (auto* wp = dynamic_cast<WrapPointImpl*>(c.value().get())) {
+      if (EngineAccess::state(*wp).built_in == nullptr)
+        construction_params(*wp->wrapped(), fqn, out);
+    } else {
+      construction_params(*c.value(), fqn, out);
+    }
+  }
+}
+
+thread_local ConstructionState* t_construction = nullptr;
+
+void release_free_heap() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 }  // namespace
@@ -302,8 +417,10 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
   TORCH_CHECK(!root->is_unit(),
               "fully_shard: this model is already sharded; call fully_shard once");
+  TORCH_CHECK(t_construction == nullptr,
+              "fully_shard: called while fsdp::make_sharded is constructing a model on this "
+              "thread; shard the model after its construction");
   validate(options);
-  check_host_memory(*root, options);
 
   // Decide the units: walk the tree, let the policies pick, check tied parameters.
   WrapNode tree;
@@ -317,17 +434,66 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   std::vector<std::pair<WrapPointImpl*, std::string>> checkpointed;  // with its FQN
   if (options.checkpoint_policy) mark_checkpointed(tree, options.checkpoint_policy, checkpointed);
   check_tied_in_one_unit(nodes);
+  auto rt = runtime_for_units(nodes, options);
+  check_host_memory(*root, options, rt->acct().mem.sharded_params.current);
   cast_buffers(*root, options.mixed_precision);
 
-  // Build them: the runtime, each unit's flat parameters, and the wrap points' links.
-  auto rt = std::make_shared<Runtime>(options);
-  const FlatConfig cfg = model_flat_config(options, *rt);
-  rt->set_flat_config(cfg);
+  // Build them: each unit's flat parameters, and the wrap points' links.
+  const FlatConfig& cfg = rt->flat_config();
   Backend* bcast =
       options.sync_module_states ? GroupAccess::backend(options.process_group).get() : nullptr;
   for (WrapNode* n : nodes) make_unit(*rt, *n, cfg, bcast);
   for (size_t i = 0; i < nodes.size(); ++i) attach_unit(rt, *nodes[i]->wp, rt->units()[i]);
   for (auto& [wp, fqn] : checkpointed) EngineAccess::set_checkpointed(*wp, fqn);
+}
+
+ConstructionState* active_construction() { return t_construction; }
+
+void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope) {
+  Runtime& rt = *scope.runtime;
+  const ShardingOptions& o = rt.options();
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  construction_params(*wp.wrapped(), "", params);
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.second.numel();
+  const WrapContext ctx{"", *wp.wrapped(), numel};
+  const auto& mp = o.mixed_precision;
+  const bool keep_fp32 =
+      mp.param_dtype != at::kFloat && mp.keep_fp32_policy && mp.keep_fp32_policy(ctx);
+  if (!keep_fp32 && !o.auto_wrap_policy(ctx)) return;  // its parameters go to its parent's unit
+
+  FlatConfig cfg = rt.flat_config();
+  cfg.label = "unit #" + std::to_string(scope.units_built) + " of make_sharded";
+  if (keep_fp32) cfg.param_dtype = at::kFloat;
+  auto& st = EngineAccess::state(wp);
+  st.built_flats = make_flats(params, cfg, scope.broadcast);
+  st.built_keep_fp32 = keep_fp32;
+  st.built_in = scope.runtime;
+  ++scope.units_built;
+  // The unit's full parameters are free now; hand the pages back to the OS, or glibc keeps
+  // them in its heap (blocks below its adaptive mmap threshold of up to 32 MiB) and the
+  // rank's resident memory grows by a unit per unit built.
+  release_free_heap();
+}
+
+ConstructionScope::ConstructionScope(const ShardingOptions& options) {
+  TORCH_CHECK(t_construction == nullptr,
+              "fsdp::make_sharded: another make_sharded is already constructing a model on this "
+              "thread; construct one sharded model at a time");
+  validate(options);
+  state_ = std::make_shared<ConstructionState>();
+  state_->runtime = std::make_shared<Runtime>(options);
+  state_->runtime->set_flat_config(model_flat_config(options, *state_->runtime));
+  if (options.sync_module_states) {
+    state_->broadcast = GroupAccess::backend(options.process_group).get();
+  }
+  t_construction = state_.get();
+}
+
+ConstructionScope::~ConstructionScope() { finish(); }
+
+void ConstructionScope::finish() {
+  if (t_construction == state_.get()) t_construction = nullptr;
 }
 
 }  // namespace fsdp::detail

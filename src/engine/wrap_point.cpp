@@ -8,6 +8,10 @@ WrapPointImpl::WrapPointImpl(const std::string& name)
     : torch::nn::Module(name), state_(std::make_unique<detail::WrapPointState>()) {}
 WrapPointImpl::~WrapPointImpl() = default;
 
+void WrapPointImpl::constructed() {
+  if (auto* scope = detail::active_construction()) detail::shard_at_construction(*this, *scope);
+}
+
 bool WrapPointImpl::is_unit() const { return state_->unit != nullptr; }
 bool WrapPointImpl::checkpointed() const { return state_->checkpointed; }
 
