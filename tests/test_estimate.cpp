@@ -380,3 +380,28 @@ TEST(Version, HeadersLibraryAndEveryToolAgree) {
 }
 
 }  // namespace
+
+// The construction peaks, by hand: eager holds every parameter in fp32 on the host;
+// sharded holds the shards (where the parameters live) plus the root and the largest
+// other unit on the host.
+TEST(EstimateRules, ConstructionPeaksEagerAndSharded) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};  // root, then three units
+  in.world_size = 4;
+  auto est = estimate_memory(in);
+  ASSERT_EQ(est.construction.size(), 2u);
+  EXPECT_EQ(est.construction[0].key, "construction_eager");
+  EXPECT_EQ(est.construction[0].host_bytes, 260 * 4);
+  EXPECT_EQ(est.construction[0].device_bytes, 0);
+  EXPECT_EQ(est.construction[1].key, "construction_sharded");
+  EXPECT_EQ(est.construction[1].device_bytes, 66 * 4);  // shards 3 + 25 + 25 + 13
+  EXPECT_EQ(est.construction[1].host_bytes, (10 + 100) * 4);
+  in.cpu_offload = true;
+  est = estimate_memory(in);
+  EXPECT_EQ(est.construction[1].device_bytes, 0);
+  EXPECT_EQ(est.construction[1].host_bytes, (66 + 10 + 100) * 4);
+  // The totals are training's terms alone, not construction's.
+  int64_t host = 0;
+  for (const auto& t : est.terms) host += t.host_bytes;
+  EXPECT_EQ(est.host_total(), host);
+}

@@ -71,6 +71,13 @@ struct MemoryEstimate {
   int shard_group_size = 1;         ///< ranks each flat parameter is split over
   int64_t total_params = 0;         ///< sum of unit_params (unpadded)
   int64_t largest_unit_params = 0;  ///< largest unit, root included (unpadded)
+  /// The peak while the model is built, before any gradient or optimizer state exists
+  /// (not part of the totals). "construction_eager": the model built in full, then
+  /// fully_shard: every parameter in fp32 on the host of every rank. "construction_sharded":
+  /// fsdp::make_sharded: the fp32 shards (where the parameters term lives), plus the root
+  /// unit's own parameters (built first, sharded last) and the largest other unit (the one
+  /// being built) on the host (Note [Flatten in place]).
+  std::vector<MemoryTerm> construction;
   int64_t device_total() const;
   int64_t host_total() const;
   /// Parameters, gradients, optimizer state and gathered units (DeepSpeed's "model

@@ -5,6 +5,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
+
 namespace fsdp::detail {
 namespace {
 
@@ -43,22 +45,28 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   padded_ = (numel_ + g - 1) / g * g;
   shard_numel_ = padded_ / g;
 
+  // Note [Flatten in place]
+  // The shard is filled parameter by parameter, and each original's bytes go as soon as
+  // its part is copied (unless something else holds them): flattening a unit needs the
+  // unit's parameters plus its shard, never a second full copy of the unit. That bounds
+  // make_sharded's construction peak by the shards built so far plus the unit being
+  // built (docs/design.md, "Sharded construction"). Under sync_module_states each
+  // parameter is broadcast from rank 0 before its part is taken.
   auto fp32 = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
-  at::Tensor flat = at::zeros({padded_}, fp32);
+  shard_ = at::zeros({shard_numel_}, fp32);
+  const int64_t lo = cfg_.shard_group->rank() * shard_numel_, hi = lo + shard_numel_;
+  const bool sync = broadcast_group != nullptr && broadcast_group->size() > 1;
   for (auto& s : slots_) {
-    flat.narrow(0, s.offset, s.numel).copy_(s.param.reshape({-1}));
-    // Note [Flatten in place]
-    // Each original's bytes go as soon as they are copied (unless something else holds
-    // them), so flattening a unit needs the flat buffer plus one parameter, not the unit
-    // twice: the construction peak of make_sharded (docs/design.md, "Sharded construction").
+    at::Tensor v = s.param.detach().reshape({-1}).to(fp32).contiguous();
+    if (sync) {
+      CollectiveLabel label(this->label());
+      broadcast_group->broadcast(v, 0);
+      cfg_.acct->count(Collective::kBroadcast, bytes_of(s.numel, at::kFloat));
+    }
+    const int64_t a = std::max(lo, s.offset), b = std::min(hi, s.offset + s.numel);
+    if (a < b) shard_.narrow(0, a - lo, b - a).copy_(v.narrow(0, a - s.offset, b - a));
     s.param.set_data(at::empty({0}, s.param.options()));
   }
-  if (broadcast_group != nullptr && broadcast_group->size() > 1) {
-    CollectiveLabel label(this->label());
-    broadcast_group->broadcast(flat, 0);
-    cfg_.acct->count(Collective::kBroadcast, bytes_of(padded_, at::kFloat));
-  }
-  shard_ = flat.narrow(0, cfg_.shard_group->rank() * shard_numel_, shard_numel_).clone();
   if (cfg_.offload) {
     // Host memory, pinned when the device is a GPU so copies can run asynchronously.
     at::Tensor host =

@@ -302,6 +302,18 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
     act_label += " (checkpointed)";
   }
   est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem), 0});
+  // Construction peaks (per rank; docs/design.md, "Sharded construction").
+  int64_t largest_other = 0;
+  for (size_t i = 1; i < in.unit_params.size(); ++i) {
+    largest_other = std::max(largest_other, in.unit_params[i]);
+  }
+  est.construction.push_back({"construction_eager", "construction, eager (fully_shard)", "bound", 0,
+                              4 * est.total_params});
+  MemoryTerm sharded = model_state("construction_sharded", "construction, sharded (make_sharded)",
+                                   4 * shard_elems, in.cpu_offload);
+  sharded.basis = "bound";
+  sharded.host_bytes += 4 * (in.unit_params[0] + largest_other);
+  est.construction.push_back(sharded);
   return est;
 }
 

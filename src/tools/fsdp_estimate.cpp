@@ -59,7 +59,10 @@ fp32 gradient shard (4 B) and AdamW's exp_avg and exp_avg_sq (8 B), on the host 
 and none at all for a shard group of one in fp32 without offload. Parameters, gradients
 and optimizer state equal the engine's counters ("exact"); gathered units and buffers
 are upper bounds ("bound"); activations are a formula (Korthikanti et al. 2022), not
-measured ("rough"). Exit status: 0, or 2 for bad input.
+measured ("rough"). The construction peaks come before gradients and optimizer state
+exist: eager (the model built in full on every rank, then fully_shard) holds every
+parameter in fp32 on the host; sharded (fsdp::make_sharded, train_gpt's default) the
+shards, plus the root unit and the largest other unit on the host. Exit status: 0, or 2 for bad input.
 )";
 
 cxxopts::Options make_options() {
@@ -224,12 +227,16 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) 
                       {"model_states_device_bytes", est.model_states_device()},
                       {"model_states_host_bytes", est.model_states_host()},
                       {"terms", nlohmann::json::array()}};
-  for (const auto& t : est.terms) {
-    j["terms"].push_back({{"key", t.key},
-                          {"label", t.label},
-                          {"basis", t.basis},
-                          {"device_bytes", t.device_bytes},
-                          {"host_bytes", t.host_bytes}});
+  for (const auto* list : {&est.terms, &est.construction}) {
+    auto& out = j[list == &est.terms ? "terms" : "construction"];
+    out = nlohmann::json::array();
+    for (const auto& t : *list) {
+      out.push_back({{"key", t.key},
+                     {"label", t.label},
+                     {"basis", t.basis},
+                     {"device_bytes", t.device_bytes},
+                     {"host_bytes", t.host_bytes}});
+    }
   }
   std::cout << j.dump(2) << std::endl;
 }
@@ -257,6 +264,11 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
   }
   std::printf("  %-34s %-6s %14s %14s\n", "total", "", human(est.device_total()).c_str(),
               human(est.host_total()).c_str());
+  std::printf("Peak while the model is built (before gradients and optimizer state):\n");
+  for (const auto& t : est.construction) {
+    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(),
+                human(t.device_bytes).c_str(), human(t.host_bytes).c_str());
+  }
   // DeepSpeed's layout (estimate_zero3_model_states_mem_needs), with this engine's
   // model states: 16 B per sharded element plus the gathered units. Host is per rank.
   std::printf("\nEstimated memory needed for params, optim states and gradients for a:\n");

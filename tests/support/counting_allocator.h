@@ -32,6 +32,9 @@ class CountingCpuAllocator : public at::Allocator {
 
   /// Bytes currently allocated through this allocator.
   int64_t live() const { return live_.load(); }
+  /// The most bytes allocated at once since the last reset_peak().
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_ = live_.load(); }
 
  private:
   at::DataPtr counted_allocate(size_t n) const {
@@ -40,7 +43,9 @@ class CountingCpuAllocator : public at::Allocator {
       std::lock_guard<std::mutex> g(mu_);
       sizes_[p] = n;
     }
-    live_ += static_cast<int64_t>(n);
+    const int64_t now = live_ += static_cast<int64_t>(n);
+    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {
+    }
     // data == context, as raw_allocate() callers require.
     return at::DataPtr(p, p, &CountingCpuAllocator::release, at::Device(at::kCPU));
   }
@@ -63,6 +68,7 @@ class CountingCpuAllocator : public at::Allocator {
   static inline CountingCpuAllocator* self_ = nullptr;
   at::Allocator* base_;
   mutable std::atomic<int64_t> live_{0};
+  mutable std::atomic<int64_t> peak_{0};
   mutable std::mutex mu_;
   mutable std::unordered_map<void*, size_t> sizes_;
 };
