@@ -141,6 +141,13 @@ void Runtime::pre_forward(Unit& u) {
     phase_ = Phase::kForward;  // a new iteration: its own step counters
     acct_.comm.step = CommStats();
   }
+  if (u.is_root() && phase_ != Phase::kBackward) {
+    // Slices a forward left for a backward that never came (Note [Post-forward slices])
+    // are not reused: an optimizer step may have come between.
+    for (auto& x : units_) {
+      if (x->state() == ShardedState::kSharded) x->reshard();
+    }
+  }
   if (!order_frozen_ &&
       std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
     forward_order_.push_back(&u);
@@ -158,7 +165,8 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
       t.register_hook([self, unit](const at::Tensor&) { self->pre_backward(*unit); });
     }
   }
-  if (reshard_after_forward(u)) u.reshard();
+  // A training forward keeps post-forward slices where configured (Note [Post-forward slices]).
+  if (reshard_after_forward(u)) u.reshard(/*keep_slice=*/at::GradMode::is_enabled());
   if (u.is_root() && !at::GradMode::is_enabled()) {
     // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
     // No copy from the host shards may still be in flight once it returns: the caller

@@ -62,10 +62,15 @@ void Unit::unshard() {
   state_ = ShardedState::kUnsharded;
 }
 
-void Unit::reshard() {
-  if (state_ == ShardedState::kSharded) return;
+void Unit::reshard(bool keep_slice) {
+  if (state_ == ShardedState::kSharded) {
+    if (!keep_slice) {
+      for (auto& f : flats_) f->release();  // drops post-forward slices
+    }
+    return;
+  }
   comm().wait_gathers(*this);
-  for (auto& f : flats_) f->release();
+  for (auto& f : flats_) f->release(keep_slice);
   state_ = ShardedState::kSharded;
 }
 

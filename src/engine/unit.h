@@ -56,8 +56,10 @@ class Unit {
   void start_gather();
   /// Ensures the full parameters are in place (waits for a prefetch if one is in flight).
   void unshard();
-  /// Frees the full parameters (waits for an in-flight gather first). Idempotent.
-  void reshard();
+  /// Frees the full parameters (waits for an in-flight gather first). Idempotent. With
+  /// `keep_slice` (after a training forward, with a reshard group) each flat parameter
+  /// keeps its post-forward slice (Note [Post-forward slices]); without, slices go too.
+  void reshard(bool keep_slice = false);
 
   /// Before backward: points the original parameters' .grad() into the gradient shards
   /// where gradients accumulate in place (GradBuffer::link()).

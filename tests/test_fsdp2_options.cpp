@@ -1,0 +1,199 @@
+// FSDP2's knobs, each against FULL_SHARD's results and the bytes it saves:
+// reshard_after_forward as a group size (ShardingOptions::reshard_after_forward_group_size,
+// ZeRO++ hpZ).
+#include "support/models.h"
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+#include "../src/comm/collective_trace.h"   // which group gathers ran on
+#include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+constexpr int64_t kRows = 8;
+
+/// Padded numels of the root's and of the other units' flat parameters.
+struct Padded {
+  int64_t all = 0;
+  int64_t non_root = 0;
+};
+
+Padded padded_of(const ShardedModel& m) {
+  Padded p;
+  for (const auto& f : fsdp::detail::flat_params(m)) {
+    p.all += f.padded_numel;
+    if (!f.unit_fqn.empty()) p.non_root += f.padded_numel;
+  }
+  return p;
+}
+
+/// The gradient shards, cloned.
+std::vector<torch::Tensor> grads_of(const ShardedModel& m) {
+  std::vector<torch::Tensor> g;
+  for (const auto& s : m.sharded_parameters()) g.push_back(s.grad().clone());
+  return g;
+}
+
+void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                  const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " " << i;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+// --- reshard_after_forward as a group size (hpZ) ---------------------------------------
+
+struct HpzCase {
+  torch::Dtype param_dtype;
+  const char* name;
+};
+void PrintTo(const HpzCase& c, std::ostream* os) { *os << c.name; }
+
+class ReshardAfterForwardGroupAtWorld4 : public ::testing::TestWithParam<HpzCase> {};
+
+// Five SGD steps with k = 2 and with plain FULL_SHARD: losses, gradient shards and
+// parameters equal bit for bit (backward gathers the bits forward computed with); each
+// step's gathers move the same bytes, of which the backward ones, 1/k of the shard group
+// in memory between forward and backward, cross only the 2-rank group.
+TEST_P(ReshardAfterForwardGroupAtWorld4, EqualsFullShardAndGathersBackwardWithinTheGroup) {
+  const HpzCase c = GetParam();
+  run_ranks(4, [c](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.mixed_precision.param_dtype = c.param_dtype;
+    torch::manual_seed(5);
+    auto full = fully_shard(MlpNet(), o);
+    o.reshard_after_forward_group_size = 2;
+    torch::manual_seed(5);
+    auto hpz = fully_shard(MlpNet(), o);
+    torch::optim::SGD opt_full(full.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_hpz(hpz.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    const Padded p = padded_of(hpz);
+    const int64_t es = c10::elementSize(c.param_dtype);
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = mlp_batch(step, kRows);
+      x = my_rows(x, pg);
+      y = my_rows(y, pg);
+      auto loss_full = torch::mse_loss(full(x).to(torch::kFloat), y);
+      auto loss_hpz = torch::mse_loss(hpz(x).to(torch::kFloat), y);
+      EXPECT_EQ(loss_full.item<float>(), loss_hpz.item<float>()) << "step " << step;
+
+      // Between forward and backward: the root gathered, every other unit a 1/2 slice.
+      const MemoryStats m = hpz.memory_stats();
+      int64_t root_padded = p.all - p.non_root;
+      EXPECT_EQ(m.gathered_params.current, es * root_padded);
+      EXPECT_EQ(m.post_forward_params.current, es * p.non_root / 2);
+      EXPECT_EQ(full.memory_stats().post_forward_params.current, 0);
+      EXPECT_EQ(full.memory_stats().gathered_params.current, es * root_padded);
+
+      loss_full.backward();
+      loss_hpz.backward();
+      EXPECT_EQ(hpz.memory_stats().post_forward_params.current, 0);
+      EXPECT_EQ(hpz.memory_stats().gathered_params.current, 0);
+      expect_equal(grads_of(full), grads_of(hpz), "gradient shard, step " + std::to_string(step));
+
+      const CommStats& cf = full.comm_stats().step;
+      const CommStats& ch = hpz.comm_stats().step;
+      // Forward gathers every unit over the world; backward gathers the non-root units,
+      // over the world under FULL_SHARD, over the 2-rank group with k = 2.
+      EXPECT_EQ(cf.all_gather_bytes, es * (p.all + p.non_root));
+      EXPECT_EQ(cf.reshard_group_all_gather_bytes, 0);
+      EXPECT_EQ(ch.all_gather_bytes, es * (p.all + p.non_root));
+      EXPECT_EQ(ch.reshard_group_all_gather_bytes, es * p.non_root);
+      EXPECT_EQ(ch.all_gather_calls, cf.all_gather_calls);
+      EXPECT_EQ(ch.reduce_scatter_bytes, cf.reduce_scatter_bytes);
+      if (pg.rank() == 0 && step == 0) {
+        std::cout << "[hpZ " << c.name << "] per step: all-gather bytes over the world "
+                  << cf.all_gather_bytes << " (FULL_SHARD) vs "
+                  << ch.all_gather_bytes - ch.reshard_group_all_gather_bytes << " (k=2), "
+                  << ch.reshard_group_all_gather_bytes
+                  << " within the 2-rank group; between forward and backward "
+                  << m.post_forward_params.current << " bytes of slices" << std::endl;
+      }
+      opt_full.step();
+      opt_hpz.step();
+      opt_full.zero_grad();
+      opt_hpz.zero_grad();
+    }
+    // The backward gathers ran on this rank's 2-rank group.
+    const std::string group = pg.rank() < 2 ? "on ranks [0, 1]" : "on ranks [2, 3]";
+    bool seen = false;
+    for (const auto& line : fsdp::detail::recent_collectives()) {
+      if (line.find(group) != std::string::npos && line.find("all_gather") != std::string::npos)
+        seen = true;
+    }
+    EXPECT_TRUE(seen) << "no all_gather on the 2-rank group in the trace";
+    expect_equal(full.sharded_parameters(), hpz.sharded_parameters(), "parameters");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ReshardAfterForwardGroupAtWorld4,
+                         ::testing::Values(HpzCase{torch::kFloat32, "fp32"},
+                                           HpzCase{torch::kBFloat16, "bf16"}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// A forward whose backward never comes leaves slices; the next forward drops them (an
+// optimizer step may have come between) and gathers over the world again.
+TEST(ReshardAfterForwardGroup, AForwardWithoutBackwardLeavesNoSliceForTheNext) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.reshard_after_forward_group_size = 2;
+    auto model = fully_shard(MlpNet(), o);
+    const Padded p = padded_of(model);
+    auto [x, y] = mlp_batch(0, kRows);
+    model(my_rows(x, pg));
+    EXPECT_EQ(model.memory_stats().post_forward_params.current, 4 * p.non_root / 2);
+    auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
+    EXPECT_EQ(model.memory_stats().post_forward_params.current, 4 * p.non_root / 2);
+    EXPECT_EQ(model.memory_stats().post_forward_params.peak, 4 * p.non_root / 2);
+    loss.backward();
+    EXPECT_EQ(model.memory_stats().post_forward_params.current, 0);
+    model(my_rows(x, pg));
+    model.reshard();
+    EXPECT_EQ(model.memory_stats().post_forward_params.current, 0);
+  });
+}
+
+TEST(ReshardAfterForwardGroup, ABadGroupSizeIsNamedWithTheFix) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    for (int k : {3, 4, 1, -2}) {
+      o.reshard_after_forward_group_size = k;
+      EXPECT_EQ(error_of([&] { fully_shard(MlpNet(), o); }),
+                "ShardingOptions::reshard_after_forward_group_size=" + std::to_string(k) +
+                    " must divide the shard group size 4 and lie strictly between 1 and 4 (e.g. "
+                    "the number of ranks per node); 0 reshards to the whole shard group");
+    }
+    o.reshard_after_forward_group_size = 2;
+    o.strategy = ShardingStrategy::kShardGradOp;
+    EXPECT_EQ(error_of([&] { fully_shard(MlpNet(), o); }),
+              "ShardingOptions::reshard_after_forward_group_size=2 needs a strategy that reshards "
+              "after forward (kFullShard or kHybridShard); kShardGradOp and kNoShard keep full "
+              "parameters into backward. Set it to 0, or use kFullShard");
+    // Within HYBRID_SHARD's groups of 2 there is no smaller group to reshard to.
+    o.strategy = ShardingStrategy::kHybridShard;
+    o.hybrid_group_size = 2;
+    EXPECT_EQ(error_of([&] { fully_shard(MlpNet(), o); }),
+              "ShardingOptions::reshard_after_forward_group_size=2 must divide the shard group "
+              "size 2 and lie strictly between 1 and 2 (e.g. the number of ranks per node); 0 "
+              "reshards to the whole shard group");
+  });
+}
+
+}  // namespace
