@@ -1,6 +1,7 @@
 // FSDP2's knobs, each against FULL_SHARD's results and the bytes it saves:
 // reshard_after_forward as a group size (ShardingOptions::reshard_after_forward_group_size,
-// ZeRO++ hpZ).
+// ZeRO++ hpZ), explicit prefetch lists (ShardedModel::set_forward_prefetch and
+// set_backward_prefetch).
 #include "support/models.h"
 #include "support/multirank.h"
 
@@ -8,7 +9,7 @@
 
 #include <string>
 #include <vector>
-#include "../src/comm/collective_trace.h"   // which group gathers ran on
+#include "../src/comm/collective_trace.h"   // the order gathers were issued in
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
@@ -194,6 +195,101 @@ TEST(ReshardAfterForwardGroup, ABadGroupSizeIsNamedWithTheFix) {
               "size 2 and lie strictly between 1 and 2 (e.g. the number of ranks per node); 0 "
               "reshards to the whole shard group");
   });
+}
+
+// --- explicit prefetch ---------------------------------------------------------------
+
+/// The units the last `n` all-gathers of this rank were for, oldest first.
+std::vector<std::string> last_gathers(size_t n) {
+  std::vector<std::string> units;
+  for (const auto& line : fsdp::detail::recent_collectives()) {
+    if (line.find(": all_gather for ") == std::string::npos) continue;
+    const auto from = line.find(" for ") + 5;
+    units.push_back(line.substr(from, line.find(", ", from) - from));
+  }
+  if (units.size() > n) units.erase(units.begin(), units.end() - static_cast<long>(n));
+  return units;
+}
+
+// With recorded-order prefetch off, "hidden.0" names "hidden.2" for forward and
+// "hidden.2" names "hidden.0" for backward: the gathers come in that order, and the
+// losses and gradients equal those of the same model without the lists.
+TEST(ExplicitPrefetch, ListedUnitsAreGatheredWhenTheUnitStartsAndResultsAreUnchanged) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.prefetch = false;
+    torch::manual_seed(3);
+    auto plain = fully_shard(MlpNet(), o);
+    torch::manual_seed(3);
+    auto listed = fully_shard(MlpNet(), o);
+    listed.set_forward_prefetch("hidden.0", {"hidden.2"});
+    listed.set_backward_prefetch("hidden.2", {"hidden.0"});
+    const std::vector<std::string> forward_plain = {"the root unit", "unit 'hidden.0'",
+                                                    "unit 'hidden.1'", "unit 'hidden.2'"};
+    const std::vector<std::string> forward_listed = {"the root unit", "unit 'hidden.0'",
+                                                     "unit 'hidden.2'", "unit 'hidden.1'"};
+    const std::vector<std::string> backward_plain = {"unit 'hidden.2'", "unit 'hidden.1'",
+                                                     "unit 'hidden.0'"};
+    const std::vector<std::string> backward_listed = {"unit 'hidden.2'", "unit 'hidden.0'",
+                                                      "unit 'hidden.1'"};
+    for (int step = 0; step < 2; ++step) {
+      auto [x, y] = mlp_batch(step, kRows);
+      auto loss_plain = torch::mse_loss(plain(my_rows(x, pg)), my_rows(y, pg));
+      EXPECT_EQ(last_gathers(4), forward_plain);
+      loss_plain.backward();
+      EXPECT_EQ(last_gathers(3), backward_plain);
+      auto loss_listed = torch::mse_loss(listed(my_rows(x, pg)), my_rows(y, pg));
+      EXPECT_EQ(last_gathers(4), forward_listed) << "step " << step;
+      loss_listed.backward();
+      EXPECT_EQ(last_gathers(3), backward_listed) << "step " << step;
+      EXPECT_EQ(loss_plain.item<float>(), loss_listed.item<float>());
+      expect_equal(grads_of(plain), grads_of(listed), "gradient shard");
+      EXPECT_EQ(plain.comm_stats().step.all_gather_bytes,
+                listed.comm_stats().step.all_gather_bytes);
+      for (auto* m : {&plain, &listed}) {
+        for (auto& s : m->sharded_parameters()) s.mutable_grad() = torch::Tensor();
+      }
+    }
+  });
+}
+
+// A list replaces the recorded order for its unit only: with prefetch on (bound 2), the
+// root's list {"hidden.2"} gathers "hidden.2" first, and "hidden.0" and "hidden.1" then
+// prefetch by the recorded order within the bound (without the list: 0, 1, 2).
+TEST(ExplicitPrefetch, AListReplacesTheRecordedOrderForItsUnitOnly) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    auto model = fully_shard(MlpNet(), o);
+    auto [x, y] = mlp_batch(0, kRows);
+    torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg)).backward();  // records the order
+    auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
+    EXPECT_EQ(last_gathers(4), (std::vector<std::string>{"the root unit", "unit 'hidden.0'",
+                                                         "unit 'hidden.1'", "unit 'hidden.2'"}));
+    loss.backward();
+    model.set_forward_prefetch("", {"hidden.2"});
+    loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
+    EXPECT_EQ(last_gathers(4), (std::vector<std::string>{"the root unit", "unit 'hidden.2'",
+                                                         "unit 'hidden.0'", "unit 'hidden.1'"}));
+    loss.backward();
+  });
+}
+
+TEST(ExplicitPrefetch, AnUnknownUnitIsNamedWithTheUnitsFqns) {
+  auto model = fully_shard(MlpNet());
+  const std::string units =
+      "; use one of the units' FQNs (clean names, '' for the root): '', "
+      "'hidden.0', 'hidden.1', 'hidden.2'";
+  EXPECT_EQ(error_of([&] { model.set_forward_prefetch("hidden.3", {"hidden.1"}); }),
+            "set_forward_prefetch: no unit is named 'hidden.3'" + units);
+  EXPECT_EQ(error_of([&] {
+              model.set_backward_prefetch("hidden.1", {"hidden.0", "out"});
+            }),
+            "set_backward_prefetch: no unit is named 'out'" + units);
+  // The module path with the wrap point's "module" segment is not a clean FQN.
+  EXPECT_EQ(error_of([&] { model.set_forward_prefetch("hidden.0.module", {}); }),
+            "set_forward_prefetch: no unit is named 'hidden.0.module'" + units);
 }
 
 }  // namespace

@@ -123,6 +123,28 @@ void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
 
 bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
 
+namespace {
+void set_prefetch(const ShardedModel& m, bool forward, const std::string& unit_fqn,
+                  const std::vector<std::string>& prefetch_fqns) {
+  auto& rt = runtime_of(m);
+  const char* what = forward ? "set_forward_prefetch" : "set_backward_prefetch";
+  const detail::Unit& u = rt.unit_named(unit_fqn, what);
+  std::vector<detail::Unit*> targets;
+  for (const auto& f : prefetch_fqns) targets.push_back(&rt.unit_named(f, what));
+  rt.set_prefetch(u, forward, std::move(targets));
+}
+}  // namespace
+
+void ShardedModel::set_forward_prefetch(const std::string& unit_fqn,
+                                        std::vector<std::string> prefetch_fqns) {
+  set_prefetch(*this, /*forward=*/true, unit_fqn, prefetch_fqns);
+}
+
+void ShardedModel::set_backward_prefetch(const std::string& unit_fqn,
+                                         std::vector<std::string> prefetch_fqns) {
+  set_prefetch(*this, /*forward=*/false, unit_fqn, prefetch_fqns);
+}
+
 Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq,
                                                 const ShardingOptions& options) {
   return fully_shard(detail::wrap_sequential_entries(seq), options);
