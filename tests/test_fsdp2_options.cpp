@@ -1,7 +1,7 @@
 // FSDP2's knobs, each against FULL_SHARD's results and the bytes it saves:
 // reshard_after_forward as a group size (ShardingOptions::reshard_after_forward_group_size,
 // ZeRO++ hpZ), explicit prefetch lists (ShardedModel::set_forward_prefetch and
-// set_backward_prefetch).
+// set_backward_prefetch) and ShardedModel::set_reshard_after_backward.
 #include "support/models.h"
 #include "support/multirank.h"
 
@@ -290,6 +290,71 @@ TEST(ExplicitPrefetch, AnUnknownUnitIsNamedWithTheUnitsFqns) {
   // The module path with the wrap point's "module" segment is not a clean FQN.
   EXPECT_EQ(error_of([&] { model.set_forward_prefetch("hidden.0.module", {}); }),
             "set_forward_prefetch: no unit is named 'hidden.0.module'" + units);
+}
+
+// --- set_reshard_after_backward --------------------------------------------------------
+
+// Two micro-batches of gradient accumulation: with reshard_after_backward off for the
+// first, every unit stays gathered after its backward and the second forward gathers
+// nothing: exactly the padded model (fp32) fewer all-gather bytes. Turned on for the
+// second, its backward frees everything. Gradients and the step equal the default's.
+TEST(ReshardAfterBackward, OffKeepsUnitsGatheredSoTheNextForwardGathersNothing) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    torch::manual_seed(9);
+    auto plain = fully_shard(MlpNet(), o);
+    torch::manual_seed(9);
+    auto kept = fully_shard(MlpNet(), o);
+    const Padded p = padded_of(kept);
+    torch::optim::SGD opt_plain(plain.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_kept(kept.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      int64_t gathered[2] = {0, 0};  // all-gather bytes of the second micro-batch
+      for (int micro = 0; micro < 2; ++micro) {
+        kept.set_reshard_after_backward(micro == 1);
+        auto [x, y] = mlp_batch(10 * step + micro, kRows);
+        torch::mse_loss(plain(my_rows(x, pg)), my_rows(y, pg)).backward();
+        torch::mse_loss(kept(my_rows(x, pg)), my_rows(y, pg)).backward();
+        EXPECT_EQ(plain.memory_stats().gathered_params.current, 0);
+        EXPECT_EQ(kept.memory_stats().gathered_params.current, micro == 0 ? 4 * p.all : 0);
+        gathered[0] = plain.comm_stats().step.all_gather_bytes;
+        gathered[1] = kept.comm_stats().step.all_gather_bytes;
+      }
+      EXPECT_EQ(gathered[0], 4 * (p.all + p.non_root));
+      EXPECT_EQ(gathered[1], 4 * p.non_root);
+      if (pg.rank() == 0 && step == 0) {
+        std::cout << "[reshard_after_backward] second micro-batch all-gather bytes: " << gathered[0]
+                  << " (default) vs " << gathered[1]
+                  << " (off for the first): " << gathered[0] - gathered[1] << " saved" << std::endl;
+      }
+      expect_equal(grads_of(plain), grads_of(kept), "accumulated gradient shard");
+      opt_plain.step();
+      opt_kept.step();
+      opt_plain.zero_grad();
+      opt_kept.zero_grad();
+    }
+    expect_equal(plain.sharded_parameters(), kept.sharded_parameters(), "parameters");
+  });
+}
+
+// Off, reshard() frees what backward kept.
+TEST(ReshardAfterBackward, ReshardFreesWhatBackwardKept) {
+  auto model = fully_shard(MlpNet());
+  model.set_reshard_after_backward(false);
+  auto [x, y] = mlp_batch(0, kRows);
+  torch::mse_loss(model(x), y).backward();
+  // World size 1 in fp32 aliases the shards (Note [Group of one]): nothing to free.
+  EXPECT_EQ(model.memory_stats().gathered_params.current, 0);
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  auto bf16 = fully_shard(MlpNet(), o);
+  bf16.set_reshard_after_backward(false);
+  torch::mse_loss(bf16(x).to(torch::kFloat), y).backward();
+  const int64_t all = padded_of(bf16).all;
+  EXPECT_EQ(bf16.memory_stats().gathered_params.current, 2 * all);
+  bf16.reshard();
+  EXPECT_EQ(bf16.memory_stats().gathered_params.current, 0);
 }
 
 }  // namespace

@@ -229,6 +229,12 @@ class ShardedModel {
   /// again reduces the sum once. Default true. NoSyncScope sets it for a scope.
   void set_requires_gradient_sync(bool requires_gradient_sync);
   bool requires_gradient_sync() const;
+  /// false (FSDP2's set_reshard_after_backward(False)): units stay gathered after
+  /// backward, so the next forward (gradient accumulation over micro-batches) gathers
+  /// nothing. Set true again before the last micro-batch's backward, which then frees
+  /// them; an optimizer step must not come while they are kept (reshard() frees them).
+  /// Default true.
+  void set_reshard_after_backward(bool reshard_after_backward);
   /// FSDP2's set_modules_to_forward_prefetch: when unit `unit_fqn` (clean FQN, "" for the
   /// root) starts its forward, gather the units `prefetch_fqns` name, instead of what the
   /// recorded order would prefetch (with no bound: ShardingOptions::max_gathered_units and

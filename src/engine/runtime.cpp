@@ -209,7 +209,8 @@ void Runtime::end_of_backward() {
   for (auto& u : units_) u->flush_grads();
   comm_->finish_backward();
   for (auto& u : units_) {
-    u->reshard();
+    // set_reshard_after_backward(false) keeps gathered units for the next forward.
+    if (u->reshard_after_backward || u->state() == ShardedState::kSharded) u->reshard();
     u->unlink_grads();
     u->grads_reduced = false;
   }
@@ -234,6 +235,10 @@ Unit& Runtime::unit_named(const std::string& fqn, const char* what) const {
 
 void Runtime::set_prefetch(const Unit& u, bool forward, std::vector<Unit*> targets) {
   explicit_prefetch_[forward ? 0 : 1][&u] = std::move(targets);
+}
+
+void Runtime::set_reshard_after_backward(bool on) {
+  for (auto& u : units_) u->reshard_after_backward = on;
 }
 
 std::vector<at::Tensor> Runtime::grad_shards() const {

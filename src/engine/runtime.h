@@ -84,6 +84,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   /// `targets` instead of the units the recorded order would prefetch. Replaces an
   /// earlier list for `u`.
   void set_prefetch(const Unit& u, bool forward, std::vector<Unit*> targets);
+  /// false: units stay gathered after backward, until a backward with true or reshard().
+  void set_reshard_after_backward(bool on);
   /// Host buffers the last asynchronous save staged into, kept for the next one
   /// (detail::checkpoint_staging_pool); they go with the model.
   std::map<std::string, at::Tensor>& staging_pool() { return staging_pool_; }

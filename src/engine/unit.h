@@ -77,6 +77,9 @@ class Unit {
   // Per-iteration flags, reset at the end of backward.
   bool grads_reduced = false;  ///< all trainable grads reduced in this backward
   bool keep_fp32 = false;      ///< excluded from mixed precision (MixedPrecision::keep_fp32_policy)
+  /// ShardedModel::set_reshard_after_backward: false keeps the full parameters gathered
+  /// after backward (its gradients reduced, or the end of backward).
+  bool reshard_after_backward = true;
 
  private:
   /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync).

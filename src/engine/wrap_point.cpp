@@ -123,6 +123,10 @@ void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
 
 bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
 
+void ShardedModel::set_reshard_after_backward(bool reshard_after_backward) {
+  runtime_of(*this).set_reshard_after_backward(reshard_after_backward);
+}
+
 namespace {
 void set_prefetch(const ShardedModel& m, bool forward, const std::string& unit_fqn,
                   const std::vector<std::string>& prefetch_fqns) {
