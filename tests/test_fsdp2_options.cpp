@@ -170,6 +170,50 @@ TEST(ReshardAfterForwardGroup, AForwardWithoutBackwardLeavesNoSliceForTheNext) {
   });
 }
 
+// Under HYBRID_SHARD (2 groups of 4 at world 8) the 2-rank groups lie inside each shard
+// group: results equal plain HYBRID_SHARD's, and so do the replicas' all-reduces.
+TEST(ReshardAfterForwardGroup, InsideHybridShardGroupsAtWorld8EqualsHybridShard) {
+  run_ranks(8, [](const ProcessGroup& pg) {
+    ShardingOptions o;
+    o.process_group = pg;
+    o.strategy = ShardingStrategy::kHybridShard;
+    o.hybrid_group_size = 4;
+    torch::manual_seed(7);
+    auto hybrid = fully_shard(MlpNet(), o);
+    o.reshard_after_forward_group_size = 2;
+    torch::manual_seed(7);
+    auto hpz = fully_shard(MlpNet(), o);
+    torch::optim::SGD opt_hybrid(hybrid.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_hpz(hpz.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    const Padded p = padded_of(hpz);
+    for (int step = 0; step < 2; ++step) {
+      auto [x, y] = mlp_batch(step, 16);
+      x = my_rows(x, pg);
+      y = my_rows(y, pg);
+      auto loss_hybrid = torch::mse_loss(hybrid(x), y);
+      auto loss_hpz = torch::mse_loss(hpz(x), y);
+      EXPECT_EQ(hpz.memory_stats().post_forward_params.current, 4 * p.non_root / 2);
+      EXPECT_EQ(loss_hybrid.item<float>(), loss_hpz.item<float>());
+      loss_hybrid.backward();
+      loss_hpz.backward();
+      expect_equal(grads_of(hybrid), grads_of(hpz), "gradient shard");
+      const CommStats& cf = hybrid.comm_stats().step;
+      const CommStats& ch = hpz.comm_stats().step;
+      EXPECT_EQ(ch.all_gather_bytes, 4 * (p.all + p.non_root));
+      EXPECT_EQ(ch.reshard_group_all_gather_bytes, 4 * p.non_root);
+      EXPECT_EQ(cf.reshard_group_all_gather_bytes, 0);
+      EXPECT_EQ(ch.all_gather_bytes, cf.all_gather_bytes);
+      EXPECT_EQ(ch.all_reduce_bytes, cf.all_reduce_bytes);
+      EXPECT_GT(ch.all_reduce_bytes, 0);
+      opt_hybrid.step();
+      opt_hpz.step();
+      opt_hybrid.zero_grad();
+      opt_hpz.zero_grad();
+    }
+    expect_equal(hybrid.sharded_parameters(), hpz.sharded_parameters(), "parameters");
+  });
+}
+
 TEST(ReshardAfterForwardGroup, ABadGroupSizeIsNamedWithTheFix) {
   run_ranks(4, [](const ProcessGroup& pg) {
     ShardingOptions o;
