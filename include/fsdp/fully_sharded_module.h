@@ -252,6 +252,21 @@ class ShardedModel {
   /// again reduces the sum once. Default true. NoSyncScope sets it for a scope.
   void set_requires_gradient_sync(bool requires_gradient_sync);
   bool requires_gradient_sync() const;
+  /// false (FSDP2's set_reshard_after_backward(False)): units stay gathered after
+  /// backward, so the next forward (gradient accumulation over micro-batches) gathers
+  /// nothing. Set true again before the last micro-batch's backward, which then frees
+  /// them; an optimizer step must not come while they are kept (reshard() frees them).
+  /// Default true.
+  void set_reshard_after_backward(bool reshard_after_backward);
+  /// FSDP2's set_modules_to_forward_prefetch: when unit `unit_fqn` (clean FQN, "" for the
+  /// root) starts its forward, gather the units `prefetch_fqns` name, instead of what the
+  /// recorded order would prefetch (with no bound: ShardingOptions::max_gathered_units and
+  /// prefetch do not apply). An empty list prefetches nothing from it. Replaces an earlier
+  /// list; an unknown FQN is an error listing the units'.
+  void set_forward_prefetch(const std::string& unit_fqn, std::vector<std::string> prefetch_fqns);
+  /// FSDP2's set_modules_to_backward_prefetch: as set_forward_prefetch, when unit
+  /// `unit_fqn` starts its backward.
+  void set_backward_prefetch(const std::string& unit_fqn, std::vector<std::string> prefetch_fqns);
 
   /// The sharded model as a torch module (its root wrap point): parameters(), train(),
   /// eval(), named_parameters(), ...

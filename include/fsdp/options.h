@@ -38,6 +38,14 @@ struct ShardingOptions {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   /// Group size for kHybridShard (ranks that share one full copy); 0 = whole world.
   int hybrid_group_size = 0;
+  /// FSDP2's reshard_after_forward=int (ZeRO++ hpZ). 0: as `strategy` says. k > 1: after
+  /// a training forward each non-root unit reshards to groups of k consecutive ranks
+  /// (e.g. the ranks of one node) instead of freeing everything: every rank keeps a 1/k
+  /// slice of the unit's full parameters in param_dtype (MemoryStats::post_forward_params),
+  /// and backward all-gathers from its k-rank group (CommStats::reshard_group_all_gather_bytes)
+  /// instead of the whole shard group. k must divide the shard group size and be smaller
+  /// than it; for kFullShard and kHybridShard only.
+  int reshard_after_forward_group_size = 0;
   /// The ranks to shard over; defaults to a single process.
   ProcessGroup process_group = ProcessGroup();
   /// Device on which gathered parameters live and compute runs.

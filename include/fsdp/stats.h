@@ -17,7 +17,10 @@ struct MemoryStats {
   MemoryCounter sharded_params;   ///< fp32 master shards (trainable and frozen)
   MemoryCounter grad_shards;      ///< fp32 gradient shards
   MemoryCounter gathered_params;  ///< full parameters of gathered units, in param_dtype
-  MemoryCounter comm_buffers;     ///< flat gradient buffers awaiting reduction, and staging
+  /// ShardingOptions::reshard_after_forward_group_size = k: each unit's 1/k slice of its
+  /// full parameters (param_dtype), kept from its training forward to its backward gather.
+  MemoryCounter post_forward_params;
+  MemoryCounter comm_buffers;  ///< flat gradient buffers awaiting reduction, and staging
   MemoryCounter
       checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
   /// cpu_offload: copies in transit. On the device, a shard in param_dtype before its
@@ -40,6 +43,9 @@ struct CommStats {
   int64_t reduce_scatter_bytes = 0;
   int64_t all_reduce_bytes = 0;
   int64_t broadcast_bytes = 0;
+  /// Of all_gather_bytes: gathers from the reshard_after_forward group (k ranks, e.g. one
+  /// node; ShardingOptions::reshard_after_forward_group_size) instead of the shard group.
+  int64_t reshard_group_all_gather_bytes = 0;
   int64_t all_gather_calls = 0;
   int64_t reduce_scatter_calls = 0;
   int64_t all_reduce_calls = 0;

@@ -41,6 +41,11 @@ struct Accounting {
       }
     }
   }
+  /// An all-gather from the reshard_after_forward group: counted as one, and apart.
+  void count_reshard_group_gather(int64_t bytes) {
+    count(Collective::kAllGather, bytes);
+    for (CommStats* s : {&comm.step, &comm.total}) s->reshard_group_all_gather_bytes += bytes;
+  }
   /// cpu_offload: a copy between the host shards and the device.
   void count_offload(bool to_device, int64_t bytes) {
     for (CommStats* s : {&comm.step, &comm.total})

@@ -114,6 +114,7 @@ std::shared_ptr<Work> FlatParam::gather() {
     Accounting::alloc(cfg_.acct->mem.gathered_params, full_bytes());
   }
   at::NoGradGuard no_grad;
+  if (slice_.defined()) return gather_slices();
   at::Tensor input = shard_.detach();
   // The optimizer's param_dtype copy, written in its update pass, saves the cast while
   // the shard has not changed since (its version counter says so).
@@ -169,10 +170,48 @@ void FlatParam::count_grad(bool grow) {
   counted_grad_bytes_ = now;
 }
 
-void FlatParam::release() {
-  if (alias_ || !full_allocated()) return;  // aliased: the buffer is the shard itself
+// Note [Post-forward slices]
+// With ShardingOptions::reshard_after_forward_group_size = k (FSDP2's
+// reshard_after_forward=int, ZeRO++ hpZ), a unit resharding after its training forward
+// keeps this rank's 1/k of the full buffer: k consecutive ranks of the shard group (one
+// node, typically) together hold the full parameters in param_dtype. Backward's gather
+// then runs over those k ranks only, out of the slices, with the bits forward computed
+// with, so the gradients equal FULL_SHARD's. The padded length is a multiple of the
+// shard group size, so of k. A slice lives from the forward's reshard to the backward
+// gather (or the next reshard without keep_slice: the end of backward, a new iteration's
+// forward, ShardedModel::reshard), so no optimizer step comes between.
+void FlatParam::release(bool keep_slice) {
+  if (alias_) return;  // aliased: the buffer is the shard itself
+  if (!keep_slice || !cfg_.reshard_group) drop_slice();
+  if (!full_allocated()) return;
+  if (keep_slice && cfg_.reshard_group && !slice_.defined()) {
+    const int64_t n = padded_ / cfg_.reshard_group->size();
+    slice_ = full_.detach().narrow(0, cfg_.reshard_group->rank() * n, n).clone();
+    Accounting::alloc(cfg_.acct->mem.post_forward_params, bytes_of(n, cfg_.param_dtype));
+  }
   free_storage(full_);
   Accounting::release(cfg_.acct->mem.gathered_params, full_bytes());
+}
+
+void FlatParam::drop_slice() {
+  if (!slice_.defined()) return;
+  Accounting::release(cfg_.acct->mem.post_forward_params,
+                      bytes_of(slice_.numel(), cfg_.param_dtype));
+  slice_ = at::Tensor();
+}
+
+std::shared_ptr<Work> FlatParam::gather_slices() {
+  // Note [Post-forward slices]: the full buffer's storage is already restored.
+  at::Tensor slice = std::move(slice_);
+  slice_ = at::Tensor();
+  cfg_.acct->count_reshard_group_gather(full_bytes());
+  CollectiveLabel label(this->label());
+  std::shared_ptr<Work> work = cfg_.reshard_group->all_gather(full_, slice);
+  Accounting* acct = cfg_.acct;
+  const int64_t bytes = bytes_of(slice.numel(), cfg_.param_dtype);
+  // The slice is freed with this function object, once the gather has run.
+  return std::make_shared<ThenWork>(
+      work, [acct, bytes, slice]() { Accounting::release(acct->mem.post_forward_params, bytes); });
 }
 
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {

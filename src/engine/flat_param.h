@@ -37,6 +37,9 @@ struct ParamSlot {
 struct FlatConfig {
   std::shared_ptr<Backend> shard_group;      ///< ranks the parameter is split over
   std::shared_ptr<Backend> replicate_group;  ///< ranks holding the same shard (hybrid, no-shard)
+  /// Groups of k consecutive ranks inside the shard group that units reshard to after a
+  /// training forward (ShardingOptions::reshard_after_forward_group_size); null: none.
+  std::shared_ptr<Backend> reshard_group;
   int world_size = 1;                        ///< gradients are averaged over this many ranks
   at::Device device = at::kCPU;              ///< where the shard and gathered params live
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
@@ -77,10 +80,16 @@ class FlatParam {
 
   /// Restores the full buffer's storage and issues the all-gather into it. The returned
   /// work holds the gather's staging buffer (the shard cast to param_dtype, or copied to
-  /// the device with offload) until it completes.
+  /// the device with offload) until it completes. With a post-forward slice (release
+  /// with keep_slice), gathers the slices of the reshard group instead, and drops the
+  /// slice once done.
   std::shared_ptr<Work> gather();
-  /// Frees the full buffer's storage; the parameter views stay, the bytes go.
-  void release();
+  /// Frees the full buffer's storage; the parameter views stay, the bytes go. With
+  /// `keep_slice` and a reshard group (Note [Post-forward slices]), first keeps this
+  /// rank's 1/k slice of the full buffer for backward's gather; otherwise drops any slice.
+  void release(bool keep_slice = false);
+  /// Whether a post-forward slice is held.
+  bool has_slice() const { return slice_.defined(); }
 
   /// Group of one in fp32 (Note [Group of one]): the full buffer is the shard itself.
   bool aliased() const { return alias_; }
@@ -115,6 +124,10 @@ class FlatParam {
   at::Tensor gather_like(const at::Tensor& shard_like) const;
 
  private:
+  /// Frees the post-forward slice, if any.
+  void drop_slice();
+  /// gather() out of the post-forward slices, over the reshard group.
+  std::shared_ptr<Work> gather_slices();
   /// Whether the full buffer currently has its storage (always, when aliased).
   bool full_allocated() const { return alias_ || full_.storage().nbytes() != 0; }
 
@@ -127,6 +140,7 @@ class FlatParam {
   at::Tensor shard_;         ///< fp32 leaf, shard_numel_ elements
   at::Tensor full_;          ///< param_dtype, padded_ elements; storage freed when sharded
   bool alias_ = false;       ///< group of one in fp32: full_ is the shard's own storage
+  at::Tensor slice_;         ///< post-forward slice: padded_/k elements of full_, param_dtype
   at::Tensor lowp_;          ///< optimizer-written param_dtype copy of the shard (copy_out_target)
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;

@@ -131,6 +131,19 @@ void validate(const ShardingOptions& o) {
                 "ShardingOptions::hybrid_group_size=", o.hybrid_group_size,
                 " must divide the world size ", world, " (e.g. the number of ranks per node)");
   }
+  if (const int k = o.reshard_after_forward_group_size; k != 0) {
+    const bool full = o.strategy == ShardingStrategy::kFullShard;
+    TORCH_CHECK(full || o.strategy == ShardingStrategy::kHybridShard,
+                "ShardingOptions::reshard_after_forward_group_size=", k,
+                " needs a strategy that reshards after forward (kFullShard or kHybridShard); "
+                "kShardGradOp and kNoShard keep full parameters into backward. Set it to 0, or "
+                "use kFullShard");
+    const int g = full || o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
+    TORCH_CHECK(k > 1 && k < g && g % k == 0,
+                "ShardingOptions::reshard_after_forward_group_size=", k,
+                " must divide the shard group size ", g, " and lie strictly between 1 and ", g,
+                " (e.g. the number of ranks per node); 0 reshards to the whole shard group");
+  }
   auto ok_dtype = [](at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };
@@ -284,6 +297,14 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
     }
     cfg.shard_group = GroupAccess::backend(world)->split(shard_groups);
     cfg.replicate_group = GroupAccess::backend(world)->split(rep_groups);
+  }
+  // Post-forward reshard groups (Note [Post-forward slices]): k consecutive ranks, which
+  // lie inside one shard group since k divides its size. Split after the groups above,
+  // in the same order on every rank.
+  if (const int k = options.reshard_after_forward_group_size; k > 0) {
+    std::vector<std::vector<int>> groups(world.size() / k);
+    for (int r = 0; r < world.size(); ++r) groups[r / k].push_back(r);
+    cfg.reshard_group = GroupAccess::backend(world)->split(groups);
   }
   return cfg;
 }

@@ -123,8 +123,17 @@ Unit* Runtime::neighbour(const Unit& u, int step) const {
 // nested inside each other must be gathered together: those needs are met regardless.
 // The root comes first in forward order, but its backward (the output layers) runs
 // first: from the root, backward prefetch starts at the last unit in forward order.
+// Explicit lists (set_prefetch) replace this for their unit: each unit listed is gathered
+// when the unit starts, whatever the bound, options_.prefetch or the recorded order say.
 void Runtime::prefetch_from(const Unit& u, int direction) {
-  if (!options_.prefetch) return;
+  const auto& lists = explicit_prefetch_[direction > 0 ? 0 : 1];
+  if (auto it = lists.find(&u); it != lists.end()) {
+    for (Unit* next : it->second) {
+      if (next->state() == ShardedState::kSharded && !next->grads_reduced) next->start_gather();
+    }
+    return;
+  }
+  if (!options_.prefetch || (direction > 0 && !order_frozen_)) return;
   const bool from_end = u.is_root() && direction < 0;
   for (int k = 1; gathered_non_root() < options_.max_gathered_units; ++k) {
     const long last = static_cast<long>(forward_order_.size()) - 1;
@@ -141,12 +150,19 @@ void Runtime::pre_forward(Unit& u) {
     phase_ = Phase::kForward;  // a new iteration: its own step counters
     acct_.comm.step = CommStats();
   }
+  if (u.is_root() && phase_ != Phase::kBackward) {
+    // Slices a forward left for a backward that never came (Note [Post-forward slices])
+    // are not reused: an optimizer step may have come between.
+    for (auto& x : units_) {
+      if (x->state() == ShardedState::kSharded) x->reshard();
+    }
+  }
   if (!order_frozen_ &&
       std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
     forward_order_.push_back(&u);
   }
   u.unshard();
-  if (order_frozen_) prefetch_from(u, +1);
+  prefetch_from(u, +1);
 }
 
 void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
@@ -158,7 +174,8 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
       t.register_hook([self, unit](const at::Tensor&) { self->pre_backward(*unit); });
     }
   }
-  if (reshard_after_forward(u)) u.reshard();
+  // A training forward keeps post-forward slices where configured (Note [Post-forward slices]).
+  if (reshard_after_forward(u)) u.reshard(/*keep_slice=*/at::GradMode::is_enabled());
   if (u.is_root() && !at::GradMode::is_enabled()) {
     // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
     // No copy from the host shards may still be in flight once it returns: the caller
@@ -192,7 +209,8 @@ void Runtime::end_of_backward() {
   for (auto& u : units_) u->flush_grads();
   comm_->finish_backward();
   for (auto& u : units_) {
-    u->reshard();
+    // set_reshard_after_backward(false) keeps gathered units for the next forward.
+    if (u->reshard_after_backward || u->state() == ShardedState::kSharded) u->reshard();
     u->unlink_grads();
     u->grads_reduced = false;
   }
@@ -202,6 +220,26 @@ void Runtime::end_of_backward() {
 }
 
 void Runtime::wait_transfers() { comm_->wait_transfers(); }
+
+Unit& Runtime::unit_named(const std::string& fqn, const char* what) const {
+  std::string names;
+  Unit* found = nullptr;
+  for (const auto& u : units_) {
+    if (u->fqn() == fqn) found = u.get();
+    names += (names.empty() ? "" : ", ") + ("'" + u->fqn() + "'");
+  }
+  TORCH_CHECK(found != nullptr, what, ": no unit is named '", fqn,
+              "'; use one of the units' FQNs (clean names, '' for the root): ", names);
+  return *found;
+}
+
+void Runtime::set_prefetch(const Unit& u, bool forward, std::vector<Unit*> targets) {
+  explicit_prefetch_[forward ? 0 : 1][&u] = std::move(targets);
+}
+
+void Runtime::set_reshard_after_backward(bool on) {
+  for (auto& u : units_) u->reshard_after_backward = on;
+}
 
 std::vector<at::Tensor> Runtime::grad_shards() const {
   std::vector<at::Tensor> out;

@@ -76,6 +76,16 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
   /// Non-root units not in the sharded state.
   int gathered_non_root() const;
+  /// The unit named `fqn` (clean FQN, "" for the root); an error listing the units'
+  /// FQNs otherwise. `what` names the caller in it.
+  Unit& unit_named(const std::string& fqn, const char* what) const;
+  /// Explicit prefetch (FSDP2's set_modules_to_forward_prefetch and
+  /// set_modules_to_backward_prefetch): when `u` starts its forward (or backward), gather
+  /// `targets` instead of the units the recorded order would prefetch. Replaces an
+  /// earlier list for `u`.
+  void set_prefetch(const Unit& u, bool forward, std::vector<Unit*> targets);
+  /// false: units stay gathered after backward, until a backward with true or reshard().
+  void set_reshard_after_backward(bool on);
   /// Host buffers the last asynchronous save staged into, kept for the next one
   /// (detail::checkpoint_staging_pool); they go with the model.
   std::map<std::string, at::Tensor>& staging_pool() { return staging_pool_; }
@@ -95,6 +105,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::vector<Unit*> forward_order_;  ///< first call of each unit, first iteration
   bool order_frozen_ = false;         ///< forward order recorded
   std::map<std::string, at::Tensor> staging_pool_;
+  /// set_prefetch(): [0] forward, [1] backward.
+  std::map<const Unit*, std::vector<Unit*>> explicit_prefetch_[2];
 };
 
 }  // namespace detail

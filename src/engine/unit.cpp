@@ -62,10 +62,15 @@ void Unit::unshard() {
   state_ = ShardedState::kUnsharded;
 }
 
-void Unit::reshard() {
-  if (state_ == ShardedState::kSharded) return;
+void Unit::reshard(bool keep_slice) {
+  if (state_ == ShardedState::kSharded) {
+    if (!keep_slice) {
+      for (auto& f : flats_) f->release();  // drops post-forward slices
+    }
+    return;
+  }
   comm().wait_gathers(*this);
-  for (auto& f : flats_) f->release();
+  for (auto& f : flats_) f->release(keep_slice);
   state_ = ShardedState::kSharded;
 }
 
@@ -101,7 +106,7 @@ void Unit::on_param_grad(size_t flat, size_t slot) {
   // Frozen parameters have no accumulator to tell us when backward is done with them:
   // an op computing an input gradient may still read them after the trainable ones
   // reported. Units holding frozen parameters therefore reshard at the end of backward.
-  if (!has_frozen()) reshard();
+  if (!has_frozen() && reshard_after_backward) reshard();
 }
 
 void Unit::flush_grads() {

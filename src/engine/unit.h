@@ -56,8 +56,10 @@ class Unit {
   void start_gather();
   /// Ensures the full parameters are in place (waits for a prefetch if one is in flight).
   void unshard();
-  /// Frees the full parameters (waits for an in-flight gather first). Idempotent.
-  void reshard();
+  /// Frees the full parameters (waits for an in-flight gather first). Idempotent. With
+  /// `keep_slice` (after a training forward, with a reshard group) each flat parameter
+  /// keeps its post-forward slice (Note [Post-forward slices]); without, slices go too.
+  void reshard(bool keep_slice = false);
 
   /// Before backward: points the original parameters' .grad() into the gradient shards
   /// where gradients accumulate in place (GradBuffer::link()).
@@ -75,6 +77,9 @@ class Unit {
   // Per-iteration flags, reset at the end of backward.
   bool grads_reduced = false;  ///< all trainable grads reduced in this backward
   bool keep_fp32 = false;      ///< excluded from mixed precision (MixedPrecision::keep_fp32_policy)
+  /// ShardedModel::set_reshard_after_backward: false keeps the full parameters gathered
+  /// after backward (its gradients reduced, or the end of backward).
+  bool reshard_after_backward = true;
 
  private:
   /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync).

@@ -98,8 +98,9 @@ MemoryStats ShardedModel::memory_stats() const {
 
 void ShardedModel::reset_peak_memory() {
   auto& m = runtime_of(*this).acct().mem;
-  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.comm_buffers,
-                           &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
+  for (MemoryCounter* c :
+       {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.post_forward_params,
+        &m.comm_buffers, &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
     c->peak = c->current;
   }
 }
@@ -125,6 +126,32 @@ void ShardedModel::set_requires_gradient_sync(bool requires_gradient_sync) {
 }
 
 bool ShardedModel::requires_gradient_sync() const { return !runtime_of(*this).no_sync(); }
+
+void ShardedModel::set_reshard_after_backward(bool reshard_after_backward) {
+  runtime_of(*this).set_reshard_after_backward(reshard_after_backward);
+}
+
+namespace {
+void set_prefetch(const ShardedModel& m, bool forward, const std::string& unit_fqn,
+                  const std::vector<std::string>& prefetch_fqns) {
+  auto& rt = runtime_of(m);
+  const char* what = forward ? "set_forward_prefetch" : "set_backward_prefetch";
+  const detail::Unit& u = rt.unit_named(unit_fqn, what);
+  std::vector<detail::Unit*> targets;
+  for (const auto& f : prefetch_fqns) targets.push_back(&rt.unit_named(f, what));
+  rt.set_prefetch(u, forward, std::move(targets));
+}
+}  // namespace
+
+void ShardedModel::set_forward_prefetch(const std::string& unit_fqn,
+                                        std::vector<std::string> prefetch_fqns) {
+  set_prefetch(*this, /*forward=*/true, unit_fqn, prefetch_fqns);
+}
+
+void ShardedModel::set_backward_prefetch(const std::string& unit_fqn,
+                                         std::vector<std::string> prefetch_fqns) {
+  set_prefetch(*this, /*forward=*/false, unit_fqn, prefetch_fqns);
+}
 
 Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq,
                                                 const ShardingOptions& options) {
