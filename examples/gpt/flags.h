@@ -30,9 +30,11 @@ struct TrainingFlags {
 
 /// How the model is sharded, and in which precision.
 struct ShardingFlags {
-  std::string precision;          ///< --precision: fp32|bf16|fp16
-  int loss_scale_power = 0;       ///< --loss-scale-power: fp16's loss scale starts at 2^N
-  fsdp::ShardingOptions options;  ///< all the flags say; the process group comes later
+  std::string precision;     ///< --precision: fp32|bf16|fp16
+  int loss_scale_power = 0;  ///< --loss-scale-power: fp16's loss scale starts at 2^N
+  std::string device;        ///< --device as given: cpu|cuda|cuda:N|auto
+  fsdp::ShardingOptions
+      options;  ///< all the flags say (device included); the process group comes later
 };
 
 /// Where checkpoints go and where the weights come from.

@@ -62,6 +62,11 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   const Config& cfg = flags.model;
   std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
             << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
+  const torch::Device device = flags.sharding.options.device;
+  std::cout << "train_gpt: device " << device.str() << " (--device " << flags.sharding.device
+            << "), collectives over " << (world > 1 ? fsdp::backend_for(device) : "none")
+            << (flags.sharding.options.cpu_offload ? ", shards offloaded to host memory" : "")
+            << "\n";
   if (data.synthetic()) {
     std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
               << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
