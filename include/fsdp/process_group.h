@@ -79,7 +79,9 @@ class ProcessGroup {
 ///   "cuda": cuda:(local_rank % torch::cuda::device_count()), local_rank from
 ///           read_launch_env() (LOCAL_RANK under torchrun and fsdp-run);
 ///   "cuda:N": that GPU;
-///   "auto" or "": "cuda" when a GPU is visible, else "cpu".
+///   "auto" or "": "cuda" when a GPU is visible for each of this node's ranks
+///           (LOCAL_WORLD_SIZE, 1 when unset, at most torch::cuda::device_count()), else
+///           "cpu" (NCCL refuses two ranks on one GPU).
 /// Throws a c10::Error naming `what` and the value, and the fix, when the value is
 /// unknown, when no GPU is visible, when GPU N does not exist, or when this library is
 /// built against a LibTorch without CUDA. `what` names the setting in messages (e.g.

@@ -5,6 +5,7 @@
 #include "comm/backend.h"
 
 #include <cctype>
+#include <cstdlib>
 #include <string>
 
 namespace fsdp {
@@ -37,8 +38,13 @@ void check_cuda_usable(const std::string& spec, const std::string& what) {
 torch::Device choose_device(const std::string& spec, const std::string& what) {
   if (spec == "cpu") return torch::kCPU;
   if (spec == "auto" || spec.empty()) {
-    if (detail::nccl_available() && torch::cuda::is_available()) return choose_device("cuda", what);
-    return torch::kCPU;
+    // The GPUs, when there is one for each of this node's ranks: NCCL refuses two ranks
+    // of a group on one GPU, so more ranks than GPUs train on the CPU (over Gloo).
+    if (!detail::nccl_available() || !torch::cuda::is_available()) return torch::kCPU;
+    const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
+    const int64_t ranks_here = local_world ? std::atoll(local_world) : 1;
+    if (ranks_here > static_cast<int64_t>(torch::cuda::device_count())) return torch::kCPU;
+    return choose_device("cuda", what);
   }
   if (spec == "cuda") {
     check_cuda_usable(spec, what);
