@@ -98,7 +98,8 @@ TEST(Device, AnUnknownValueExitsTwoNamingItAndTheChoices) {
 }
 
 // --device cuda where it cannot run exits 2 before any training, naming the value and the
-// fix: a LibTorch without CUDA, no GPU visible, or a GPU index past the last one.
+// fix: a LibTorch without CUDA, no GPU visible, a GPU index past the last one, or more
+// ranks on the machine than GPUs.
 TEST(Device, CudaThatCannotRunExitsTwoNamingTheValueAndTheFix) {
   const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
   const std::string past = "cuda:" + std::to_string(std::max<int64_t>(gpus, 7));
@@ -126,6 +127,16 @@ TEST(Device, CudaThatCannotRunExitsTwoNamingTheValueAndTheFix) {
     expect_usage_error({bin("train_gpt"), "--device", past},
                        "train_gpt: error: --device " + past + ": there is no GPU " +
                            std::to_string(std::max<int64_t>(gpus, 7)) + "; ");
+    // More ranks than GPUs: NCCL would refuse two ranks on one GPU, so --device cuda does.
+    const std::string ranks = std::to_string(gpus + 1);
+    auto r = run_command({bin("fsdp-run"), "--nproc", ranks, "--", bin("train_gpt"), "--device",
+                          "cuda", "--steps", "1"});
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(
+        r.output.find("train_gpt: error: --device cuda: " + ranks +
+                      " ranks run on this machine (LOCAL_WORLD_SIZE) but " + std::to_string(gpus)),
+        std::string::npos)
+        << r.output;
   }
   expect_usage_error({bin("generate"), "--weights", "/nonexistent/w.h5", "--prompt", "a",
                       "--max-new-tokens", "1", "--device", past},

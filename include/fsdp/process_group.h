@@ -77,7 +77,8 @@ class ProcessGroup {
 /// The device this process computes on, from a user's choice `spec`:
 ///   "cpu";
 ///   "cuda": cuda:(local_rank % torch::cuda::device_count()), local_rank from
-///           read_launch_env() (LOCAL_RANK under torchrun and fsdp-run);
+///           read_launch_env() (LOCAL_RANK under torchrun and fsdp-run); an error when
+///           LOCAL_WORLD_SIZE exceeds the GPUs (NCCL refuses two ranks on one GPU);
 ///   "cuda:N": that GPU;
 ///   "auto" or "": "cuda" when a GPU is visible for each of this node's ranks
 ///           (LOCAL_WORLD_SIZE, 1 when unset, at most torch::cuda::device_count()), else

@@ -33,6 +33,14 @@ void check_cuda_usable(const std::string& spec, const std::string& what) {
               what, " cpu");
 }
 
+// The ranks the launcher started on this machine (LOCAL_WORLD_SIZE: fsdp-run, torchrun),
+// 1 when it does not say.
+int64_t ranks_on_this_machine() {
+  const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
+  const int64_t n = local_world ? std::atoll(local_world) : 1;
+  return n > 0 ? n : 1;
+}
+
 }  // namespace
 
 torch::Device choose_device(const std::string& spec, const std::string& what) {
@@ -41,14 +49,19 @@ torch::Device choose_device(const std::string& spec, const std::string& what) {
     // The GPUs, when there is one for each of this node's ranks: NCCL refuses two ranks
     // of a group on one GPU, so more ranks than GPUs train on the CPU (over Gloo).
     if (!detail::nccl_available() || !torch::cuda::is_available()) return torch::kCPU;
-    const char* local_world = std::getenv("LOCAL_WORLD_SIZE");
-    const int64_t ranks_here = local_world ? std::atoll(local_world) : 1;
-    if (ranks_here > static_cast<int64_t>(torch::cuda::device_count())) return torch::kCPU;
+    if (ranks_on_this_machine() > static_cast<int64_t>(torch::cuda::device_count()))
+      return torch::kCPU;
     return choose_device("cuda", what);
   }
   if (spec == "cuda") {
     check_cuda_usable(spec, what);
     const int64_t n = static_cast<int64_t>(torch::cuda::device_count());
+    const int64_t ranks = ranks_on_this_machine();
+    TORCH_CHECK(ranks <= n, what, " ", spec, ": ", ranks,
+                " ranks run on this machine (LOCAL_WORLD_SIZE) but ", n,
+                n == 1 ? " GPU is" : " GPUs are",
+                " visible, and NCCL needs a GPU of its own for each rank; start at most ", n,
+                " ranks per machine (e.g. fsdp-run --nproc ", n, ") or use ", what, " cpu");
     const LaunchEnv env = read_launch_env();
     return {torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % n)};
   }
