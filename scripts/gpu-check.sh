@@ -2,7 +2,9 @@
 # The GPU check, in one command, on a GPU machine that has nothing but its own CUDA torch:
 # builds against the LibTorch of that machine's Python torch and runs the GPU checks
 # (tests/test_cuda.cpp: sharded GPT vs plain LibTorch on the GPU over NCCL, CPU offload
-# with pinned host shards, checkpoint round trip with the CUDA RNG), the CPU suites that
+# with pinned host shards, checkpoint round trip with the CUDA RNG, FusedAdamW's
+# at::_fused_adamw_ step; and every test named *_CUDA, e.g. tests/test_examples.cpp's
+# train_gpt --device cuda at world 1, and 2 where two GPUs are visible), the CPU suites that
 # must still pass there (Parity, FusedAdamW, Offload) and bench_gpu (tokens/s, peak
 # memory, MFU against plain LibTorch; JSON lines). Such machines are borrowed, offline
 # and short-lived, so the run is bounded (FSDP_GPU_CHECK_BUDGET, default 500 s, so that it
@@ -412,7 +414,7 @@ if run_phase configure 90 cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_
      "${PROJECT_ARGS[@]}" "${CUDA_ARGS[@]}" "${EXTRA[@]}"; then
   grep -m1 -E '^-- fsdp: LibTorch [0-9]' "$OUT/logs/configure.log" | sed 's/^-- /[gpu-check] /' || true
   grep -iE 'warning.*(hdf5|gloo)|HDF5 not found' -A2 "$OUT/logs/configure.log" | sed 's/^/    /' || true
-  read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_parity test_fused_adamw test_offload}"
+  read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload}"
   if cmake --build "$BUILD" --target help 2>/dev/null | grep -qw bench_gpu; then
     TARGETS+=(bench_gpu)
   else
@@ -434,7 +436,9 @@ ctest_phase() {  # ctest_phase NAME CAP ctest-args...
 }
 if [ "$BUILT" = 1 ]; then
   TESTS_OK=1
-  ctest_phase test-cuda 120 -R '^Cuda\.' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
+  # The GPU tests: suite Cuda (test_cuda.cpp) and every test named *_CUDA (test_examples'
+  # train_gpt --device cuda runs among them).
+  ctest_phase test-cuda 120 -R '^Cuda\.|_CUDA$' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
   # The GPU's figures before the CPU suites: the GPU is what such a machine is borrowed for.
   if [ -x "$BUILD/bin/bench_gpu" ]; then
     # Line-buffered, so a run stopped at its limit keeps the lines it printed.
@@ -445,7 +449,7 @@ if [ "$BUILT" = 1 ]; then
     grep -i 'no GPU' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] /' || true
   fi
   CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
-  ctest_phase test-cpu 150 -R "${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}" -E '^Cuda\.|_NOT_BUILT$' \
+  ctest_phase test-cpu 150 -R "${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' \
     -j"$CPU_J" || TESTS_OK=0
 else
   for p in test-cuda bench-gpu test-cpu; do note_phase "$p" skipped "the build did not complete"; done

@@ -1,4 +1,5 @@
-// GPU checks for a machine with CUDA LibTorch and a GPU; skipped elsewhere. One GPU
+// GPU checks for a machine with CUDA LibTorch and a GPU; skipped elsewhere. (The example
+// programs on the GPU: Cuda.*_CUDA in test_examples.cpp.) One GPU
 // allows one NCCL rank (NCCL refuses two ranks on one device), so these run at world 1
 // and compare with plain LibTorch on the same GPU.
 #include <fsdp/checkpoint.h>
@@ -8,6 +9,7 @@
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
+#include "../src/internal/optim_key.h"
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
@@ -118,6 +120,47 @@ TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
     for (size_t i = 0; i < saved.size(); ++i)
       EXPECT_TRUE(torch::equal(saved[i].second, loaded[i].second)) << saved[i].first;
   });
+}
+
+// FusedAdamW on CUDA parameters steps them with at::_fused_adamw_ (its default kernel
+// choice), like torch::optim::AdamW on the same GPU, its state AdamW's and on the GPU.
+TEST(Cuda, FusedAdamWOnTheGpuMatchesTorchAdamW_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> ref = {torch::randn({100003}, torch::kCUDA),
+                                    torch::randn({17}, torch::kCUDA)},
+                             got;
+  for (auto& t : ref) {
+    t.requires_grad_(true);
+    got.push_back(t.detach().clone().requires_grad_(true));
+  }
+  const auto o = torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95});
+  torch::optim::AdamW torch_opt(ref, o);
+  FusedAdamW fused(got, o);
+  EXPECT_EQ(fused.kernel(), FusedAdamW::Kernel::kAuto);
+  double worst = 0;
+  for (int step = 0; step < 20; ++step) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      auto g = torch::randn(ref[i].sizes(), torch::kCUDA);
+      ref[i].mutable_grad() = g.clone();
+      got[i].mutable_grad() = g.clone();
+    }
+    torch_opt.step();
+    fused.step();
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const auto d = ((got[i] - ref[i]).abs().max() / ref[i].abs().max()).item<double>();
+      worst = std::max(worst, d);
+    }
+  }
+  std::cout << "[ aten fused cuda ] max relative difference after 20 steps: " << worst << std::endl;
+  EXPECT_LE(worst, 1e-5);
+  for (auto& p : got) {
+    const auto& st = static_cast<const torch::optim::AdamWParamState&>(
+        *fused.state().at(fsdp::detail::optim_state_key(fused.state(), p)));
+    EXPECT_EQ(st.step(), 20);
+    EXPECT_TRUE(st.exp_avg().is_cuda());
+    EXPECT_TRUE(st.exp_avg_sq().is_cuda());
+  }
 }
 
 }  // namespace

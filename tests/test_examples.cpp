@@ -40,9 +40,13 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   return out;
 }
 
-// A small, fast configuration shared by the runs that are compared.
-std::vector<std::string> small_run(const std::string& log, int steps = 8) {
+// A small, fast configuration shared by the runs that are compared; on the CPU unless
+// `device` says otherwise (the losses compared bit for bit are the CPU's).
+std::vector<std::string> small_run(const std::string& log, int steps = 8,
+                                   const std::string& device = "cpu") {
   return {bin("train_gpt"),
+          "--device",
+          device,
           "--steps",
           std::to_string(steps),
           "--batch-size",
@@ -65,6 +69,136 @@ std::vector<double> losses(const std::string& log) {
   std::vector<double> out;
   for (const auto& j : read_jsonl(log)) out.push_back(j.at("loss").get<double>());
   return out;
+}
+
+// ---- --device (examples/common/device.h over fsdp::choose_device) ----------------------
+
+const std::string kNotADevice =
+    " is not a device; use cpu, cuda, cuda:N (N = a GPU's index, 0-based) or auto";
+
+void expect_usage_error(const std::vector<std::string>& cmd, const std::string& message) {
+  auto r = run_command(cmd);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(message), std::string::npos) << "expected: " << message << "\n"
+                                                       << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;  // no backtrace
+}
+
+// A value that names no device is refused by every example, naming it and the choices.
+TEST(Device, AnUnknownValueExitsTwoNamingItAndTheChoices) {
+  expect_usage_error({bin("train_gpt"), "--device", "tpu"},
+                     "train_gpt: error: --device tpu" + kNotADevice);
+  expect_usage_error({bin("train_gpt"), "--device", "cuda:-1"},
+                     "train_gpt: error: --device cuda:-1" + kNotADevice);
+  expect_usage_error({bin("train_mlp"), "--device", "gpu"},
+                     "train_mlp: error: --device gpu" + kNotADevice);
+  expect_usage_error({bin("generate"), "--weights", "/nonexistent/w.h5", "--prompt", "a",
+                      "--max-new-tokens", "1", "--device", "cuda:x"},
+                     "generate: error: --device cuda:x" + kNotADevice);
+}
+
+// --device cuda where it cannot run exits 2 before any training, naming the value and the
+// fix: a LibTorch without CUDA, no GPU visible, a GPU index past the last one, or more
+// ranks on the machine than GPUs.
+TEST(Device, CudaThatCannotRunExitsTwoNamingTheValueAndTheFix) {
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  const std::string past = "cuda:" + std::to_string(std::max<int64_t>(gpus, 7));
+  if (!FSDP_TEST_HAVE_CUDA) {
+    const std::string fix =
+        ": this fsdp-libtorch is built against a LibTorch without CUDA (a CPU-only build, e.g. "
+        "Debian's libtorch); rebuild it against a CUDA LibTorch (PyPI's torch, or pytorch.org's "
+        "CUDA LibTorch) or use --device cpu";
+    expect_usage_error({bin("train_gpt"), "--device", "cuda"},
+                       "train_gpt: error: --device cuda" + fix);
+    expect_usage_error({bin("train_mlp"), "--device", past},
+                       "train_mlp: error: --device " + past + fix);
+  } else if (gpus == 0) {
+    const std::string fix =
+        ": no CUDA device is visible (torch::cuda::device_count() = 0); run on a GPU machine "
+        "(check nvidia-smi and CUDA_VISIBLE_DEVICES) or use --device cpu";
+    expect_usage_error({bin("train_gpt"), "--device", "cuda"},
+                       "train_gpt: error: --device cuda" + fix);
+    expect_usage_error({bin("train_gpt"), "--device", past},
+                       "train_gpt: error: --device " + past + fix);
+    expect_usage_error({bin("train_mlp"), "--device", "cuda"},
+                       "train_mlp: error: --device cuda" + fix);
+  }
+  if (FSDP_TEST_HAVE_CUDA && gpus > 0) {
+    expect_usage_error({bin("train_gpt"), "--device", past},
+                       "train_gpt: error: --device " + past + ": there is no GPU " +
+                           std::to_string(std::max<int64_t>(gpus, 7)) + "; ");
+    // More ranks than GPUs: NCCL would refuse two ranks on one GPU, so --device cuda does.
+    const std::string ranks = std::to_string(gpus + 1);
+    auto r = run_command({bin("fsdp-run"), "--nproc", ranks, "--", bin("train_gpt"), "--device",
+                          "cuda", "--steps", "1"});
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(
+        r.output.find("train_gpt: error: --device cuda: " + ranks +
+                      " ranks run on this machine (LOCAL_WORLD_SIZE) but " + std::to_string(gpus)),
+        std::string::npos)
+        << r.output;
+  }
+  expect_usage_error({bin("generate"), "--weights", "/nonexistent/w.h5", "--prompt", "a",
+                      "--max-new-tokens", "1", "--device", past},
+                     "generate: error: --device " + past + ": ");
+}
+
+// --device cpu trains on the CPU whatever the machine has; the summary says so.
+TEST(Device, CpuIsHonouredAndNamedInTheSummary) {
+  auto log = temp_path("dcpu");
+  auto r = run_command(small_run(log, 2, "cpu"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train_gpt: device cpu (--device cpu), collectives over none"),
+            std::string::npos)
+      << r.output;
+  std::remove(log.c_str());
+}
+
+#define SKIP_WITHOUT_GPUS(n)                                               \
+  if (static_cast<int64_t>(torch::cuda::device_count()) < (n))             \
+  GTEST_SKIP() << "no CUDA device visible for this test (it needs " << (n) \
+               << ", torch::cuda::device_count() = "                       \
+               << static_cast<int>(torch::cuda::device_count())            \
+               << (FSDP_TEST_HAVE_CUDA ? "" : "; this LibTorch has no CUDA") << ")"
+
+// train_gpt --device cuda at world 1 trains (the loss falls) and follows the CPU's losses.
+TEST(Cuda, TrainGptOnTheGpuFollowsTheCpuLosses_CUDA) {
+  SKIP_WITHOUT_GPUS(1);
+  auto log_cpu = temp_path("gcpu"), log_gpu = temp_path("ggpu");
+  auto rc = run_command(small_run(log_cpu, 8, "cpu"));
+  ASSERT_EQ(rc.exit_code, 0) << rc.output;
+  auto rg = run_command(small_run(log_gpu, 8, "cuda"));
+  ASSERT_EQ(rg.exit_code, 0) << rg.output;
+  EXPECT_NE(rg.output.find("train_gpt: device cuda:0 (--device cuda)"), std::string::npos)
+      << rg.output;
+  auto c = losses(log_cpu), g = losses(log_gpu);
+  ASSERT_EQ(c.size(), 8u);
+  ASSERT_EQ(g.size(), 8u);
+  EXPECT_LT(g.back(), g.front());
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_NEAR(g[i], c[i], 1e-3 * c[i]) << "step " << i + 1;
+  std::remove(log_cpu.c_str());
+  std::remove(log_gpu.c_str());
+}
+
+// Two ranks on two GPUs under fsdp-run (NCCL) follow one rank on the CPU.
+TEST(Cuda, TrainGptOnTwoGpusUnderFsdpRunFollowsTheCpuLosses_CUDA) {
+  SKIP_WITHOUT_GPUS(2);
+  auto log_cpu = temp_path("g2cpu"), log_gpu = temp_path("g2gpu");
+  auto rc = run_command(small_run(log_cpu, 8, "cpu"));
+  ASSERT_EQ(rc.exit_code, 0) << rc.output;
+  std::vector<std::string> launch = {bin("fsdp-run"), "--nproc", "2", "--"};
+  auto args = small_run(log_gpu, 8, "cuda");
+  launch.insert(launch.end(), args.begin(), args.end());
+  auto rg = run_command(launch);
+  ASSERT_EQ(rg.exit_code, 0) << rg.output;
+  EXPECT_NE(rg.output.find("collectives over nccl"), std::string::npos) << rg.output;
+  auto c = losses(log_cpu), g = losses(log_gpu);
+  ASSERT_EQ(c.size(), 8u);
+  ASSERT_EQ(g.size(), 8u);
+  EXPECT_LT(g.back(), g.front());
+  for (size_t i = 0; i < c.size(); ++i) EXPECT_NEAR(g[i], c[i], 1e-3 * c[i]) << "step " << i + 1;
+  std::remove(log_cpu.c_str());
+  std::remove(log_gpu.c_str());
 }
 
 TEST(TrainGpt, WorldOneAndWorldThreeGiveTheSameLosses) {

@@ -13,6 +13,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <sstream>
 
 namespace fsdp {
 // Names the ISA in test listings (ctest shows it); found by argument-dependent lookup.
@@ -210,6 +212,138 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
         b2((std::istreambuf_iterator<char>(f2)), {});
     EXPECT_EQ(b1, b2) << "parameters and optimizer state must survive resharding exactly";
   });
+}
+
+// ---- ATen's fused kernel (at::_fused_adamw_), the one device shards step with ------------
+
+// Parameters and gradients for the kernel comparisons: sizes with tails, two groups with
+// different hyperparameters (decay in one), the same gradients for every optimizer.
+struct AtenCase {
+  std::vector<torch::Tensor> ref, got;
+  static std::vector<torch::optim::OptimizerParamGroup> groups(std::vector<torch::Tensor> ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(
+        std::vector<torch::Tensor>{ps[0], ps[1]},
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
+    g.emplace_back(
+        std::vector<torch::Tensor>{ps[2]},
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
+    return g;
+  }
+  AtenCase() {
+    torch::manual_seed(0);
+    ref = {torch::randn({100003}), torch::randn({17}), torch::randn({64, 33})};
+    for (auto& t : ref) {
+      t.requires_grad_(true);
+      got.push_back(t.detach().clone().requires_grad_(true));
+    }
+  }
+  void set_grads(int step) {
+    for (size_t i = 0; i < ref.size(); ++i) {
+      auto g = torch::randn(ref[i].sizes()) * (1.0 + step % 5);
+      ref[i].mutable_grad() = g.clone();
+      got[i].mutable_grad() = g.clone();
+    }
+  }
+};
+
+#define SKIP_WITHOUT_CPU_FUSED_ADAMW()                                                    \
+  if (!FusedAdamW::aten_kernel_available(torch::kCPU))                                    \
+  GTEST_SKIP() << "this LibTorch (" << TORCH_VERSION << ") has no CPU kernel of "         \
+               << "at::_fused_adamw_ (added in PyTorch 2.4); the CUDA one is checked by " \
+               << "Cuda.FusedAdamWOnTheGpuMatchesTorchAdamW_CUDA"
+
+// Kernel::kAten on the CPU: the kernel that steps device shards, against
+// torch::optim::AdamW over 20 steps, within 1e-6 relative (parameters and both moments),
+// with the same AdamWParamState (step counts included).
+TEST(FusedAdamWAten, CpuKernelMatchesTorchAdamWOverTwentySteps) {
+  SKIP_WITHOUT_CPU_FUSED_ADAMW();
+  AtenCase c;
+  torch::optim::AdamW torch_opt(AtenCase::groups(c.ref));
+  FusedAdamW fused(AtenCase::groups(c.got));
+  fused.set_kernel(FusedAdamW::Kernel::kAten);
+  double worst_param = 0, worst_moment = 0;
+  for (int step = 0; step < 20; ++step) {
+    c.set_grads(step);
+    torch_opt.step();
+    fused.step();
+    for (size_t i = 0; i < c.ref.size(); ++i) {
+      worst_param = std::max(worst_param, max_rel(c.got[i].detach(), c.ref[i].detach()));
+    }
+  }
+  for (size_t i = 0; i < c.ref.size(); ++i) {
+    const auto& a = static_cast<const torch::optim::AdamWParamState&>(
+        *fused.state().at(fsdp::detail::optim_state_key(fused.state(), c.got[i])));
+    const auto& b = static_cast<const torch::optim::AdamWParamState&>(
+        *torch_opt.state().at(fsdp::detail::optim_state_key(torch_opt.state(), c.ref[i])));
+    EXPECT_EQ(a.step(), b.step()) << "param " << i;
+    EXPECT_EQ(a.step(), 20) << "param " << i;
+    worst_moment = std::max(worst_moment, max_rel(a.exp_avg(), b.exp_avg()));
+    worst_moment = std::max(worst_moment, max_rel(a.exp_avg_sq(), b.exp_avg_sq()));
+  }
+  std::cout << "[ aten fused ] max relative difference after 20 steps: parameters " << worst_param
+            << ", moments " << worst_moment << std::endl;
+  EXPECT_LE(worst_param, 1e-6);
+  EXPECT_LE(worst_moment, 1e-6);
+  // The comparison can fail: a step with another learning rate moves the parameters apart.
+  c.set_grads(20);
+  torch_opt.step();
+  fused.param_groups()[0].options().set_lr(2e-2);
+  fused.step();
+  EXPECT_GT(max_rel(c.got[0].detach(), c.ref[0].detach()), 1e-6);
+}
+
+// The state either kernel leaves is AdamW's: an optimizer checkpoint written after
+// at::_fused_adamw_ steps loads into torch::optim::AdamW and into FusedAdamW's SIMD
+// kernel, and both continue like an AdamW that never stopped.
+TEST(FusedAdamWAten, StateLoadsIntoTorchAdamWAndTheSimdKernel) {
+  SKIP_WITHOUT_CPU_FUSED_ADAMW();
+  AtenCase c;
+  torch::optim::AdamW torch_opt(AtenCase::groups(c.ref));
+  FusedAdamW fused(AtenCase::groups(c.got));
+  fused.set_kernel(FusedAdamW::Kernel::kAten);
+  for (int step = 0; step < 5; ++step) {
+    c.set_grads(step);
+    torch_opt.step();
+    fused.step();
+  }
+  std::stringstream saved;
+  {
+    torch::serialize::OutputArchive archive;
+    fused.save(archive);
+    archive.save_to(saved);
+  }
+  // Two resumed copies of the parameters: one under torch's AdamW, one under the SIMD kernel.
+  std::vector<torch::Tensor> p_torch, p_simd;
+  for (auto& t : c.got) {
+    p_torch.push_back(t.detach().clone().requires_grad_(true));
+    p_simd.push_back(t.detach().clone().requires_grad_(true));
+  }
+  torch::optim::AdamW resumed_torch(AtenCase::groups(p_torch));
+  FusedAdamW resumed_simd(AtenCase::groups(p_simd));
+  for (torch::optim::Optimizer* o :
+       std::initializer_list<torch::optim::Optimizer*>{&resumed_torch, &resumed_simd}) {
+    torch::serialize::InputArchive archive;
+    std::stringstream copy(saved.str());
+    archive.load_from(copy);
+    o->load(archive);
+  }
+  for (int step = 5; step < 10; ++step) {
+    c.set_grads(step);
+    for (size_t i = 0; i < c.ref.size(); ++i) {
+      p_torch[i].mutable_grad() = c.ref[i].grad().clone();
+      p_simd[i].mutable_grad() = c.ref[i].grad().clone();
+    }
+    torch_opt.step();
+    resumed_torch.step();
+    resumed_simd.step();
+  }
+  for (size_t i = 0; i < c.ref.size(); ++i) {
+    EXPECT_LE(max_rel(p_torch[i].detach(), c.ref[i].detach()), 1e-6) << "param " << i;
+    EXPECT_LE(max_rel(p_simd[i].detach(), c.ref[i].detach()), 1e-6) << "param " << i;
+  }
 }
 
 }  // namespace

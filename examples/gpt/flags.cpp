@@ -1,6 +1,7 @@
 #include "flags.h"
 
 #include "../common/cli.h"
+#include "../common/device.h"
 #include "architecture.h"
 #include "config_file.h"
 #include "sharding_options.h"
@@ -69,6 +70,7 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("wrap", "block|size:N|none", value<std::string>("block"));
   flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
        value<std::string>("none"));
+  flag("device", examples::kDeviceHelp, value<std::string>("auto"));
   flag("cpu-offload",
        "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
   flag("construction",
@@ -270,6 +272,8 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
     throw UsageError("--construction " + construction + " is unknown; use sharded or eager");
   }
   s.sharded_construction = construction == "sharded";
+  s.device = r["device"].as<std::string>();
+  s.options.device = examples::parse_device_flag(s.device);
   return s;
 }
 

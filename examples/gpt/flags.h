@@ -32,7 +32,8 @@ struct TrainingFlags {
 struct ShardingFlags {
   std::string precision;             ///< --precision: fp32|bf16|fp16
   int loss_scale_power = 0;          ///< --loss-scale-power: fp16's loss scale starts at 2^N
-  fsdp::ShardingOptions options;     ///< all the flags say; the process group comes later
+  std::string device;                ///< --device as given: cpu|cuda|cuda:N|auto
+  fsdp::ShardingOptions options;     ///< all the flags say (device included); the group comes later
   bool sharded_construction = true;  ///< --construction sharded (make_sharded) or eager
 };
 

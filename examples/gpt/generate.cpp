@@ -1,7 +1,7 @@
 // generate: text from a consolidated GPT checkpoint, on one process, unsharded.
 //
 //   generate --weights FILE.h5 --prompt TEXT --max-new-tokens N
-//            [--greedy | --temperature T --top-k K --seed S]
+//            [--greedy | --temperature T --top-k K --seed S] [--device cpu|cuda|cuda:N|auto]
 //
 // The architecture comes from the file's root attributes (n_layer, n_head, d_model,
 // block_size, vocab_size), so no model flags are needed. Only the generated
@@ -9,6 +9,7 @@
 #include <fsdp/checkpoint.h>
 
 #include "../common/cli.h"
+#include "../common/device.h"
 #include "architecture.h"
 #include "gpt_model.h"
 
@@ -46,7 +47,9 @@ cxxopts::Options make_options() {
       "seed", "sampling seed (same seed, same text)",
       cxxopts::value<uint64_t>()->default_value("0"))(
       "threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
-      cxxopts::value<int>()->default_value("1"))("h,help", "show this help");
+      cxxopts::value<int>()->default_value("1"))(
+      "device", examples::kDeviceHelp, cxxopts::value<std::string>()->default_value("auto"))(
+      "h,help", "show this help");
   return o;
 }
 
@@ -69,11 +72,13 @@ struct Sampling {
 
 /// The byte after `tokens`, of which the last block_size are the model's context.
 int64_t next_token(gpt::GPT& model, const std::vector<int64_t>& tokens, int64_t block_size,
-                   const Sampling& how) {
+                   const Sampling& how, const torch::Device& device) {
   const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - block_size);
   auto ctx = torch::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), torch::kLong)
-                 .unsqueeze(0);
-  auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kFloat);
+                 .unsqueeze(0)
+                 .to(device);
+  // Picked on the host, where the --seed generator lives.
+  auto logits = model->forward(ctx).select(1, -1).squeeze(0).to(torch::kCPU, torch::kFloat);
   if (how.greedy) return logits.argmax().item<int64_t>();
   logits = logits / how.temperature;
   if (how.top_k > 0 && how.top_k < logits.size(0)) {
@@ -116,6 +121,7 @@ int run(int argc, char** argv) {
   // instead of 0.95 s on 2 cores: the pools spin against each other.
   at::set_num_threads(threads);
 
+  const torch::Device device = examples::parse_device_flag(r["device"].as<std::string>());
   const std::string file = r["weights"].as<std::string>();
   const gpt::Config cfg = read_architecture(file);
   if (top_k < 0 || top_k > cfg.vocab_size) {
@@ -124,6 +130,7 @@ int run(int argc, char** argv) {
   }
   gpt::GPT model(cfg);
   fsdp::load_consolidated(file, *model);
+  model->to(device);
   model->eval();
 
   torch::NoGradGuard no_grad;
@@ -132,7 +139,7 @@ int run(int argc, char** argv) {
   std::vector<int64_t> tokens;
   for (unsigned char c : prompt) tokens.push_back(c);
   for (int64_t i = 0; i < n_new; ++i) {
-    tokens.push_back(next_token(model, tokens, cfg.block_size, how));
+    tokens.push_back(next_token(model, tokens, cfg.block_size, how, device));
     std::cout.put(static_cast<char>(tokens.back()));
   }
   std::cout << std::flush;

@@ -2,6 +2,7 @@
 //
 //   build/bin/train_gpt --steps 200                      # one process
 //   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine
+//   build/bin/train_gpt --device cuda                    # on the GPU (NCCL between ranks)
 //
 // Without --data it learns a synthetic byte-level task generated from --seed: text from
 // a random Markov chain over 32 characters in which each character has two likely
@@ -14,6 +15,7 @@
 #include <fsdp/fsdp.h>
 
 #include "../common/cli.h"
+#include "../common/device.h"
 #include "checkpoints.h"
 #include "data.h"
 #include "flags.h"
@@ -61,16 +63,13 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
     lso.initial_scale_power = f.sharding.loss_scale_power;
     t.scaler.emplace(t.model, lso);
   }
-  // Shards in host memory (CPU training, or offload) step with the fused SIMD AdamW;
-  // shards on a GPU with LibTorch's. Under bf16 the fused step also writes each shard's
-  // bf16 copy, which the next gathers send instead of casting the shard again.
+  // fsdp::FusedAdamW steps shards in host memory (CPU training, or offload) with its SIMD
+  // kernels and shards on a GPU with ATen's fused kernel (at::_fused_adamw_). Under bf16
+  // the host step also writes each shard's bf16 copy, which the next gathers send instead
+  // of casting the shard again.
   const auto adamw =
       torch::optim::AdamWOptions(f.training.lr).weight_decay(f.training.weight_decay);
-  if (so.cpu_offload || so.device.is_cpu()) {
-    t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
-  } else {
-    t.opt = std::make_unique<torch::optim::AdamW>(t.model.sharded_parameters(), adamw);
-  }
+  t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
   return t;
 }
 
@@ -88,20 +87,21 @@ void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
 }
 
-/// This rank's rows of a batch that every rank holds whole.
-torch::Tensor my_rows(const torch::Tensor& rows, const fsdp::ProcessGroup& pg) {
+/// This rank's rows of a batch that every rank holds whole, on the compute device.
+torch::Tensor my_rows(const torch::Tensor& rows, const fsdp::ProcessGroup& pg,
+                      const torch::Device& device) {
   const int64_t n = rows.size(0) / pg.size();
-  return rows.narrow(0, pg.rank() * n, n);
+  return rows.narrow(0, pg.rank() * n, n).to(device);
 }
 
 /// One optimizer step on the global batch `global`, in --grad-accum micro-batches, each
 /// rank its rows of each. Returns the step's loss, the mean over ranks.
 double train_step(Training& t, const torch::Tensor& global, const TrainingFlags& f,
-                  const fsdp::ProcessGroup& pg) {
+                  const fsdp::ProcessGroup& pg, const torch::Device& device) {
   const int64_t accum = f.grad_accum, micro = f.batch_size / accum;
   double loss_sum = 0;
   for (int64_t m = 0; m < accum; ++m) {
-    auto mine = my_rows(global.narrow(0, m * micro, micro), pg);
+    auto mine = my_rows(global.narrow(0, m * micro, micro), pg, device);
     auto loss = loss_on(t.model, mine) / static_cast<double>(accum);
     (t.scaler ? t.scaler->scale(loss) : loss).backward();
     loss_sum += loss.item<double>();
@@ -117,7 +117,8 @@ double train_step(Training& t, const torch::Tensor& global, const TrainingFlags&
     t.opt->step();
   }
   t.opt->zero_grad();
-  auto l = torch::tensor({loss_sum}, torch::kDouble);
+  // On the compute device: NCCL reduces device tensors only.
+  auto l = torch::tensor({loss_sum}, torch::kDouble).to(device);
   pg.all_reduce_sum(l);
   return l.item<double>() / pg.size();
 }
@@ -126,12 +127,13 @@ double train_step(Training& t, const torch::Tensor& global, const TrainingFlags&
 /// rows, no gradients, dropout off; the mean over ranks and batches. Collective.
 double val_loss(Training& t, const Data& data, const Flags& f, const fsdp::ProcessGroup& pg) {
   constexpr int64_t kValBatches = 4;
+  const torch::Device device = f.sharding.options.device;
   torch::NoGradGuard no_grad;
   t.model->eval();
-  auto sum = torch::zeros({1}, torch::kDouble);
+  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(device));
   for (int64_t i = 0; i < kValBatches; ++i) {
     auto rows = data.val_batch(i, f.training.batch_size, f.model.block_size);
-    sum += loss_on(t.model, my_rows(rows, pg)).to(torch::kDouble).reshape({1});
+    sum += loss_on(t.model, my_rows(rows, pg, device)).to(torch::kDouble).reshape({1});
   }
   t.model->train();
   pg.all_reduce_sum(sum);
@@ -152,7 +154,8 @@ void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGro
     r.lr = lr_at(f.training, step);
     set_lr(*t.opt, r.lr);
     const auto start = std::chrono::steady_clock::now();
-    r.loss = train_step(t, data.batch(step, batch, block), f.training, pg);
+    r.loss =
+        train_step(t, data.batch(step, batch, block), f.training, pg, f.sharding.options.device);
     r.step_s = seconds_since(start);
     r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
     read_engine_stats(t.model, r);
@@ -169,7 +172,7 @@ int run(int argc, char** argv) {
   const Flags& f = *flags;
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);
   data.check(f.model.block_size);
-  const fsdp::ProcessGroup pg = fsdp::init_process_group();
+  const fsdp::ProcessGroup pg = examples::init_process_group_for(f.sharding.options.device);
   check_batch_for_world(f.training, pg.size());
   check_checkpoint_flags(f.checkpoint, f.training.steps);
   const bool main_rank = pg.rank() == 0;

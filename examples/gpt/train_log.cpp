@@ -71,6 +71,11 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   const Config& cfg = flags.model;
   std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
             << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
+  const torch::Device device = flags.sharding.options.device;
+  std::cout << "train_gpt: device " << device.str() << " (--device " << flags.sharding.device
+            << "), collectives over " << (world > 1 ? fsdp::backend_for(device) : "none")
+            << (flags.sharding.options.cpu_offload ? ", shards offloaded to host memory" : "")
+            << "\n";
   std::cout << "train_gpt: " << (flags.sharding.sharded_construction ? "sharded" : "eager")
             << " construction: the model is " << n_params * 4 / (1024 * 1024)
             << " MiB in fp32; peak RSS of rank 0 so far " << peak_rss_mib() << " MiB\n";

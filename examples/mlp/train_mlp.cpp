@@ -1,8 +1,11 @@
 // An MLP wrapped by hand: the model calls its blocks through wrap points.
-//   build/bin/fsdp-run --nproc 2 -- build/bin/train_mlp
+//   build/bin/fsdp-run --nproc 2 -- build/bin/train_mlp [--device cpu|cuda|cuda:N|auto]
 #include <fsdp/fsdp.h>
 
 #include "../common/cli.h"
+#include "../common/device.h"
+
+#include <cxxopts.hpp>
 
 #include <iostream>
 
@@ -23,18 +26,30 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-int run() {
+int run(int argc, char** argv) {
+  cxxopts::Options o("train_mlp", "Train a small MLP, its blocks wrapped by hand.");
+  o.add_options()("device", examples::kDeviceHelp,
+                  cxxopts::value<std::string>()->default_value("auto"))("h,help", "show this help");
+  const auto r = o.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << o.help() << std::endl;
+    return 0;
+  }
+  if (!r.unmatched().empty())
+    throw examples::UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
   fsdp::ShardingOptions opts;
-  opts.process_group = fsdp::init_process_group();
+  opts.device = examples::parse_device_flag(r["device"].as<std::string>());
+  opts.process_group = examples::init_process_group_for(opts.device);
   opts.auto_wrap_policy = fsdp::size_based_policy(10000);
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(Net(), opts);
-  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  // Host shards step with its SIMD kernels, device shards with ATen's fused kernel.
+  fsdp::FusedAdamW opt(model, torch::optim::AdamWOptions(1e-3));
   const int rank = opts.process_group.rank();
   auto gen = at::detail::createCPUGenerator(rank + 1);  // each rank its own data
-  auto target = torch::randn({256, 10}, at::detail::createCPUGenerator(42));
+  auto target = torch::randn({256, 10}, at::detail::createCPUGenerator(42)).to(opts.device);
   for (int step = 0; step < 100; ++step) {
-    auto x = torch::randn({16, 256}, gen);
+    auto x = torch::randn({16, 256}, gen).to(opts.device);
     auto loss = torch::mse_loss(model(x), x.matmul(target) * 0.05);
     loss.backward();
     fsdp::clip_grad_norm_(model, 1.0);
@@ -52,4 +67,6 @@ int run() {
   return 0;
 }
 
-int main() { return examples::program_main("train_mlp", run); }
+int main(int argc, char** argv) {
+  return examples::program_main("train_mlp", [&] { return run(argc, argv); });
+}

@@ -1,9 +1,14 @@
 #pragma once
-// Fused CPU AdamW: torch::optim::AdamW's arithmetic in one SIMD pass per parameter
-// (AVX-512, AVX2 or scalar, chosen at run time), threaded over LibTorch's intra-op pool.
+// Fused AdamW: torch::optim::AdamW's arithmetic, fused. Host (CPU) parameters, e.g. the
+// shards of CPU training or cpu_offload, take one SIMD pass per parameter (AVX-512, AVX2
+// or scalar, chosen at run time), threaded over LibTorch's intra-op pool. Parameters on a
+// device (CUDA shards) take ATen's fused multi-tensor kernel, at::_fused_adamw_ (the op
+// behind Python's torch.optim.AdamW(fused=True)), one launch per device and dtype of a
+// parameter group.
 //
 // It is a torch::optim::AdamW: same options (per-group lr, betas, eps, weight_decay),
-// same AdamWParamState, so checkpoints save, load and reshard its state like AdamW's.
+// same AdamWParamState (step, exp_avg, exp_avg_sq) whichever kernel steps a parameter,
+// so checkpoints save, load and reshard its state like AdamW's.
 // Optionally it writes a bf16 or fp16 copy of each updated parameter in the same pass
 // (set_copy_out), e.g. the input of the next all-gather. Parameters it updates get their
 // version counter bumped, as in-place torch ops do.
@@ -22,6 +27,10 @@ namespace fsdp {
 class FusedAdamW : public torch::optim::AdamW {
  public:
   enum class Isa { kAuto, kAvx512, kAvx2, kScalar };
+  /// Which kernel steps a parameter. kAuto: the SIMD kernels for CPU parameters,
+  /// at::_fused_adamw_ for the others. kAten: at::_fused_adamw_ for every parameter (on
+  /// the CPU that needs a LibTorch with its CPU kernel: aten_kernel_available).
+  enum class Kernel { kAuto, kAten };
 
   FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
              torch::optim::AdamWOptions defaults = {});
@@ -41,6 +50,13 @@ class FusedAdamW : public torch::optim::AdamW {
   void set_copy_out(const torch::Tensor& param, torch::Tensor out,
                     std::shared_ptr<std::atomic<int64_t>> written = nullptr);
 
+  /// Chooses the kernel of this optimizer's steps (default kAuto).
+  void set_kernel(Kernel kernel) { kernel_ = kernel; }
+  Kernel kernel() const { return kernel_; }
+  /// Whether this LibTorch has at::_fused_adamw_ for fp32 tensors on `device` (tried on
+  /// one element; CUDA needs a visible GPU, the CPU kernel is in LibTorch 2.4 and newer).
+  static bool aten_kernel_available(const torch::Device& device);
+
   /// Forces an instruction set for every FusedAdamW in the process (kAuto: the best the
   /// CPU has). Throws when the CPU lacks the one asked for. FSDP_ADAMW_ISA=avx512|avx2|
   /// scalar in the environment does the same at start-up.
@@ -53,7 +69,10 @@ class FusedAdamW : public torch::optim::AdamW {
  private:
   /// One parameter's update: its fp32 gradient, state and the kernels (and its copy-out).
   void step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa);
+  /// One group's parameters through at::_fused_adamw_, a launch per device and dtype.
+  void step_aten(const std::vector<torch::Tensor>& params, const torch::optim::AdamWOptions& o);
 
+  Kernel kernel_ = Kernel::kAuto;
   struct CopyOut {
     torch::Tensor out;
     std::shared_ptr<std::atomic<int64_t>> written;

@@ -74,6 +74,25 @@ class ProcessGroup {
   std::shared_ptr<BackendCore> impl_;
 };
 
+/// The device this process computes on, from a user's choice `spec`:
+///   "cpu";
+///   "cuda": cuda:(local_rank % torch::cuda::device_count()), local_rank from
+///           read_launch_env() (LOCAL_RANK under torchrun and fsdp-run); an error when
+///           LOCAL_WORLD_SIZE exceeds the GPUs (NCCL refuses two ranks on one GPU);
+///   "cuda:N": that GPU;
+///   "auto" or "": "cuda" when a GPU is visible for each of this node's ranks
+///           (LOCAL_WORLD_SIZE, 1 when unset, at most torch::cuda::device_count()), else
+///           "cpu" (NCCL refuses two ranks on one GPU).
+/// Throws a c10::Error naming `what` and the value, and the fix, when the value is
+/// unknown, when no GPU is visible, when GPU N does not exist, or when this library is
+/// built against a LibTorch without CUDA. `what` names the setting in messages (e.g.
+/// "--device": "--device cuda: no CUDA device is visible ...; ... or use --device cpu").
+torch::Device choose_device(const std::string& spec, const std::string& what = "device");
+
+/// The backend for a process group whose tensors live on `device`: "nccl" for CUDA,
+/// "gloo" otherwise (ProcessGroupOptions::backend).
+std::string backend_for(const torch::Device& device);
+
 /// Builds the global process group from the launch environment (see LaunchEnv) and
 /// waits until every rank has arrived. Errors name the missing ranks, a busy port or
 /// a bad variable, and say how to fix it.

@@ -6,11 +6,14 @@
 #include "internal/sharded_model.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/_fused_adamw.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <tuple>
 
 namespace fsdp {
 namespace {
@@ -171,11 +174,89 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
     TORCH_CHECK(!o.amsgrad(),
                 "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
+    std::vector<torch::Tensor> on_aten;  // device parameters (all of them under kAten)
     for (auto& p : group.params()) {
-      if (p.grad().defined()) step_param(p, o, isa);
+      if (!p.grad().defined()) continue;
+      if (kernel_ == Kernel::kAuto && p.is_cpu()) {
+        step_param(p, o, isa);
+      } else {
+        on_aten.push_back(p);
+      }
     }
+    if (!on_aten.empty()) step_aten(on_aten, o);
   }
   return loss;
+}
+
+// Device parameters: ATen's fused kernel over lists of tensors that share a device and a
+// dtype, as torch.optim.AdamW(fused=True) groups them. The state stays AdamW's (an int64
+// step, exp_avg and exp_avg_sq shaped like the parameter), so a checkpoint of it loads
+// into either kernel; the kernel reads each step from a float32 tensor on the device,
+// made from the state's steps in one copy per launch.
+void FusedAdamW::step_aten(const std::vector<torch::Tensor>& params,
+                           const torch::optim::AdamWOptions& o) {
+  using Key = std::tuple<int, int, int>;  // device type, device index, dtype
+  std::map<Key, std::vector<torch::Tensor>> buckets;
+  for (const auto& p : params) {
+    TORCH_CHECK(p.is_floating_point(), "FusedAdamW steps floating-point parameters; got ",
+                p.toString());
+    TORCH_CHECK(!p.grad().is_sparse(), "FusedAdamW does not support sparse gradients");
+    buckets[Key{static_cast<int>(p.device().type()), p.device().index(),
+                static_cast<int>(p.scalar_type())}]
+        .push_back(p);
+  }
+  for (auto& [key, ps] : buckets) {
+    std::vector<torch::Tensor> grads, exp_avgs, exp_avg_sqs;
+    std::vector<float> steps;
+    for (auto& p : ps) {
+      TORCH_CHECK(p.is_contiguous(), "FusedAdamW steps contiguous parameters; got ", p.toString(),
+                  " (not contiguous)");
+      torch::Tensor g = p.grad();
+      if (g.scalar_type() != p.scalar_type() || g.device() != p.device() || !g.is_contiguous())
+        g = g.to(p.options()).contiguous();
+      const auto state_key = detail::optim_state_key(state(), p);
+      auto it = state().find(state_key);
+      if (it == state().end()) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+        it = state().emplace(state_key, std::move(st)).first;
+      }
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      // State from elsewhere (a checkpoint read to the host, another dtype): moved once.
+      for (auto* t : {&st.exp_avg(), &st.exp_avg_sq()}) {
+        if (t->device() != p.device() || t->scalar_type() != p.scalar_type() || !t->is_contiguous())
+          *t = t->to(p.options()).contiguous();
+      }
+      st.step(st.step() + 1);
+      grads.push_back(g);
+      exp_avgs.push_back(st.exp_avg());
+      exp_avg_sqs.push_back(st.exp_avg_sq());
+      steps.push_back(static_cast<float>(st.step()));
+    }
+    const torch::Tensor step_values =
+        torch::tensor(steps, torch::kFloat).to(ps.front().device(), /*non_blocking=*/false);
+    std::vector<torch::Tensor> state_steps;
+    state_steps.reserve(ps.size());
+    for (int64_t i = 0; i < static_cast<int64_t>(ps.size()); ++i)
+      state_steps.push_back(step_values.select(0, i));
+    at::_fused_adamw_(ps, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, state_steps, o.lr(),
+                      std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
+                      /*amsgrad=*/false, /*maximize=*/false);
+  }
+}
+
+bool FusedAdamW::aten_kernel_available(const torch::Device& device) {
+  try {
+    const auto opts = torch::TensorOptions(torch::kFloat).device(device);
+    auto p = torch::ones({1}, opts), g = torch::ones({1}, opts);
+    auto m = torch::zeros({1}, opts), v = torch::zeros({1}, opts), s = torch::ones({}, opts);
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {s}, 1e-3, 0.9, 0.999, 0.0, 1e-8, false, false);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
 }
 
 void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa) {

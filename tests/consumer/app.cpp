@@ -3,7 +3,11 @@
 // a sharded checkpoint, loads it into a freshly built model and checks that it got back
 // exactly what it saved. Exit status 0 only when every check holds.
 //
-//   fsdp-run --nproc 2 -- ./consumer_app CHECKPOINT_DIR
+//   fsdp-run --nproc 2 -- ./consumer_app CHECKPOINT_DIR [--device cpu|cuda|cuda:N|auto]
+//
+// --device (fsdp::choose_device): auto, the default, is the GPU of LOCAL_RANK when each
+// rank of the machine has one, else the CPU; collectives go over NCCL on a GPU and Gloo
+// on the CPU.
 #include <fsdp/fsdp.h>
 
 #include <cstdlib>
@@ -53,13 +57,23 @@ void check(bool ok, const std::string& what, int rank) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: consumer_app CHECKPOINT_DIR (run it under fsdp-run)\n";
+  const bool device_given = argc == 4 && std::string(argv[2]) == "--device";
+  if (argc != 2 && !device_given) {
+    std::cerr << "usage: consumer_app CHECKPOINT_DIR [--device cpu|cuda|cuda:N|auto] (run it "
+                 "under fsdp-run)\n";
     return 2;
   }
   const std::string dir = argv[1];
   fsdp::ShardingOptions opts;
-  opts.process_group = fsdp::init_process_group();
+  try {
+    opts.device = fsdp::choose_device(device_given ? argv[3] : "auto", "--device");
+  } catch (const c10::Error& e) {
+    std::cerr << "consumer_app: error: " << e.what_without_backtrace() << std::endl;
+    return 2;
+  }
+  fsdp::ProcessGroupOptions pgo;
+  pgo.backend = fsdp::backend_for(opts.device);
+  opts.process_group = fsdp::init_process_group(pgo);
   opts.auto_wrap_policy = fsdp::module_type_policy<ResidualBlock>();
   const int rank = opts.process_group.rank();
 
@@ -67,7 +81,7 @@ int main(int argc, char** argv) {
   auto teacher = torch::randn({16, 4}, at::detail::createCPUGenerator(7));
   auto batch = [&](int64_t step) {
     auto x = torch::randn({32, 16}, at::detail::createCPUGenerator(1000 * step + rank));
-    return std::make_pair(x, x.matmul(teacher).argmax(1));
+    return std::make_pair(x.to(opts.device), x.matmul(teacher).argmax(1).to(opts.device));
   };
 
   torch::manual_seed(0);
@@ -127,9 +141,9 @@ int main(int argc, char** argv) {
   }
   if (rank == 0) {
     std::cout << "consumer: fsdp " << fsdp::version() << " (headers " << FSDP_VERSION_STRING
-              << "), " << opts.process_group.size() << " ranks, loss " << first << " -> " << last
-              << ", saved and loaded " << path << ": " << (failures == 0 ? "ok" : "FAILED")
-              << std::endl;
+              << "), " << opts.process_group.size() << " ranks on " << opts.device.str()
+              << ", loss " << first << " -> " << last << ", saved and loaded " << path << ": "
+              << (failures == 0 ? "ok" : "FAILED") << std::endl;
   }
   return failures == 0 ? 0 : 1;
 }
