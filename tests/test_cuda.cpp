@@ -17,9 +17,12 @@ using namespace fsdp::testing;
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()         \
-  if (!torch::cuda::is_available()) \
-  GTEST_SKIP() << "no CUDA device (this LibTorch or machine has none)"
+#define SKIP_WITHOUT_CUDA()                                                          \
+  if (!torch::cuda::is_available())                                                  \
+  GTEST_SKIP() << "no CUDA device visible (torch::cuda::device_count() = "           \
+               << torch::cuda::device_count()                                        \
+               << "; this LibTorch or machine has none); run on a GPU machine with " \
+                  "scripts/gpu-check.sh"
 
 ShardingOptions gpu_options(const ProcessGroup& pg) {
   ShardingOptions o;
@@ -28,7 +31,7 @@ ShardingOptions gpu_options(const ProcessGroup& pg) {
   return o;
 }
 
-TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu) {
+TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu_CUDA) {
   SKIP_WITHOUT_CUDA();
   run_ranks(1, [](const ProcessGroup& pg) {
     EXPECT_EQ(pg.backend_name(), "nccl");
@@ -57,7 +60,7 @@ TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu) {
   });
 }
 
-TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
+TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost_CUDA) {
   SKIP_WITHOUT_CUDA();
   run_ranks(1, [](const ProcessGroup& pg) {
     const auto cfg = small_gpt_config();
@@ -93,7 +96,7 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost) {
   });
 }
 
-TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng) {
+TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng_CUDA) {
   SKIP_WITHOUT_CUDA();
   char tmpl[] = "/tmp/fsdp_cuda_ckpt_XXXXXX";
   static const std::string dir =
