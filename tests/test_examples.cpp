@@ -509,6 +509,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--no-such-flag"}, "train_gpt: error: "},
         BadInput{{"--precision", "fp8"},
                  "train_gpt: error: --precision fp8 is unknown; use fp32, bf16 or fp16"},
+        BadInput{{"--construction", "lazy"},
+                 "train_gpt: error: --construction lazy is unknown; use sharded or eager"},
         BadInput{
             {"--precision", "fp16", "--loss-scale-power", "99"},
             "train_gpt: error: --loss-scale-power 99 must be between 0 and 60 (the default is 16)"},
