@@ -210,19 +210,34 @@ void wait_for_every_rank(c10d::Store& store, const std::string& tag, const Launc
   auto deadline = std::chrono::steady_clock::now() + as_duration(timeout_s);
   std::vector<int> missing;
   for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
+  auto listed = [](const std::vector<int>& ranks) {
+    std::ostringstream list;
+    for (size_t i = 0; i < ranks.size(); ++i) list << (i ? ", " : "") << ranks[i];
+    return list.str();
+  };
   while (true) {
     std::vector<int> still;
-    for (int r : missing) {
-      if (!store.check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
+    try {
+      for (int r : missing) {
+        if (!store.check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
+      }
+    } catch (const std::exception& ex) {
+      // Rank 0's process serves the store: when it gives up (or dies), the others learn it
+      // here, and say what they were still waiting for.
+      const std::string what = ex.what();
+      TORCH_CHECK(false, "rank ", e.rank, " lost the rendezvous at ", where,
+                  " while waiting for missing ranks: [", listed(missing),
+                  "]: rank 0, which serves it, stopped or cannot be reached (",
+                  what.substr(0, what.find('\n')),
+                  "). See rank 0's error; start every rank with the same MASTER_ADDR, "
+                  "MASTER_PORT and WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).");
     }
     missing.swap(still);
     if (missing.empty()) return;
     if (std::chrono::steady_clock::now() > deadline) {
-      std::ostringstream list;
-      for (size_t i = 0; i < missing.size(); ++i) list << (i ? ", " : "") << missing[i];
       TORCH_CHECK(false, "rendezvous at ", where, " timed out after ", timeout_s,
                   " s: ", missing.size(), " of ", e.world_size,
-                  " ranks never arrived; missing ranks: [", list.str(),
+                  " ranks never arrived; missing ranks: [", listed(missing),
                   "]. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
                   "WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).");
     }
