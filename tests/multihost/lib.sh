@@ -10,7 +10,7 @@ mh_cleanup() {
   for pid in "${MH_PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
   ip netns del "$H1" 2>/dev/null || true
   ip netns del "$H2" 2>/dev/null || true
-  [ -n "${OUT:-}" ] && rm -rf "$OUT"
+  [ -n "${OUT:-}" ] && [ -z "${MH_KEEP:-}" ] && rm -rf "$OUT"
 }
 
 mh_setup() {
