@@ -23,7 +23,7 @@ namespace fsdp::detail {
 // operation" — not for whom. Each Gloo group's rank keeps a listening TCP socket on the
 // address it advertises (nothing accepts: the kernel completes the handshakes) and
 // publishes its port with its address. A rank whose collective failed connects to each
-// peer's socket at once: a peer whose host does not answer within a second sits behind a
+// peer's socket at once: a peer whose host does not answer within half a second sits behind a
 // network that is down (or a host that is), a refused connection means its process is
 // gone, and a peer that answers is alive (it may itself be waiting).
 

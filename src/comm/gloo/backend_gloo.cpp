@@ -163,7 +163,7 @@ class GlooBackend : public Backend {
   }
 
   std::function<std::string()> peer_report() const override {
-    return [peers = peers_]() { return probe_peers(peers, std::chrono::milliseconds(1000)); };
+    return [peers = peers_]() { return probe_peers(peers, std::chrono::milliseconds(500)); };
   }
 
   int rank() const override { return init_.rank; }
