@@ -71,6 +71,9 @@ void add_sharding_flags(cxxopts::Options& o) {
        value<std::string>("none"));
   flag("cpu-offload",
        "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
+  flag("no-prefetch",
+       "gather each unit only when it runs, not while the one before it computes (to measure "
+       "how much communication prefetching hides)");
 }
 
 void add_checkpoint_flags(cxxopts::Options& o) {
@@ -260,6 +263,7 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
                                r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
                                r["activation-checkpointing"].as<std::string>());
   s.options.cpu_offload = r.count("cpu-offload") > 0;
+  s.options.prefetch = r.count("no-prefetch") == 0;
   return s;
 }
 
