@@ -6,8 +6,13 @@
 # sets H1 H2 (namespaces), L1 L2 (the link's two ends), A1 A2 (addresses), OUT (scratch).
 
 mh_cleanup() {
-  local pid
+  local pid h
   for pid in "${MH_PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  # What still runs inside the two hosts was started here (ranks, torchrun's agents):
+  # deleting a namespace does not end its processes.
+  for h in "$H1" "$H2"; do
+    for pid in $(ip netns pids "$h" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+  done
   ip netns del "$H1" 2>/dev/null || true
   ip netns del "$H2" 2>/dev/null || true
   [ -n "${OUT:-}" ] && [ -z "${MH_KEEP:-}" ] && rm -rf "$OUT"
