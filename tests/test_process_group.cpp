@@ -30,6 +30,7 @@ namespace {
 const char* kLaunchVars[] = {"RANK",
                              "WORLD_SIZE",
                              "LOCAL_RANK",
+                             "LOCAL_WORLD_SIZE",
                              "MASTER_ADDR",
                              "MASTER_PORT",
                              "SLURM_PROCID",
@@ -282,6 +283,26 @@ TEST(Rendezvous, PeersThatNeverArriveAreNamedAfterTheTimeout) {
                 " timed out after 1 s: 2 of 3 ranks never arrived; missing ranks: [1, 2]. Start "
                 "every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, or raise the "
                 "timeout (FSDP_TIMEOUT_S).");
+}
+
+// torchrun hands its workers rank 0's node name as MASTER_ADDR; where that resolves to
+// loopback, each host meets at its own: the timeout says so (LOCAL_WORLD_SIZE < WORLD_SIZE).
+TEST(Rendezvous, ALoopbackMasterForAJobThatSpansHostsIsNamedAfterTheTimeout) {
+  const std::string port = std::to_string(free_port());
+  ScopedLaunchEnv env({{"RANK", "0"},
+                       {"WORLD_SIZE", "3"},
+                       {"LOCAL_WORLD_SIZE", "1"},
+                       {"MASTER_ADDR", "localhost"},
+                       {"MASTER_PORT", port},
+                       {"FSDP_TIMEOUT_S", "1"}});
+  const std::string err = error_of([] { init_process_group(); });
+  EXPECT_NE(err.find("missing ranks: [1, 2]. "), std::string::npos) << err;
+  EXPECT_NE(err.find(" MASTER_ADDR=localhost is loopback but the job spans hosts "
+                     "(LOCAL_WORLD_SIZE=1, WORLD_SIZE=3): each host reaches only its own "
+                     "loopback. Set MASTER_ADDR to rank 0's host's address; under torchrun, pass "
+                     "--local-addr with each node's address (or --master-addr)."),
+            std::string::npos)
+      << err;
 }
 
 TEST(Rendezvous, AMissingMasterIsNamedAfterTheTimeout) {

@@ -78,6 +78,9 @@ void add_sharding_flags(cxxopts::Options& o) {
        "the whole model (fsdp::make_sharded); eager builds the whole model on every rank, then "
        "shards it (fsdp::fully_shard). Same weights either way",
        value<std::string>("sharded"));
+  flag("no-prefetch",
+       "gather each unit only when it runs, not while the one before it computes (to measure "
+       "how much communication prefetching hides)");
 }
 
 void add_checkpoint_flags(cxxopts::Options& o) {
@@ -274,6 +277,7 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.sharded_construction = construction == "sharded";
   s.device = r["device"].as<std::string>();
   s.options.device = examples::parse_device_flag(s.device);
+  s.options.prefetch = r.count("no-prefetch") == 0;
   return s;
 }
 

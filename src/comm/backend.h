@@ -77,6 +77,10 @@ class Backend : public BackendCore {
   virtual std::string name() const = 0;
   /// How long a collective waits for the other ranks before it fails.
   virtual double timeout_s() const { return 300.0; }
+  /// What a failed collective can say about this group's peers: called after the failure,
+  /// it returns the peers that do not answer (Note [Peer probe]); empty function when the
+  /// backend cannot tell.
+  virtual std::function<std::string()> peer_report() const { return {}; }
   /// full (size()*shard.numel()) <- every rank's shard, in rank order. Asynchronous.
   virtual std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) = 0;
   /// shard <- this rank's chunk of the sum of `full` over ranks. `full` may be clobbered.
@@ -100,7 +104,15 @@ struct BackendInit {
   std::chrono::milliseconds timeout{300000};
   std::string master_addr;  ///< used to pick the Gloo interface (loopback or not)
   int device_index = 0;     ///< CUDA device for NCCL
+  /// The job rank of each member, in group order (errors name job ranks); empty means
+  /// 0..size-1 (the world).
+  std::vector<int> global_ranks;
 };
+
+/// The job rank of `init`'s member `r`.
+inline int global_rank_of(const BackendInit& init, int r) {
+  return init.global_ranks.empty() ? r : init.global_ranks[static_cast<size_t>(r)];
+}
 
 std::shared_ptr<Backend> make_gloo_backend(const BackendInit& init);
 std::shared_ptr<Backend> make_nccl_backend(const BackendInit& init);

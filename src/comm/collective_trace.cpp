@@ -99,11 +99,19 @@ void copy_field(char* dst, size_t cap, const std::string& s) {
 }
 
 std::string failure_message(int global_rank, const std::string& group, int size, bool desync,
-                            const TraceEntry& e, const std::string& error) {
+                            const TraceEntry& e, const std::string& error,
+                            const std::function<std::string()>& peer_report) {
   std::ostringstream s;
   s << "rank " << global_rank << ": collective #" << e.seq << " on " << group << " (" << size
-    << " ranks), " << what_of(e.op, e.label, e.bytes, e.root) << ", did not complete: " << error
-    << "\nThis rank's recent collectives, oldest first:";
+    << " ranks), " << what_of(e.op, e.label, e.bytes, e.root) << ", did not complete: " << error;
+  if (peer_report) {  // Note [Peer probe]
+    const std::string silent = peer_report();
+    s << "\n"
+      << (silent.empty() ? "Every other rank of this group still answers a probe (one of them "
+                           "may itself be waiting for a rank elsewhere)."
+                         : "It waited for peers that do not answer: " + silent + ".");
+  }
+  s << "\nThis rank's recent collectives, oldest first:";
   for (const auto& line : recent_collectives()) s << "\n  " << line;
   if (!desync) {
     s << "\nIf another rank's list differs, the ranks are out of step (a unit called on some ranks "
@@ -141,7 +149,8 @@ class TracedBackend : public Backend {
       : inner_(std::move(inner)),
         global_rank_(global_rank),
         group_(std::move(group)),
-        desync_(desync) {}
+        desync_(desync),
+        peer_report_(inner_->peer_report()) {}
 
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
@@ -205,9 +214,9 @@ class TracedBackend : public Backend {
   template <class Issue>
   std::shared_ptr<Work> traced(const std::shared_ptr<TraceEntry>& e, Issue&& issue) {
     // By value: a Work may be waited for after its backend is gone.
-    auto fail = [rank = global_rank_, group = group_, size = size(), desync = desync_,
-                 e](const std::string& error) {
-      return failure_message(rank, group, size, desync, *e, error);
+    auto fail = [rank = global_rank_, group = group_, size = size(), desync = desync_, e,
+                 report = peer_report_](const std::string& error) {
+      return failure_message(rank, group, size, desync, *e, error, report);
     };
     std::shared_ptr<Work> w;
     try {
@@ -220,7 +229,7 @@ class TracedBackend : public Backend {
   }
 
   std::string failure(const TraceEntry& e, const std::string& error) const {
-    return failure_message(global_rank_, group_, size(), desync_, e, error);
+    return failure_message(global_rank_, group_, size(), desync_, e, error, peer_report_);
   }
 
   // Under FSDP_DEBUG=desync: every rank of the group learns every rank's next collective
@@ -283,6 +292,7 @@ class TracedBackend : public Backend {
   int global_rank_;
   std::string group_;
   bool desync_;
+  std::function<std::string()> peer_report_;  ///< Note [Peer probe]
   int64_t seq_ = 0;
 };
 

@@ -71,6 +71,8 @@ BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<
   sub.rank = static_cast<int>(std::find(mine.begin(), mine.end(), parent.rank) - mine.begin());
   sub_prefix = prefix + "/split" + std::to_string(count) + "/";
   for (int r : mine) sub_prefix += std::to_string(r) + ",";
+  sub.global_ranks.clear();
+  for (int r : mine) sub.global_ranks.push_back(global_rank_of(parent, r));
   return sub;
 }
 

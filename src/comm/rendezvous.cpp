@@ -200,6 +200,23 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& e, double timeout
   }
 }
 
+// A hint for a rendezvous that timed out: MASTER_ADDR on loopback while the job spans
+// hosts (LOCAL_WORLD_SIZE below WORLD_SIZE) means each host met at its own loopback.
+// torchrun hands its workers rank 0's node name as MASTER_ADDR; where that name resolves
+// to loopback, --local-addr (or --master-addr) gives a reachable one.
+std::string loopback_across_hosts(const LaunchEnv& e) {
+  const char* local = env("LOCAL_WORLD_SIZE");
+  const bool loopback =
+      e.master_addr == "localhost" || e.master_addr == "::1" || e.master_addr.rfind("127.", 0) == 0;
+  if (!loopback || local == nullptr || std::atoi(local) >= e.world_size) return "";
+  return " MASTER_ADDR=" + e.master_addr +
+         " is loopback but the job spans hosts (LOCAL_WORLD_SIZE=" + local +
+         ", WORLD_SIZE=" + std::to_string(e.world_size) +
+         "): each host reaches only its own loopback. Set MASTER_ADDR to rank 0's host's "
+         "address; under torchrun, pass --local-addr with each node's address (or "
+         "--master-addr).";
+}
+
 // Note [Rendezvous arrival]
 // Each rank announces itself under its own key and waits for all the others, so a
 // timeout can name exactly the ranks that never came (c10d's own waits cannot).
@@ -210,21 +227,38 @@ void wait_for_every_rank(c10d::Store& store, const std::string& tag, const Launc
   auto deadline = std::chrono::steady_clock::now() + as_duration(timeout_s);
   std::vector<int> missing;
   for (int r = 0; r < e.world_size; ++r) missing.push_back(r);
+  auto listed = [](const std::vector<int>& ranks) {
+    std::ostringstream list;
+    for (size_t i = 0; i < ranks.size(); ++i) list << (i ? ", " : "") << ranks[i];
+    return list.str();
+  };
   while (true) {
     std::vector<int> still;
-    for (int r : missing) {
-      if (!store.check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
+    try {
+      for (int r : missing) {
+        if (!store.check({tag + "arrived/" + std::to_string(r)})) still.push_back(r);
+      }
+    } catch (const std::exception& ex) {
+      // Rank 0's process serves the store: when it gives up (or dies), the others learn it
+      // here, and say what they were still waiting for.
+      const std::string what = ex.what();
+      TORCH_CHECK(false, "rank ", e.rank, " lost the rendezvous at ", where,
+                  " while waiting for missing ranks: [", listed(missing),
+                  "]: rank 0, which serves it, stopped or cannot be reached (",
+                  what.substr(0, what.find('\n')),
+                  "). See rank 0's error; start every rank with the same MASTER_ADDR, "
+                  "MASTER_PORT and WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).",
+                  loopback_across_hosts(e));
     }
     missing.swap(still);
     if (missing.empty()) return;
     if (std::chrono::steady_clock::now() > deadline) {
-      std::ostringstream list;
-      for (size_t i = 0; i < missing.size(); ++i) list << (i ? ", " : "") << missing[i];
       TORCH_CHECK(false, "rendezvous at ", where, " timed out after ", timeout_s,
                   " s: ", missing.size(), " of ", e.world_size,
-                  " ranks never arrived; missing ranks: [", list.str(),
+                  " ranks never arrived; missing ranks: [", listed(missing),
                   "]. Start every rank with the same MASTER_ADDR, MASTER_PORT and "
-                  "WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).");
+                  "WORLD_SIZE, or raise the timeout (FSDP_TIMEOUT_S).",
+                  loopback_across_hosts(e));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

@@ -13,14 +13,18 @@
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <sstream>
 
 namespace fsdp::detail {
 
@@ -61,6 +65,141 @@ std::string local_address_toward(const std::string& host, const std::string& wha
   }
   TORCH_CHECK(false, "no route from this host reaches ", what, "=", host, " (", last_error, ")",
               fix);
+}
+
+// Note [Peer probe]
+namespace {
+
+// `address`:`port` as a socket address; false when `address` is not numeric.
+bool socket_address(const std::string& address, int port, sockaddr_storage& out, socklen_t& len) {
+  out = {};
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&out);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&out);
+  if (::inet_pton(AF_INET, address.c_str(), &v4->sin_addr) == 1) {
+    v4->sin_family = AF_INET;
+    v4->sin_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(sockaddr_in);
+    return true;
+  }
+  if (::inet_pton(AF_INET6, address.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    v6->sin6_port = htons(static_cast<uint16_t>(port));
+    len = sizeof(sockaddr_in6);
+    return true;
+  }
+  return false;
+}
+
+// Why a probe's connect failed, in words.
+std::string unreachable(int err) {
+  if (err == ECONNREFUSED) return "its host refuses the connection: its process is gone";
+  const std::string why = std::string("cannot be reached (") + std::strerror(err) + ")";
+  if (err == ENETUNREACH || err == EHOSTUNREACH) return why + ": the network to it is down";
+  return why;
+}
+
+}  // namespace
+
+ProbeListener::ProbeListener(const std::string& address) {
+  sockaddr_storage sa{};
+  socklen_t len = 0;
+  if (!socket_address(address, 0, sa, len)) return;
+  fd_ = ::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) return;
+  sockaddr_storage bound{};
+  socklen_t blen = sizeof(bound);
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) != 0 || ::listen(fd_, 128) != 0 ||
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&bound), &blen) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+    return;
+  }
+  port_ = ntohs(bound.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
+                                           : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+}
+
+ProbeListener::~ProbeListener() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string probe_peers(const std::vector<ProbePeer>& peers, std::chrono::milliseconds wait) {
+  struct Try {
+    const ProbePeer* peer = nullptr;
+    int fd = -1;
+    std::string result;  ///< empty: answered
+  };
+  std::vector<Try> tries;
+  for (const auto& p : peers) {
+    Try t;
+    t.peer = &p;
+    sockaddr_storage sa{};
+    socklen_t len = 0;
+    if (p.port <= 0 || !socket_address(p.address, p.port, sa, len)) {
+      t.result = "not probed (it advertised no probe port)";
+    } else if ((t.fd = ::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0)) < 0) {
+      t.result = std::string("not probed (") + std::strerror(errno) + ")";
+    } else if (::connect(t.fd, reinterpret_cast<sockaddr*>(&sa), len) != 0 &&
+               errno != EINPROGRESS) {
+      t.result = unreachable(errno);
+    } else {
+      t.result = "pending";
+    }
+    tries.push_back(std::move(t));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  while (true) {
+    std::vector<pollfd> fds;
+    std::vector<Try*> who;
+    for (auto& t : tries) {
+      if (t.result == "pending") {
+        fds.push_back({t.fd, POLLOUT, 0});
+        who.push_back(&t);
+      }
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (fds.empty() || left.count() <= 0) break;
+    if (::poll(fds.data(), fds.size(), static_cast<int>(left.count())) < 0 && errno != EINTR) break;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      int err = 0;
+      socklen_t elen = sizeof(err);
+      ::getsockopt(fds[i].fd, SOL_SOCKET, SO_ERROR, &err, &elen);
+      who[i]->result = err == 0 ? "" : unreachable(err);
+    }
+  }
+  std::ostringstream out;
+  bool first = true;
+  for (auto& t : tries) {
+    if (t.fd >= 0) ::close(t.fd);
+    if (t.result == "pending") {
+      t.result = "no answer from its host within " + std::to_string(wait.count()) +
+                 " ms: the network to it is down, or its host is";
+    }
+    if (t.result.empty()) continue;
+    out << (first ? "" : "; ") << "rank " << t.peer->rank << " on " << t.peer->address << ": "
+        << t.result;
+    first = false;
+  }
+  return out.str();
+}
+
+std::string interface_address(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = list; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET || name != a->ifa_name) {
+      continue;
+    }
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, text,
+                    sizeof(text)) != nullptr) {
+      found = text;
+    }
+  }
+  ::freeifaddrs(list);
+  return found;
 }
 
 }  // namespace fsdp::detail

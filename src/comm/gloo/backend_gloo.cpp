@@ -6,6 +6,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cstdlib>
+#include <future>
+#include <sstream>
+#include <thread>
 
 namespace fsdp::detail {
 namespace {
@@ -33,40 +36,134 @@ bool gloo_reduces(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt || t == at::kLong;
 }
 
+// Note [Gloo connection deadline]
+// Gloo's connectFullMesh waits for each peer's address, then connects to each peer,
+// retrying refused connects, each wait bounded by the timeout on its own: a rank whose
+// peers cannot be reached gave up only after several timeouts (about 5x FSDP_TIMEOUT_S
+// with four ranks). The connection set-up runs on a helper thread and the rank waits for
+// it at most the timeout, then fails naming the peers it was connecting to and the
+// address each advertised (keys "<prefix>/addr/<rank>", written before connecting). A
+// helper left behind ends with Gloo's own retries, or with the process.
+using GlooGroup = c10::intrusive_ptr<c10d::ProcessGroupGloo>;
+
+GlooGroup connect_within(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                         const c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>& opts,
+                         std::chrono::milliseconds timeout) {
+  auto done = std::make_shared<std::promise<GlooGroup>>();
+  std::future<GlooGroup> result = done->get_future();
+  std::thread([done, store, rank, size, opts]() {
+    try {
+      done->set_value(c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts));
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (result.wait_for(timeout) == std::future_status::timeout) return GlooGroup();
+  return result.get();  // rethrows Gloo's own failure
+}
+
+// "rank 2 on 10.9.0.2, rank 3 on 10.9.0.2" for every peer of `init`'s member, from the
+// addresses the ranks advertised in `store` ("advertised no address" for a rank that never
+// wrote one); when the store no longer answers (rank 0, which serves it, has stopped),
+// just the ranks.
+std::string peers_and_addresses(c10d::Store& store, const BackendInit& init) {
+  std::ostringstream s;
+  std::ostringstream ranks;
+  bool first = true;
+  bool store_lost = false;
+  for (int r = 0; r < init.size; ++r) {
+    if (r == init.rank) continue;
+    std::string addr = "(advertised no address)";
+    if (!store_lost) {
+      try {
+        const std::string key = "addr/" + std::to_string(r);
+        if (store.check({key})) {
+          auto v = store.get(key);
+          addr = "on " + std::string(v.begin(), v.end());
+        }
+      } catch (const std::exception&) {
+        store_lost = true;
+      }
+    }
+    s << (first ? "" : ", ") << "rank " << global_rank_of(init, r) << " " << addr;
+    ranks << (first ? "" : ", ") << global_rank_of(init, r);
+    first = false;
+  }
+  if (store_lost) {
+    return "ranks " + ranks.str() +
+           " (their addresses are unknown: the rendezvous store, served by rank 0, no longer "
+           "answers; see rank 0's error)";
+  }
+  return s.str();
+}
+
 class GlooBackend : public Backend {
  public:
   GlooBackend(const BackendInit& init, std::string prefix)
       : init_(init), prefix_(std::move(prefix)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(init.timeout);
-    std::string bound;  // which address the ranks' sockets use, and why (for errors)
+    std::string bound;       // which address the ranks' sockets use, and why (for errors)
+    std::string advertised;  // the address alone, for the peers' errors
     const char* iface = std::getenv("GLOO_SOCKET_IFNAME");
     if (iface != nullptr && *iface != '\0') {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
       bound = std::string("interface ") + iface + " (GLOO_SOCKET_IFNAME)";
+      advertised = std::string("interface ") + iface;
     } else if (init.master_addr == "127.0.0.1" || init.master_addr == "localhost" ||
                init.master_addr == "::1") {
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
       bound = "127.0.0.1 (MASTER_ADDR=" + init.master_addr + " is loopback)";
+      advertised = "127.0.0.1";
     } else {
       // Note [Gloo's interface]: the address that reaches the rendezvous host, not the
       // one this host's name resolves to (127.0.1.1 on Debian).
       const std::string local = local_address_toward(init.master_addr, "MASTER_ADDR");
       opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(local));
       bound = local + " (the address that reaches MASTER_ADDR=" + init.master_addr + ")";
+      advertised = local;
     }
     opts->threads = 2;
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix_, init.store);
+    const std::string fix =
+        "Ranks on several hosts must advertise an address their peers can reach: set "
+        "GLOO_SOCKET_IFNAME to the interface that links the hosts (e.g. eth0) on every rank, "
+        "or check that every host reaches MASTER_ADDR.";
+    const std::string who = "rank " + std::to_string(global_rank_of(init, init.rank));
+    store->set("addr/" + std::to_string(init.rank),
+               std::vector<uint8_t>(advertised.begin(), advertised.end()));
+    // Note [Peer probe]: a socket on the advertised address, for peers to probe.
+    const std::string numeric =
+        iface != nullptr && *iface != '\0' ? interface_address(iface) : advertised;
+    probe_ = std::make_shared<ProbeListener>(numeric);
+    const std::string probe = numeric + " " + std::to_string(probe_->port());
+    store->set("probe/" + std::to_string(init.rank),
+               std::vector<uint8_t>(probe.begin(), probe.end()));
     try {
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, init.rank, init.size, opts);
+      pg_ = connect_within(store, init.rank, init.size, opts, init.timeout);
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
-      TORCH_CHECK(false, "rank ", init.rank,
-                  " could not connect to the other ranks over Gloo from ", bound, ": ",
-                  what.substr(0, what.find('\n')),
-                  ". Ranks on several hosts must advertise an address their peers can reach: "
-                  "set GLOO_SOCKET_IFNAME to the interface that links the hosts (e.g. eth0) on "
-                  "every rank, or check that every host reaches MASTER_ADDR.");
+      TORCH_CHECK(false, who, " could not connect to the other ranks over Gloo from ", bound, ": ",
+                  what.substr(0, what.find('\n')), ". ", fix);
     }
+    // Note [Gloo connection deadline]
+    TORCH_CHECK(pg_, who, " could not connect to the other ranks over Gloo from ", bound,
+                " within ", timeout_s(), " s (FSDP_TIMEOUT_S): it was connecting to ",
+                peers_and_addresses(*store, init), ". ", fix,
+                " A slow network may need a larger FSDP_TIMEOUT_S.");
+    // Every peer wrote its probe key before connecting, so all are there now.
+    for (int r = 0; r < init.size; ++r) {
+      if (r == init.rank) continue;
+      ProbePeer p;
+      p.rank = global_rank_of(init, r);
+      auto v = store->get("probe/" + std::to_string(r));
+      std::istringstream text(std::string(v.begin(), v.end()));
+      text >> p.address >> p.port;
+      peers_.push_back(p);
+    }
+  }
+
+  std::function<std::string()> peer_report() const override {
+    return [peers = peers_]() { return probe_peers(peers, std::chrono::milliseconds(500)); };
   }
 
   int rank() const override { return init_.rank; }
@@ -134,6 +231,8 @@ class GlooBackend : public Backend {
   std::string prefix_;
   int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::shared_ptr<ProbeListener> probe_;  ///< Note [Peer probe]
+  std::vector<ProbePeer> peers_;          ///< this group's other ranks, to probe
 };
 
 }  // namespace
