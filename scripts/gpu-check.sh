@@ -14,7 +14,9 @@
 #                                    (OUT_DIR default: gpu-check-out/ in the current folder)
 #
 # OUT_DIR/results.json  phases (ok, failed, timeout, skipped; seconds), each test's result
-#                       (from ctest --output-junit), bench_gpu's metrics, torch, CUDA, GPU
+#                       (from ctest --output-junit), bench_gpu's metrics, PyTorch FSDP2's on
+#                       the same GPT and GPU (tests/interop/fsdp2_bench.py) with ours over
+#                       theirs (tokens/s fp32 and bf16, peak memory, MFU), torch, CUDA, GPU
 #                       (nvidia-smi), the bundle's manifest
 # OUT_DIR/gpu-check.log this output; OUT_DIR/logs/PHASE.log each phase's full output
 #
@@ -67,7 +69,7 @@ fi
 
 OUT="$(realpath -m "${OUT:-gpu-check-out}")"
 mkdir -p "$OUT/logs" || fail "cannot make the output folder $OUT"
-rm -f "$OUT"/logs/*.log "$OUT"/results.json "$OUT"/junit-*.xml "$OUT"/bench_gpu.txt "$OUT"/phases.tsv "$OUT"/env.json
+rm -f "$OUT"/logs/*.log "$OUT"/results.json "$OUT"/junit-*.xml "$OUT"/bench_gpu.txt "$OUT"/fsdp2.txt "$OUT"/phases.tsv "$OUT"/env.json
 LOG="$OUT/gpu-check.log"
 exec > >(tee "$LOG") 2>&1
 TEE_PID=$!
@@ -227,6 +229,26 @@ for line in (read(os.path.join(out, "bench_gpu.txt")) or "").splitlines():
         bench["note"] = line.strip()
 if read(os.path.join(out, "bench_gpu.txt")) is None:
     bench = None
+# PyTorch FSDP2 on the same GPT, batch, optimizer and GPU (tests/interop/fsdp2_bench.py),
+# and this library's figures over FSDP2's: tokens/s (fp32, bf16), peak memory, MFU.
+fsdp2 = None
+if read(os.path.join(out, "fsdp2.txt")) is not None:
+    fsdp2 = {"output": "fsdp2.txt", "metrics": []}
+    for line in read(os.path.join(out, "fsdp2.txt")).splitlines():
+        if line.startswith("{"):
+            try:
+                fsdp2["metrics"].append(json.loads(line))
+            except ValueError:
+                pass
+    ours = {m["metric"]: m["value"] for m in (bench or {}).get("metrics", [])}
+    theirs = {m["metric"]: m["value"] for m in fsdp2["metrics"]}
+    fsdp2["ours_over_fsdp2"] = {
+        name: ours[a] / theirs[b]
+        for name, a, b in (("tokens_per_s_fp32", "gpu_tokens_per_s", "fsdp2_tokens_per_s"),
+                           ("tokens_per_s_bf16", "gpu_bf16_tokens_per_s", "fsdp2_bf16_tokens_per_s"),
+                           ("peak_memory_fp32", "gpu_peak_memory_bytes", "fsdp2_peak_memory_bytes"),
+                           ("mfu_bf16", "gpu_mfu", "fsdp2_bf16_mfu"))
+        if a in ours and b in theirs and theirs[b]}
 configure = read(os.path.join(out, "logs", "configure.log")) or ""
 summary = [l[3:] for l in configure.splitlines() if l.startswith("-- fsdp: LibTorch")]
 osr = dict(l.split("=", 1) for l in (read("/etc/os-release") or "").splitlines() if "=" in l)
@@ -245,6 +267,7 @@ r = {
     "phases": phases,
     "tests": {"cuda": junit("test-cuda"), "cpu": junit("test-cpu")},
     "bench_gpu": bench,
+    "fsdp2": fsdp2,
     "bundle": json.loads(read(manifest)) if manifest and read(manifest) else None,
 }
 with open(os.path.join(out, "results.json"), "w") as f:
@@ -448,11 +471,18 @@ if [ "$BUILT" = 1 ]; then
     grep '^{' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] bench_gpu: /' || true
     grep -i 'no GPU' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] /' || true
   fi
+  # PyTorch FSDP2 (fully_shard from this machine's own torch) on the same GPT and GPU.
+  if [ -n "$PY" ]; then
+    run_phase fsdp2 120 stdbuf -oL "$PY" "$SRC/tests/interop/fsdp2_bench.py" --device cuda \
+      --reps "${BENCH_ARGS%% *}" || true
+    cp "$OUT/logs/fsdp2.log" "$OUT/fsdp2.txt" 2>/dev/null || true
+    grep '^{' "$OUT/fsdp2.txt" | sed 's/^/[gpu-check] fsdp2: /' || true
+  fi
   CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
   ctest_phase test-cpu 150 -R "${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' \
     -j"$CPU_J" || TESTS_OK=0
 else
-  for p in test-cuda bench-gpu test-cpu; do note_phase "$p" skipped "the build did not complete"; done
+  for p in test-cuda bench-gpu fsdp2 test-cpu; do note_phase "$p" skipped "the build did not complete"; done
 fi
 
 # 5. The results, as JSON.

@@ -245,6 +245,11 @@ int main(int argc, char** argv) {
             << ", fsdp world 1 " << peak_sharded / 1048576.0 << ", fsdp bf16 + cpu_offload "
             << peak_off / 1048576.0 << "\n";
 
+  // Absolute figures too, for the comparison with PyTorch FSDP2 (tests/interop/fsdp2_bench.py,
+  // the same model, batch and optimizer), which scripts/gpu-check.sh sets beside them.
+  json("gpu_tokens_per_s", tok_sharded, "tokens/s", "fsdp fp32, world 1");
+  json("gpu_bf16_tokens_per_s", tok_bf16, "tokens/s", "fsdp bf16, world 1");
+  json("gpu_peak_memory_bytes", static_cast<double>(peak_sharded), "bytes", "fsdp fp32 step");
   json("gpu_tokens_per_s_vs_plain_libtorch", tok_sharded / tok_plain, "ratio",
        "plain LibTorch tokens/s, same GPT, fp32 AdamW, one GPU");
   json("gpu_peak_memory_vs_plain_libtorch",
