@@ -262,6 +262,11 @@ TEST(HostMemoryCheck, RefusesAModelThatNeedsMoreThanTheMachineHas) {
               std::string::npos)
         << msg;
     EXPECT_NE(msg.find("is available (MemAvailable)"), std::string::npos) << msg;
+    // Built in full before sharding: the message says what that held and names the way out.
+    EXPECT_NE(msg.find("This model was constructed in full on every rank ("), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("fsdp::make_sharded constructs it already sharded."), std::string::npos)
+        << msg;
   }
   // A model that fits passes the same check.
   o.cpu_offload = true;
