@@ -405,3 +405,43 @@ TEST(EstimateRules, ConstructionPeaksEagerAndSharded) {
   for (const auto& t : est.terms) host += t.host_bytes;
   EXPECT_EQ(est.host_total(), host);
 }
+
+// hpZ's slices (reshard_after_forward_group_size = 2 at world 4): the estimate's term is
+// the engine's counter at its peak, between a training forward and its backward, in
+// fp32 and bf16; bad group sizes are named with the fix.
+TEST(EstimateStrategies, PostForwardSlicesMatchTheCounterAtWorld4) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    for (const char* precision : {"fp32", "bf16"}) {
+      SCOPED_TRACE(precision);
+      Scenario run{"full", precision};
+      ShardingOptions o = options_for(run, pg);
+      o.reshard_after_forward_group_size = 2;
+      const auto cfg = test_gpt();
+      torch::manual_seed(0);
+      auto model = fully_shard(gpt::GPT(cfg), o);
+      EstimateInput in = input_for(run, cfg, pg.size());
+      in.reshard_after_forward_group_size = 2;
+      const auto est = estimate_memory(in);
+      gpt::loss_on(model, my_rows(gpt_batch(0, 2 * pg.size(), cfg.block_size), pg)).backward();
+      const int64_t peak = model.memory_stats().post_forward_params.peak;
+      EXPECT_GT(peak, 0);
+      EXPECT_EQ(est.term("post_forward_slices").device_bytes, peak);
+    }
+  });
+  EstimateInput in;
+  in.unit_params = {10, 100, 100};
+  in.world_size = 4;
+  in.reshard_after_forward_group_size = 3;
+  try {
+    estimate_memory(in);
+    FAIL() << "k=3 at a shard group of 4 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--reshard-after-forward-group-size 3 must divide the "
+                                         "shard group size 4"),
+              std::string::npos)
+        << e.what();
+  }
+  // Off: no such term.
+  in.reshard_after_forward_group_size = 0;
+  EXPECT_THROW(estimate_memory(in).term("post_forward_slices"), std::invalid_argument);
+}

@@ -48,6 +48,9 @@ struct EstimateInput {
   bool cpu_offload = false;                ///< ShardingOptions::cpu_offload
   bool activation_checkpointing = false;   ///< every block checkpointed
   int max_gathered_units = 2;              ///< ShardingOptions::max_gathered_units
+  /// ShardingOptions::reshard_after_forward_group_size (hpZ): 0, or k dividing the shard
+  /// group (1 < k < group) under kFullShard or kHybridShard.
+  int reshard_after_forward_group_size = 0;
   /// The model's shape and micro-batch, for activations (none by default, e.g. for a
   /// bare parameter count).
   TransformerShape activations;
@@ -66,7 +69,8 @@ struct MemoryTerm {
 
 struct MemoryEstimate {
   /// In this order: parameters, gradients, optimizer_state, gathered_units,
-  /// comm_buffers, offload_buffers (cpu_offload only), activations.
+  /// post_forward_slices (reshard_after_forward_group_size only), comm_buffers,
+  /// offload_buffers (cpu_offload only), activations.
   std::vector<MemoryTerm> terms;
   int shard_group_size = 1;         ///< ranks each flat parameter is split over
   int64_t total_params = 0;         ///< sum of unit_params (unpadded)

@@ -82,6 +82,18 @@ void validate(const EstimateInput& in) {
   }
   if (a.micro_batch < 0)
     bad("--micro-batch " + std::to_string(a.micro_batch) + " is invalid; it must not be negative");
+  const int k = in.reshard_after_forward_group_size;
+  if (k != 0) {
+    const int group = shard_group_size(in);
+    const bool sharded = in.strategy == ShardingStrategy::kFullShard ||
+                         in.strategy == ShardingStrategy::kHybridShard;
+    if (!sharded || k <= 1 || k >= group || group % k != 0) {
+      bad("--reshard-after-forward-group-size " + std::to_string(k) +
+          " must divide the shard group size " + std::to_string(group) +
+          " and lie strictly between 1 and it, under --strategy full or hybrid (e.g. the number "
+          "of ranks per node); 0 reshards to the whole shard group");
+    }
+  }
 }
 
 // The unit sizes the engine allocates with, per rank.
@@ -289,6 +301,18 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   est.terms.push_back({"gathered_units",
                        std::string("gathered units (") + to_string(in.precision) + ")", "bound",
                        gathered_elems(in, l, elem) * elem, 0});
+  // hpZ (Note [Post-forward slices]): between a training forward and its backward every
+  // non-root unit keeps 1/k of its padded flat parameter in param_dtype.
+  if (in.reshard_after_forward_group_size > 1) {
+    int64_t slices = 0;
+    for (size_t i = 1; i < l.padded.size(); ++i) {
+      slices += l.padded[i] / in.reshard_after_forward_group_size;
+    }
+    est.terms.push_back(
+        {"post_forward_slices",
+         "post-forward slices (hpZ, k=" + std::to_string(in.reshard_after_forward_group_size) + ")",
+         "bound", slices * elem, 0});
+  }
   est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound",
                        comm_buffer_bytes(in, l, elem), 0});
   if (in.cpu_offload) {

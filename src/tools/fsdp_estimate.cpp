@@ -81,6 +81,10 @@ cxxopts::Options make_options() {
       "strategy", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
       "hybrid-group-size", "ranks per shard group for hybrid (0: the world)",
       cxxopts::value<int>()->default_value("0"))(
+      "reshard-after-forward-group-size",
+      "hpZ: after forward each unit keeps 1/K of its parameters, and backward gathers within K "
+      "ranks (ShardingOptions::reshard_after_forward_group_size; 0: off)",
+      cxxopts::value<int>()->default_value("0"))(
       "precision", "fp32|bf16|fp16: gathered parameters and reduced gradients",
       cxxopts::value<std::string>()->default_value("fp32"))(
       "cpu-offload",
@@ -200,6 +204,7 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   in.world_size = r["world-size"].as<int>();
   in.strategy = parse_strategy(r["strategy"].as<std::string>());
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
+  in.reshard_after_forward_group_size = r["reshard-after-forward-group-size"].as<int>();
   if (r.count("hybrid-group-size") && in.strategy != fsdp::ShardingStrategy::kHybridShard) {
     bad_input("--hybrid-group-size applies to --strategy hybrid only");
   }
@@ -221,6 +226,7 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) 
                       {"cpu_offload", in.cpu_offload},
                       {"activation_checkpointing", in.activation_checkpointing},
                       {"max_gathered_units", in.max_gathered_units},
+                      {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
                       {"micro_batch", in.activations.micro_batch},
                       {"device_total_bytes", est.device_total()},
                       {"host_total_bytes", est.host_total()},
