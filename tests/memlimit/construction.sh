@@ -13,7 +13,7 @@
 # glibc's malloc raises its mmap threshold as large blocks are freed (up to 32 MiB), after
 # which the engine's per-unit buffers come from its heap, which fragments and keeps their
 # pages: a rank's resident memory in training then grows far past what it uses (measured:
-# 1736 MiB against 881 MiB per rank for the 200M-parameter model below). The job runs with
+# 1736 MiB against 881 MiB per rank for a 201M-parameter GPT at world 8). The job runs with
 # MALLOC_MMAP_THRESHOLD_=1 MiB, which keeps the threshold fixed, so that the limit
 # measures the engine's memory, not the allocator's (docs/design.md, "Sharded construction").
 #
