@@ -12,9 +12,12 @@
 #               (its host name otherwise, which resolves to loopback in these namespaces)
 #   --slurm     each rank started as srun would: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 #               MASTER_ADDR, MASTER_PORT (no RANK/WORLD_SIZE)
+#   --env       each rank started with a scheduler's torchrun variables set by hand: RANK,
+#               WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = host 1's link
+#               address; each rank must bind Gloo to its link (Note [Gloo's interface])
 # Prints the launcher command lines and the losses. Needs root (exit 77: skipped) and, for
 # --torchrun, PYTHON's torchrun (exit 77 without it).
-#   tests/multihost/launchers.sh BIN_DIR PYTHON --torchrun|--slurm
+#   tests/multihost/launchers.sh BIN_DIR PYTHON --torchrun|--slurm|--env
 set -euo pipefail
 BIN="$(cd "$1" && pwd)"
 PY="$2"
@@ -55,7 +58,22 @@ case "$MODE" in
     done
     LOGS="rank0 rank1 rank2 rank3"
     ;;
-  *) echo "launchers.sh: unknown mode '$MODE'; use --torchrun or --slurm"; exit 2 ;;
+  --env)
+    mh_setup launchers-env 10.9.0
+    PORT=29500
+    for r in 0 1 2 3; do
+      h="$H1"
+      [ "$r" -ge 2 ] && h="$H2"
+      read -ra RANK_ENV <<<"$(mh_rank_env "$r" 4)"
+      CMD=(env -u GLOO_SOCKET_IFNAME "${RANK_ENV[@]}" MASTER_ADDR="$A1" "MASTER_PORT=$PORT"
+        FSDP_TIMEOUT_S=30 OMP_NUM_THREADS=1 timeout 120 "$BIN/train_gpt" "${ARGS[@]}"
+        --sharding hybrid --hybrid-group-size 2 --log-jsonl "$OUT/wn.jsonl")
+      echo "rank $r: ip netns exec $h ${CMD[*]}"
+      mh_run "$h" "$OUT/rank$r.log" "${CMD[@]}"
+    done
+    LOGS="rank0 rank1 rank2 rank3"
+    ;;
+  *) echo "launchers.sh: unknown mode '$MODE'; use --torchrun, --slurm or --env"; exit 2 ;;
 esac
 mh_wait_all
 failed=0
