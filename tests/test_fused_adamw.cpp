@@ -26,6 +26,21 @@ using namespace fsdp::testing;
 
 namespace {
 
+// Two parameter groups with different hyperparameters (weight decay in the first only):
+// the first two tensors of `ps`, then the rest.
+std::vector<torch::optim::OptimizerParamGroup> two_groups(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::optim::OptimizerParamGroup> g;
+  g.emplace_back(
+      std::vector<torch::Tensor>{ps[0], ps[1]},
+      std::make_unique<torch::optim::AdamWOptions>(
+          torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
+  g.emplace_back(
+      std::vector<torch::Tensor>(ps.begin() + 2, ps.end()),
+      std::make_unique<torch::optim::AdamWOptions>(
+          torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
+  return g;
+}
+
 struct IsaGuard {
   explicit IsaGuard(FusedAdamW::Isa isa) { FusedAdamW::force_isa(isa); }
   ~IsaGuard() { FusedAdamW::force_isa(FusedAdamW::Isa::kAuto); }
@@ -52,20 +67,8 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
     t.requires_grad_(true);
     got.push_back(t.detach().clone().requires_grad_(true));
   }
-  auto groups = [](std::vector<torch::Tensor> ps) {
-    std::vector<torch::optim::OptimizerParamGroup> g;
-    g.emplace_back(
-        std::vector<torch::Tensor>{ps[0], ps[1]},
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
-    g.emplace_back(
-        std::vector<torch::Tensor>{ps[2], ps[3]},
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
-    return g;
-  };
-  torch::optim::AdamW torch_opt(groups(ref));
-  FusedAdamW fused(groups(got));
+  torch::optim::AdamW torch_opt(two_groups(ref));
+  FusedAdamW fused(two_groups(got));
   auto bf16 = torch::empty({ref[0].numel()}, torch::kBFloat16);
   auto fp16 = torch::empty({ref[2].numel()}, torch::kFloat16);
   fused.set_copy_out(got[0], bf16);
@@ -220,18 +223,6 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
 // different hyperparameters (decay in one), the same gradients for every optimizer.
 struct AtenCase {
   std::vector<torch::Tensor> ref, got;
-  static std::vector<torch::optim::OptimizerParamGroup> groups(std::vector<torch::Tensor> ps) {
-    std::vector<torch::optim::OptimizerParamGroup> g;
-    g.emplace_back(
-        std::vector<torch::Tensor>{ps[0], ps[1]},
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(1e-2).weight_decay(0.1).betas({0.9, 0.95}).eps(1e-8)));
-    g.emplace_back(
-        std::vector<torch::Tensor>{ps[2]},
-        std::make_unique<torch::optim::AdamWOptions>(
-            torch::optim::AdamWOptions(3e-3).weight_decay(0.0).betas({0.8, 0.999}).eps(1e-6)));
-    return g;
-  }
   AtenCase() {
     torch::manual_seed(0);
     ref = {torch::randn({100003}), torch::randn({17}), torch::randn({64, 33})};
@@ -261,8 +252,8 @@ struct AtenCase {
 TEST(FusedAdamWAten, CpuKernelMatchesTorchAdamWOverTwentySteps) {
   SKIP_WITHOUT_CPU_FUSED_ADAMW();
   AtenCase c;
-  torch::optim::AdamW torch_opt(AtenCase::groups(c.ref));
-  FusedAdamW fused(AtenCase::groups(c.got));
+  torch::optim::AdamW torch_opt(two_groups(c.ref));
+  FusedAdamW fused(two_groups(c.got));
   fused.set_kernel(FusedAdamW::Kernel::kAten);
   double worst_param = 0, worst_moment = 0;
   for (int step = 0; step < 20; ++step) {
@@ -301,8 +292,8 @@ TEST(FusedAdamWAten, CpuKernelMatchesTorchAdamWOverTwentySteps) {
 TEST(FusedAdamWAten, StateLoadsIntoTorchAdamWAndTheSimdKernel) {
   SKIP_WITHOUT_CPU_FUSED_ADAMW();
   AtenCase c;
-  torch::optim::AdamW torch_opt(AtenCase::groups(c.ref));
-  FusedAdamW fused(AtenCase::groups(c.got));
+  torch::optim::AdamW torch_opt(two_groups(c.ref));
+  FusedAdamW fused(two_groups(c.got));
   fused.set_kernel(FusedAdamW::Kernel::kAten);
   for (int step = 0; step < 5; ++step) {
     c.set_grads(step);
@@ -321,8 +312,8 @@ TEST(FusedAdamWAten, StateLoadsIntoTorchAdamWAndTheSimdKernel) {
     p_torch.push_back(t.detach().clone().requires_grad_(true));
     p_simd.push_back(t.detach().clone().requires_grad_(true));
   }
-  torch::optim::AdamW resumed_torch(AtenCase::groups(p_torch));
-  FusedAdamW resumed_simd(AtenCase::groups(p_simd));
+  torch::optim::AdamW resumed_torch(two_groups(p_torch));
+  FusedAdamW resumed_simd(two_groups(p_simd));
   for (torch::optim::Optimizer* o :
        std::initializer_list<torch::optim::Optimizer*>{&resumed_torch, &resumed_simd}) {
     torch::serialize::InputArchive archive;

@@ -2,8 +2,8 @@
 # Trains the GPT example at world N inside a memory cgroup with a hard limit, so that the
 # kernel kills the job when its ranks together exceed it (docs/design.md, "Sharded
 # construction"). Prints the limit, the model's full fp32 size, the job's peak (the
-# cgroup's high-water mark) and rank 0's own peak RSS, and exits with the job's status
-# (137 when the OOM killer ended it).
+# cgroup's high-water mark) and each rank's peak RSS (fsdp-run --peak-rss-json), and
+# exits with the job's status (137 when the OOM killer ended it).
 #
 #   construction.sh [--expect-oom] BIN_DIR LIMIT_MIB sharded|eager WORLD [train_gpt flags...]
 #
@@ -43,7 +43,7 @@ fi
 mkdir "$CG" || skip "cannot make $CG"
 cleanup() {
   if [ -d "$CG" ]; then
-    for p in $(cat "$CG/cgroup.procs" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    while read -r p; do kill -9 "$p" 2>/dev/null; done <"$CG/cgroup.procs" 2>/dev/null
     sleep 0.2
     rmdir "$CG" 2>/dev/null || true
   fi
@@ -58,8 +58,16 @@ echo $((LIMIT_MIB * 1024 * 1024)) >"$CG/$LIMIT_FILE"
 OUT="$(mktemp)"
 # The job joins the cgroup before it starts, so every rank and the launcher are counted.
 MALLOC_MMAP_THRESHOLD_=1048576 bash -c 'echo $$ >"$1/cgroup.procs" && shift && exec "$@"' _ "$CG" \
-  "$BIN/fsdp-run" --nproc "$WORLD" -- "$BIN/train_gpt" --construction "$MODE" "$@" >"$OUT" 2>&1
+  "$BIN/fsdp-run" --nproc "$WORLD" --peak-rss-json "$OUT.rss" -- "$BIN/train_gpt" \
+  --construction "$MODE" "$@" >"$OUT" 2>&1
 rc=$?
+# Every rank's peak RSS, as the launcher measured it (fsdp-run --peak-rss-json; written
+# only when the job ends by itself).
+if [ -s "$OUT.rss" ]; then
+  echo "construction.sh: peak RSS per rank (MiB): $(tr -dc '0-9,' <"$OUT.rss" |
+    awk -F, '{ for (i = 1; i <= NF; i++) printf "%s%d", (i > 1 ? " " : ""), $i / 1024 }')"
+fi
+rm -f "$OUT.rss"
 peak=$(cat "$CG/$PEAK_FILE" 2>/dev/null || echo 0)
 cat "$OUT"
 rm -f "$OUT"
