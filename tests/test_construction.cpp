@@ -195,3 +195,69 @@ TEST(ShardedConstruction, ANestedMakeShardedIsRefused) {
   EXPECT_EQ(model.param_table().size(),
             named_parameters_clean(*gpt::GPT(small_gpt_config())).size());
 }
+
+namespace {
+// A model whose constructor builds a block (sharded at construction, since make_sharded
+// runs it) that it does not register but hands out, so that a test can put that block
+// into another model.
+fsdp::FullyShardedModule<gpt::Block> g_kept{nullptr};
+struct KeepsBlockImpl : torch::nn::Module {
+  explicit KeepsBlockImpl(const gpt::Config& c)
+      : head(register_module("head", torch::nn::Linear(c.d_model, c.d_model))) {
+    g_kept = fsdp::FullyShardedModule<gpt::Block>(gpt::Block(c));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(x); }
+  torch::nn::Linear head;
+};
+TORCH_MODULE(KeepsBlock);
+
+// Two blocks side by side, each built elsewhere.
+struct PairImpl : torch::nn::Module {
+  PairImpl(fsdp::FullyShardedModule<gpt::Block> a, fsdp::FullyShardedModule<gpt::Block> b)
+      : a(register_module("a", std::move(a))), b(register_module("b", std::move(b))) {}
+  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
+  fsdp::FullyShardedModule<gpt::Block> a, b;
+};
+TORCH_MODULE(Pair);
+
+// A module whose constructor shards a model while make_sharded is constructing.
+struct ShardsInsideImpl : torch::nn::Module {
+  ShardsInsideImpl() { auto m = fully_shard(gpt::GPT(small_gpt_config())); }
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(ShardsInside);
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+}  // namespace
+
+// Units built by make_sharded belong to its model: mixing them with another
+// make_sharded's, sharding them over another process group, or calling fully_shard while
+// make_sharded constructs are refused, each naming the fix.
+TEST(ShardedConstruction, MisusedBuiltUnitsAreRefusedNamingTheFix) {
+  const gpt::Config c = small_gpt_config();
+  make_sharded<KeepsBlock>(ShardingOptions{}, c);
+  auto one = g_kept;
+  make_sharded<KeepsBlock>(ShardingOptions{}, c);
+  auto other = g_kept;
+  EXPECT_NE(error_of([&] { fully_shard(Pair(one, other)); })
+                .find("was sharded by another fsdp::make_sharded than the rest of the model; build "
+                      "the model in one make_sharded call"),
+            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { fully_shard(Pair(one, fsdp::FullyShardedModule<gpt::Block>(gpt::Block(c)))); })
+          .find("the model's wrap points were sharded at construction over another process "
+                "group than ShardingOptions::process_group; pass the same options"),
+      std::string::npos);
+  EXPECT_NE(error_of([&] { make_sharded<ShardsInside>(ShardingOptions{}); })
+                .find("fully_shard: called while fsdp::make_sharded is constructing a model on "
+                      "this thread; shard the model after its construction"),
+            std::string::npos);
+  g_kept = nullptr;
+}
