@@ -74,10 +74,20 @@ def main(argv=None):
 
     from fsdp_gpt import build_model
 
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if args.device == "cpu" and version < (2, 7):
+        # torch 2.6's FSDP2 records an event on its all-gather stream, which the CPU's
+        # stream lacks ("'Stream' object has no attribute 'record_event'").
+        print(f"SKIPPED: FSDP2 on the CPU needs torch 2.7 or later; this is torch {torch.__version__}")
+        return 77
+
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fsdp2_bench.py: --device cuda but no CUDA device is visible; use --device cpu", file=sys.stderr)
         return 2
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # The env rendezvous asks for a libuv TCPStore unless USE_LIBUV=0, and Debian's
+    # python3-torch (the debian13 CI leg) is built without libuv: one rank needs no libuv.
+    os.environ.setdefault("USE_LIBUV", "0")
     if "MASTER_PORT" not in os.environ:
         import socket
 
