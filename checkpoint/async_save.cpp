@@ -1,4 +1,5 @@
 #include "async_save.h"
+#include "trace/trace.h"
 
 #include "agree.h"
 #include "layout.h"
@@ -122,6 +123,7 @@ class AsyncSaveJob {
 };
 
 std::string AsyncSaveJob::run() noexcept {
+  detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint write (async)"); });
   try {
     std::string error = write_rank_file();
     if (rank_ == 0 && error.empty()) error = publish_when_complete();

@@ -6,6 +6,7 @@
 #include "optim_state.h"
 #include "safetensors.h"
 #include "tensor_io.h"
+#include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
@@ -196,6 +197,7 @@ std::unique_ptr<WeightSource> open_weights(const std::string& path) {
 void export_consolidated(const std::string& file, const ShardedModel& root,
                          torch::optim::Optimizer* optimizer, const TrainingState& state,
                          const ExportOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("consolidated export"); });
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
   TORCH_CHECK(!options.with_optimizer || optimizer,
@@ -256,6 +258,7 @@ void export_consolidated(const std::string& file, const ShardedModel& root,
 
 void export_safetensors(const std::string& dir, const ShardedModel& model,
                         const TrainingState& state, const SafetensorsOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("safetensors export"); });
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);
   Rank0Writes guarded(model.sharding_options().process_group);
@@ -316,6 +319,7 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
 
 LoadReport import_consolidated(const std::string& file, ShardedModel& root,
                                const LoadOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("consolidated import"); });
   using namespace ckpt;
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();

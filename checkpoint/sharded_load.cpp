@@ -7,6 +7,7 @@
 #include "rank_parts.h"
 #include "reshard_plan.h"
 #include "tensor_io.h"
+#include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
@@ -155,6 +156,7 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
 LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
                                    torch::optim::Optimizer* optimizer, TrainingState* state,
                                    const LoadOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint load"); });
   using namespace ckpt;
   wait_for_async_save();  // the save just made is complete before anything reads
   ShardedReader src(path);

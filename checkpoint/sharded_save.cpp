@@ -6,6 +6,7 @@
 #include "dir_protocol.h"
 #include "save_hook.h"
 #include "snapshot.h"
+#include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
 #include <fsdp/process_group.h>
@@ -21,6 +22,7 @@ namespace fsdp {
 std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
                                     torch::optim::Optimizer* optimizer, const TrainingState& state,
                                     const SaveOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint save"); });
   using namespace ckpt;
   const char* fn = "save_sharded_checkpoint";
   check_save_args(state, options, fn);
@@ -52,6 +54,8 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
                                         torch::optim::Optimizer* optimizer,
                                         const TrainingState& state, const SaveOptions& options) {
+  detail::trace::Scope span("checkpoint",
+                            []() { return std::string("checkpoint save (async: staging)"); });
   using namespace ckpt;
   const char* fn = "save_sharded_checkpoint_async";
   check_save_args(state, options, fn);

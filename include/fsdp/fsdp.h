@@ -11,5 +11,6 @@
 #include <fsdp/options.h>
 #include <fsdp/process_group.h>
 #include <fsdp/stats.h>
+#include <fsdp/trace.h>
 #include <fsdp/version.h>
 #include <fsdp/wrap_policy.h>

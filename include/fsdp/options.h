@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <optional>
+#include <string>
 
 namespace fsdp {
 
@@ -75,6 +76,13 @@ struct ShardingOptions {
   /// (MemAvailable), instead of being killed by the OOM killer later. Applies when the
   /// shards live in host memory (cpu_offload, or a CPU device).
   bool check_host_memory = true;
+  /// A directory: each rank writes a Chrome-trace/Perfetto JSON of this model's units
+  /// there (trace_rank<R>.json: every unit's all-gather, forward, backward, recompute and
+  /// reduce-scatter by FQN, the optimizer step, checkpoint I/O and waits, on a compute and
+  /// a communication track; `fsdp-trace merge DIR` joins the ranks). Empty: the FSDP_TRACE
+  /// environment variable's directory, if set; otherwise nothing is traced. The same spans
+  /// are LibTorch profiler ranges, so a Kineto trace shows them too.
+  std::string trace;
 };
 
 }  // namespace fsdp

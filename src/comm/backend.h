@@ -41,6 +41,10 @@ class Work {
  public:
   virtual ~Work() = default;
   virtual void wait() = 0;
+  /// Calls `f` (on any thread) once the collective has completed, where the backend can
+  /// tell without a wait (Gloo's work futures); elsewhere never. For the trace's
+  /// communication spans (Note [Per-unit trace]).
+  virtual void on_completion(std::function<void()> f) { (void)f; }
 };
 
 /// A finished collective.
@@ -62,6 +66,7 @@ class ThenWork : public Work {
       f();
     }
   }
+  void on_completion(std::function<void()> f) override { work_->on_completion(std::move(f)); }
 
  private:
   std::shared_ptr<Work> work_;

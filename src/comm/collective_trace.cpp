@@ -1,6 +1,10 @@
 // The collective trace and the desync check (Note [Collective trace]).
 #include "collective_trace.h"
 
+#include "trace/trace.h"
+
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -26,7 +30,32 @@ struct TraceEntry {
   int64_t bytes = 0;
   int root = -1;              ///< broadcast root, -1 otherwise
   std::atomic<int> state{0};  ///< 0 in flight, 1 completed, 2 failed
+  /// Note [Per-unit trace]: when it was issued (-1: not traced), and whether its span on
+  /// the communication track is written (by the completion callback or the wait).
+  int64_t begin_ns = -1;
+  std::atomic<bool> span_written{false};
 };
+
+// "blocks.0" for "unit 'blocks.0'", "<root>" for the root unit, other labels as they are.
+std::string span_subject(const std::string& label) {
+  if (label == "the root unit") return "<root>";
+  const std::string unit = "unit '";
+  if (label.size() > unit.size() + 1 && label.compare(0, unit.size(), unit) == 0 &&
+      label.back() == '\'') {
+    return label.substr(unit.size(), label.size() - unit.size() - 1);
+  }
+  return label.empty() ? std::string("(no unit)") : label;
+}
+
+std::string span_name(const TraceEntry& e) { return e.op + " " + span_subject(e.label); }
+
+// The collective's span on the communication track, from issue to `end_ns`; once.
+void write_comm_span(TraceEntry& e, int64_t end_ns) {
+  if (e.begin_ns < 0 || e.span_written.exchange(true)) return;
+  trace::span(span_name(e), "comm", trace::Track::kComm, e.begin_ns, end_ns,
+              "\"bytes\":" + std::to_string(e.bytes) + ",\"group\":" +
+                  nlohmann::json(e.group).dump() + ",\"seq\":" + std::to_string(e.seq));
+}
 
 std::mutex g_ring_mu;
 std::deque<std::shared_ptr<TraceEntry>> g_ring;  // newest last
@@ -128,12 +157,16 @@ class TracedWork : public Work {
       : inner_(std::move(inner)), entry_(std::move(entry)), fail_(std::move(fail)) {}
   void wait() override {
     if (entry_->state.load() == 1) return;
-    try {
-      inner_->wait();
-    } catch (const std::exception& e) {
-      entry_->state = 2;
-      TORCH_CHECK(false, fail_(error_text(e)));
+    {
+      trace::Scope waiting("wait", [&]() { return "wait " + span_name(*entry_); });
+      try {
+        inner_->wait();
+      } catch (const std::exception& e) {
+        entry_->state = 2;
+        TORCH_CHECK(false, fail_(error_text(e)));
+      }
     }
+    write_comm_span(*entry_, trace::now_ns());
     entry_->state = 1;
   }
 
@@ -219,11 +252,16 @@ class TracedBackend : public Backend {
       return failure_message(rank, group, size, desync, *e, error, report);
     };
     std::shared_ptr<Work> w;
+    if (trace::on()) e->begin_ns = trace::now_ns();
     try {
       w = issue();
     } catch (const std::exception& ex) {
       e->state = 2;
       TORCH_CHECK(false, fail(error_text(ex)));
+    }
+    if (e->begin_ns >= 0) {
+      // The span ends when the backend reports completion, where it can; else at the wait.
+      w->on_completion([e]() { write_comm_span(*e, trace::now_ns()); });
     }
     return std::make_shared<TracedWork>(std::move(w), e, fail);
   }

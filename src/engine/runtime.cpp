@@ -20,10 +20,25 @@ const char* to_string(Phase s) {
   return "?";
 }
 
-Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {}
+Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {
+  const std::string dir = trace::directory_from(options_.trace);
+  if (!dir.empty()) {
+    // Note [Per-unit trace]: the ranks leave this barrier together, which is where the
+    // merge tool aligns their clocks.
+    const ProcessGroup& pg = options_.process_group;
+    trace::start(dir, pg.rank(), pg.size());
+    GroupAccess::backend(pg)->barrier();
+    trace::mark_sync();
+  }
+}
 
 Runtime::~Runtime() {
   comm_.reset();  // waits for gathers in flight into the flat parameters' buffers
+  for (auto& u : units_) {
+    u->forward_span.close();
+    u->backward_span.close();
+  }
+  if (trace::on()) trace::flush();
   flats_.clear();
   for (auto& u : units_) u->detach();
 }
@@ -157,6 +172,9 @@ void Runtime::pre_forward(Unit& u) {
       if (x->state() == ShardedState::kSharded) x->reshard();
     }
   }
+  u.forward_span.open("forward", [&]() {
+    return (phase_ == Phase::kBackward ? "recompute " : "forward ") + u.trace_name();
+  });
   if (!order_frozen_ &&
       std::find(forward_order_.begin(), forward_order_.end(), &u) == forward_order_.end()) {
     forward_order_.push_back(&u);
@@ -184,6 +202,7 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
     wait_transfers();
     order_frozen_ = true;
   }
+  u.forward_span.close();
 }
 
 void Runtime::queue_end_of_backward() {
@@ -198,6 +217,9 @@ void Runtime::queue_end_of_backward() {
 void Runtime::pre_backward(Unit& u) {
   queue_end_of_backward();
   if (u.grads_reduced) return;  // its gradients are done; nothing left to compute with it
+  if (!u.backward_span.is_open()) {
+    u.backward_span.open("backward", [&]() { return "backward " + u.trace_name(); });
+  }
   u.link_grads();
   u.unshard();
   prefetch_from(u, -1);
@@ -207,6 +229,10 @@ void Runtime::end_of_backward() {
   TORCH_INTERNAL_ASSERT(phase_ == Phase::kBackward, "end of backward while ", to_string(phase_));
   // Reduce in unit order so that every rank issues the same collectives.
   for (auto& u : units_) u->flush_grads();
+  // Spans still open (the root's, units with frozen or unused parameters) end here,
+  // innermost (last opened) first.
+  for (auto it = units_.rbegin(); it != units_.rend(); ++it) (*it)->backward_span.close();
+  trace::Scope finishing("backward", []() { return std::string("end of backward"); });
   comm_->finish_backward();
   for (auto& u : units_) {
     // set_reshard_after_backward(false) keeps gathered units for the next forward.

@@ -107,6 +107,7 @@ void Unit::on_param_grad(size_t flat, size_t slot) {
   // an op computing an input gradient may still read them after the trainable ones
   // reported. Units holding frozen parameters therefore reshard at the end of backward.
   if (!has_frozen() && reshard_after_backward) reshard();
+  backward_span.close();
 }
 
 void Unit::flush_grads() {

@@ -6,6 +6,7 @@
 #include "comm_context.h"
 #include "flat_param.h"
 #include "grad_buffer.h"
+#include "trace/trace.h"
 
 #include <memory>
 #include <string>
@@ -36,6 +37,8 @@ class Unit {
   const std::string& fqn() const { return fqn_; }
   /// "<root>" for the root, else the FQN; for messages.
   std::string display_name() const { return fqn_.empty() ? "<root>" : "'" + fqn_ + "'"; }
+  /// The FQN, "<root>" for the root; for trace spans (Note [Per-unit trace]).
+  std::string trace_name() const { return fqn_.empty() ? "<root>" : fqn_; }
   int index() const { return index_; }
   /// The model's communication context (not after detach()).
   CommContext& comm() const;
@@ -80,6 +83,9 @@ class Unit {
   /// ShardedModel::set_reshard_after_backward: false keeps the full parameters gathered
   /// after backward (its gradients reduced, or the end of backward).
   bool reshard_after_backward = true;
+  /// Note [Per-unit trace]: this unit's forward (or recompute) and backward spans.
+  trace::OpenSpan forward_span;
+  trace::OpenSpan backward_span;
 
  private:
   /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync).

@@ -173,8 +173,14 @@ torch::Tensor WrapPointImpl::run_tensor_forward(
   if (!is_unit() && !checkpointed()) return fn(x);
   if (is_unit()) pre_forward(*this);
   if (state_->cast_inputs) x = detail::cast_floating(x, *state_->cast_inputs);
-  torch::Tensor out =
-      checkpointed() && torch::GradMode::is_enabled() ? fsdp::checkpoint(fn, x) : fn(x);
+  torch::Tensor out;
+  if (checkpointed() && torch::GradMode::is_enabled()) {
+    detail::trace::RegionName region(is_unit() ? EngineAccess::unit(*this)->trace_name()
+                                               : state_->fqn);
+    out = fsdp::checkpoint(fn, x);
+  } else {
+    out = fn(x);
+  }
   out = cast_output(std::move(out));
   if (is_unit()) post_forward(*this, {out});
   return out;

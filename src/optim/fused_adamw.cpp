@@ -1,5 +1,6 @@
 // FusedAdamW (see fused_adamw.h): the optimizer around the kernels in adamw_kernels.cpp.
 #include <fsdp/fused_adamw.h>
+#include "trace/trace.h"
 
 #include "adamw_kernels.h"
 #include "internal/optim_key.h"
@@ -163,6 +164,7 @@ detail::AdamWConstants adamw_constants(const torch::optim::AdamWOptions& o, int6
 }  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
+  detail::trace::Scope span("optimizer", []() { return std::string("optimizer step"); });
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure != nullptr) {

@@ -7,6 +7,8 @@
 // post-accumulate hooks as without checkpointing.
 #include <fsdp/activation_checkpoint.h>
 
+#include "trace/trace.h"
+
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
@@ -20,8 +22,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct FnCapsule : torch::CustomClassHolder {
-  explicit FnCapsule(CheckpointFn f) : fn(std::move(f)) {}
+  FnCapsule(CheckpointFn f, std::string name) : fn(std::move(f)), region(std::move(name)) {}
   CheckpointFn fn;
+  std::string region;  ///< for the recompute span (Note [Per-unit trace]); may be ""
 };
 
 /// RNG states of the devices a region uses: the CPU generator, and the CUDA generator
@@ -109,6 +112,9 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     rng->state.restore();
     variable_list outputs;
     {
+      detail::trace::Scope span("recompute", [&]() {
+        return "recompute " + (fn->region.empty() ? std::string("(region)") : fn->region);
+      });
       at::AutoGradMode grad(true);
       outputs = fn->fn(inputs);
     }
@@ -137,8 +143,9 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
   auto anchor = at::empty({0});
   anchor.set_requires_grad(true);
   // As a TensorList, so that autograd sees every input as a variable.
-  return CheckpointFunction::apply(c10::make_intrusive<FnCapsule>(fn), anchor,
-                                   at::TensorList(inputs));
+  return CheckpointFunction::apply(
+      c10::make_intrusive<FnCapsule>(fn, detail::trace::RegionName::current()), anchor,
+      at::TensorList(inputs));
 }
 
 int64_t activation_recomputes() { return recomputes.load(std::memory_order_relaxed); }

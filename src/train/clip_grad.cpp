@@ -1,4 +1,5 @@
 #include <fsdp/clip_grad.h>
+#include "trace/trace.h"
 
 #include "internal/sharded_model.h"
 
@@ -8,6 +9,7 @@
 namespace fsdp {
 
 double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
+  detail::trace::Scope span("optimizer", []() { return std::string("clip_grad_norm"); });
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
               " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");

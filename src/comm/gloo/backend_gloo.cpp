@@ -24,6 +24,16 @@ class C10dWork : public Work {
       then_ = {};
     }
   }
+  void on_completion(std::function<void()> f) override {
+    // Gloo completes its work on its own threads and marks the work's future then.
+    c10::intrusive_ptr<c10::ivalue::Future> fut;
+    try {
+      fut = work_->getFuture();
+    } catch (const std::exception&) {
+      return;  // no future: the span ends at the wait
+    }
+    if (fut) fut->addCallback([f = std::move(f)](c10::ivalue::Future&) { f(); });
+  }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
