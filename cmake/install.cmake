@@ -27,7 +27,7 @@ install(FILES ${PROJECT_BINARY_DIR}/include/fsdp/version.h DESTINATION ${CMAKE_I
 # the directories they linked from as their RPATH, so they find libc10 at run time.
 # Debian's LibTorch and HDF5 need none (the loader finds libhdf5_serial.so.* without the
 # hdf5/serial link directory), and a Debian package should carry none.
-set(FSDP_TOOLS fsdp-run fsdp-estimate)
+set(FSDP_TOOLS fsdp-run fsdp-estimate fsdp-trace)
 if(TARGET fsdp-consolidate)
   list(APPEND FSDP_TOOLS fsdp-consolidate fsdp-inspect)
 endif()

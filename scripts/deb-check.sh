@@ -159,10 +159,10 @@ in_root "cd /opt/deb-check && apt-get update -qq && apt-get install -y -q --no-i
   { $SUDO tail -30 "$ROOT/opt/deb-check/apt.log" >&2; fail "apt-get install of the package failed (its Depends cannot be met from the archive?)"; }
 say "installed: $(in_root "dpkg-query -W -f='\${Package} \${Version}, ' libfsdp-libtorch-dev libtorch-dev libhdf5-dev 2>/dev/null || true")"
 step tools "the tools start"
-for tool in fsdp-run fsdp-estimate fsdp-consolidate fsdp-inspect; do
+for tool in fsdp-run fsdp-estimate fsdp-trace fsdp-consolidate fsdp-inspect; do
   if in_root "command -v $tool >/dev/null"; then
     in_root "$tool --version" || fail "$tool --version failed in the fresh root"
-  elif [ "$tool" = fsdp-run ] || [ "$tool" = fsdp-estimate ]; then
+  elif [ "$tool" = fsdp-run ] || [ "$tool" = fsdp-estimate ] || [ "$tool" = fsdp-trace ]; then
     fail "$tool is not installed by the package"
   else
     say "$tool is not in the package (built without HDF5)"
