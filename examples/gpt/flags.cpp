@@ -81,6 +81,11 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("no-prefetch",
        "gather each unit only when it runs, not while the one before it computes (to measure "
        "how much communication prefetching hides)");
+  flag("trace",
+       "write a per-unit trace into this directory (each rank's trace_rank<R>.json: gathers, "
+       "forwards, backwards, reduce-scatters, optimizer, checkpoints; `fsdp-trace merge DIR`; "
+       "FSDP_TRACE does the same)",
+       value<std::string>(""));
 }
 
 void add_checkpoint_flags(cxxopts::Options& o) {
@@ -278,6 +283,7 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.device = r["device"].as<std::string>();
   s.options.device = examples::parse_device_flag(s.device);
   s.options.prefetch = r.count("no-prefetch") == 0;
+  s.options.trace = r["trace"].as<std::string>();
   return s;
 }
 

@@ -154,8 +154,11 @@ void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGro
     r.lr = lr_at(f.training, step);
     set_lr(*t.opt, r.lr);
     const auto start = std::chrono::steady_clock::now();
-    r.loss =
-        train_step(t, data.batch(step, batch, block), f.training, pg, f.sharding.options.device);
+    {
+      fsdp::TraceScope span("train step " + std::to_string(r.step));
+      r.loss =
+          train_step(t, data.batch(step, batch, block), f.training, pg, f.sharding.options.device);
+    }
     r.step_s = seconds_since(start);
     r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
     read_engine_stats(t.model, r);
