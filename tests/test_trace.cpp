@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -281,6 +282,41 @@ TEST(Trace, SpansAreProfilerRangesAndOffWritesNothing) {
     // Off: nothing recorded anywhere a file could go.
     EXPECT_FALSE(fs::exists(fs::current_path() / "trace_rank0.json"));
   });
+}
+
+// A Kineto trace, as torch.profiler writes it, names the library's spans. Skipped where
+// LibTorch was built without Kineto.
+TEST(Trace, AKinetoTraceShowsTheSameSpans) {
+  namespace prof = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  using torch::profiler::impl::ProfilerState;
+  const torch::profiler::impl::ProfilerConfig config(ProfilerState::KINETO);
+  try {
+    prof::prepareProfiler(config, {ActivityType::CPU});
+    prof::enableProfiler(config, {ActivityType::CPU});
+  } catch (const c10::Error& e) {
+    GTEST_SKIP() << "this LibTorch's profiler has no Kineto: " << e.what_without_backtrace();
+  }
+  {
+    auto cfg = small_gpt_config();
+    auto model = fully_shard(gpt::GPT(cfg));
+    FusedAdamW opt(model);
+    gpt::loss_on(model, gpt_batch(0, 4, cfg.block_size)).backward();
+    opt.step();
+  }
+  auto result = prof::disableProfiler();
+  const fs::path file = fs::temp_directory_path() / "fsdp_trace_kineto.json";
+  result->save(file.string());
+  const json trace = read(file);
+  std::set<std::string> names;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.contains("name")) names.insert(e.at("name").get<std::string>());
+  }
+  for (const char* name : {"forward <root>", "forward blocks.0", "backward blocks.1",
+                           "end of backward", "optimizer step"}) {
+    EXPECT_EQ(names.count(name), 1u) << name << " is not in the Kineto trace " << file;
+  }
+  fs::remove(file);
 }
 
 TEST(Trace, ADirectoryThatCannotBeMadeIsAClearError) {
