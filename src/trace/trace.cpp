@@ -36,6 +36,7 @@ struct State {
   int world = 1;
   int64_t sync_ns = -1;  ///< the last mark_sync()
   std::vector<Event> events;
+  size_t flushed = 0;  ///< events.size() at the last write
   bool exit_hook = false;
 };
 
@@ -209,7 +210,7 @@ void span(std::string name, const char* category, Track track, int64_t begin_ns,
 void flush() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (s.dir.empty()) return;
+  if (s.dir.empty() || (s.flushed == s.events.size() && s.flushed > 0)) return;
   const std::string file = file_of(s.dir, s.rank);
   const std::string tmp = file + ".tmp";
   try {
@@ -220,6 +221,7 @@ void flush() {
       if (!f.good()) throw std::runtime_error("write failed");
     }
     std::filesystem::rename(tmp, file);
+    s.flushed = s.events.size();
   } catch (const std::exception& e) {
     std::cerr << "FSDP trace: could not write " << file << ": " << e.what() << "\n";
   }
