@@ -29,6 +29,11 @@ checkpoints that earlier ones left in --work):
 
 Every job runs under fsdp-run (one process per rank, the torchrun environment,
 OMP_NUM_THREADS=1); its peak RSS is each rank's own ru_maxrss (fsdp-run --peak-rss-json).
+Every side saves twice in its job and nothing is deleted until the job ends: on a virtual
+machine a page-cache page freed a moment ago is much cheaper to write into than one unused
+for seconds (prime()), so a deletion just before a save would favour it. The raw write is
+measured in both states ("fresh", "recycled"). The save part leaves its checkpoints (~11 GB
+at full size) in --work for the other parts; remove them when done.
 """
 import argparse
 import datetime
@@ -49,8 +54,8 @@ from compare_fsdp import describe_machine, evict, run_tree, tree_bytes  # noqa: 
 
 SKIP = 77
 # The GPT of compare_fsdp.py's checkpoint part: 8 layers, d_model 1024 (~101 M parameters,
-# 0.4 GB fp32, 1.2 GB with AdamW's moments); batch 6 so that worlds 1, 2, 3 and... divide it
-# (world 4 gets batch 8).
+# 0.4 GB fp32, 1.2 GB with AdamW's moments). The batch (batch_for) only has to divide by the
+# world: it does not change the checkpoint.
 MODEL = dict(n_layer=8, n_head=16, d_model=1024, block_size=64, seed=1337, lr=1e-4, steps=1, warmup=1)
 QUICK = dict(MODEL, n_layer=2, n_head=8, d_model=512)
 CHECK = dict(n_layer=2, n_head=2, d_model=32, block_size=16, seed=7, lr=3e-3, steps=3, warmup=2)
@@ -914,7 +919,7 @@ def make_table(r):
                 calls = row["dcp"].get(v, {})
                 errs = [e["error"] for e in calls.values() if e.get("error")]
                 if errs:
-                    out.append(f"| {w} | {name} | fails on the CPU: {errs[0][:58]} | | | |")
+                    out.append(f"| {w} | {name} | fails on the CPU: {errs[0].split('.')[0][:80]} | | | |")
                     continue
                 if "1" not in calls or "2" not in calls:
                     continue
