@@ -465,7 +465,6 @@ def op_check_ds(a, rank, world, log):
 
 def worker(argv):
     a = worker_parse(argv)
-    a.full_state_to = ""
     if a.op in ("dcp-consolidate", "ds-to-fp32"):  # one process, no process group
         log = Log(a.io_log, 0)
         (op_dcp_consolidate if a.op == "dcp-consolidate" else op_ds_to_fp32)(a, log)
