@@ -114,10 +114,12 @@ def main(argv=None):
         ax.set_title(f"{title}: {(t1 - t0) / 1e3:.1f} ms", fontsize=9, loc="left")
     axes[-1, 0].set_xlabel("ms")
     legend = [Patch(color=c, label=k) for k, c in COLOURS.items()]
-    fig.legend(handles=legend, loc="upper center", ncol=len(legend), fontsize=7, frameon=False)
+    top = 0.95 if args.title else 0.97
     if args.title:
         fig.suptitle(args.title, y=0.995, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, top + 0.01), ncol=len(legend),
+               fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, top - 0.02))
     fig.savefig(args.out, dpi=130)
     print(f"trace-png.py: wrote {args.out}")
 
