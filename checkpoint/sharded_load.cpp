@@ -167,7 +167,11 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
   const std::vector<LocalShard> shards = detail::local_shards(root);
   match_names(src, shards, what, options.strict, report);
   at::NoGradGuard no_grad;
-  for (const LocalShard& ls : shards) load_shard(src, ls, optimizer);
+  {
+    detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read shards"); });
+    for (const LocalShard& ls : shards) load_shard(src, ls, optimizer);
+  }
+  detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read rank parts"); });
   load_rank_parts(src, root, optimizer, state, options, what, report);
   return report;
 }

@@ -37,12 +37,22 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   try {
     const std::string file = (plan.tmp / rank_file_name(rank)).string();
     call_save_hook("write", file);
-    write_snapshot(file, take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr));
+    RankSnapshot snap;
+    {
+      detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint snapshot"); });
+      snap = take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr);
+    }
+    detail::trace::Scope s("checkpoint",
+                           []() { return std::string("checkpoint write rank file"); });
+    write_snapshot(file, snap);
   } catch (const std::exception& e) {
     error = e.what();
   }
-  agree_or_abandon(pg, plan, fn, dir, error);
-
+  {
+    detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint agree"); });
+    agree_or_abandon(pg, plan, fn, dir, error);
+  }
+  detail::trace::Scope publishing("checkpoint", []() { return std::string("checkpoint publish"); });
   rank0_tries(pg, std::string(fn) + ": publishing " + plan.final_dir.string(), [&] {
     call_save_hook("publish", plan.final_dir.string());
     publish(plan, options.keep_last);

@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
                 << pg.size() << "\"}\n";
     }
     fsdp::detail::trace::enabled_flag().store(true);
-  }  // the model goes: its trace is written
+  }                                                  // the model goes: its trace is written
   fsdp::detail::trace::enabled_flag().store(false);  // nothing more to write at exit
   pg.barrier();
   if (pg.rank() == 0) std::filesystem::remove_all(dir);
