@@ -13,7 +13,8 @@ result checked against the exact sum. Variants:
   direct     every rank sends chunk j to rank j at once and sums the N parts of its own
              chunk in rank order (fp32 for bf16): the backend's path
 
-  USE_LIBUV=0 torchrun --nproc-per-node N tests/interop/gloo_reduce_scatter.py
+  torchrun --nproc-per-node N tests/interop/gloo_reduce_scatter.py   (Debian's torch 2.6:
+  scripts/torchrun.py --nproc_per_node N ...)
   environment: SIZES_MIB=1,16,64 (of fp32; bf16 gets the same element count), DTYPE=fp32|bf16,
   ITERS=5
 """
@@ -24,8 +25,13 @@ import time
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")
-r, N = dist.get_rank(), dist.get_world_size()
+# The store by hand, without libuv, which Debian's python3-torch 2.6 lacks (under torchrun,
+# a client of the agent's store): USE_LIBUV=0 does not reach every store in 2.6.
+kw = {"use_libuv": False} if "use_libuv" in (dist.TCPStore.__init__.__doc__ or "") else {}
+r, N = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+serve = r == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), N, serve, **kw)
+dist.init_process_group("gloo", store=store, rank=r, world_size=N)
 torch.set_num_threads(1)
 
 
