@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 #include <optional>
 
 #include <cstdlib>
@@ -350,6 +351,99 @@ TEST(Collectives, GatherReduceScatterAllReduceBroadcastAtWorldThree) {
     EXPECT_TRUE(torch::equal(b.to(torch::kFloat), torch::full({3}, 2.f)));
     pg.barrier();
   });
+}
+
+// Rank r's integer-valued gradient: small enough that any sum over 4 ranks is exact in
+// bf16 (|sum| < 256), with negatives, different on every rank and element.
+torch::Tensor integer_grad(int r, int64_t numel, torch::ScalarType dtype) {
+  return (torch::arange(numel, torch::kLong).remainder(13) + 3 * r - 5).to(dtype);
+}
+
+// Every rank's chunk of the sum, from the ranks' gradients rebuilt here.
+void expect_exact_reduce_scatter(const ProcessGroup& pg, int64_t per_rank,
+                                 torch::ScalarType dtype) {
+  const int n = pg.size();
+  const int64_t numel = per_rank * n;
+  auto sum = torch::zeros({numel}, torch::kLong);
+  for (int q = 0; q < n; ++q) sum += integer_grad(q, numel, torch::kLong);
+  auto full = integer_grad(pg.rank(), numel, dtype);
+  auto mine = torch::full({per_rank}, 999, dtype);
+  pg.reduce_scatter_sum(full, mine);
+  auto want = sum.narrow(0, pg.rank() * per_rank, per_rank).to(dtype);
+  EXPECT_TRUE(torch::equal(mine, want))
+      << "world " << n << ", " << per_rank << " per rank, " << dtype << ": rank " << pg.rank()
+      << " got " << mine.narrow(0, 0, std::min<int64_t>(per_rank, 8)) << " want "
+      << want.narrow(0, 0, std::min<int64_t>(per_rank, 8));
+}
+
+// Note [Gloo reduce-scatter]: the chunks each rank receives, summed in rank order, equal
+// the integer sum exactly; world 3 with odd chunk sizes, and one element per rank.
+TEST(Collectives, ReduceScatterIsTheExactSumAtWorldThreeForFp32AndBf16) {
+  run_ranks(3, [](const ProcessGroup& pg) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      for (int64_t per_rank : {1, 2, 7, 1001}) expect_exact_reduce_scatter(pg, per_rank, dtype);
+    }
+  });
+}
+
+TEST(Collectives, ReduceScatterIsTheExactSumAtWorldFourWithOneElementPerRank) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) expect_exact_reduce_scatter(pg, 1, dtype);
+  });
+}
+
+// Bytes this process wrote to its sockets (and anything else) so far: /proc/self/io's
+// wchar, which counts every write/writev of all its threads (Gloo's transport writes with
+// writev). -1 where the kernel keeps no such count.
+int64_t bytes_written() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  return -1;
+}
+
+// What one reduce-scatter of `numel` elements of `dtype` writes on this rank, after a
+// barrier (so no other collective is in flight).
+int64_t bytes_of_one_reduce_scatter(const ProcessGroup& pg, int64_t numel,
+                                    torch::ScalarType dtype) {
+  auto full = integer_grad(pg.rank(), numel, dtype);
+  auto mine = torch::empty({numel / pg.size()}, dtype);
+  pg.barrier();
+  const int64_t before = bytes_written();
+  pg.reduce_scatter_sum(full, mine);
+  const int64_t after = bytes_written();
+  return before < 0 || after < 0 ? -1 : after - before;
+}
+
+// Each rank puts (N-1)/N of the flat gradient on the wire, in its own dtype (bf16 stays
+// bf16), plus Gloo's few headers; FSDP_GLOO_REDUCE_SCATTER=allreduce, the former path,
+// writes 2(N-1)/N (Gloo's ring all-reduce), which shows the count sees the wire.
+TEST(Collectives, ReduceScatterSendsNMinusOneNthsOfTheGradientPerRank) {
+  constexpr int kWorld = 3;
+  constexpr int64_t kNumel = int64_t{3} << 18;  // 3 MiB of fp32
+  constexpr int64_t kSlack = 64 << 10;          // headers and notifications
+  auto expect_bytes = [](const ProcessGroup& pg, torch::ScalarType dtype, double fraction) {
+    const int64_t flat = kNumel * static_cast<int64_t>(c10::elementSize(dtype));
+    const int64_t sent = bytes_of_one_reduce_scatter(pg, kNumel, dtype);
+    if (sent < 0) return;
+    const auto want = static_cast<int64_t>(fraction * static_cast<double>(flat));
+    EXPECT_GE(sent, want) << dtype << ": rank " << pg.rank() << " wrote " << sent << " bytes for a "
+                          << flat << "-byte gradient";
+    EXPECT_LE(sent, want + kSlack) << dtype << ": rank " << pg.rank() << " wrote " << sent
+                                   << " bytes for a " << flat << "-byte gradient";
+  };
+  if (bytes_written() < 0) GTEST_SKIP() << "this kernel keeps no /proc/self/io write count";
+  run_ranks(kWorld, [&](const ProcessGroup& pg) {
+    expect_bytes(pg, torch::kFloat, (kWorld - 1.0) / kWorld);
+    expect_bytes(pg, torch::kBFloat16, (kWorld - 1.0) / kWorld);
+  });
+  run_ranks(
+      kWorld,
+      [&](const ProcessGroup& pg) { expect_bytes(pg, torch::kFloat, 2 * (kWorld - 1.0) / kWorld); },
+      300, {"FSDP_GLOO_REDUCE_SCATTER=allreduce"});
 }
 
 TEST(Collectives, SplitMakesDisjointSubgroups) {

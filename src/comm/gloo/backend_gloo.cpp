@@ -40,6 +40,69 @@ class C10dWork : public Work {
   std::function<void()> then_;  ///< finishes the emulated collective (e.g. takes a chunk)
 };
 
+// Note [Gloo reduce-scatter]
+// Neither LibTorch's ProcessGroupGloo reduce-scatters: 2.6's _reduce_scatter_base and
+// 2.15's reduce_scatter_single call reduce_scatter_tensor_coalesced /
+// reduce_scatter_single_coalesced, which all-reduce the whole input (Gloo's ring: 2(N-1)/N
+// of it leaves each rank) and copy out the rank's chunk; 2.6's list reduce_scatter throws.
+// So the backend moves the chunks itself over ProcessGroupGloo's send/recv, which every
+// supported version has: at issue, each rank posts, for every other rank j, a send of its
+// chunk j of `full` to j and a receive of j's chunk of its own; Gloo's transport moves them
+// while the caller computes. wait() sums the N parts of this rank's chunk in rank order
+// (rank 0's + rank 1's + ...), in fp32 for bf16/fp16, and rounds once into `shard`. Each
+// rank sends (N-1)/N of `full`, in its own dtype, in one round (no partial sums travel, so
+// bf16 need not widen on the wire), and receives as much into N-1 buffers of a chunk each,
+// freed by wait(). Every element of a chunk is summed in the same order on every run; only
+// the chunk's owner computes it, so no two ranks need to agree. Tags: one per call, counted
+// alike on every rank (send/recv slots do not meet the collectives' prefixed ones).
+enum class RsAlgorithm { kDirect, kAllReduce };
+
+RsAlgorithm reduce_scatter_algorithm() {
+  const char* v = std::getenv("FSDP_GLOO_REDUCE_SCATTER");
+  if (v == nullptr || *v == '\0' || std::string(v) == "direct") return RsAlgorithm::kDirect;
+  TORCH_CHECK(std::string(v) == "allreduce", "FSDP_GLOO_REDUCE_SCATTER='", v,
+              "' is not an algorithm: use direct (the default: each rank sends (N-1)/N of the "
+              "gradient) or allreduce (a SUM all-reduce, then the rank's chunk; 2(N-1)/N)");
+  return RsAlgorithm::kAllReduce;
+}
+
+class GlooReduceScatter : public Work {
+ public:
+  GlooReduceScatter(std::vector<c10::intrusive_ptr<c10d::Work>> recvs,
+                    std::vector<c10::intrusive_ptr<c10d::Work>> sends,
+                    std::vector<at::Tensor> parts, at::Tensor shard)
+      : recvs_(std::move(recvs)),
+        sends_(std::move(sends)),
+        parts_(std::move(parts)),
+        shard_(std::move(shard)) {}
+  void wait() override {
+    if (parts_.empty()) return;
+    for (auto& w : recvs_) w->wait();
+    {
+      at::NoGradGuard g;
+      const auto t = parts_[0].scalar_type();
+      const bool widen = t == at::kBFloat16 || t == at::kHalf;
+      bool in_place = !widen && shard_.scalar_type() == t;
+      for (const auto& p : parts_) in_place = in_place && !shard_.is_alias_of(p);
+      at::Tensor acc = widen      ? parts_[0].to(at::kFloat)
+                       : in_place ? shard_.copy_(parts_[0])
+                                  : parts_[0].clone();
+      for (size_t i = 1; i < parts_.size(); ++i) acc.add_(parts_[i]);
+      if (!in_place) shard_.copy_(acc);
+    }
+    for (auto& w : sends_) w->wait();
+    recvs_.clear();
+    sends_.clear();
+    parts_.clear();
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> recvs_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
+  std::vector<at::Tensor> parts_;  ///< rank i's contribution to this rank's chunk, at i
+  at::Tensor shard_;
+};
+
 // Other dtypes (bfloat16) are reduced in fp32: Gloo's bf16 sum differs between LibTorch
 // versions, and an fp32 sum rounds once, at the end.
 bool gloo_reduces(at::ScalarType t) {
@@ -194,17 +257,27 @@ class GlooBackend : public Backend {
 
   std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
                                            const at::Tensor& shard) override {
-    // A SUM all-reduce, then this rank's chunk: Gloo's reduce_scatter is not in every
-    // supported LibTorch (issue 26 measures the native one where it exists).
-    auto buf = gloo_reduces(full.scalar_type()) ? full : full.to(at::kFloat);
-    std::vector<at::Tensor> ts{buf};
-    auto work = pg_->allreduce(ts);
-    int64_t n = shard.numel();
-    int64_t r = init_.rank;
-    return std::make_shared<C10dWork>(work, [buf, shard, n, r]() {
-      at::NoGradGuard g;
-      shard.copy_(buf.narrow(0, r * n, n));
-    });
+    if (rs_algorithm_ == RsAlgorithm::kAllReduce) return all_reduce_then_chunk(full, shard);
+    // Note [Gloo reduce-scatter]
+    const int64_t n = shard.numel();
+    const int size = init_.size;
+    const int me = init_.rank;
+    const int tag = static_cast<int>(rs_calls_++ % (int64_t{1} << 30));
+    std::vector<at::Tensor> parts(static_cast<size_t>(size));
+    std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
+    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+    for (int k = 1; k < size; ++k) {
+      const int from = (me - k + size) % size;
+      const int to = (me + k) % size;
+      parts[static_cast<size_t>(from)] = at::empty({n}, full.options());
+      std::vector<at::Tensor> in{parts[static_cast<size_t>(from)]};
+      recvs.push_back(pg_->recv(in, from, tag));
+      std::vector<at::Tensor> out{full.narrow(0, to * n, n)};
+      sends.push_back(pg_->send(out, to, tag));
+    }
+    parts[static_cast<size_t>(me)] = full.narrow(0, me * n, n);
+    return std::make_shared<GlooReduceScatter>(std::move(recvs), std::move(sends), std::move(parts),
+                                               shard);
   }
 
   std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) override {
@@ -237,9 +310,25 @@ class GlooBackend : public Backend {
   }
 
  private:
+  // The former reduce-scatter (FSDP_GLOO_REDUCE_SCATTER=allreduce): a SUM all-reduce of
+  // `full`, then this rank's chunk; 2(N-1)/N of `full` leaves each rank.
+  std::shared_ptr<Work> all_reduce_then_chunk(const at::Tensor& full, const at::Tensor& shard) {
+    auto buf = gloo_reduces(full.scalar_type()) ? full : full.to(at::kFloat);
+    std::vector<at::Tensor> ts{buf};
+    auto work = pg_->allreduce(ts);
+    int64_t n = shard.numel();
+    int64_t r = init_.rank;
+    return std::make_shared<C10dWork>(work, [buf, shard, n, r]() {
+      at::NoGradGuard g;
+      shard.copy_(buf.narrow(0, r * n, n));
+    });
+  }
+
   BackendInit init_;
   std::string prefix_;
   int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
+  RsAlgorithm rs_algorithm_ = reduce_scatter_algorithm();
+  int64_t rs_calls_ = 0;  ///< reduce-scatters issued; each uses its own send/recv tag
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<ProbeListener> probe_;  ///< Note [Peer probe]
   std::vector<ProbePeer> peers_;          ///< this group's other ranks, to probe
