@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <future>
 #include <sstream>
@@ -94,6 +95,23 @@ class GlooReduceScatter : public Work {
     recvs_.clear();
     sends_.clear();
     parts_.clear();
+  }
+  /// Once every part has arrived (the sum is wait()'s, on the caller's thread).
+  void on_completion(std::function<void()> f) override {
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    try {
+      for (auto& w : recvs_) futures.push_back(w->getFuture());
+    } catch (const std::exception&) {
+      return;  // no futures: the span ends at the wait
+    }
+    auto left = std::make_shared<std::atomic<size_t>>(futures.size());
+    auto done = std::make_shared<std::function<void()>>(std::move(f));
+    if (futures.empty()) (*done)();
+    for (auto& fut : futures) {
+      fut->addCallback([left, done](c10::ivalue::Future&) {
+        if (left->fetch_sub(1) == 1) (*done)();
+      });
+    }
   }
 
  private:
