@@ -433,6 +433,11 @@ def train(args):
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=args.weight_decay)
     else:
+        # Its CPU backend JIT-compiles a shared-memory all-reduce (a C++ extension, minutes
+        # and a compiler) used by inference_all_reduce alone; training calls Gloo's.
+        import deepspeed.comm.torch
+
+        deepspeed.comm.torch.build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo")
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         client = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
