@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
-# train_gpt against PyTorch FSDP1 on the same LibTorch: the same weights, batches and
-# schedule (tests/interop/fsdp_gpt.py), losses checked to agree, then median step time and
-# the largest rank's peak RSS compared. Runs where python3-torch's FSDP imports, i.e. in
-# the Debian 13 root (LibTorch 2.6 for both sides):
+# train_gpt against its anchors, PyTorch FSDP2, PyTorch FSDP1 and DeepSpeed ZeRO-3, on the
+# same weights, batches and schedule (tests/interop/fsdp_gpt.py --impl): losses checked to
+# agree, then median step time, the largest rank's peak RSS and bytes communicated per
+# rank per step, each against the best anchor. Runs on the host with the project's .venv
+# (PyPI torch, deepspeed from scripts/requirements.txt) and build/bin:
 #
-#   scripts/in-debian13.sh ./scripts/compare-pytorch.sh           # full run, ~15-20 min on 2 cores
-#   scripts/in-debian13.sh ./scripts/compare-pytorch.sh --quick   # smaller model, one repetition, ~3 min
-#   ./scripts/compare-pytorch.sh --plot-only build-debian13/bench/vs_pytorch/vs_pytorch.json [OUTDIR]
-#   ./scripts/compare-pytorch.sh --perf [W] [P]   # perf profiles of one row, both sides (below)
+#   ./scripts/compare-pytorch.sh                    # full run (2 repetitions), ~1 h on 2 cores
+#   ./scripts/compare-pytorch.sh --quick            # smaller model, one repetition, ~15 min
+#   ./scripts/compare-pytorch.sh --quick --link 1gbit   # world 4 = 2 hosts x 2 ranks over a shaped link
+#   ./scripts/compare-pytorch.sh --bin-dir DIR ...  # those binaries, no build (Python: $FSDP_PY or .venv;
+#                                                   # results still in build/bench)
+#   scripts/in-debian13.sh ./scripts/compare-pytorch.sh   # Debian 13's torch 2.6: FSDP1 alone
+#   ./scripts/compare-pytorch.sh --plot-only build/bench/vs_pytorch/vs_anchors.json [OUTDIR]
+#   ./scripts/compare-pytorch.sh --perf [W] [P]   # perf profiles of one row, FSDP1 (below)
 #
 # Two sizes (small: 4 layers, d_model 128, block 64; large: 4 layers, d_model 512, block
 # 128), worlds 1, 2 and 4, fp32 and bf16; one thread per rank (OMP_NUM_THREADS=1, the
-# same for both; world 4 oversubscribes 2 cores; why not 2 at world 1: THREADS in
-# tests/interop/compare_fsdp.py). Each pair
-# runs alternately (PyTorch, this library, PyTorch, this library; 2 repetitions), warm-up
-# steps left out. Appends vs_pytorch_step_time_{size}_w{world}_{precision} and
-# vs_pytorch_peak_rss_... (ratios, this library / PyTorch, with the raw figures) to
-# $BUILD/bench/results.jsonl, prints a table, and draws PNGs (loss curves, step-time and
-# RSS bars) into $BUILD/bench/vs_pytorch/ when python3-matplotlib is installed.
-# Then checkpoints (--parts ckpt; --ckpt-worlds 1,2,4): an 8-layer d_model 1024 GPT
-# (~101 M parameters, 1.2 GB with AdamW state) after one step, saved sharded against DCP's
-# FileSystemWriter, loaded cold (files evicted from the page cache) against DCP's
-# FileSystemReader, exported whole against FULL_STATE_DICT + torch.save, each beside the
-# disk's raw write + fsync and cold read of the same bytes: vs_dcp_save, vs_dcp_load,
-# vs_fsdp_full_state_export (speed-ups, PyTorch seconds / this library's).
+# same for all; world 4 oversubscribes 2 cores; why not 2 at world 1: THREADS in
+# tests/interop/compare_fsdp.py). Per configuration the anchors run, then this library
+# (reversed on the next repetition), warm-up steps left out. Targets for this library,
+# against the best anchor of each column: step time <= 0.9x the fastest, peak RSS <= 0.8x
+# the smallest, bytes <= the fewest. Appends vs_anchors_{step_time,peak_rss,comm_bytes}_
+# {size}_w{world}_{precision}[_{link}] (ratios, with every implementation's figures) and
+# FSDP1's vs_pytorch_* series to $BUILD/bench/results.jsonl, prints a Markdown table and
+# draws PNGs into $BUILD/bench/vs_pytorch/. Then (loopback only) checkpoints (--parts ckpt;
+# --ckpt-worlds 1,2,4): an 8-layer d_model 1024 GPT (~101 M parameters, 1.2 GB with AdamW
+# state) after one step, saved sharded against DCP's FileSystemWriter, loaded cold against
+# DCP's FileSystemReader, exported whole against FULL_STATE_DICT + torch.save:
+# vs_dcp_save, vs_dcp_load, vs_fsdp_full_state_export.
+#
+# --link SHAPE (needs root, iproute2 and tc): two network-namespace hosts joined by a veth
+# link (tests/multihost/lib.sh, as scripts/bench-links.sh), world 4 = 2 hosts x 2 ranks,
+# every collective crossing the link. SHAPE: veth (unshaped), 10gbit, 1gbit (tc tbf on both
+# ends), or a root qdisc of your own ("tbf rate 100mbit burst 64kb latency 50ms").
 # Further flags go to tests/interop/compare_fsdp.py bench (--reps N, --worlds 1,2,
-# --precisions fp32, --parts train|ckpt).
+# --precisions fp32, --sizes small, --impls cpp,fsdp2,fsdp1,deepspeed, --parts train|ckpt,
+# --lock FILE: hold flock(FILE) over each configuration's runs on a shared machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # --perf [W] [P] (default 1 fp32), from this (Debian 12) host: perf profiles of the large
@@ -53,16 +63,64 @@ if [ "${1:-}" = --perf ]; then
   exit 0
 fi
 if [ "${1:-}" = --plot-only ]; then
-  [ $# -ge 2 ] || { echo "compare-pytorch: --plot-only needs the vs_pytorch.json of a run" >&2; exit 2; }
-  exec /usr/bin/python3 tests/interop/compare_fsdp.py plot "$2" "${3:-$(dirname "$2")}"
+  [ $# -ge 2 ] || { echo "compare-pytorch: --plot-only needs the vs_anchors.json of a run" >&2; exit 2; }
+  PY="${FSDP_PY:-${FSDP_VENV:-$PWD/.venv}/bin/python}"
+  [ -x "$PY" ] || PY=/usr/bin/python3
+  exec "$PY" tests/interop/compare_fsdp.py plot "$2" "${3:-$(dirname "$2")}"
 fi
-B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/in-debian13.sh
-. scripts/lib/python-env.sh
-. scripts/lib/build.sh
-fsdp_torch_setup
-fsdp_configure "$([ -n "${FSDP_IN_DEBIAN13:-}" ] && echo debian13 || echo release)" "$B" >/dev/null
-cmake --build "$B" --target train_gpt fsdp-run
+BIN=""
+LINK=""
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin-dir) BIN="${2:?--bin-dir needs a folder with train_gpt and fsdp-run}"; shift 2 ;;
+    --link) LINK="${2:?--link needs a shape: veth, 10gbit, 1gbit or a root qdisc}"; shift 2 ;;
+    *) ARGS+=("$1"); shift ;;
+  esac
+done
+if [ -n "$BIN" ]; then  # those binaries as they are; the Python that has the anchors
+  PY="${FSDP_PY:-}"
+  [ -n "$PY" ] || PY="${FSDP_VENV:-$PWD/.venv}/bin/python"
+  [ -x "$PY" ] || PY=/usr/bin/python3
+fi
+B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/in-debian13.sh; results in $B/bench
+if [ -z "$BIN" ]; then
+  . scripts/lib/python-env.sh
+  . scripts/lib/build.sh
+  fsdp_torch_setup
+  fsdp_configure "$([ -n "${FSDP_IN_DEBIAN13:-}" ] && echo debian13 || echo release)" "$B" >/dev/null
+  cmake --build "$B" --target train_gpt fsdp-run
+  BIN="$B/bin"
+  PY="$FSDP_PY"
+fi
 mkdir -p "$B/bench"
-echo "== train_gpt vs PyTorch FSDP1 ($(/usr/bin/python3 -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'no python3-torch'))"
-exec /usr/bin/python3 tests/interop/compare_fsdp.py bench --bin-dir "$B/bin" --out "$B/bench/vs_pytorch" \
-  --results "$B/bench/results.jsonl" "$@"
+IMPLS=()
+if [ -n "${FSDP_IN_DEBIAN13:-}" ]; then
+  IMPLS=(--impls "cpp,fsdp1")  # torch 2.6: FSDP2 does not run on the CPU, no deepspeed
+fi
+BENCH=("$PY" tests/interop/compare_fsdp.py bench --bin-dir "$BIN" --out "$B/bench/vs_pytorch"
+       --results "$B/bench/results.jsonl" "${IMPLS[@]}")
+echo "== train_gpt vs its anchors ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo "no torch in $PY"))"
+[ -n "$LINK" ] || exec "${BENCH[@]}" "${ARGS[@]}"
+
+case "$LINK" in
+  veth) QDISC=none ;;
+  10gbit) QDISC="tbf rate 10gbit burst 1mb latency 50ms" ;;
+  1gbit) QDISC="tbf rate 1gbit burst 256kb latency 50ms" ;;
+  *) QDISC="$LINK" ;;
+esac
+BIN="$(cd "$BIN" && pwd)"
+. tests/multihost/lib.sh
+mh_setup compare-pytorch 10.9.12
+if [ "$QDISC" != none ]; then
+  for h in 1 2; do
+    if [ "$h" = 1 ]; then dev="$L1" ns="$H1"; else dev="$L2" ns="$H2"; fi
+    # shellcheck disable=SC2086
+    ip netns exec "$ns" tc qdisc add dev "$dev" root $QDISC ||
+      { echo "compare-pytorch: tc qdisc add dev $dev root $QDISC failed (--link $LINK)" >&2; exit 2; }
+  done
+fi
+NAME="$(echo "$LINK" | tr -c 'A-Za-z0-9\n' _)"
+rc=0
+"${BENCH[@]}" --parts train --hosts "$H1:$L1:$A1,$H2:$L2:$A2" --link "$NAME" "${ARGS[@]}" || rc=$?
+exit "$rc"

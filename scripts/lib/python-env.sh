@@ -51,8 +51,16 @@ fsdp_make_venv() {
       fsdp_env_fail "$base -m venv $FSDP_VENV failed (on Debian: apt-get install python3-venv, or run scripts/install-deps.sh)"
   fi
   echo "[python-env] pip install -r scripts/requirements.txt into $FSDP_VENV (torch with its CUDA libraries: a few GB the first time)"
-  "$FSDP_VENV/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt ||
+  # deepspeed last (its setup.py imports torch), with DS_BUILD_OPS=0: see requirements.txt.
+  "$FSDP_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -r <(grep -v '^deepspeed' scripts/requirements.txt) ||
     fsdp_env_fail "pip could not install scripts/requirements.txt (is PyPI reachable?)"
+  local ds
+  ds="$(grep '^deepspeed' scripts/requirements.txt || true)"
+  if [ -n "$ds" ]; then
+    DS_BUILD_OPS=0 "$FSDP_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation "$ds" ||
+      fsdp_env_fail "pip could not install $ds (DS_BUILD_OPS=0, --no-build-isolation; is PyPI reachable?)"
+  fi
   fsdp_cuda_toolkit
   fsdp_gloo_headers
   echo "$want" >"$stamp"

@@ -247,28 +247,205 @@ def init_distributed():
     return rank, world
 
 
+class CommCounter:
+    """Bytes each rank puts into collectives, counted at the process group: the
+    torch.distributed functions (and the functional collectives DTensor uses) are wrapped,
+    so whatever FSDP1, FSDP2 or DeepSpeed calls is seen, by name. The convention is the one
+    of this library's CommStats (include/fsdp/stats.h), which train_gpt logs as comm_bytes:
+    a collective counts the size of its full (unsharded) buffer: an all-gather its output,
+    a reduce-scatter its input, an all-reduce, a broadcast and a reduce their tensor. As
+    there, nothing is counted at world 1 (no bytes leave the process); the calls are still
+    listed. A collective that another wrapped one calls (torch's own fallbacks) counts once,
+    as the outer one."""
+
+    def __init__(self, world):
+        import threading
+
+        self.world = world
+        self.local = threading.local()
+        self.enabled = True
+        self.reset()
+
+    def reset(self):
+        self.bytes, self.calls = {}, {}
+
+    @staticmethod
+    def nbytes(x):
+        if isinstance(x, (list, tuple)):
+            return sum(CommCounter.nbytes(t) for t in x)
+        return x.numel() * x.element_size() if hasattr(x, "element_size") else 0
+
+    def install(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        def arg(a, k, i, name):
+            return k[name] if name in k else (a[i] if len(a) > i else None)
+
+        def out0(name):
+            return lambda a, k: self.nbytes(arg(a, k, 0, name))
+
+        def in1(name):
+            return lambda a, k: self.nbytes(arg(a, k, 1, name))
+
+        sizes = {  # function: its full buffer, by the convention above
+            "all_gather_into_tensor": out0("output_tensor"),
+            "_all_gather_base": out0("output_tensor"),
+            "all_gather_single": out0("output_tensor"),
+            "all_gather": out0("tensor_list"),
+            "all_gather_coalesced": out0("output_tensor_lists"),
+            "reduce_scatter_tensor": in1("input"),
+            "_reduce_scatter_base": in1("input"),
+            "reduce_scatter_single": in1("input"),
+            "reduce_scatter": in1("input_list"),
+            "all_reduce": out0("tensor"),
+            "all_reduce_coalesced": out0("tensors"),
+            "broadcast": out0("tensor"),
+            "reduce": out0("tensor"),
+            "all_to_all_single": in1("input"),
+            "all_to_all": in1("input_tensor_list"),
+            "send": out0("tensor"),
+            "isend": out0("tensor"),
+            "barrier": lambda a, k: 0,
+        }
+        for mod in (dist, c10d):
+            for name, size in sizes.items():
+                if hasattr(mod, name):
+                    setattr(mod, name, self.wrap(name, getattr(c10d, name, getattr(mod, name)), size))
+        try:  # DTensor's collectives (FSDP2's gradient norm)
+            import torch.distributed._functional_collectives as funcol
+
+            world = self.world
+            fsizes = {"all_reduce": lambda a, k: self.nbytes(a[0]),
+                      "all_gather_tensor": lambda a, k: self.nbytes(a[0]) * world,
+                      "reduce_scatter_tensor": lambda a, k: self.nbytes(a[0])}
+            for name, size in fsizes.items():
+                if hasattr(funcol, name):
+                    setattr(funcol, name, self.wrap("functional." + name, getattr(funcol, name), size))
+        except ImportError:
+            pass
+
+    def wrap(self, name, fn, size):
+        if getattr(fn, "_comm_counted", False):
+            return fn
+
+        def counted(*a, **k):
+            depth = getattr(self.local, "depth", 0)
+            if depth == 0 and self.enabled:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                if self.world > 1:
+                    self.bytes[name] = self.bytes.get(name, 0) + size(a, k)
+            self.local.depth = depth + 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.local.depth = depth
+
+        counted._comm_counted = True
+        counted.__wrapped__ = fn
+        return counted
+
+
+def ds_config(args, per_rank):
+    """DeepSpeed's configuration: ZeRO-3, set so that what can compute as FSDP does.
+    stage3_param_persistence_threshold 0: by default ZeRO-3 keeps every parameter under
+    1e5 elements whole on every rank (not sharded, never gathered; at these sizes most
+    of the model); 0 shards them all, as FSDP does. bf16: DeepSpeed's bf16 mode (module
+    weights in bf16, fp32 master partitions in the optimizer, gradients reduced in bf16
+    (communication_data_type defaults to the model's) and accumulated in bf16
+    (grad_accum_dtype), then cast to fp32 for the optimizer: as FSDP1's reduce_dtype bf16);
+    no loss scaling in bf16. gradient_clipping: the global norm over the fp32 gradient
+    partitions, scaled by max_norm / (norm + 1e-6) when above: torch's clip_grad_norm_."""
+    return {
+        "train_batch_size": args.batch_size,
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip_grad if args.clip_grad > 0 else 0.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": args.precision == "bf16"},
+        "fp16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def ds_set_fp32_masters(engine, model, init):
+    """DeepSpeed makes its fp32 master partitions from the module's weights after casting
+    them to bf16, so in bf16 training would start from bf16-rounded weights; FSDP keeps the
+    fp32 ones. Writes the fp32 initial weights into the master partitions (each rank its
+    own, padded at the end as ZeRO-3 pads), so both start alike."""
+    import torch
+
+    opt = engine.optimizer
+    for n, p in model.named_parameters():
+        part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+        rank = opt._get_param_partition_rank(p)
+        full = init[n].flatten().float()
+        pad = part.numel() * engine.dp_world_size - full.numel()
+        if pad:
+            full = torch.cat([full, full.new_zeros(pad)])
+        part.data.copy_(full.narrow(0, part.numel() * rank, part.numel()))
+
+
 def train(args):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import (FullStateDictConfig, MixedPrecision, ShardingStrategy,
-                                        StateDictType)
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    if args.impl == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
     rank, world = init_distributed()
     if args.batch_size % world:
         sys.exit(f"fsdp_gpt.py: --batch-size {args.batch_size} must be divisible by world size {world}")
+    if args.impl != "fsdp1" and (args.dcp_save or args.dcp_load or args.torch_save_to):
+        sys.exit(f"fsdp_gpt.py: --dcp-save, --dcp-load and --torch-save-to are written for --impl fsdp1; "
+                 f"drop them or use --impl fsdp1 (not {args.impl})")
+    counter = CommCounter(world)
+    counter.install()
     torch.manual_seed(args.seed)
     model, Block = build_model(args)
     load_init(model, args.init_from, args)
-    mp = None
-    if args.precision == "bf16":
-        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
-                 use_orig_params=True, sharding_strategy=ShardingStrategy.FULL_SHARD, mixed_precision=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=args.weight_decay)
+    bf16 = args.precision == "bf16"
+    engine = None
+    if args.impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                     use_orig_params=True, sharding_strategy=ShardingStrategy.FULL_SHARD, mixed_precision=mp)
+        clip = model.clip_grad_norm_
+    elif args.impl == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16
+              else MixedPrecisionPolicy())
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # noqa: E731
+    if args.impl != "deepspeed":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=args.weight_decay)
+    else:
+        # Its CPU backend JIT-compiles a shared-memory all-reduce (a C++ extension, minutes
+        # and a compiler) used by inference_all_reduce alone; training calls Gloo's.
+        import deepspeed.comm.torch
+
+        deepspeed.comm.torch.build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo")
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        client = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                                   weight_decay=args.weight_decay)
+        engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=client,
+                                                 config=ds_config(args, args.batch_size // world))
+        ds_set_fp32_masters(engine, model, init)
+        del init
 
     # Batches are made before training (pure Python is slow; train_gpt's C++ sampler
     # costs microseconds inside its step time).
@@ -299,43 +476,50 @@ def train(args):
         step_lr = lr_at(step, args)
         for g in opt.param_groups:
             g["lr"] = step_lr
+        counter.reset()
         t0 = time.perf_counter()
         rows = batches[step]
         x, y = rows[:, :-1], rows[:, 1:]
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        if args.clip_grad > 0:
-            model.clip_grad_norm_(args.clip_grad)
-        opt.step()
-        opt.zero_grad()
+        if engine is not None:  # clipping and the optimizer step are engine.step's
+            logits = engine(x).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        else:
+            logits = model(x).float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            loss.backward()
+            if args.clip_grad > 0:
+                clip(args.clip_grad)
+            opt.step()
+            opt.zero_grad()
+        counter.enabled = False  # the logged loss's all-reduce is not training's (as train_gpt)
         total = torch.tensor([loss.item()], dtype=torch.float64)
         dist.all_reduce(total)
+        counter.enabled = True
         mean = total.item() / world
         dt = time.perf_counter() - t0
         if log:
-            log.write(json.dumps({"step": step + 1, "loss": mean, "lr": step_lr, "step_s": dt}) + "\n")
+            log.write(json.dumps({"step": step + 1, "loss": mean, "lr": step_lr, "step_s": dt,
+                                  "comm_bytes": sum(counter.bytes.values()), "comm_bytes_by": counter.bytes,
+                                  "comm_calls": counter.calls}) + "\n")
             log.flush()
+    counter.enabled = False
 
     if args.dcp_save:
         timed("save", args.dcp_save, lambda: dcp_save(model, opt, args.dcp_save))
     if args.torch_save_to:
         timed("export", args.torch_save_to, lambda: full_state_torch_save(model, rank, args.torch_save_to))
     if args.full_state_to:
-        # offload_to_cpu=True would be a no-op here (the model is in host memory) and FSDP1
-        # 2.6 on a CPU device segfaults with it at world >= 2 (handle.to_cpu() on a CPU
-        # flat parameter frees what the clone then reads), and refuses it under NO_SHARD
-        # (world 1). rank0_only still keeps the full copy on rank 0 alone.
-        cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-            sd = model.state_dict()
+        sd = full_state(args.impl, model, engine)
         if rank == 0:
             write_consolidated(args.full_state_to, sd, model_attrs(args), args.steps)
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
     every = [torch.zeros_like(rss) for _ in range(world)]
     dist.all_gather(every, rss)
     if log:
-        log.write(json.dumps({"final": True, "peak_rss_kb": [int(t.item()) for t in every]}) + "\n")
+        log.write(json.dumps({"final": True, "impl": args.impl, "torch": torch.__version__,
+                              "peak_rss_kb": [int(t.item()) for t in every]}) + "\n")
         log.close()
     dist.barrier()
     # Leave without tearing down: torch 2.6's Gloo threads at interpreter exit sometimes
@@ -343,6 +527,26 @@ def train(args):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def full_state(impl, model, engine):
+    """The fp32 weights by name, whole on rank 0 (other ranks: whatever they get)."""
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # offload_to_cpu=True would be a no-op here (the model is in host memory) and FSDP1
+        # 2.6 on a CPU device segfaults with it at world >= 2 (handle.to_cpu() on a CPU
+        # flat parameter frees what the clone then reads), and refuses it under NO_SHARD
+        # (world 1). rank0_only still keeps the full copy on rank 0 alone.
+        cfg = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            return model.state_dict()
+    if impl == "fsdp2":  # DTensor parameters, gathered one at a time
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+    from deepspeed.utils import safe_get_full_fp32_param  # the fp32 masters, not the bf16 copies
+
+    return {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
 
 
 def dcp_save(model, opt, path):
@@ -403,6 +607,8 @@ def parse(argv=None):
     a("--clip-grad", type=float, default=1.0)
     a("--seed", type=int, default=1337)
     a("--precision", choices=["fp32", "bf16"], default="fp32")
+    a("--impl", choices=["fsdp1", "fsdp2", "deepspeed"], default="fsdp1",
+      help="the anchor: PyTorch FSDP1, PyTorch FSDP2 (fully_shard) or DeepSpeed ZeRO-3")
     a("--init-from", help="consolidated HDF5 file with the initial weights")
     a("--write-init", help="write GPT-2 style initial weights from --seed to this file and exit")
     a("--log-jsonl", default="")
