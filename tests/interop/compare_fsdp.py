@@ -480,6 +480,7 @@ def bench(args):
                         for impl in order:
                             runs[impl].append(r.run(impl, m, world, precision, THREADS[world], f"{tag}_r{rep}"))
                 rows.append(bench_row(size, m, world, precision, reps, runs, anchors, args.link))
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)  # its lines, as it ends
                 for x in (x for rs in runs.values() for x in rs):
                     os.remove(x["weights"])
     ckpt_rows = ckpt_bench(r, args) if "ckpt" in args.parts else []
