@@ -480,9 +480,13 @@ def bench(args):
                         for impl in order:
                             runs[impl].append(r.run(impl, m, world, precision, THREADS[world], f"{tag}_r{rep}"))
                 rows.append(bench_row(size, m, world, precision, reps, runs, anchors, args.link))
+                print(table(rows[-1:]).split("\n", 2)[2], flush=True)  # its lines, as it ends
                 for x in (x for rs in runs.values() for x in rs):
                     os.remove(x["weights"])
-    ckpt_rows = ckpt_bench(r, args) if "ckpt" in args.parts else []
+    ckpt_rows = []
+    if "ckpt" in args.parts:
+        with Lock(args.lock):
+            ckpt_rows = ckpt_bench(r, args)
     machine = describe_machine()
     versions = anchor_versions(anchors)
     runs_json = os.path.join(args.out, "vs_anchors.json")
@@ -800,7 +804,8 @@ def main():
     b.add_argument("--impls", type=lambda s: s.split(","), default=["cpp", "fsdp2", "fsdp1", "deepspeed"],
                    help="cpp (this library) and the anchors to compare with")
     b.add_argument("--sizes", type=lambda s: s.split(","), default=["small", "large"])
-    b.add_argument("--lock", default="", help="hold flock(FILE) over each configuration's runs")
+    b.add_argument("--lock", default="", help="hold flock(FILE) over each configuration's runs (and over "
+                   "the checkpoint part)")
     b.add_argument("--hosts", default="", help="NS:IF:ADDR,NS:IF:ADDR: run world 2 x hosts over these "
                    "network-namespace hosts, 2 ranks each (scripts/compare-pytorch.sh --link makes them)")
     b.add_argument("--link", default="", help="a name for the link the hosts are joined by (tables, metrics)")
