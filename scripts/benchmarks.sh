@@ -35,8 +35,11 @@ done
 MD=build/bench/md
 mkdir -p "$MD"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
-tables() {  # FILE: the Markdown table lines (and the lines right before them) of a log
-  grep -E '^\|' "$1" || true
+tables() {  # FILE: the whole Markdown tables of a log (runs of "|" lines with a header
+  # separator; the rows some scripts print as each configuration ends have none)
+  awk '/^\|/ { block = block $0 "\n"; if ($0 ~ /^\|---/) full = 1; next }
+       { if (full) printf "%s\n", block; block = ""; full = 0 }
+       END { if (full) printf "%s", block }' "$1"
 }
 
 if has bench; then
