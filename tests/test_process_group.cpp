@@ -446,6 +446,17 @@ TEST(Collectives, ReduceScatterSendsNMinusOneNthsOfTheGradientPerRank) {
       300, {"FSDP_GLOO_REDUCE_SCATTER=allreduce"});
 }
 
+TEST(Collectives, AnUnknownGlooReduceScatterAlgorithmIsNamed) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    setenv("FSDP_GLOO_REDUCE_SCATTER", "ring", 1);
+    const std::string what = error_of([&] { pg.split({{0, 1}}); });
+    unsetenv("FSDP_GLOO_REDUCE_SCATTER");
+    EXPECT_NE(what.find("FSDP_GLOO_REDUCE_SCATTER='ring' is not an algorithm: use direct"),
+              std::string::npos)
+        << what;
+  });
+}
+
 TEST(Collectives, SplitMakesDisjointSubgroups) {
   run_ranks(4, [](const ProcessGroup& pg) {
     auto sub = pg.split({{0, 2}, {1, 3}});

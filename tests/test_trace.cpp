@@ -11,6 +11,8 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -335,6 +337,65 @@ TEST(Trace, ADirectoryThatCannotBeMadeIsAClearError) {
       EXPECT_NE(what.find("ShardingOptions::trace or FSDP_TRACE"), std::string::npos) << what;
     }
   });
+}
+
+TEST(Trace, ASecondDirectoryOrAnUnwritableFileIsRefusedNamingIt) {
+  run_ranks(1, [](const ProcessGroup& pg) {
+    const fs::path dir = fs::temp_directory_path() / ("fsdp_trace_two_" + std::to_string(getpid()));
+    // A directory where the rank's file should go: the file cannot be written.
+    fs::create_directories(dir / "blocked" / "trace_rank0.json");
+    ShardingOptions o;
+    o.process_group = pg;
+    o.trace = (dir / "blocked").string();
+    try {
+      fully_shard(gpt::GPT(small_gpt_config()), o);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(what.find("FSDP trace: cannot write '" +
+                          (dir / "blocked" / "trace_rank0.json").string() + "'"),
+                std::string::npos)
+          << what;
+    }
+    o.trace = (dir / "first").string();
+    auto first = fully_shard(gpt::GPT(small_gpt_config()), o);
+    o.trace = (dir / "second").string();
+    try {
+      fully_shard(gpt::GPT(small_gpt_config()), o);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      EXPECT_NE(
+          what.find("this process already traces into '" + (dir / "first").string() +
+                    "'; a second sharded model asked for '" + (dir / "second").string() + "'"),
+          std::string::npos)
+          << what;
+    }
+    fs::remove_all(dir);
+  });
+}
+
+TEST(Trace, MergeRefusesAFileThatIsNotATraceAndRanksOfTwoRuns) {
+  const fs::path dir = fs::temp_directory_path() / ("fsdp_trace_bad_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "trace_rank0.json") << "{";
+  auto bad = run_command({bin_dir() + "/fsdp-trace", "merge", dir.string()});
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("trace_rank0.json is not a trace (JSON)"), std::string::npos)
+      << bad.output;
+  auto meta = [](int world) {
+    return json{{"traceEvents", json::array()}, {"otherData", {{"rank", 0}, {"world", world}}}}
+        .dump();
+  };
+  std::ofstream(dir / "trace_rank0.json") << meta(2);
+  std::ofstream(dir / "trace_rank1.json") << meta(4);
+  auto mixed = run_command({bin_dir() + "/fsdp-trace", "merge", dir.string()});
+  EXPECT_EQ(mixed.exit_code, 1) << mixed.output;
+  EXPECT_NE(mixed.output.find("the directory mixes runs"), std::string::npos) << mixed.output;
+  auto unknown = run_command({bin_dir() + "/fsdp-trace", "split", dir.string()});
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+  EXPECT_NE(unknown.output.find("unknown command 'split'"), std::string::npos) << unknown.output;
+  fs::remove_all(dir);
 }
 
 TEST(Trace, MergeNamesAMissingDirectoryAndAnEmptyOne) {
