@@ -33,31 +33,38 @@ ShardingOptions gpu_options(const ProcessGroup& pg) {
 
 TEST(Cuda, ShardedGptTrainsLikePlainLibTorchOnTheGpu_CUDA) {
   SKIP_WITHOUT_CUDA();
-  run_ranks(1, [](const ProcessGroup& pg) {
-    EXPECT_EQ(pg.backend_name(), "nccl");
-    const auto cfg = small_gpt_config();
-    torch::manual_seed(0);
-    gpt::GPT ref(cfg);
-    ref->to(torch::kCUDA);
-    torch::manual_seed(0);
-    auto model = fully_shard(gpt::GPT(cfg), gpu_options(pg));
-    for (auto& p : model.sharded_parameters()) EXPECT_TRUE(p.is_cuda());
-    torch::optim::AdamW opt_ref(ref->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
-    torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
-    for (int64_t s = 0; s < 5; ++s) {
-      auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
-      auto lr = gpt::loss_on(ref, rows), lm = gpt::loss_on(model, rows);
-      EXPECT_NEAR(lm.item<double>(), lr.item<double>(), 1e-5 * lr.item<double>()) << "step " << s;
-      lr.backward();
-      lm.backward();
-      opt_ref.step();
-      opt.step();
-      opt_ref.zero_grad();
-      opt.zero_grad();
-    }
-    ref->to(torch::kCPU);
-    expect_params_match(full_state_dict(model, {false, /*offload_to_cpu=*/true}), *ref, 1e-4);
-  });
+  // NCCL by name: at world 1 "auto" takes the in-process backend, and this test is the
+  // one that runs the NCCL backend's collectives on a single GPU.
+  run_ranks(
+      1,
+      [](const ProcessGroup& pg) {
+        EXPECT_EQ(pg.backend_name(), "nccl");
+        const auto cfg = small_gpt_config();
+        torch::manual_seed(0);
+        gpt::GPT ref(cfg);
+        ref->to(torch::kCUDA);
+        torch::manual_seed(0);
+        auto model = fully_shard(gpt::GPT(cfg), gpu_options(pg));
+        for (auto& p : model.sharded_parameters()) EXPECT_TRUE(p.is_cuda());
+        torch::optim::AdamW opt_ref(ref->parameters(), torch::optim::AdamWOptions(1e-3).eps(1e-6));
+        torch::optim::AdamW opt(model.sharded_parameters(),
+                                torch::optim::AdamWOptions(1e-3).eps(1e-6));
+        for (int64_t s = 0; s < 5; ++s) {
+          auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
+          auto lr = gpt::loss_on(ref, rows), lm = gpt::loss_on(model, rows);
+          EXPECT_NEAR(lm.item<double>(), lr.item<double>(), 1e-5 * lr.item<double>())
+              << "step " << s;
+          lr.backward();
+          lm.backward();
+          opt_ref.step();
+          opt.step();
+          opt_ref.zero_grad();
+          opt.zero_grad();
+        }
+        ref->to(torch::kCPU);
+        expect_params_match(full_state_dict(model, {false, /*offload_to_cpu=*/true}), *ref, 1e-4);
+      },
+      300, {"FSDP_TEST_BACKEND=nccl"});
 }
 
 TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost_CUDA) {

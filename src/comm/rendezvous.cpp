@@ -151,7 +151,10 @@ std::string resolve_backend(const ProcessGroupOptions& options) {
   TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl",
               "ProcessGroupOptions::backend='", backend, "' is unknown; use auto, gloo or nccl");
   if (backend != "auto") return backend;
-  return detail::nccl_available() && torch::cuda::is_available() ? "nccl" : "gloo";
+  // The backend of the device "auto" computes on: NCCL only when this node has a GPU for
+  // each of its ranks (LOCAL_WORLD_SIZE), so CPU ranks beside too few GPUs use Gloo
+  // rather than failing in cudaSetDevice.
+  return backend_for(choose_device("auto", "ProcessGroupOptions::backend=auto: device"));
 }
 
 // The TCP store at MASTER_ADDR:MASTER_PORT: rank 0 serves it (unless torchrun's agent
@@ -271,7 +274,11 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   const double timeout_s = rendezvous_timeout_s(options);
   detail::desync_debug_enabled();  // a bad FSDP_DEBUG fails here, before the rendezvous
   const std::string backend = resolve_backend(options);
-  if (e.world_size == 1) return ProcessGroup();
+  // One process needs no communication: the in-process backend, unless NCCL was asked for
+  // by name under a launcher (a one-rank NCCL communicator runs the NCCL code path on one
+  // GPU, as tests/test_cuda.cpp does).
+  const bool nccl_by_name = options.backend == "nccl" && e.source != "single-process";
+  if (e.world_size == 1 && !nccl_by_name) return ProcessGroup();
 
   c10::intrusive_ptr<c10d::Store> store = connect_store(e, timeout_s);
   // Keys of this launch (a torchrun restart starts a fresh set).

@@ -156,7 +156,12 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
     const char* want = std::getenv("FSDP_TEST_RANK_CALL");
     if (want != nullptr && std::atoi(want) != index) return;
     at::set_num_threads(1);
-    ProcessGroup pg = init_process_group();
+    // Gloo unless the test asks (FSDP_TEST_BACKEND=auto|nccl): the suites train on the CPU,
+    // and "auto" would pick NCCL on a machine with a GPU per rank.
+    ProcessGroupOptions pgo;
+    const char* backend = std::getenv("FSDP_TEST_BACKEND");
+    pgo.backend = backend != nullptr ? backend : "gloo";
+    ProcessGroup pg = init_process_group(pgo);
     EXPECT_EQ(pg.size(), world);
     if (pg.size() == world) body(pg);
     // Rank 0 serves the store: nobody leaves before everyone is done with it (unless the
@@ -178,6 +183,7 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
                                      "RANK=" + std::to_string(r),
                                      "LOCAL_RANK=" + std::to_string(r),
                                      "WORLD_SIZE=" + std::to_string(world),
+                                     "LOCAL_WORLD_SIZE=" + std::to_string(world),
                                      "MASTER_ADDR=127.0.0.1",
                                      "MASTER_PORT=" + std::to_string(port),
                                      "FSDP_TIMEOUT_S=60",
