@@ -33,8 +33,9 @@ struct ProcessGroupOptions {
   /// Seconds to wait for all ranks at rendezvous and for any one collective.
   /// The environment variable FSDP_TIMEOUT_S overrides the default.
   double timeout_s = 300.0;
-  /// "gloo" (CPU), "nccl" (CUDA) or "auto": nccl when LibTorch has CUDA and a GPU is
-  /// visible, else gloo.
+  /// "gloo" (CPU), "nccl" (CUDA) or "auto": nccl when LibTorch has CUDA and every rank
+  /// of this node has a GPU of its own (LOCAL_WORLD_SIZE <= GPUs visible), else gloo.
+  /// At world 1 the group is in-process, unless "nccl" is named under a launcher.
   std::string backend = "auto";
 };
 
