@@ -29,7 +29,11 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
   if (s == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
   if (s == "none") return fsdp::ShardingStrategy::kNoShard;
   if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
-  throw UsageError("--sharding " + s + " is unknown; use full, grad_op, none or hybrid");
+  if (s == "zero1") return fsdp::ShardingStrategy::kZero1;
+  if (s == "zero2") return fsdp::ShardingStrategy::kZero2;
+  if (s == "zero3") return fsdp::ShardingStrategy::kFullShard;
+  throw UsageError("--sharding " + s +
+                   " is unknown; use full (= zero3), grad_op, zero2, zero1, none or hybrid");
 }
 
 fsdp::WrapPolicy parse_wrap(const std::string& s) {

@@ -31,6 +31,24 @@ struct MixedPrecision {
   WrapPolicy keep_fp32_policy = nullptr;
 };
 
+/// Where DeepSpeed's offload_optimizer / offload_param put their state.
+enum class OffloadDevice {
+  kNone,  ///< on ShardingOptions::device
+  kCpu,   ///< host memory (pinned on CUDA when OffloadConfig::pin_memory)
+  kNvme,  ///< files under OffloadConfig::nvme_path, read and written asynchronously
+};
+
+/// One of DeepSpeed's offload sections (`offload_optimizer`, `offload_param`).
+struct OffloadConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  /// kNvme: an existing, writable directory; each rank makes its own files in it.
+  std::string nvme_path;
+  /// On CUDA: page-locked host buffers, so copies run asynchronously.
+  bool pin_memory = true;
+  /// kNvme: host memory for chunks in flight (read ahead and write behind), bytes.
+  int64_t buffer_bytes = int64_t{64} << 20;
+};
+
 /// Everything fully_shard needs to know.
 struct ShardingOptions {
   /// Which wrap points become units; the root is always a unit.
@@ -71,6 +89,15 @@ struct ShardingOptions {
   /// reduce-scatter. Step them with fsdp::FusedAdamW. On a CPU device the same path runs
   /// with host copies, so its bookkeeping (MemoryStats::offload_buffers) is exercised.
   bool cpu_offload = false;
+  /// DeepSpeed's offload_optimizer: the fp32 master shards, their gradients and the
+  /// optimizer state (and so its step) on the host (kCpu) or in files (kNvme); a
+  /// param_dtype copy of each shard stays on `device` for the all-gathers, refreshed after
+  /// each step. cpu_offload = true is offload_optimizer = offload_param = kCpu.
+  OffloadConfig offload_optimizer;
+  /// DeepSpeed's offload_param: the param_dtype shards also live off the device and are
+  /// copied to it before each all-gather. Needs offload_optimizer (the fp32 master shard
+  /// is the parameter here) and a strategy that frees parameters (kFullShard, kHybridShard).
+  OffloadConfig offload_param;
   /// Before sharding, refuse (with the figures) when the host RAM the shards, gradients
   /// and Adam state will need on this node exceeds what the OS reports available
   /// (MemAvailable), instead of being killed by the OOM killer later. Applies when the

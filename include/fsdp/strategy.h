@@ -4,12 +4,22 @@
 
 namespace fsdp {
 
-/// How parameters, gradients and optimizer state are split over ranks.
+/// How parameters, gradients and optimizer state are split over ranks. The README's
+/// "Memory modes" table maps each to DeepSpeed's, FSDP's and FairScale's names.
 enum class ShardingStrategy {
   kFullShard,    ///< ZeRO-3: parameters gathered for forward, freed, gathered again for backward
-  kShardGradOp,  ///< ZeRO-2: parameters stay gathered from forward through backward
-  kNoShard,      ///< data parallel: parameters replicated, gradients all-reduced
+  kShardGradOp,  ///< FSDP's SHARD_GRAD_OP: gathered once per step, kept from forward through
+                 ///< backward, then freed
+  kNoShard,      ///< data parallel (DeepSpeed stage 0, DDP): replicated, gradients all-reduced
   kHybridShard,  ///< FULL_SHARD inside groups of `hybrid_group_size`, replicated across groups
+  /// DeepSpeed's ZeRO-2: full parameters in param_dtype persist on every rank between
+  /// steps (gathered again only after the optimizer changed the shards); gradients are
+  /// reduce-scattered into fp32 shards in backward; fp32 masters and optimizer state sharded.
+  kZero2,
+  /// ZeRO-1 (DeepSpeed stage 1, FairScale's OSS): as kZero2, and every rank also keeps the
+  /// full unsharded gradients (reduce_dtype) between steps; only the fp32 masters, their
+  /// gradient shards and the optimizer state are sharded.
+  kZero1,
 };
 
 }  // namespace fsdp

@@ -117,6 +117,41 @@ void collect_units(WrapNode& node, std::vector<WrapNode*>& out) {
   for (auto& c : node.children) collect_units(*c, out);
 }
 
+const char* offload_device_name(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+// DeepSpeed's offload sections, as ShardingOptions::offload_optimizer and offload_param.
+void validate_offload(const ShardingOptions& o) {
+  const OffloadDevice opt = o.offload_optimizer.device, par = o.offload_param.device;
+  TORCH_CHECK(par == OffloadDevice::kNone || opt != OffloadDevice::kNone,
+              "ShardingOptions::offload_param.device=", offload_device_name(par),
+              " needs offload_optimizer too: the fp32 master shard is the parameter here, so "
+              "parameters can leave the device only with the optimizer state. Set "
+              "offload_optimizer.device as well, or offload the optimizer alone");
+  TORCH_CHECK(par == OffloadDevice::kNone || o.strategy == ShardingStrategy::kFullShard ||
+                  o.strategy == ShardingStrategy::kHybridShard,
+              "ShardingOptions::offload_param.device=", offload_device_name(par),
+              " needs a strategy that frees parameters after use (kFullShard, ZeRO-3, or "
+              "kHybridShard), as DeepSpeed's offload_param needs stage 3");
+  TORCH_CHECK(!o.cpu_offload || (opt != OffloadDevice::kNvme && par != OffloadDevice::kNvme),
+              "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
+              "offload_optimizer or offload_param; use one or the other");
+  for (const OffloadConfig* c : {&o.offload_optimizer, &o.offload_param}) {
+    TORCH_CHECK(c->device != OffloadDevice::kNvme,
+                "NVMe offload (OffloadDevice::kNvme) is not available in this build yet; use "
+                "OffloadDevice::kCpu");
+  }
+}
+
 void validate(const ShardingOptions& o) {
   TORCH_CHECK(o.auto_wrap_policy != nullptr,
               "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
@@ -144,6 +179,7 @@ void validate(const ShardingOptions& o) {
                 " must divide the shard group size ", g, " and lie strictly between 1 and ", g,
                 " (e.g. the number of ranks per node); 0 reshards to the whole shard group");
   }
+  validate_offload(o);
   auto ok_dtype = [](at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };
@@ -279,7 +315,9 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.device = options.device;
   cfg.param_dtype = options.mixed_precision.param_dtype;
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
-  cfg.offload = options.cpu_offload;
+  // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
+  // [Offload granularity]).
+  cfg.offload = options.cpu_offload || options.offload_optimizer.device == OffloadDevice::kCpu;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);

@@ -20,6 +20,8 @@ int shard_group_size(const EstimateInput& in) {
   switch (in.strategy) {
     case ShardingStrategy::kFullShard:
     case ShardingStrategy::kShardGradOp:
+    case ShardingStrategy::kZero2:
+    case ShardingStrategy::kZero1:
       return in.world_size;
     case ShardingStrategy::kNoShard:
       return 1;
