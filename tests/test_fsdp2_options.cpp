@@ -229,8 +229,8 @@ TEST(ReshardAfterForwardGroup, ABadGroupSizeIsNamedWithTheFix) {
     o.strategy = ShardingStrategy::kShardGradOp;
     EXPECT_EQ(error_of([&] { fully_shard(MlpNet(), o); }),
               "ShardingOptions::reshard_after_forward_group_size=2 needs a strategy that reshards "
-              "after forward (kFullShard or kHybridShard); kShardGradOp and kNoShard keep full "
-              "parameters into backward. Set it to 0, or use kFullShard");
+              "after forward (kFullShard or kHybridShard); kShardGradOp, kZero2, kZero1 and "
+              "kNoShard keep full parameters into backward. Set it to 0, or use kFullShard");
     // Within HYBRID_SHARD's groups of 2 there is no smaller group to reshard to.
     o.strategy = ShardingStrategy::kHybridShard;
     o.hybrid_group_size = 2;

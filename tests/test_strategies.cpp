@@ -87,6 +87,8 @@ void train_and_compare(const ProcessGroup& pg, ShardingOptions o, double clip, d
       EXPECT_EQ(c.all_reduce_bytes, 0);
       break;
     case ShardingStrategy::kShardGradOp:  // gathered once, kept through backward
+    case ShardingStrategy::kZero2:        // kept across steps, gathered again once changed
+    case ShardingStrategy::kZero1:        // as kZero2, reduced after backward
       EXPECT_EQ(c.all_gather_bytes, 4 * all);
       EXPECT_EQ(c.reduce_scatter_bytes, 4 * all);
       EXPECT_EQ(c.all_reduce_bytes, 0);
@@ -122,7 +124,9 @@ INSTANTIATE_TEST_SUITE_P(Strategies, StrategyAtWorld4,
                          ::testing::Values(Case{ShardingStrategy::kFullShard, "full"},
                                            Case{ShardingStrategy::kShardGradOp, "grad_op"},
                                            Case{ShardingStrategy::kNoShard, "none"},
-                                           Case{ShardingStrategy::kHybridShard, "hybrid"}),
+                                           Case{ShardingStrategy::kHybridShard, "hybrid"},
+                                           Case{ShardingStrategy::kZero2, "zero2"},
+                                           Case{ShardingStrategy::kZero1, "zero1"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 class ClipAtWorld : public ::testing::TestWithParam<int> {};

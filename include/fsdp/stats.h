@@ -28,6 +28,10 @@ struct MemoryStats {
   /// added into existing gradients (at most two units' at a time). With cpu_offload,
   /// sharded_params and grad_shards are host memory.
   MemoryCounter offload_buffers;
+  /// offload_optimizer without offload_param: each shard's param_dtype copy kept on the
+  /// device for the all-gathers (DeepSpeed's 16-bit partition), refreshed from the host
+  /// shard once an optimizer step changed it.
+  MemoryCounter device_param_shards;
   /// Host copies of this rank's checkpoint state that an asynchronous save writes in the
   /// background (save_sharded_checkpoint_async), then kept for the next one to copy into
   /// (SaveOptions::keep_staging) until release_checkpoint_staging().

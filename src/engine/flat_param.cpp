@@ -105,6 +105,9 @@ FlatParam::~FlatParam() {
   release();
   Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
   Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_);
+  if (device_params_.defined())
+    Accounting::release(cfg_.acct->mem.device_param_shards,
+                        bytes_of(shard_numel_, cfg_.param_dtype));
 }
 
 std::shared_ptr<Work> FlatParam::gather() {
@@ -114,6 +117,7 @@ std::shared_ptr<Work> FlatParam::gather() {
     Accounting::alloc(cfg_.acct->mem.gathered_params, full_bytes());
   }
   at::NoGradGuard no_grad;
+  gathered_version_ = shard_._version();
   if (slice_.defined()) return gather_slices();
   at::Tensor input = shard_.detach();
   // The optimizer's param_dtype copy, written in its update pass, saves the cast while
@@ -128,8 +132,20 @@ std::shared_ptr<Work> FlatParam::gather() {
   // host is the device; Note [Offload transfers]). The work returned keeps it alive.
   MemoryCounter* counter =
       cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
-  at::Tensor staging;
-  if (cfg_.offload) {
+  at::Tensor staging, copied;
+  if (cfg_.offload && cfg_.keep_device_params) {
+    // Note [Offload granularity]: the device copy stays; it is copied again only once
+    // the host shard changed (an optimizer step on the host, a checkpoint load).
+    const int64_t bytes = bytes_of(shard_numel_, cfg_.param_dtype);
+    if (!device_params_.defined() || device_params_version_ != shard_._version()) {
+      if (!device_params_.defined()) Accounting::alloc(cfg_.acct->mem.device_param_shards, bytes);
+      device_params_ = cfg_.transfers->to_device(input, cfg_.param_dtype);
+      device_params_version_ = shard_._version();
+      cfg_.acct->count_offload(/*to_device=*/true, bytes);
+      copied = device_params_;
+    }
+    input = device_params_;
+  } else if (cfg_.offload) {
     staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
     cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
     input = staging;
@@ -143,12 +159,17 @@ std::shared_ptr<Work> FlatParam::gather() {
   CollectiveLabel label(this->label());
   auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
   std::function<void()> join;
-  if (cfg_.offload) {
+  if (staging.defined() && cfg_.offload) {
     join = cfg_.transfers->on_stream(issue, staging);
+  } else if (copied.defined()) {
+    join = cfg_.transfers->on_stream(issue, copied);
   } else {
     issue();
   }
-  if (!staging.defined()) return work;
+  if (!staging.defined()) {
+    if (!join) return work;
+    return std::make_shared<ThenWork>(work, [join]() { join(); });
+  }
   const int64_t staged_bytes = bytes_of(shard_numel_, cfg_.param_dtype);
   // `staging` is freed with this function object, once the work has run it.
   return std::make_shared<ThenWork>(work, [counter, join, staged_bytes, staging]() {

@@ -45,7 +45,10 @@ struct FlatConfig {
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
   at::ScalarType reduce_dtype = at::kFloat;  ///< gradient reduction dtype
   bool offload = false;                      ///< shards and their grads live on the host
-  std::shared_ptr<Transfers> transfers;      ///< host <-> device copies (with offload)
+  /// With offload: keep each shard's param_dtype copy on the device between gathers
+  /// (offload_optimizer without offload_param; Note [Offload granularity]).
+  bool keep_device_params = false;
+  std::shared_ptr<Transfers> transfers;  ///< host <-> device copies (with offload)
   Accounting* acct = nullptr;
   std::string label;  ///< what its collectives are for ("unit 'blocks.0'")
 };
@@ -90,6 +93,13 @@ class FlatParam {
   void release(bool keep_slice = false);
   /// Whether a post-forward slice is held.
   bool has_slice() const { return slice_.defined(); }
+  /// Whether the full buffer holds parameters gathered before the shard last changed (an
+  /// optimizer step, a checkpoint load): its version counter moved since gather().
+  /// Persistent strategies (kZero2, kZero1) gather such a unit again (Note [Persistent
+  /// parameters]). False while sharded, and when aliased (the buffer is the shard).
+  bool stale() const {
+    return !alias_ && full_allocated() && shard_._version() != gathered_version_;
+  }
 
   /// Group of one in fp32 (Note [Group of one]): the full buffer is the shard itself.
   bool aliased() const { return alias_; }
@@ -144,6 +154,11 @@ class FlatParam {
   at::Tensor lowp_;          ///< optimizer-written param_dtype copy of the shard (copy_out_target)
   std::shared_ptr<std::atomic<int64_t>> lowp_version_;  ///< shard version lowp_ was written at
   int64_t copy_out_gathers_ = 0;
+  int64_t gathered_version_ = -1;
+  at::Tensor device_params_;  ///< keep_device_params: the shard in param_dtype on the device
+  int64_t device_params_version_ =
+      -1;  ///< the shard's version device_params_ was copied at  ///< the shard's version when the
+           ///< full buffer was last gathered
   int64_t counted_grad_bytes_ = 0;  ///< this shard's gradient as MemoryStats::grad_shards counts it
   std::vector<GradAccumulator> grad_accs_;
 };

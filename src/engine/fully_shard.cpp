@@ -171,7 +171,8 @@ void validate(const ShardingOptions& o) {
     TORCH_CHECK(full || o.strategy == ShardingStrategy::kHybridShard,
                 "ShardingOptions::reshard_after_forward_group_size=", k,
                 " needs a strategy that reshards after forward (kFullShard or kHybridShard); "
-                "kShardGradOp and kNoShard keep full parameters into backward. Set it to 0, or "
+                "kShardGradOp, kZero2, kZero1 and kNoShard keep full parameters into backward. "
+                "Set it to 0, or "
                 "use kFullShard");
     const int g = full || o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
     TORCH_CHECK(k > 1 && k < g && g % k == 0,
@@ -219,7 +220,9 @@ std::string gib(double bytes) {
 // constructed in full (fully_shard) already holds 4 bytes per parameter on every rank;
 // the message says so and names make_sharded.
 void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int64_t built_bytes) {
-  if (!o.check_host_memory || !(o.cpu_offload || o.device.is_cpu())) return;
+  const bool host_shards =
+      o.cpu_offload || o.offload_optimizer.device != OffloadDevice::kNone || o.device.is_cpu();
+  if (!o.check_host_memory || !host_shards) return;
   int64_t numel = 0;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& p : root.parameters()) {
@@ -305,6 +308,18 @@ void cast_buffers(torch::nn::Module& root, const MixedPrecision& mp) {
   }
 }
 
+// Note [Offload granularity]
+// DeepSpeed's offload sections map onto the engine's host shards (FlatConfig::offload):
+// - offload_optimizer = cpu: the fp32 shards and their gradients are host memory, so the
+//   optimizer's state and its step are too (fsdp::FusedAdamW steps there). A param_dtype
+//   copy of each shard stays on the device (keep_device_params) and feeds the
+//   all-gathers; it is copied again only once the host shard changed, so one
+//   host-to-device copy of each shard per optimizer step instead of one per gather.
+// - offload_param = cpu as well (the same as cpu_offload): nothing of the model stays on
+//   the device; every gather copies its shard from the host first (twice per step under
+//   ZeRO-3: forward and backward).
+// Gradient shards come back to the host after each reduce-scatter in both.
+
 // What every flat parameter of the model shares: dtypes, device, offload, counters, and
 // the groups. FULL_SHARD and SHARD_GRAD_OP shard over the world; HYBRID_SHARD within
 // groups of hybrid_group_size and replicates across them; NO_SHARD not at all.
@@ -318,6 +333,8 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
   // [Offload granularity]).
   cfg.offload = options.cpu_offload || options.offload_optimizer.device == OffloadDevice::kCpu;
+  cfg.keep_device_params =
+      cfg.offload && !options.cpu_offload && options.offload_param.device == OffloadDevice::kNone;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);

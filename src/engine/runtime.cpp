@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace fsdp::detail {
 
@@ -52,7 +53,10 @@ void Runtime::set_flat_config(const FlatConfig& cfg) {
 Unit& Runtime::add_unit(const std::string& fqn) {
   TORCH_INTERNAL_ASSERT(comm_ != nullptr, "add_unit before set_flat_config");
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), *comm_));
-  return *units_.back();
+  Unit& u = *units_.back();
+  u.reshard_after_backward = !persistent();
+  u.defer_reduction = options_.strategy == ShardingStrategy::kZero1;
+  return u;
 }
 
 namespace {
@@ -114,7 +118,24 @@ int Runtime::gathered_non_root() const {
   return n;
 }
 
+// Note [Persistent parameters]
+// DeepSpeed's ZeRO-2 and ZeRO-1 (kZero2, kZero1) keep every rank's full parameters in
+// param_dtype between steps: a unit is gathered once and stays gathered through forward,
+// backward, eval forwards and further steps. An optimizer step changes the fp32 shards,
+// which bumps their version counters; such a unit is stale (FlatParam::stale()). The
+// root's forward reshards the stale units so that they are gathered again in order,
+// with prefetch, as under kShardGradOp; a unit used before that gathers again in
+// unshard(). Gradient accumulation without a step, and eval, gather nothing. The
+// parameters' bytes (gathered_params, param_dtype) stay allocated across the step, as
+// in DeepSpeed's 2Ψ term for fp16 parameters. set_reshard_after_backward(true) and
+// ShardedModel::reshard() still free them on request.
+bool Runtime::persistent() const {
+  return options_.strategy == ShardingStrategy::kZero2 ||
+         options_.strategy == ShardingStrategy::kZero1;
+}
+
 bool Runtime::reshard_after_forward(const Unit& u) const {
+  if (persistent()) return false;
   if (!at::GradMode::is_enabled()) return true;  // no backward will need them
   if (u.is_root()) return false;                 // needed again at once by backward
   return options_.strategy == ShardingStrategy::kFullShard ||
@@ -150,7 +171,9 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
   }
   if (!options_.prefetch || (direction > 0 && !order_frozen_)) return;
   const bool from_end = u.is_root() && direction < 0;
-  for (int k = 1; gathered_non_root() < options_.max_gathered_units; ++k) {
+  // Persistent strategies hold every unit anyway: no bound (Note [Persistent parameters]).
+  const int bound = persistent() ? std::numeric_limits<int>::max() : options_.max_gathered_units;
+  for (int k = 1; gathered_non_root() < bound; ++k) {
     const long last = static_cast<long>(forward_order_.size()) - 1;
     Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
                           : neighbour(u, direction * k);
@@ -169,7 +192,7 @@ void Runtime::pre_forward(Unit& u) {
     // Slices a forward left for a backward that never came (Note [Post-forward slices])
     // are not reused: an optimizer step may have come between.
     for (auto& x : units_) {
-      if (x->state() == ShardedState::kSharded) x->reshard();
+      if (x->state() == ShardedState::kSharded || x->stale()) x->reshard();
     }
   }
   u.forward_span.open("forward", [&]() {
@@ -198,7 +221,9 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
     // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
     // No copy from the host shards may still be in flight once it returns: the caller
     // may write them (Note [Offload transfers]).
-    for (auto& x : units_) x->reshard();
+    if (!persistent()) {
+      for (auto& x : units_) x->reshard();
+    }
     wait_transfers();
     order_frozen_ = true;
   }

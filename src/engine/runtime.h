@@ -94,6 +94,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void prefetch_from(const Unit& u, int direction);
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
+  /// kZero2 and kZero1: full parameters persist between steps (Note [Persistent parameters]).
+  bool persistent() const;
 
   ShardingOptions options_;
   FlatConfig flat_cfg_;

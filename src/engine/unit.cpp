@@ -55,7 +55,17 @@ void Unit::start_gather() {
   state_ = ShardedState::kGathering;
 }
 
+bool Unit::stale() const {
+  for (const auto& f : flats_) {
+    if (f->stale()) return true;
+  }
+  return false;
+}
+
 void Unit::unshard() {
+  // Note [Persistent parameters]: full parameters kept across an optimizer step are
+  // gathered again before use.
+  if (state_ == ShardedState::kUnsharded && stale()) reshard();
   if (state_ == ShardedState::kUnsharded) return;
   start_gather();
   comm().wait_gathers(*this);
@@ -86,8 +96,8 @@ void Unit::unlink_grads() {
   }
 }
 
-void Unit::reduce(size_t i) {
-  if (!comm().gradient_sync()) {
+void Unit::reduce(size_t i, bool at_end) {
+  if (!comm().gradient_sync() || (defer_reduction && !at_end)) {
     grads_[i]->end_pass();  // keep the unsharded gradient; a later backward reduces it
   } else {
     comm().reduce(*flats_[i], grads_[i]->take_for_reduction());
@@ -100,7 +110,7 @@ void Unit::on_param_grad(size_t flat, size_t slot) {
               ". Its parameters were used outside a call through its wrap point; call the "
               "wrapped module only through FullyShardedModule.");
   if (!grads_.at(flat)->take(slot)) return;
-  reduce(flat);
+  reduce(flat, /*at_end=*/false);
   grads_reduced = true;
   // Note [Frozen parameters and reshard]
   // Frozen parameters have no accumulator to tell us when backward is done with them:
@@ -119,7 +129,7 @@ void Unit::flush_grads() {
       continue;
     }
     if (grads_[i]->unreduced()) {
-      reduce(i);
+      reduce(i, /*at_end=*/true);
       any = true;
     }
   }

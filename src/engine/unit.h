@@ -81,15 +81,22 @@ class Unit {
   bool grads_reduced = false;  ///< all trainable grads reduced in this backward
   bool keep_fp32 = false;      ///< excluded from mixed precision (MixedPrecision::keep_fp32_policy)
   /// ShardedModel::set_reshard_after_backward: false keeps the full parameters gathered
-  /// after backward (its gradients reduced, or the end of backward).
+  /// after backward (its gradients reduced, or the end of backward). Persistent
+  /// strategies (kZero2, kZero1) start with false.
   bool reshard_after_backward = true;
+  /// kZero1: gradients stay unsharded until the end of backward, which reduces them all
+  /// (DeepSpeed's stage 1 reduces after backward, not during it).
+  bool defer_reduction = false;
+  /// Some flat parameter's full buffer is stale (FlatParam::stale()).
+  bool stale() const;
   /// Note [Per-unit trace]: this unit's forward (or recompute) and backward spans.
   trace::OpenSpan forward_span;
   trace::OpenSpan backward_span;
 
  private:
-  /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync).
-  void reduce(size_t i);
+  /// Hands flat `i`'s gradient to the communication context (or keeps it, under no_sync,
+  /// or until the end of backward with defer_reduction unless `at_end`).
+  void reduce(size_t i, bool at_end);
 
   std::string fqn_;
   int index_;
