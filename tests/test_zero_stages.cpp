@@ -316,3 +316,83 @@ TEST(OffloadGranularity, OffloadParamAloneOrUnderAPersistentStrategyIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+// DeepSpeed's stage-3 knobs in elements: stage3_max_live_parameters (max_live_numel),
+// stage3_prefetch_bucket_size (prefetch_bucket_numel) and
+// stage3_param_persistence_threshold (persistence_threshold_numel). A GPT of 4 equal
+// blocks of B padded elements; the count bound (max_gathered_units) is lifted so that only
+// the element bounds act. Peaks are exact: gathers are issued in a fixed order.
+struct PrefetchRun {
+  int64_t root = 0, block = 0;  ///< padded elements (fp32: 4 bytes each)
+  int64_t gathered_peak = 0;    ///< bytes
+  CommStats step;
+};
+PrefetchRun run_prefetch(const ProcessGroup& pg, int64_t max_live, int64_t bucket,
+                         int64_t persistence, int steps = 1) {
+  auto cfg = small_gpt_config();
+  cfg.n_layer = 4;
+  ShardingOptions o = options_for(pg, ShardingStrategy::kFullShard, false);
+  o.max_gathered_units = 100;
+  o.max_live_numel = max_live;
+  o.prefetch_bucket_numel = bucket;
+  o.persistence_threshold_numel = persistence;
+  torch::manual_seed(2);
+  auto model = fully_shard(gpt::GPT(cfg), o);
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  PrefetchRun r;
+  for (const auto& f : fsdp::detail::flat_params(model)) {
+    (f.unit_fqn.empty() ? r.root : r.block) = f.padded_numel;  // the blocks are equal
+  }
+  for (int s = 0; s < steps; ++s) {
+    // Two forwards first, so the second one prefetches in the recorded order.
+    model.reset_peak_memory();
+    gpt::loss_on(model, my_rows(gpt_batch(s, 4, cfg.block_size), pg)).backward();
+    opt.step();
+    opt.zero_grad();
+  }
+  r.gathered_peak = model.memory_stats().gathered_params.peak;
+  r.step = model.comm_stats().step;
+  return r;
+}
+
+TEST(PrefetchBounds, MaxLiveNumelBoundsTheGatheredElementsExactly) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    const auto all = run_prefetch(pg, 0, 0, 0, 2);
+    const int64_t B = all.block, R = all.root;
+    EXPECT_EQ(all.gathered_peak, 4 * (R + 4 * B)) << "no bound: every block ahead";
+    EXPECT_EQ(run_prefetch(pg, 2 * B, 0, 0, 2).gathered_peak, 4 * (R + 2 * B));
+    EXPECT_EQ(run_prefetch(pg, 3 * B, 0, 0, 2).gathered_peak, 4 * (R + 3 * B));
+    // Below two blocks nothing is prefetched: the computing block alone.
+    EXPECT_EQ(run_prefetch(pg, 2 * B - 1, 0, 0, 2).gathered_peak, 4 * (R + B));
+  });
+}
+
+TEST(PrefetchBounds, PrefetchBucketNumelBoundsTheGathersAhead) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    const int64_t B = run_prefetch(pg, 0, 0, 0).block;
+    const int64_t R = run_prefetch(pg, 0, 0, 0).root;
+    // One block ahead of the computing one, then two.
+    EXPECT_EQ(run_prefetch(pg, 0, B, 0, 2).gathered_peak, 4 * (R + 2 * B));
+    EXPECT_EQ(run_prefetch(pg, 0, 2 * B, 0, 2).gathered_peak, 4 * (R + 3 * B));
+    // The first prefetch always goes, even when one block exceeds the bucket.
+    EXPECT_EQ(run_prefetch(pg, 0, B / 2, 0, 2).gathered_peak, 4 * (R + 2 * B));
+  });
+}
+
+TEST(PrefetchBounds, UnitsBelowThePersistenceThresholdStayGatheredAcrossUses) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    const auto base = run_prefetch(pg, 0, 0, 0, 2);
+    const int64_t B = base.block, R = base.root;
+    ASSERT_GT(R, B);
+    // ZeRO-3: the blocks are gathered for forward and again for backward.
+    EXPECT_EQ(base.step.all_gather_bytes, 4 * (R + 2 * 4 * B));
+    // Blocks below the threshold (the root is not): gathered once per step.
+    const auto kept = run_prefetch(pg, 0, 0, B + 1, 2);
+    EXPECT_EQ(kept.step.all_gather_bytes, 4 * (R + 4 * B));
+    EXPECT_EQ(kept.gathered_peak, 4 * (R + 4 * B));
+  });
+}
+
+}  // namespace

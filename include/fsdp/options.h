@@ -77,6 +77,20 @@ struct ShardingOptions {
   /// included). The root stays gathered from forward through backward; see
   /// Note [Prefetch bound] in src/engine/runtime.cpp.
   int max_gathered_units = 2;
+  /// DeepSpeed's stage3_max_live_parameters: prefetching also stops before the non-root
+  /// units gathered (the computing one included, persistent ones not) would hold more
+  /// than this many parameter elements. 0: no such bound. The unit about to compute is
+  /// gathered regardless.
+  int64_t max_live_numel = 0;
+  /// DeepSpeed's stage3_prefetch_bucket_size: at most this many parameter elements in
+  /// gathers issued ahead (prefetches not yet waited for); the first prefetch always
+  /// goes. 0: no such bound.
+  int64_t prefetch_bucket_numel = 0;
+  /// DeepSpeed's stage3_param_persistence_threshold: a unit holding fewer parameter
+  /// elements than this keeps its full parameters between uses, as under kZero2 (Note
+  /// [Persistent parameters]): gathered once, again only after a step changed it, and
+  /// not counted by the prefetch bounds. 0: none.
+  int64_t persistence_threshold_numel = 0;
   /// Wrap points whose forward runs under activation checkpointing (Tensor -> Tensor
   /// forwards): e.g. always_wrap_policy(), every_kth_policy(2), module_type_policy<...>().
   /// Empty: none. A unit's gather for backward happens before its recompute.

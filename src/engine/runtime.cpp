@@ -54,7 +54,6 @@ Unit& Runtime::add_unit(const std::string& fqn) {
   TORCH_INTERNAL_ASSERT(comm_ != nullptr, "add_unit before set_flat_config");
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), *comm_));
   Unit& u = *units_.back();
-  u.reshard_after_backward = !persistent();
   u.defer_reduction = options_.strategy == ShardingStrategy::kZero1;
   return u;
 }
@@ -96,6 +95,11 @@ void Runtime::add_flat(Unit& u, std::unique_ptr<FlatParam> flat) {
   FlatParam& f = *flat;
   u.add_flat(std::move(flat));
   flats_.push_back(&f);
+  // Note [Persistent parameters]: by strategy, or by size (decided once the unit holds
+  // all its flats: nothing runs before).
+  const int64_t threshold = options_.persistence_threshold_numel;
+  u.persistent = persistent() || (threshold > 0 && u.numel() < threshold);
+  u.reshard_after_backward = !u.persistent;
   if (!f.trainable()) return;
   for (size_t i = 0; i < f.slots().size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(f.slots()[i].param);
@@ -113,7 +117,16 @@ void Runtime::on_param_grad(Unit& u, size_t flat, size_t slot) {
 int Runtime::gathered_non_root() const {
   int n = 0;
   for (const auto& u : units_) {
-    if (!u->is_root() && u->state() != ShardedState::kSharded) ++n;
+    if (!u->is_root() && !u->persistent && u->state() != ShardedState::kSharded) ++n;
+  }
+  return n;
+}
+
+int64_t Runtime::gathered_non_root_numel(bool gathering_only) const {
+  int64_t n = 0;
+  for (const auto& u : units_) {
+    if (u->is_root() || u->persistent || u->state() == ShardedState::kSharded) continue;
+    if (!gathering_only || u->state() == ShardedState::kGathering) n += u->numel();
   }
   return n;
 }
@@ -135,7 +148,7 @@ bool Runtime::persistent() const {
 }
 
 bool Runtime::reshard_after_forward(const Unit& u) const {
-  if (persistent()) return false;
+  if (u.persistent) return false;
   if (!at::GradMode::is_enabled()) return true;  // no backward will need them
   if (u.is_root()) return false;                 // needed again at once by backward
   return options_.strategy == ShardingStrategy::kFullShard ||
@@ -159,6 +172,11 @@ Unit* Runtime::neighbour(const Unit& u, int step) const {
 // nested inside each other must be gathered together: those needs are met regardless.
 // The root comes first in forward order, but its backward (the output layers) runs
 // first: from the root, backward prefetch starts at the last unit in forward order.
+// Two element bounds may stop it earlier (DeepSpeed's names): max_live_numel, the
+// elements of the gathered non-root units with the next one added
+// (stage3_max_live_parameters), and prefetch_bucket_numel, the elements of gathers issued
+// ahead and not yet waited for (stage3_prefetch_bucket_size; the first prefetch always
+// goes). Persistent units (Note [Persistent parameters]) count towards neither bound.
 // Explicit lists (set_prefetch) replace this for their unit: each unit listed is gathered
 // when the unit starts, whatever the bound, options_.prefetch or the recorded order say.
 void Runtime::prefetch_from(const Unit& u, int direction) {
@@ -173,12 +191,21 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
   const bool from_end = u.is_root() && direction < 0;
   // Persistent strategies hold every unit anyway: no bound (Note [Persistent parameters]).
   const int bound = persistent() ? std::numeric_limits<int>::max() : options_.max_gathered_units;
+  const int64_t max_live = persistent() ? 0 : options_.max_live_numel;
+  const int64_t bucket = options_.prefetch_bucket_numel;
   for (int k = 1; gathered_non_root() < bound; ++k) {
     const long last = static_cast<long>(forward_order_.size()) - 1;
     Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
                           : neighbour(u, direction * k);
     if (next == nullptr) return;
     if (next->is_root() || next->state() != ShardedState::kSharded || next->grads_reduced) continue;
+    // The element bounds (DeepSpeed's stage3_max_live_parameters and
+    // stage3_prefetch_bucket_size); persistent units are gathered as needed, unbounded.
+    if (!next->persistent) {
+      if (max_live > 0 && gathered_non_root_numel(false) + next->numel() > max_live) return;
+      const int64_t ahead = gathered_non_root_numel(true);
+      if (bucket > 0 && ahead > 0 && ahead + next->numel() > bucket) return;
+    }
     next->start_gather();
   }
 }
@@ -221,8 +248,8 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
     // Eval forward: nothing stays gathered, and the order seen is the order to prefetch.
     // No copy from the host shards may still be in flight once it returns: the caller
     // may write them (Note [Offload transfers]).
-    if (!persistent()) {
-      for (auto& x : units_) x->reshard();
+    for (auto& x : units_) {
+      if (!x->persistent) x->reshard();
     }
     wait_transfers();
     order_frozen_ = true;

@@ -76,6 +76,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
   /// Non-root units not in the sharded state.
   int gathered_non_root() const;
+  /// Parameter elements of the non-root, non-persistent units not in the sharded state;
+  /// with `gathering_only`, of those whose gather is still in flight.
+  int64_t gathered_non_root_numel(bool gathering_only) const;
   /// The unit named `fqn` (clean FQN, "" for the root); an error listing the units'
   /// FQNs otherwise. `what` names the caller in it.
   Unit& unit_named(const std::string& fqn, const char* what) const;

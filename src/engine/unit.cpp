@@ -55,6 +55,12 @@ void Unit::start_gather() {
   state_ = ShardedState::kGathering;
 }
 
+int64_t Unit::numel() const {
+  int64_t n = 0;
+  for (const auto& f : flats_) n += f->padded_numel();
+  return n;
+}
+
 bool Unit::stale() const {
   for (const auto& f : flats_) {
     if (f->stale()) return true;

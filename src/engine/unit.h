@@ -87,6 +87,11 @@ class Unit {
   /// kZero1: gradients stay unsharded until the end of backward, which reduces them all
   /// (DeepSpeed's stage 1 reduces after backward, not during it).
   bool defer_reduction = false;
+  /// Full parameters kept between uses (Note [Persistent parameters]): under kZero2 and
+  /// kZero1, and for units below ShardingOptions::persistence_threshold_numel.
+  bool persistent = false;
+  /// Padded parameter elements of its flat parameters (the full parameters' length).
+  int64_t numel() const;
   /// Some flat parameter's full buffer is stale (FlatParam::stale()).
   bool stale() const;
   /// Note [Per-unit trace]: this unit's forward (or recompute) and backward spans.
