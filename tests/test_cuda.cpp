@@ -20,7 +20,7 @@ namespace {
 #define SKIP_WITHOUT_CUDA()                                                          \
   if (!torch::cuda::is_available())                                                  \
   GTEST_SKIP() << "no CUDA device visible (torch::cuda::device_count() = "           \
-               << torch::cuda::device_count()                                        \
+               << static_cast<int>(torch::cuda::device_count())                      \
                << "; this LibTorch or machine has none); run on a GPU machine with " \
                   "scripts/gpu-check.sh"
 
