@@ -174,3 +174,52 @@ TEST(Cuda, FusedAdamWOnTheGpuMatchesTorchAdamW_CUDA) {
 }
 
 }  // namespace
+
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define FSDP_TEST_CUDA_ALLOCATOR_STATS 1
+#endif
+
+namespace {
+
+// Activation offload on a GPU (Note [Activation offload]): the device bytes a forward
+// leaves for backward drop by exactly the checkpointed blocks' inputs, one (rows, T, d)
+// fp32 tensor per block (sizes multiples of the caching allocator's 512-byte blocks).
+TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
+  SKIP_WITHOUT_CUDA();
+#ifndef FSDP_TEST_CUDA_ALLOCATOR_STATS
+  GTEST_SKIP() << "this LibTorch has no c10/cuda/CUDACachingAllocator.h to read the GPU's "
+                  "allocated bytes";
+#else
+  auto allocated = []() {
+    torch::cuda::synchronize();
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .current;
+  };
+  auto cfg = small_gpt_config();
+  cfg.n_layer = 4;
+  const int64_t rows = 8, T = cfg.block_size, d = cfg.d_model;
+  int64_t held[2] = {0, 0};
+  std::vector<float> losses[2];
+  for (int off = 0; off < 2; ++off) {
+    ShardingOptions o = gpu_options(ProcessGroup());
+    o.checkpoint_policy = module_type_policy<gpt::Block>();
+    o.offload_activations = off == 1;
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(cfg), o);
+    auto batch = gpt_batch(0, rows, T).to(torch::kCUDA);
+    const int64_t before = allocated();
+    auto loss = gpt::loss_on(model, batch);
+    held[off] = allocated() - before;
+    loss.backward();
+    losses[off].push_back(loss.item<float>());
+    EXPECT_EQ(model.memory_stats().offloaded_activations.peak,
+              off ? cfg.n_layer * rows * T * d * 4 : 0);
+  }
+  EXPECT_EQ(held[0] - held[1], cfg.n_layer * rows * T * d * 4);
+  EXPECT_EQ(losses[0], losses[1]);
+#endif
+}
+
+}  // namespace

@@ -2,12 +2,28 @@
 // Activation checkpointing for LibTorch (pytorch/pytorch#52744): trade recompute for
 // activation memory.
 
+#include <fsdp/stats.h>
+
 #include <torch/torch.h>
 
 #include <functional>
 #include <vector>
 
 namespace fsdp {
+
+/// How a checkpointed region keeps the inputs it saves for backward.
+struct CheckpointOptions {
+  /// Activation offload (FSDP1's offload_wrapper, DeepSpeed's cpu_checkpointing): the
+  /// saved inputs are copied to host memory (pinned, asynchronously, when they are on a
+  /// GPU) and the device copies are dropped; backward copies them back when the region's
+  /// backward starts, and starts copying the inputs of the region whose backward comes
+  /// next (the one checkpointed just before it in forward) right after. On a CPU device
+  /// the host copy is an explicit copy that backward uses as it is.
+  bool offload_inputs = false;
+  /// If set, counts the host bytes of offloaded inputs, from forward until the graph that
+  /// holds them is freed (ShardedModel's MemoryStats::offloaded_activations).
+  MemoryCounter* host_counter = nullptr;
+};
 
 /// A region to checkpoint: tensors in, tensors out. Non-tensor arguments are captured
 /// by the callable.
@@ -23,9 +39,14 @@ using CheckpointFn = std::function<std::vector<torch::Tensor>(const std::vector<
 std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
                                       const std::vector<torch::Tensor>& inputs);
 
+/// As above, with the saved inputs kept as `options` says.
+std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const CheckpointOptions& options);
+
 /// One tensor in, one out.
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                         const torch::Tensor& input);
+                         const torch::Tensor& input, const CheckpointOptions& options = {});
 
 /// How many times backward has recomputed a checkpointed region in this process, on any
 /// thread (ShardingOptions::checkpoint_policy wraps each wrap point it picks in one).

@@ -95,6 +95,10 @@ struct ShardingOptions {
   /// forwards): e.g. always_wrap_policy(), every_kth_policy(2), module_type_policy<...>().
   /// Empty: none. A unit's gather for backward happens before its recompute.
   WrapPolicy checkpoint_policy = nullptr;
+  /// Activation offload: the inputs that checkpoint_policy's regions save for backward
+  /// live in host memory (pinned on CUDA) instead of on `device`, and come back when
+  /// their backward starts (CheckpointOptions::offload_inputs). Needs checkpoint_policy.
+  bool offload_activations = false;
   /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
   bool sync_module_states = true;
   /// ZeRO-Offload: the fp32 shards, their gradients (and so the optimizer state built on

@@ -32,6 +32,9 @@ struct MemoryStats {
   /// device for the all-gathers (DeepSpeed's 16-bit partition), refreshed from the host
   /// shard once an optimizer step changed it.
   MemoryCounter device_param_shards;
+  /// ShardingOptions::offload_activations: host copies of the inputs that checkpointed
+  /// units saved for backward, from their forward until the graph is freed.
+  MemoryCounter offloaded_activations;
   /// Host copies of this rank's checkpoint state that an asynchronous save writes in the
   /// background (save_sharded_checkpoint_async), then kept for the next one to copy into
   /// (SaveOptions::keep_staging) until release_checkpoint_staging().

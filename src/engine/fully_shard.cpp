@@ -181,6 +181,10 @@ void validate(const ShardingOptions& o) {
                 " (e.g. the number of ranks per node); 0 reshards to the whole shard group");
   }
   validate_offload(o);
+  TORCH_CHECK(!o.offload_activations || o.checkpoint_policy != nullptr,
+              "ShardingOptions::offload_activations keeps the inputs that activation "
+              "checkpointing saves in host memory, but checkpoint_policy is empty; set "
+              "checkpoint_policy (e.g. fsdp::module_type_policy<Block>()) too");
   auto ok_dtype = [](at::ScalarType t) {
     return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
   };

@@ -177,7 +177,13 @@ torch::Tensor WrapPointImpl::run_tensor_forward(
   if (checkpointed() && torch::GradMode::is_enabled()) {
     detail::trace::RegionName region(is_unit() ? EngineAccess::unit(*this)->trace_name()
                                                : state_->fqn);
-    out = fsdp::checkpoint(fn, x);
+    CheckpointOptions co;
+    detail::Runtime& rt = EngineAccess::runtime(*this);
+    if (rt.options().offload_activations) {
+      co.offload_inputs = true;
+      co.host_counter = &rt.acct().mem.offloaded_activations;
+    }
+    out = fsdp::checkpoint(fn, x, co);
   } else {
     out = fn(x);
   }

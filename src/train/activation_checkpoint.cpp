@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <mutex>
 
 namespace fsdp {
 namespace {
@@ -22,9 +23,11 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct FnCapsule : torch::CustomClassHolder {
-  FnCapsule(CheckpointFn f, std::string name) : fn(std::move(f)), region(std::move(name)) {}
+  FnCapsule(CheckpointFn f, std::string name, CheckpointOptions o)
+      : fn(std::move(f)), region(std::move(name)), options(o) {}
   CheckpointFn fn;
   std::string region;  ///< for the recompute span (Note [Per-unit trace]); may be ""
+  CheckpointOptions options;
 };
 
 /// RNG states of the devices a region uses: the CPU generator, and the CUDA generator
@@ -60,6 +63,85 @@ struct RngCapsule : torch::CustomClassHolder {
   RngState state;
 };
 
+// Note [Activation offload]
+// With CheckpointOptions::offload_inputs a region saves host copies of its inputs instead
+// of the inputs (pinned and non-blocking from a GPU), so the device copies go once the
+// forward moves on. Regions that offload in one forward form a chain, newest last; when a
+// region's backward starts it takes its inputs back (already copied if the region after
+// it prefetched them) and issues the copy of the region before it, whose backward comes
+// next, so that copy runs while this region recomputes. The host bytes are counted from
+// forward until the graph holding them is freed (a retained graph can run backward again).
+struct Offloaded : torch::CustomClassHolder {
+  std::vector<at::Tensor> host;  ///< host copies (undefined for undefined inputs)
+  std::vector<bool> requires_grad;
+  std::vector<c10::Device> device;
+  std::vector<at::Tensor> back;  ///< device copies issued ahead (prefetch), taken once
+  /// The region offloaded before it (weak: typed as the base, Offloaded being incomplete).
+  c10::weak_intrusive_ptr<torch::CustomClassHolder> previous{
+      c10::intrusive_ptr<torch::CustomClassHolder>()};
+  int64_t bytes = 0;
+  MemoryCounter* counter = nullptr;
+  std::mutex mu;
+
+  // When the last strong reference goes (the graph is freed): weak references (the
+  // chain) may keep the object itself a while longer, not its host copies.
+  void release_resources() override {
+    host.clear();
+    back.clear();
+    if (counter != nullptr) counter->current -= bytes;
+    counter = nullptr;
+  }
+  // Issues the copies back to the inputs' devices (no-op when already issued).
+  void bring_back() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!back.empty()) return;
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (!host[i].defined() || device[i].is_cpu()) {
+        back.push_back(host[i]);
+        continue;
+      }
+      back.push_back(host[i].to(device[i], /*non_blocking=*/true));
+    }
+  }
+  // The inputs for backward: the copies brought back (issued now if nobody did), which
+  // are dropped here so that a second backward copies again.
+  std::vector<at::Tensor> take() {
+    bring_back();
+    std::lock_guard<std::mutex> lock(mu);
+    return std::exchange(back, {});
+  }
+};
+
+// The newest region that offloaded in this thread's forward: the next one links to it.
+thread_local c10::weak_intrusive_ptr<torch::CustomClassHolder> newest_offloaded{
+    c10::intrusive_ptr<torch::CustomClassHolder>()};
+
+c10::intrusive_ptr<Offloaded> offload(const variable_list& inputs, MemoryCounter* counter) {
+  auto o = c10::make_intrusive<Offloaded>();
+  for (const auto& t : inputs) {
+    o->requires_grad.push_back(t.defined() && t.requires_grad());
+    o->device.push_back(t.defined() ? t.device() : c10::Device(at::kCPU));
+    if (!t.defined()) {
+      o->host.emplace_back();
+      continue;
+    }
+    at::Tensor h = at::empty(
+        t.sizes(), t.options().device(at::kCPU).requires_grad(false).pinned_memory(t.is_cuda()));
+    h.copy_(t.detach(), /*non_blocking=*/t.is_cuda());
+    o->bytes += static_cast<int64_t>(h.nbytes());
+    o->host.push_back(std::move(h));
+  }
+  o->counter = counter;
+  if (counter != nullptr) {
+    counter->current += o->bytes;
+    counter->peak = std::max(counter->peak, counter->current);
+  }
+  o->previous = newest_offloaded;
+  newest_offloaded = c10::weak_intrusive_ptr<torch::CustomClassHolder>(
+      c10::intrusive_ptr<torch::CustomClassHolder>(o));
+  return o;
+}
+
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
  public:
   // `anchor` is an empty tensor that requires grad: autograd connects a custom
@@ -73,7 +155,12 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     rng->state = RngState::capture(inputs);
     ctx->saved_data["fn"] = c10::IValue::make_capsule(fn);
     ctx->saved_data["rng"] = c10::IValue::make_capsule(rng);
-    ctx->save_for_backward(inputs);
+    if (fn->options.offload_inputs) {
+      ctx->saved_data["offloaded"] =
+          c10::IValue::make_capsule(offload(inputs, fn->options.host_counter));
+    } else {
+      ctx->save_for_backward(inputs);
+    }
     variable_list outputs;
     {
       at::NoGradGuard no_grad;
@@ -95,15 +182,29 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                 "without fsdp::checkpoint, or take the gradient without create_graph.");
     auto fn = c10::static_intrusive_pointer_cast<FnCapsule>(ctx->saved_data["fn"].toCapsule());
     auto rng = c10::static_intrusive_pointer_cast<RngCapsule>(ctx->saved_data["rng"].toCapsule());
-    auto saved = ctx->get_saved_variables();
+    variable_list saved;
+    std::vector<bool> requires_grad;
+    if (ctx->saved_data.count("offloaded") != 0) {
+      // Note [Activation offload]: this region's inputs, then the previous region's copy.
+      auto off =
+          c10::static_intrusive_pointer_cast<Offloaded>(ctx->saved_data["offloaded"].toCapsule());
+      saved = off->take();
+      requires_grad = off->requires_grad;
+      if (auto prev = off->previous.lock())
+        c10::static_intrusive_pointer_cast<Offloaded>(prev)->bring_back();
+    } else {
+      saved = ctx->get_saved_variables();
+      for (const auto& t : saved) requires_grad.push_back(t.defined() && t.requires_grad());
+    }
     variable_list inputs;
-    for (const auto& t : saved) {
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const auto& t = saved[i];
       if (!t.defined()) {
         inputs.push_back(t);
         continue;
       }
       auto d = t.detach();
-      d.set_requires_grad(t.requires_grad());
+      d.set_requires_grad(requires_grad[i]);
       inputs.push_back(d);
     }
     // Recompute under the forward's RNG state, then put the current state back.
@@ -137,25 +238,31 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 }  // namespace
 
 std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
-                                      const std::vector<torch::Tensor>& inputs) {
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const CheckpointOptions& options) {
   TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
   if (!at::GradMode::is_enabled()) return fn(inputs);  // nothing would be saved anyway
   auto anchor = at::empty({0});
   anchor.set_requires_grad(true);
   // As a TensorList, so that autograd sees every input as a variable.
   return CheckpointFunction::apply(
-      c10::make_intrusive<FnCapsule>(fn, detail::trace::RegionName::current()), anchor,
+      c10::make_intrusive<FnCapsule>(fn, detail::trace::RegionName::current(), options), anchor,
       at::TensorList(inputs));
+}
+
+std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
+                                      const std::vector<torch::Tensor>& inputs) {
+  return checkpoint(fn, inputs, CheckpointOptions{});
 }
 
 int64_t activation_recomputes() { return recomputes.load(std::memory_order_relaxed); }
 
 torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                         const torch::Tensor& input) {
+                         const torch::Tensor& input, const CheckpointOptions& options) {
   TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
   return checkpoint(
       [fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; },
-      std::vector<torch::Tensor>{input})[0];
+      std::vector<torch::Tensor>{input}, options)[0];
 }
 
 }  // namespace fsdp
