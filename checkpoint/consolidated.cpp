@@ -362,7 +362,10 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root,
   at::NoGradGuard no_grad;
   for (const auto& ls : shards) {
     at::Tensor dst = ls.shard.detach();
-    at::Tensor buf = dst.device().is_cpu() ? dst : dst.to(at::kCPU);
+    at::Tensor buf =
+        dst.device().is_cpu() && dst.scalar_type() == at::kFloat
+            ? dst
+            : at::empty({dst.numel()}, dst.options().device(at::kCPU).dtype(at::kFloat));
     float* out = buf.data_ptr<float>();
     std::set<int64_t> seen;
     for (const auto& p : ls.params) {

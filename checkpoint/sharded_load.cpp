@@ -85,8 +85,10 @@ std::vector<Piece> plan_shard_pieces(const ShardedReader& src, const LocalShard&
 // fp32 tensor on any device, and zeroes its padding past `length`.
 void fill_from_pieces(ShardedReader& src, const std::vector<Piece>& pieces, int64_t length,
                       const at::Tensor& dst, const std::string& dataset) {
-  at::Tensor buf =
-      dst.device().is_cpu() && dst.is_contiguous() ? dst : dst.to(at::kCPU).contiguous();
+  // fp32 from the file; a shard of another dtype (pure bf16) is converted once filled.
+  at::Tensor buf = dst.device().is_cpu() && dst.is_contiguous() && dst.scalar_type() == at::kFloat
+                       ? dst
+                       : at::empty({dst.numel()}, dst.options().device(at::kCPU).dtype(at::kFloat));
   float* out = buf.data_ptr<float>();
   for (const auto& p : pieces) src.read(p.src_flat, dataset, p.src, p.n, out + p.dst);
   if (length < buf.numel()) buf.narrow(0, length, buf.numel() - length).zero_();

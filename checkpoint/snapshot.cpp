@@ -84,7 +84,11 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     for (const auto& p : ls.params)
       f.table.push_back(TableEntry{p.fqn, p.offset, p.numel, p.shape});
     const std::string flat = flat_group(snap.flats.size());
-    f.param = keep(flat + "/param", ls.shard.detach().narrow(0, 0, f.length));
+    // Files hold fp32 whatever the shards' dtype (pure bf16 widens exactly).
+    auto fp32 = [](const at::Tensor& t) {
+      return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
+    };
+    f.param = keep(flat + "/param", fp32(ls.shard.detach().narrow(0, 0, f.length)));
     if (opt && ls.info.requires_grad) {
       const int64_t group = find_param(*opt, ls.shard).first;
       TORCH_CHECK(group >= 0, "save: the optimizer does not hold the shard of unit '",
@@ -96,7 +100,7 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
         f.optim_group = group;
         for (const auto& [name, t] : st.tensors) {
           f.optim.emplace_back(
-              name, keep(flat + "/optim/" + name, t.reshape({-1}).narrow(0, 0, f.length)));
+              name, keep(flat + "/optim/" + name, fp32(t.reshape({-1}).narrow(0, 0, f.length))));
         }
       }
     }

@@ -50,6 +50,23 @@ class FusedAdamW : public torch::optim::AdamW {
   void set_copy_out(const torch::Tensor& param, torch::Tensor out,
                     std::shared_ptr<std::atomic<int64_t>> written = nullptr);
 
+  /// How CPU bf16 parameters (pure bf16 shards: MixedPrecision::master_dtype) are written
+  /// back after each update, which is computed in fp32 from the bf16 values (the moments
+  /// are kept in bf16 too):
+  /// - kNearest: round to nearest even; an update below half a bf16 ulp of the parameter
+  ///   is lost, so small learning rates stall.
+  /// - kStochastic: round up with probability equal to the remainder's share of an ulp,
+  ///   so updates survive on average (an unbiased rounding); its random bits come from a
+  ///   generator of this optimizer seeded with `seed` (give each rank its own).
+  /// - kCompensated: a bf16 compensation buffer per parameter (Kahan) keeps what
+  ///   rounding dropped and adds it back at the next update: 2 more bytes per parameter.
+  ///   The buffer is not saved in checkpoints; a resumed run starts it at zero.
+  enum class Bf16Rounding { kNearest, kStochastic, kCompensated };
+  void set_bf16_rounding(Bf16Rounding rounding, uint64_t seed = 0);
+  Bf16Rounding bf16_rounding() const { return bf16_rounding_; }
+  /// Bytes of kCompensated's buffers.
+  int64_t compensation_bytes() const;
+
   /// Chooses the kernel of this optimizer's steps (default kAuto).
   void set_kernel(Kernel kernel) { kernel_ = kernel; }
   Kernel kernel() const { return kernel_; }
@@ -69,10 +86,16 @@ class FusedAdamW : public torch::optim::AdamW {
  private:
   /// One parameter's update: its fp32 gradient, state and the kernels (and its copy-out).
   void step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa);
+  /// A CPU bf16 parameter: the update in fp32 over its bf16 values and moments, written
+  /// back as bf16_rounding_ says.
+  void step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o);
   /// One group's parameters through at::_fused_adamw_, a launch per device and dtype.
   void step_aten(const std::vector<torch::Tensor>& params, const torch::optim::AdamWOptions& o);
 
   Kernel kernel_ = Kernel::kAuto;
+  Bf16Rounding bf16_rounding_ = Bf16Rounding::kNearest;
+  at::Generator rounding_gen_;
+  std::unordered_map<const void*, torch::Tensor> compensation_;
   struct CopyOut {
     torch::Tensor out;
     std::shared_ptr<std::atomic<int64_t>> written;

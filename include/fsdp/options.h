@@ -12,12 +12,22 @@
 
 namespace fsdp {
 
-/// Mixed precision over fp32 master weights. The shards, and the optimizer, stay fp32.
+/// Mixed precision over fp32 master weights. The shards, and the optimizer, stay fp32
+/// unless master_dtype says otherwise (pure bf16).
 struct MixedPrecision {
   /// dtype of the gathered parameters: compute and all-gather.
   torch::Dtype param_dtype = torch::kFloat32;
-  /// dtype in which gradients are reduced across ranks; gradients land in fp32 shards.
+  /// dtype in which gradients are reduced across ranks; gradients land in the shards'
+  /// dtype (master_dtype).
   torch::Dtype reduce_dtype = torch::kFloat32;
+  /// dtype of the shards the optimizer steps (the master weights) and of their gradients.
+  /// kBFloat16 is pure bf16 (FSDP users with little memory): no fp32 copy of anything, 2
+  /// bytes per parameter for the shard and 2 for its gradient, and bf16 optimizer state
+  /// from torch's optimizers (fsdp::FusedAdamW adds stochastic rounding or a Kahan
+  /// compensation buffer: FusedAdamW::set_bf16_rounding). param_dtype must then be
+  /// kBFloat16 too. Checkpoints store the values in fp32 as always, so they load into
+  /// either kind of run.
+  torch::Dtype master_dtype = torch::kFloat32;
   /// If set, floating-point buffers (not sharded; every rank keeps them) are cast to
   /// this dtype when sharding.
   std::optional<torch::Dtype> buffer_dtype = std::nullopt;

@@ -86,6 +86,7 @@ void CommContext::finish_oldest() {
 
   at::Tensor g = out.to(at::kFloat);
   if (cfg.world_size > 1) g.div_(static_cast<double>(cfg.world_size));
+  if (cfg.master_dtype != at::kFloat) g = g.to(cfg.master_dtype);  // pure bf16
   const at::Tensor& shard = flat.shard();
   if (transfers_) {
     // The fp32 gradient shard goes back to the host on the transfer stream (an explicit

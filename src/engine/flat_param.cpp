@@ -53,7 +53,8 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   // built (docs/design.md, "Sharded construction"). Under sync_module_states each
   // parameter is broadcast from rank 0 before its part is taken.
   auto fp32 = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
-  shard_ = at::zeros({shard_numel_}, fp32);
+  auto master = fp32.dtype(cfg_.master_dtype);
+  shard_ = at::zeros({shard_numel_}, master);
   const int64_t lo = cfg_.shard_group->rank() * shard_numel_, hi = lo + shard_numel_;
   const bool sync = broadcast_group != nullptr && broadcast_group->size() > 1;
   for (auto& s : slots_) {
@@ -70,12 +71,12 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   if (cfg_.offload) {
     // Host memory, pinned when the device is a GPU so copies can run asynchronously.
     at::Tensor host =
-        at::empty({shard_numel_}, fp32.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
+        at::empty({shard_numel_}, master.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
     host.copy_(shard_);
     shard_ = host;
   }
   shard_.set_requires_grad(trainable_);
-  Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
+  Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
 
   // Point every original parameter at its view of the full buffer, then free the
   // buffer: the originals' own storage goes with the old data.
@@ -86,7 +87,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   // At world size 1 the gradient needs no reduction either, so the originals' .grad()
   // are views into the fp32 gradient shard and autograd accumulates into it in place
   // (GradBuffer::direct()).
-  alias_ = g == 1 && cfg_.param_dtype == at::kFloat && !cfg_.offload;
+  alias_ = g == 1 && cfg_.param_dtype == cfg_.master_dtype && !cfg_.offload;
   full_ = alias_ ? shard_.detach() : at::empty({padded_}, fp32.dtype(cfg_.param_dtype));
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
   if (!alias_) free_storage(full_);
@@ -103,7 +104,7 @@ void FlatParam::set_names(const std::string& prefix, const std::string& label) {
 
 FlatParam::~FlatParam() {
   release();
-  Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, at::kFloat));
+  Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
   Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_);
   if (device_params_.defined())
     Accounting::release(cfg_.acct->mem.device_param_shards,
@@ -149,7 +150,7 @@ std::shared_ptr<Work> FlatParam::gather() {
     staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
     cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
     input = staging;
-  } else if (cfg_.param_dtype != at::kFloat && !fresh) {
+  } else if (cfg_.param_dtype != cfg_.master_dtype && !fresh) {
     staging = input.to(cfg_.param_dtype);
     input = staging;
   }
@@ -236,7 +237,7 @@ std::shared_ptr<Work> FlatParam::gather_slices() {
 }
 
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
-  if (!trainable_ || cfg_.param_dtype == at::kFloat || !shard_.is_cpu()) return {};
+  if (!trainable_ || cfg_.param_dtype == cfg_.master_dtype || !shard_.is_cpu()) return {};
   if (!lowp_.defined()) {
     // Pinned on a GPU build's offload, like the shard: it is the source of the gathers' copies.
     lowp_ = at::empty({shard_numel_}, shard_.options()

@@ -44,6 +44,7 @@ struct FlatConfig {
   at::Device device = at::kCPU;              ///< where the shard and gathered params live
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype
   at::ScalarType reduce_dtype = at::kFloat;  ///< gradient reduction dtype
+  at::ScalarType master_dtype = at::kFloat;  ///< the shards' and their gradients' dtype
   bool offload = false;                      ///< shards and their grads live on the host
   /// With offload: keep each shard's param_dtype copy on the device between gathers
   /// (offload_optimizer without offload_param; Note [Offload granularity]).
@@ -72,7 +73,8 @@ class FlatParam {
   int64_t padded_numel() const { return padded_; }
   int64_t shard_numel() const { return shard_numel_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
-  /// The fp32 shard: a leaf the optimizer steps on; its .grad() is the gradient shard.
+  /// The shard (master_dtype, fp32 unless pure bf16): a leaf the optimizer steps on; its
+  /// .grad() is the gradient shard.
   const at::Tensor& shard() const { return shard_; }
   /// The gathered buffer (param_dtype); its storage is empty while sharded.
   const at::Tensor& full() const { return full_; }
@@ -101,7 +103,8 @@ class FlatParam {
     return !alias_ && full_allocated() && shard_._version() != gathered_version_;
   }
 
-  /// Group of one in fp32 (Note [Group of one]): the full buffer is the shard itself.
+  /// Group of one computing in the shards' dtype (Note [Group of one]): the full buffer is
+  /// the shard itself.
   bool aliased() const { return alias_; }
   const FlatConfig& config() const { return cfg_; }
   /// What this flat's collectives are for, in the collective trace.

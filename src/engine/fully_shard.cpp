@@ -194,6 +194,18 @@ void validate(const ShardingOptions& o) {
   TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype),
               "MixedPrecision::reduce_dtype=", o.mixed_precision.reduce_dtype,
               " is unsupported; gradients reduce in Float, BFloat16 or Half");
+  const auto master = o.mixed_precision.master_dtype;
+  TORCH_CHECK(master == at::kFloat || master == at::kBFloat16,
+              "MixedPrecision::master_dtype=", master,
+              " is unsupported; use Float (fp32 masters) or BFloat16 (pure bf16)");
+  TORCH_CHECK(master == at::kFloat || o.mixed_precision.param_dtype == at::kBFloat16,
+              "MixedPrecision::master_dtype=BFloat16 (pure bf16) needs param_dtype=BFloat16 "
+              "too (got ",
+              o.mixed_precision.param_dtype,
+              "): the gathered parameters cannot be more precise than the shards");
+  TORCH_CHECK(master == at::kFloat || o.mixed_precision.keep_fp32_policy == nullptr,
+              "MixedPrecision::keep_fp32_policy keeps units in fp32, which pure bf16 "
+              "(master_dtype=BFloat16) has no fp32 values for; drop one of them");
 }
 
 }  // namespace
@@ -334,6 +346,7 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.device = options.device;
   cfg.param_dtype = options.mixed_precision.param_dtype;
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
+  cfg.master_dtype = options.mixed_precision.master_dtype;
   // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
   // [Offload granularity]).
   cfg.offload = options.cpu_offload || options.offload_optimizer.device == OffloadDevice::kCpu;

@@ -5,7 +5,7 @@ namespace fsdp::detail {
 GradBuffer::GradBuffer(FlatParam& flat)
     : flat_(flat),
       direct_(flat.aliased() && flat.config().world_size == 1 &&
-              flat.config().reduce_dtype == at::kFloat) {
+              flat.config().reduce_dtype == flat.config().master_dtype) {
   TORCH_INTERNAL_ASSERT(flat.trainable());
 }
 
@@ -20,7 +20,7 @@ void GradBuffer::link() {
   const auto& g = shard.grad();
   for (const auto& s : flat_.slots()) {
     const auto& pg = s.param.grad();
-    if (pg.defined() && pg.data_ptr() == g.data_ptr<float>() + s.offset) continue;
+    if (pg.defined() && pg.data_ptr() == g.narrow(0, s.offset, 1).data_ptr()) continue;
     s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
   }
 }
@@ -45,7 +45,7 @@ bool GradBuffer::take(size_t slot) {
       flat_.count_grad();
     }
     const auto& g = shard.grad();
-    if (pg.defined() && pg.data_ptr() != g.data_ptr<float>() + s.offset) {
+    if (pg.defined() && pg.data_ptr() != g.narrow(0, s.offset, 1).data_ptr()) {
       g.narrow(0, s.offset, s.numel).view(s.shape).add_(pg);
       s.param.mutable_grad() = g.narrow(0, s.offset, s.numel).view(s.shape);
     }

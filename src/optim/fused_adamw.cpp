@@ -179,7 +179,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     std::vector<torch::Tensor> on_aten;  // device parameters (all of them under kAten)
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      if (kernel_ == Kernel::kAuto && p.is_cpu()) {
+      if (kernel_ == Kernel::kAuto && p.is_cpu() && p.scalar_type() == torch::kBFloat16) {
+        step_bf16(p, o);
+      } else if (kernel_ == Kernel::kAuto && p.is_cpu()) {
         step_param(p, o, isa);
       } else {
         on_aten.push_back(p);
@@ -246,6 +248,84 @@ void FusedAdamW::step_aten(const std::vector<torch::Tensor>& params,
     at::_fused_adamw_(ps, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, state_steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
                       /*amsgrad=*/false, /*maximize=*/false);
+  }
+}
+
+void FusedAdamW::set_bf16_rounding(Bf16Rounding rounding, uint64_t seed) {
+  bf16_rounding_ = rounding;
+  rounding_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  if (rounding != Bf16Rounding::kCompensated) compensation_.clear();
+}
+
+int64_t FusedAdamW::compensation_bytes() const {
+  int64_t n = 0;
+  for (const auto& [_, c] : compensation_) n += static_cast<int64_t>(c.nbytes());
+  return n;
+}
+
+// Note [Pure bf16 rounding]
+// A bf16 parameter's update is computed in fp32 (AdamW's formula, as torch's AdamW) and
+// written back in bf16. Round-to-nearest loses every update below half an ulp (2^-8 of
+// the value): a parameter near 1 stops moving once lr * |m/sqrt(v)| < 2^-9. Stochastic
+// rounding adds 16 uniform random bits below a float's top 16 (the bf16 part) before
+// truncating, so it rounds up with probability equal to the dropped fraction of an ulp
+// and the expected value is the fp32 result. The compensated form keeps the dropped part
+// in a second bf16 tensor (Kahan summation) and adds it to the next update.
+void FusedAdamW::step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o) {
+  TORCH_CHECK(p.is_contiguous(), "FusedAdamW steps contiguous parameters; got ", p.toString(),
+              " (not contiguous)");
+  const auto key = detail::optim_state_key(state(), p);
+  auto it = state().find(key);
+  if (it == state().end()) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    it = state().emplace(key, std::move(st)).first;
+  }
+  auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+  for (auto* t : {&st.exp_avg(), &st.exp_avg_sq()}) {
+    if (t->scalar_type() != torch::kBFloat16 || !t->is_contiguous())
+      *t = t->to(torch::kBFloat16).contiguous();
+  }
+  st.step(st.step() + 1);
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  const double bc1 = 1 - std::pow(beta1, static_cast<double>(st.step()));
+  const double bc2 = 1 - std::pow(beta2, static_cast<double>(st.step()));
+  torch::Tensor* comp = nullptr;
+  if (bf16_rounding_ == Bf16Rounding::kCompensated) {
+    auto [c, fresh] = compensation_.try_emplace(p.unsafeGetTensorImpl());
+    if (fresh || !c->second.defined())
+      c->second = torch::zeros_like(p, at::MemoryFormat::Contiguous);
+    comp = &c->second;
+  }
+  at::Tensor w = p.to(torch::kFloat);
+  if (comp != nullptr) w.add_(comp->to(torch::kFloat));
+  const at::Tensor g = p.grad().to(torch::kFloat);
+  at::Tensor m = st.exp_avg().to(torch::kFloat), v = st.exp_avg_sq().to(torch::kFloat);
+  if (o.weight_decay() != 0) w.mul_(1 - o.lr() * o.weight_decay());
+  m.lerp_(g, 1 - beta1);
+  v.mul_(beta2).addcmul_(g, g, 1 - beta2);
+  const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps());
+  w.addcdiv_(m, denom, -o.lr() / bc1);
+  st.exp_avg().copy_(m);
+  st.exp_avg_sq().copy_(v);
+  switch (bf16_rounding_) {
+    case Bf16Rounding::kNearest:
+      p.copy_(w);
+      break;
+    case Bf16Rounding::kStochastic: {
+      at::Tensor bits = w.view(torch::kInt);
+      if (!rounding_gen_.defined()) rounding_gen_ = at::make_generator<at::CPUGeneratorImpl>(0);
+      bits.add_(at::randint(0, 1 << 16, w.sizes(), rounding_gen_, w.options().dtype(torch::kInt)));
+      bits.bitwise_and_(static_cast<int64_t>(-65536));  // 0xFFFF0000: the bf16 bits only
+      p.copy_(w);                                       // exact: nothing below bf16's bits is left
+      break;
+    }
+    case Bf16Rounding::kCompensated:
+      p.copy_(w);
+      comp->copy_(w - p.to(torch::kFloat));
+      break;
   }
 }
 
