@@ -12,6 +12,9 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+
+#include <cctype>
+#include <fstream>
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 #include "../src/tools/gpt_units.h"         // the GPT example's units, as fsdp-estimate counts them
 
@@ -337,8 +340,9 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{{},
             "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or "
             "--params N"},
-        Bad{{"--params", "1e9", "--strategy", "zero3"},
-            "--strategy 'zero3' is unknown; use full, grad_op, none or hybrid"},
+        Bad{{"--params", "1e9", "--strategy", "zero4"},
+            "--strategy 'zero4' is unknown; use zero1, zero2, zero3 (or full), grad_op, none or "
+            "hybrid"},
         Bad{{"--params", "1e9", "--precision", "fp8"},
             "--precision 'fp8' is unknown; use fp32, bf16 or fp16"},
         Bad{{"--params", "1e9", "--world-size", "0"},
@@ -358,7 +362,38 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64", "--block-size", "8", "--params",
              "5"},
             "give either a GPT shape or --params, not both"},
-        Bad{{"--params", "1e9", "--no-such-flag"}, "Option"}),
+        Bad{{"--params", "1e9", "--no-such-flag"}, "Option"},
+        Bad{{"--params", "1e9", "--offload-optimizer", "disk"},
+            "--offload-optimizer 'disk' is unknown; use none, cpu or nvme"},
+        Bad{{"--params", "1e9", "--offload-param", "cpu"},
+            "--offload-param cpu needs --offload-optimizer too (the fp32 master shard is the "
+            "parameter here); add --offload-optimizer cpu or nvme"},
+        Bad{{"--params", "1e9", "--strategy", "zero2", "--offload-optimizer", "cpu",
+             "--offload-param", "cpu"},
+            "--offload-param cpu needs --strategy zero3 (full) or hybrid, which free parameters "
+            "after use; zero1, zero2, grad_op and none keep them on the device"},
+        Bad{{"--params", "1e9", "--cpu-offload", "--offload-optimizer", "nvme"},
+            "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme "
+            "--offload-param none; use one or the other"},
+        Bad{{"--params", "1e9", "--world-size", "8", "--gpus-per-node", "3"},
+            "--gpus-per-node 3 is invalid; it must divide the world size 8 (or be 0: every rank "
+            "on one node)"},
+        Bad{{"--params", "1e9", "--nodes", "2"},
+            "--nodes needs --gpus-per-node (the world size is their product)"},
+        Bad{{"--params", "1e9", "--nodes", "2", "--gpus-per-node", "4", "--world-size", "4"},
+            "--world-size 4 contradicts --nodes 2 x --gpus-per-node 4; give one or the other"},
+        Bad{{"--unit-sizes", "10,x,30"},
+            "--unit-sizes entry 'x' is not a count; give whole non-negative parameter counts, root "
+            "unit first"},
+        Bad{{"--unit-sizes", "10,,30"},
+            "--unit-sizes has an empty entry; give counts separated by commas, e.g. 0,1000,2000"},
+        Bad{{"--unit-sizes", "10,20", "--params", "5"},
+            "give one model: a GPT shape, --params, --unit-sizes or --unit-sizes-file"},
+        Bad{{"--unit-sizes-file", "/nonexistent/units.txt"},
+            "--unit-sizes-file '/nonexistent/units.txt' cannot be read; give an existing file"},
+        Bad{{"--params", "1e9", "--strategy", "grad_op", "--deepspeed-table"},
+            "--deepspeed-table needs --strategy zero3 (full), zero2 or zero1: DeepSpeed estimates "
+            "stages 2 and 3 only (its stage-2 formula stands for stage 1 too)"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 // One version everywhere: the headers, the library, and every tool's --version.
@@ -445,3 +480,366 @@ TEST(EstimateStrategies, PostForwardSlicesMatchTheCounterAtWorld4) {
   in.reshard_after_forward_group_size = 0;
   EXPECT_THROW(estimate_memory(in).term("post_forward_slices"), std::invalid_argument);
 }
+
+// ZeRO-1/2 and the offload sections by hand, on the units of HandWorkedFigures (world 4,
+// bf16): padded 12, 100, 100, 52 (264 elements); shards 3 + 25 + 25 + 13 = 66.
+TEST(EstimateRules, Zero2AndZero1KeepFullParametersAndZero1FullGradients) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};
+  in.world_size = 4;
+  in.precision = Precision::kBf16;
+  in.strategy = ShardingStrategy::kZero2;
+  auto est = estimate_memory(in);
+  EXPECT_EQ(est.term("parameters").device_bytes, 66 * 4);
+  EXPECT_EQ(est.term("gradients").device_bytes, 66 * 4);
+  EXPECT_EQ(est.term("optimizer_state").device_bytes, 66 * 8);
+  // Every unit's full parameters in bf16, between steps: exact.
+  EXPECT_EQ(est.term("gathered_units").device_bytes, 264 * 2);
+  EXPECT_EQ(est.term("gathered_units").basis, "exact");
+  EXPECT_EQ(est.term("gathered_units").label, "full parameters (bf16)");
+  EXPECT_THROW(est.term("full_gradients"), std::invalid_argument);
+  // Backward: the root's flat gradient and two units' (nothing to prefetch); more than
+  // forward's two casts (25 + 25) after a step.
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);
+  EXPECT_EQ(est.model_states_device(), 66 * 16 + 264 * 2);
+  EXPECT_EQ(est.host_total(), 0);
+
+  in.strategy = ShardingStrategy::kZero1;
+  est = estimate_memory(in);
+  EXPECT_EQ(est.term("gathered_units").device_bytes, 264 * 2);
+  EXPECT_EQ(est.term("full_gradients").device_bytes, 264 * 2);
+  EXPECT_EQ(est.term("full_gradients").basis, "exact");
+  // The flat gradients are the full gradients: left, forward's casts of two shards.
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (25 + 25) * 2);
+  EXPECT_EQ(est.model_states_device(), 66 * 16 + 264 * 2 + 264 * 2);
+  EXPECT_EQ(est.shard_group_size, 4);
+}
+
+TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};
+  in.world_size = 4;
+  in.precision = Precision::kBf16;
+  // The optimizer alone to the host: masters, gradients and AdamW state there, a bf16 copy
+  // of the shard on the device; the gathers read it, so nothing in transit on the device.
+  in.offload_optimizer = OffloadDevice::kCpu;
+  auto est = estimate_memory(in);
+  EXPECT_EQ(est.term("parameters").host_bytes, 66 * 4);
+  EXPECT_EQ(est.term("gradients").host_bytes, 66 * 4);
+  EXPECT_EQ(est.term("optimizer_state").host_bytes, 66 * 8);
+  EXPECT_EQ(est.term("device_param_shards").device_bytes, 66 * 2);
+  EXPECT_EQ(est.term("gathered_units").device_bytes, (12 + 100 + 100) * 2);
+  EXPECT_EQ(est.term("offload_buffers").device_bytes, 0);
+  EXPECT_EQ(est.term("offload_buffers").host_bytes, 2 * 25 * 4);
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);  // no cast buffer
+  EXPECT_EQ(est.model_states_device(), 66 * 2 + (12 + 100 + 100) * 2);
+  EXPECT_EQ(est.model_states_host(), 66 * 16);
+  EXPECT_EQ(est.nvme_total(), 0);
+
+  // Both to the host: the legacy cpu_offload, term by term.
+  in.offload_param = OffloadDevice::kCpu;
+  est = estimate_memory(in);
+  EstimateInput legacy = in;
+  legacy.offload_optimizer = legacy.offload_param = OffloadDevice::kNone;
+  legacy.cpu_offload = true;
+  const auto old = estimate_memory(legacy);
+  ASSERT_EQ(est.terms.size(), old.terms.size());
+  for (size_t i = 0; i < est.terms.size(); ++i) {
+    EXPECT_EQ(est.terms[i].key, old.terms[i].key);
+    EXPECT_EQ(est.terms[i].device_bytes, old.terms[i].device_bytes) << est.terms[i].key;
+    EXPECT_EQ(est.terms[i].host_bytes, old.terms[i].host_bytes) << est.terms[i].key;
+  }
+  EXPECT_THROW(est.term("device_param_shards"), std::invalid_argument);
+  EXPECT_EQ(est.term("offload_buffers").device_bytes, (25 + 25) * 2);
+
+  // The optimizer to NVMe: AdamW's state in files, masters and gradients in host memory,
+  // plus one OffloadConfig::buffer_bytes of chunks in flight.
+  in.offload_param = OffloadDevice::kNone;
+  in.offload_optimizer = OffloadDevice::kNvme;
+  in.nvme_buffer_bytes = 1000;
+  est = estimate_memory(in);
+  EXPECT_EQ(est.term("optimizer_state").nvme_bytes, 66 * 8);
+  EXPECT_EQ(est.term("optimizer_state").host_bytes, 0);
+  EXPECT_EQ(est.term("parameters").host_bytes, 66 * 4);
+  EXPECT_EQ(est.term("device_param_shards").device_bytes, 66 * 2);
+  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 1000);
+  EXPECT_EQ(est.nvme_total(), 66 * 8);
+  EXPECT_EQ(est.model_states_nvme(), 66 * 8);
+  // And the parameters too: the fp32 masters in files, a second buffer.
+  in.offload_param = OffloadDevice::kNvme;
+  est = estimate_memory(in);
+  EXPECT_EQ(est.term("parameters").nvme_bytes, 66 * 4);
+  EXPECT_EQ(est.term("gradients").host_bytes, 66 * 4);
+  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 2000);
+  EXPECT_EQ(est.nvme_total(), 66 * 12);
+  EXPECT_EQ(est.host_total(), 66 * 4 + 2 * 25 * 4 + 2000);
+  EXPECT_EQ(est.construction[1].nvme_bytes, 66 * 4);  // make_sharded writes the masters there
+}
+
+TEST(EstimateRules, PerNodeFiguresAndBadOffloadCombinations) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};
+  in.world_size = 8;
+  in.gpus_per_node = 4;
+  auto est = estimate_memory(in);
+  EXPECT_EQ(est.gpus_per_node, 4);
+  EXPECT_EQ(est.nodes, 2);
+  in.gpus_per_node = 0;
+  est = estimate_memory(in);
+  EXPECT_EQ(est.gpus_per_node, 8);
+  EXPECT_EQ(est.nodes, 1);
+  auto message = [&](const EstimateInput& bad) {
+    try {
+      estimate_memory(bad);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EstimateInput bad = in;
+  bad.offload_param = OffloadDevice::kNvme;
+  EXPECT_EQ(message(bad),
+            "--offload-param nvme needs --offload-optimizer too (the fp32 master shard is the "
+            "parameter here); add --offload-optimizer cpu or nvme");
+  bad.offload_optimizer = OffloadDevice::kNvme;
+  bad.nvme_buffer_bytes = 0;
+  EXPECT_EQ(message(bad),
+            "--nvme-buffer-bytes 0 is invalid; NVMe offload needs a positive host buffer "
+            "(OffloadConfig::buffer_bytes)");
+  bad.nvme_buffer_bytes = 1;
+  bad.strategy = ShardingStrategy::kZero1;
+  EXPECT_EQ(message(bad),
+            "--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
+            "after use; zero1, zero2, grad_op and none keep them on the device");
+  bad.strategy = ShardingStrategy::kHybridShard;
+  bad.hybrid_group_size = 4;
+  EXPECT_EQ(message(bad), "no error");
+}
+
+// DeepSpeed's formulas by hand, on four units of 100 at 2 nodes x 2 GPUs (P = 400,
+// L = 100, fp16), beside this engine's model states.
+TEST(EstimateRules, DeepSpeedTableByHand) {
+  EstimateInput in;
+  in.unit_params = {0, 100, 100, 100, 100};
+  in.world_size = 4;
+  in.gpus_per_node = 2;
+  in.precision = Precision::kFp16;
+  int stage = 0;
+  auto rows = deepspeed_table(in, &stage);
+  EXPECT_EQ(stage, 3);
+  ASSERT_EQ(rows.size(), 6u);
+  struct Want {
+    OffloadDevice param, opt;
+    bool zero_init;
+    int64_t ds_cpu, ds_gpu, host, device;
+  };
+  const OffloadDevice cpu = OffloadDevice::kCpu, none = OffloadDevice::kNone;
+  // Ours: shards 100 per rank; gathered units 2 x 100 x 2 B = 400; construction sharded
+  // 4 x (root 0 + the largest other 100) per rank, eager 4 x 400.
+  const Want want[] = {
+      {cpu, cpu, true, 5400 /* 400*18/2*1.5 */, 400 /* 4L */, 2 * 1600, 400},
+      {cpu, cpu, false, 5400 /* 400*max(8, 9)*1.5 */, 400, 2 * 1600, 400},
+      {none, cpu, true, 4800 /* 400*16/2*1.5 */, 600 /* 4L + 2P/N */, 2 * 1600, 200 + 400},
+      {none, cpu, false, 4800 /* 400*max(8, 8)*1.5 */, 600, 2 * 1600, 200 + 400},
+      {none, none, true, 1200 /* 100*4*2*1.5 */, 2200 /* 4L + 18P/N */, 2 * 400, 1600 + 400},
+      {none, none, false, 4800 /* 400*4*2*1.5 */, 2200, 2 * 1600, 1600 + 400},
+  };
+  for (size_t i = 0; i < rows.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(rows[i].offload_param, want[i].param);
+    EXPECT_EQ(rows[i].offload_optimizer, want[i].opt);
+    EXPECT_EQ(rows[i].zero_init, want[i].zero_init);
+    EXPECT_EQ(rows[i].deepspeed_cpu_bytes, want[i].ds_cpu);
+    EXPECT_EQ(rows[i].deepspeed_gpu_bytes, want[i].ds_gpu);
+    EXPECT_EQ(rows[i].host_per_node, want[i].host);
+    EXPECT_EQ(rows[i].device_per_gpu, want[i].device);
+  }
+  in.strategy = ShardingStrategy::kZero2;
+  rows = deepspeed_table(in, &stage);
+  EXPECT_EQ(stage, 2);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].offload_optimizer, cpu);
+  EXPECT_EQ(rows[0].deepspeed_cpu_bytes, 9600);  // 400 * max(16, 16) * 1.5: the whole job
+  EXPECT_EQ(rows[0].deepspeed_gpu_bytes, 800);   // 2P
+  EXPECT_EQ(rows[0].host_per_node, 3200);
+  EXPECT_EQ(rows[0].device_per_gpu, 800 + 200);  // full parameters, the shard's device copy
+  EXPECT_EQ(rows[1].deepspeed_cpu_bytes, 4800);  // 400 * 4 * 2 * 1.5
+  EXPECT_EQ(rows[1].deepspeed_gpu_bytes, 800 + 1800);
+  EXPECT_EQ(rows[1].host_per_node, 3200);
+  EXPECT_EQ(rows[1].device_per_gpu, 800 + 1600);
+}
+
+TEST(EstimateTool, UnitSizesFromAListAndAFileAndPerNodeJson) {
+  const std::string path = ::testing::TempDir() + "/fsdp_estimate_units.txt";
+  {
+    std::ofstream f(path);
+    f << "# root first\n10\n100\n\n100  # a block\n50\n";
+  }
+  for (const std::vector<std::string>& model :
+       {std::vector<std::string>{"--unit-sizes", "10,100,100,50"},
+        std::vector<std::string>{"--unit-sizes-file", path}}) {
+    auto args = model;
+    for (const char* a : {"--nodes", "2", "--gpus-per-node", "2", "--strategy", "zero1",
+                          "--precision", "bf16", "--offload-optimizer", "cpu", "--json"})
+      args.push_back(a);
+    auto r = run_command(tool(args));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j.at("units").get<std::vector<int64_t>>(), (std::vector<int64_t>{10, 100, 100, 50}));
+    EXPECT_EQ(j.at("world_size").get<int>(), 4);
+    EXPECT_EQ(j.at("nodes").get<int>(), 2);
+    EXPECT_EQ(j.at("offload_optimizer").get<std::string>(), "cpu");
+    EstimateInput in;
+    in.unit_params = {10, 100, 100, 50};
+    in.world_size = 4;
+    in.gpus_per_node = 2;
+    in.strategy = ShardingStrategy::kZero1;
+    in.precision = Precision::kBf16;
+    in.offload_optimizer = OffloadDevice::kCpu;
+    const auto est = estimate_memory(in);
+    EXPECT_EQ(j.at("host_total_bytes").get<int64_t>(), est.host_total());
+    EXPECT_EQ(j.at("per_node").at("host_total_bytes").get<int64_t>(), 2 * est.host_total());
+    EXPECT_EQ(j.at("per_node").at("model_states_device_bytes").get<int64_t>(),
+              2 * (66 * 2 + 264 * 2 + 264 * 2));
+  }
+}
+
+TEST(EstimateTool, DeepSpeedTableBesideOurs) {
+  auto r = run_command(tool({"--unit-sizes", "0,100000000,100000000,100000000,100000000",
+                             "--world-size", "8", "--precision", "fp16", "--deepspeed-table"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* want :
+       {"DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold, and this engine:",
+        "HW: Setup with 1 node, 8 GPUs per node.",
+        "SW: Model with 400M total params, 100M largest layer params.",
+        "  per CPU  |  per GPU |  per CPU  |  per GPU |   Options",
+        // 400M * 18 * 1.5 B on the host; 4 x 100M B on the GPU, and our two gathered units.
+        "   10.06GB |   0.37GB |    5.96GB |   0.37GB | offload_param=cpu, offload_optimizer=cpu, "
+        "zero_init=1"}) {
+    EXPECT_NE(r.output.find(want), std::string::npos) << "'" << want << "' missing:\n" << r.output;
+  }
+}
+
+// The new modes against the engine (issue 27): ZeRO-2 and ZeRO-1, and offload_optimizer
+// alone, at world 2. Skipped only while fully_shard says a mode is not implemented, so that
+// they run as soon as the engine has it.
+namespace {
+
+struct NewMode {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  const char* precision = "bf16";
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;
+  std::string name() const {
+    const char* s = strategy == ShardingStrategy::kZero2   ? "zero2"
+                    : strategy == ShardingStrategy::kZero1 ? "zero1"
+                                                           : "zero3";
+    return std::string(s) + "/" + precision + "/offload_optimizer=" + to_string(offload_optimizer);
+  }
+};
+
+ShardingOptions new_mode_options(const NewMode& m, const ProcessGroup& pg) {
+  Scenario base{"full", m.precision};
+  ShardingOptions o = options_for(base, pg);
+  o.strategy = m.strategy;
+  o.offload_optimizer.device = m.offload_optimizer;
+  return o;
+}
+
+// "" if fully_shard takes the mode at world 1, else its "not implemented" message (any
+// other error fails the test).
+std::string not_implemented(const NewMode& m) {
+  try {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(test_gpt()), new_mode_options(m, ProcessGroup()));
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find("not implemented") != std::string::npos) return what;
+    ADD_FAILURE() << m.name() << ": " << what;
+  }
+  return "";
+}
+
+// Two AdamW steps, then every model-state term against its counter, in its column
+// (device, or host with offload_optimizer), between steps.
+void compare_new_mode(const ProcessGroup& pg, const NewMode& m) {
+  SCOPED_TRACE(m.name() + " at world " + std::to_string(pg.size()));
+  const auto cfg = test_gpt();
+  torch::manual_seed(0);
+  auto model = fully_shard(gpt::GPT(cfg), new_mode_options(m, pg));
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+  Scenario base{"full", m.precision};
+  EstimateInput in = input_for(base, cfg, pg.size());
+  in.strategy = m.strategy;
+  in.offload_optimizer = m.offload_optimizer;
+  const auto est = estimate_memory(in);
+  const bool host = m.offload_optimizer != OffloadDevice::kNone;
+  auto column = [&](const std::string& key) {
+    const auto& t = est.term(key);
+    EXPECT_EQ(host ? t.device_bytes : t.host_bytes, 0) << key << " in the wrong column";
+    return host ? t.host_bytes : t.device_bytes;
+  };
+  for (int64_t step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    gpt::loss_on(model, my_rows(gpt_batch(step, 2 * pg.size(), cfg.block_size), pg)).backward();
+    EXPECT_EQ(column("gradients"), model.memory_stats().grad_shards.current)
+        << "after backward " << step;
+    opt.step();
+  }
+  const auto mem = model.memory_stats();
+  EXPECT_EQ(column("parameters"), mem.sharded_params.current);
+  EXPECT_EQ(column("optimizer_state"), adam_state_bytes(opt));
+  const bool keeps = m.strategy != ShardingStrategy::kFullShard;
+  if (keeps) {
+    // ZeRO-1/2: every unit's full parameters, in param_dtype, between steps.
+    EXPECT_EQ(est.term("gathered_units").device_bytes, mem.gathered_params.current);
+  } else {
+    EXPECT_EQ(est.term("gathered_units").device_bytes, mem.gathered_params.peak);
+  }
+  int64_t comm = est.term("comm_buffers").device_bytes;
+  if (m.strategy == ShardingStrategy::kZero1) {
+    // ZeRO-1: the full gradients (reduce_dtype) between steps, in MemoryStats::comm_buffers.
+    EXPECT_EQ(est.term("full_gradients").device_bytes, mem.comm_buffers.current);
+    comm += est.term("full_gradients").device_bytes;
+  }
+  EXPECT_GE(comm, mem.comm_buffers.peak);
+  if (host) {
+    // The param_dtype copy of the shard on the device, refreshed by the step: counted as
+    // MemoryStats::offload_buffers (the copies of offload), its only device part.
+    const int64_t copy = est.term("device_param_shards").device_bytes;
+    EXPECT_GT(copy, 0);
+    EXPECT_EQ(copy, mem.offload_buffers.current) << "the device copy between steps";
+    EXPECT_GE(
+        copy + est.term("offload_buffers").device_bytes + est.term("offload_buffers").host_bytes,
+        mem.offload_buffers.peak);
+  }
+}
+
+const NewMode kNewModes[] = {
+    {ShardingStrategy::kZero2, "bf16"},
+    {ShardingStrategy::kZero2, "fp32"},
+    {ShardingStrategy::kZero1, "bf16"},
+    {ShardingStrategy::kZero1, "fp32"},
+    {ShardingStrategy::kFullShard, "bf16", OffloadDevice::kCpu},
+    {ShardingStrategy::kZero2, "bf16", OffloadDevice::kCpu},
+};
+
+void PrintTo(const NewMode& m, std::ostream* os) { *os << m.name(); }
+
+}  // namespace
+
+class EstimateNewModes : public ::testing::TestWithParam<NewMode> {};
+TEST_P(EstimateNewModes, ModelStateTermsMatchTheCountersAtWorld2) {
+  const NewMode m = GetParam();
+  const std::string missing = not_implemented(m);
+  if (!missing.empty())
+    GTEST_SKIP() << "engine support for " << m.name() << " not merged yet: " << missing;
+  run_ranks(2, [m](const ProcessGroup& pg) { compare_new_mode(pg, m); });
+}
+INSTANTIATE_TEST_SUITE_P(Modes, EstimateNewModes, ::testing::ValuesIn(kNewModes),
+                         [](const auto& info) {
+                           std::string n = info.param.name();
+                           for (char& c : n) {
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return n;
+                         });

@@ -41,14 +41,8 @@ struct MixedPrecision {
   WrapPolicy keep_fp32_policy = nullptr;
 };
 
-/// Where DeepSpeed's offload_optimizer / offload_param put their state.
-enum class OffloadDevice {
-  kNone,  ///< on ShardingOptions::device
-  kCpu,   ///< host memory (pinned on CUDA when OffloadConfig::pin_memory)
-  kNvme,  ///< files under OffloadConfig::nvme_path, read and written asynchronously
-};
-
-/// One of DeepSpeed's offload sections (`offload_optimizer`, `offload_param`).
+/// One of DeepSpeed's offload sections (`offload_optimizer`, `offload_param`); OffloadDevice
+/// is in fsdp/strategy.h.
 struct OffloadConfig {
   OffloadDevice device = OffloadDevice::kNone;
   /// kNvme: an existing, writable directory; each rank makes its own files in it.

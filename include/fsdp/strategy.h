@@ -1,6 +1,6 @@
 #pragma once
-// The sharding strategies. Plain C++, no LibTorch, so the estimator (fsdp-estimate)
-// takes the same enum as ShardingOptions.
+// The sharding strategies and offload devices. Plain C++, no LibTorch, so the estimator
+// (fsdp-estimate) takes the same enums as ShardingOptions.
 
 namespace fsdp {
 
@@ -20,6 +20,13 @@ enum class ShardingStrategy {
   /// full unsharded gradients (reduce_dtype) between steps; only the fp32 masters, their
   /// gradient shards and the optimizer state are sharded.
   kZero1,
+};
+
+/// Where DeepSpeed's offload_optimizer / offload_param put their state.
+enum class OffloadDevice {
+  kNone,  ///< on ShardingOptions::device
+  kCpu,   ///< host memory (pinned on CUDA when OffloadConfig::pin_memory)
+  kNvme,  ///< files under OffloadConfig::nvme_path, read and written asynchronously
 };
 
 }  // namespace fsdp

@@ -52,6 +52,33 @@ int64_t precision_bytes(Precision precision) {
       " is not a Precision; use one of its enumerators");
 }
 
+// DeepSpeed's offload_optimizer / offload_param as the engine resolves them: the legacy
+// cpu_offload is both to the host.
+struct Offload {
+  OffloadDevice optimizer = OffloadDevice::kNone;
+  OffloadDevice param = OffloadDevice::kNone;
+  bool any() const { return optimizer != OffloadDevice::kNone; }
+  // A param_dtype copy of every shard stays on the device (Note [Offload granularity]).
+  bool device_copy() const { return any() && param == OffloadDevice::kNone; }
+};
+
+Offload offload_of(const EstimateInput& in) {
+  if (in.cpu_offload) return {OffloadDevice::kCpu, OffloadDevice::kCpu};
+  return {in.offload_optimizer, in.offload_param};
+}
+
+// Runtime::reshard_after_forward frees non-root units after forward only under FULL_SHARD
+// and HYBRID_SHARD; SHARD_GRAD_OP frees them after backward, ZeRO-1/2 keep them between
+// steps and NO_SHARD never frees them.
+bool reshards_after_forward(const EstimateInput& in) {
+  return in.strategy == ShardingStrategy::kFullShard ||
+         in.strategy == ShardingStrategy::kHybridShard;
+}
+
+bool keeps_params(const EstimateInput& in) {
+  return in.strategy == ShardingStrategy::kZero2 || in.strategy == ShardingStrategy::kZero1;
+}
+
 void require_positive(const char* flag, int64_t v) {
   if (v <= 0) bad(std::string(flag) + " " + std::to_string(v) + " is invalid; it must be positive");
 }
@@ -84,6 +111,33 @@ void validate(const EstimateInput& in) {
   }
   if (a.micro_batch < 0)
     bad("--micro-batch " + std::to_string(a.micro_batch) + " is invalid; it must not be negative");
+  const Offload off = offload_of(in);
+  if (in.cpu_offload &&
+      (in.offload_optimizer == OffloadDevice::kNvme || in.offload_param == OffloadDevice::kNvme)) {
+    bad("--cpu-offload (everything to host memory) contradicts --offload-optimizer " +
+        std::string(to_string(in.offload_optimizer)) + " --offload-param " +
+        to_string(in.offload_param) + "; use one or the other");
+  }
+  if (off.param != OffloadDevice::kNone && off.optimizer == OffloadDevice::kNone) {
+    bad(std::string("--offload-param ") + to_string(off.param) +
+        " needs --offload-optimizer too (the fp32 master shard is the parameter here); add "
+        "--offload-optimizer cpu or nvme");
+  }
+  if (off.param != OffloadDevice::kNone && !reshards_after_forward(in)) {
+    bad(std::string("--offload-param ") + to_string(off.param) +
+        " needs --strategy zero3 (full) or hybrid, which free parameters after use; zero1, "
+        "zero2, grad_op and none keep them on the device");
+  }
+  if ((off.optimizer == OffloadDevice::kNvme || off.param == OffloadDevice::kNvme) &&
+      in.nvme_buffer_bytes < 1) {
+    bad("--nvme-buffer-bytes " + std::to_string(in.nvme_buffer_bytes) +
+        " is invalid; NVMe offload needs a positive host buffer (OffloadConfig::buffer_bytes)");
+  }
+  if (in.gpus_per_node < 0 || (in.gpus_per_node > 0 && in.world_size % in.gpus_per_node != 0)) {
+    bad("--gpus-per-node " + std::to_string(in.gpus_per_node) +
+        " is invalid; it must divide the world size " + std::to_string(in.world_size) +
+        " (or be 0: every rank on one node)");
+  }
   const int k = in.reshard_after_forward_group_size;
   if (k != 0) {
     const int group = shard_group_size(in);
@@ -132,7 +186,7 @@ int64_t largest_non_root(const std::vector<int64_t>& v, int k) {
 // Note [Group of one] (src/engine/flat_param.cpp): with a group of one, fp32 compute and no
 // offload, the views point into the shard itself; nothing is gathered.
 bool aliased(const EstimateInput& in, int group, int64_t elem) {
-  return group == 1 && elem == 4 && !in.cpu_offload;
+  return group == 1 && elem == 4 && !offload_of(in).any();
 }
 
 // ... and at world size 1 gradients accumulate straight into the gradient shard: no
@@ -144,18 +198,13 @@ bool direct_grads(const EstimateInput& in, int group, int64_t elem) {
 // Full parameters held at once, in elements. Runtime::reshard_after_forward frees
 // non-root units after forward only under FULL_SHARD and HYBRID_SHARD; the root stays
 // gathered through backward. Under SHARD_GRAD_OP and NO_SHARD every unit is gathered
-// at the end of forward. Otherwise Note [Prefetch bound] (src/engine/runtime.cpp) keeps at
-// most max_gathered_units non-root units gathered, the computing one included.
+// at the end of forward; under ZeRO-1/2 every unit stays gathered between steps.
+// Otherwise Note [Prefetch bound] (src/engine/runtime.cpp) keeps at most
+// max_gathered_units non-root units gathered, the computing one included.
 int64_t gathered_elems(const EstimateInput& in, const Layout& l, int64_t elem) {
   if (aliased(in, l.group, elem)) return 0;
-  if (in.strategy == ShardingStrategy::kShardGradOp || in.strategy == ShardingStrategy::kNoShard)
-    return sum(l.padded);
+  if (!reshards_after_forward(in)) return sum(l.padded);
   return l.padded[0] + largest_non_root(l.padded, in.max_gathered_units);
-}
-
-bool reshards_after_forward(const EstimateInput& in) {
-  return in.strategy == ShardingStrategy::kFullShard ||
-         in.strategy == ShardingStrategy::kHybridShard;
 }
 
 // Shard elements whose gathers can be in flight at once (FlatParam::gather holds a
@@ -174,15 +223,20 @@ int backward_prefetches(const EstimateInput& in) {
 
 // MemoryStats::comm_buffers, the larger of two moments. Forward (with mixed precision
 // and no offload): each gather in flight holds its shard cast to param_dtype, up to
-// max_gathered_units prefetches issued from the root. Backward: a unit's unsharded flat
+// max_gathered_units prefetches issued from the root (ZeRO-1/2 too, in the forward after
+// a step, when they gather again). Backward: a unit's unsharded flat
 // gradient (reduce dtype, padded) lives from its first parameter gradient to its
 // reduce-scatter's end: the root's for the whole backward (its embeddings get theirs
 // last), that of the unit computing now and that of the unit before it, whose
 // reduce-scatter overlaps this one's compute (Note [Overlapped reduction] in
-// src/engine/flat_param.cpp), besides the casts of the units prefetched meanwhile.
+// src/engine/flat_param.cpp), besides the casts of the units prefetched meanwhile. With
+// offload the copy to the device casts (or the device copy is already param_dtype): no
+// cast buffer. ZeRO-1's flat gradients persist: they are the full_gradients term, not
+// counted here again.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
-  const bool casts = elem != 4 && !in.cpu_offload;
+  const bool casts = elem != 4 && !offload_of(in).any();
   const int64_t forward = casts ? in_flight_shards(l, in.max_gathered_units) * elem : 0;
+  if (in.strategy == ShardingStrategy::kZero1) return forward;
   int64_t backward = 0;
   if (!direct_grads(in, l.group, elem))
     backward += (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
@@ -191,8 +245,10 @@ int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem
 }
 
 // MemoryStats::offload_buffers, on the device: the copy (param_dtype) of each shard in
-// transit to its gather, counted as above.
+// transit to its gather, counted as above. None without offload_param: the gathers read
+// the device copy of the shard (device_param_shards).
 int64_t offload_device_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
+  if (offload_of(in).device_copy()) return 0;
   const int64_t forward = in_flight_shards(l, in.max_gathered_units) * elem;
   const int64_t backward = largest_non_root(l.shard, backward_prefetches(in)) * elem;
   return std::max(forward, backward);
@@ -225,10 +281,27 @@ int64_t activation_bytes(const EstimateInput& in, int64_t elem) {
   return static_cast<int64_t>(blocks + logits);
 }
 
-// A term that lives on the host under cpu_offload and on the device otherwise.
+// A model-state term on the device, the host or in NVMe files.
 MemoryTerm model_state(const std::string& key, const std::string& label, int64_t bytes,
-                       bool offload) {
-  return {key, label, "exact", offload ? 0 : bytes, offload ? bytes : 0};
+                       OffloadDevice where) {
+  MemoryTerm t{key, label, "exact", 0, 0, 0};
+  (where == OffloadDevice::kNone  ? t.device_bytes
+   : where == OffloadDevice::kCpu ? t.host_bytes
+                                  : t.nvme_bytes) = bytes;
+  return t;
+}
+
+const char* const kModelStateKeys[] = {"parameters",          "gradients",      "optimizer_state",
+                                       "device_param_shards", "gathered_units", "full_gradients"};
+
+int64_t model_states(const MemoryEstimate& est, int64_t MemoryTerm::*column) {
+  int64_t s = 0;
+  for (const auto& t : est.terms) {
+    for (const char* k : kModelStateKeys) {
+      if (t.key == k) s += t.*column;
+    }
+  }
+  return s;
 }
 
 }  // namespace
@@ -245,18 +318,20 @@ int64_t MemoryEstimate::host_total() const {
   return s;
 }
 
-int64_t MemoryEstimate::model_states_device() const {
+int64_t MemoryEstimate::nvme_total() const {
   int64_t s = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"})
-    s += term(k).device_bytes;
+  for (const auto& t : terms) s += t.nvme_bytes;
   return s;
 }
 
+int64_t MemoryEstimate::model_states_device() const {
+  return model_states(*this, &MemoryTerm::device_bytes);
+}
 int64_t MemoryEstimate::model_states_host() const {
-  int64_t s = 0;
-  for (const char* k : {"parameters", "gradients", "optimizer_state", "gathered_units"})
-    s += term(k).host_bytes;
-  return s;
+  return model_states(*this, &MemoryTerm::host_bytes);
+}
+int64_t MemoryEstimate::model_states_nvme() const {
+  return model_states(*this, &MemoryTerm::nvme_bytes);
 }
 
 const MemoryTerm& MemoryEstimate::term(const std::string& key) const {
@@ -278,31 +353,68 @@ const char* to_string(Precision p) {
   return "unknown";
 }
 
+const char* to_string(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "unknown";
+}
+
 MemoryEstimate estimate_memory(const EstimateInput& in) {
   validate(in);
   const int group = shard_group_size(in);
   const int64_t elem = precision_bytes(in.precision);
   const Layout l = layout_of(in, group);
 
+  const Offload off = offload_of(in);
   MemoryEstimate est;
   est.shard_group_size = group;
+  est.gpus_per_node = in.gpus_per_node == 0 ? in.world_size : in.gpus_per_node;
+  est.nodes = in.world_size / est.gpus_per_node;
   est.total_params = sum(in.unit_params);
   est.largest_unit_params = *std::max_element(in.unit_params.begin(), in.unit_params.end());
 
   // Model state per rank, fp32 whatever the precision: the master shard
   // (MemoryStats::sharded_params), its gradient (grad_shards) and AdamW's exp_avg and
   // exp_avg_sq, which torch::optim::AdamW and FusedAdamW build shaped like the shard.
+  // offload_optimizer moves all three off the device (the AdamW state to files with nvme,
+  // the masters and gradients to the host); offload_param nvme puts the masters in files.
   const int64_t shard_elems = sum(l.shard);
+  const OffloadDevice host_side = off.any() ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  const OffloadDevice masters = off.param == OffloadDevice::kNvme ? off.param : host_side;
   est.terms.push_back(
-      model_state("parameters", "parameters (fp32 shards)", 4 * shard_elems, in.cpu_offload));
+      model_state("parameters", "parameters (fp32 shards)", 4 * shard_elems, masters));
   est.terms.push_back(
-      model_state("gradients", "gradients (fp32 shards)", 4 * shard_elems, in.cpu_offload));
+      model_state("gradients", "gradients (fp32 shards)", 4 * shard_elems, host_side));
   est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)",
-                                  8 * shard_elems, in.cpu_offload));
+                                  8 * shard_elems, off.optimizer));
+  // offload_optimizer alone: a param_dtype copy of each shard stays on the device, the
+  // all-gathers' input, refreshed after each step (MemoryStats::offload_buffers).
+  if (off.device_copy()) {
+    est.terms.push_back(
+        model_state("device_param_shards",
+                    std::string("parameter shards on device (") + to_string(in.precision) + ")",
+                    elem * shard_elems, OffloadDevice::kNone));
+  }
 
+  // ZeRO-1/2: every unit's full parameters persist between steps: exact, not a bound.
   est.terms.push_back({"gathered_units",
-                       std::string("gathered units (") + to_string(in.precision) + ")", "bound",
-                       gathered_elems(in, l, elem) * elem, 0});
+                       std::string(keeps_params(in) ? "full parameters (" : "gathered units (") +
+                           to_string(in.precision) + ")",
+                       keeps_params(in) ? "exact" : "bound", gathered_elems(in, l, elem) * elem, 0,
+                       0});
+  // ZeRO-1: the full unsharded gradients (reduce dtype, padded) persist between steps
+  // (MemoryStats::comm_buffers), besides the fp32 gradient shards.
+  if (in.strategy == ShardingStrategy::kZero1) {
+    est.terms.push_back({"full_gradients",
+                         std::string("full gradients (") + to_string(in.precision) + ")", "exact",
+                         direct_grads(in, l.group, elem) ? 0 : sum(l.padded) * elem, 0, 0});
+  }
   // hpZ (Note [Post-forward slices]): between a training forward and its backward every
   // non-root unit keeps 1/k of its padded flat parameter in param_dtype.
   if (in.reshard_after_forward_group_size > 1) {
@@ -313,13 +425,22 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
     est.terms.push_back(
         {"post_forward_slices",
          "post-forward slices (hpZ, k=" + std::to_string(in.reshard_after_forward_group_size) + ")",
-         "bound", slices * elem, 0});
+         "bound", slices * elem, 0, 0});
   }
-  est.terms.push_back({"comm_buffers", "reduce/cast buffers (backward)", "bound",
-                       comm_buffer_bytes(in, l, elem), 0});
-  if (in.cpu_offload) {
+  est.terms.push_back({"comm_buffers",
+                       in.strategy == ShardingStrategy::kZero1 ? "cast buffers (forward)"
+                                                               : "reduce/cast buffers (backward)",
+                       "bound", comm_buffer_bytes(in, l, elem), 0, 0});
+  if (off.any()) {
     est.terms.push_back({"offload_buffers", "offload transit buffers", "bound",
-                         offload_device_bytes(in, l, elem), offload_host_bytes(l)});
+                         offload_device_bytes(in, l, elem), offload_host_bytes(l), 0});
+  }
+  // NVMe: OffloadConfig::buffer_bytes of host memory per offload that reads and writes files.
+  const int nvme_configs =
+      (off.optimizer == OffloadDevice::kNvme ? 1 : 0) + (off.param == OffloadDevice::kNvme ? 1 : 0);
+  if (nvme_configs > 0) {
+    est.terms.push_back({"nvme_buffers", "NVMe chunks in flight", "bound", 0,
+                         nvme_configs * in.nvme_buffer_bytes, 0});
   }
   std::string act_label = "activations";
   if (in.activations.n_layer == 0 || in.activations.micro_batch == 0) {
@@ -327,20 +448,111 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   } else if (in.activation_checkpointing) {
     act_label += " (checkpointed)";
   }
-  est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem), 0});
+  est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem), 0, 0});
   // Construction peaks (per rank; docs/design.md, "Sharded construction").
   int64_t largest_other = 0;
   for (size_t i = 1; i < in.unit_params.size(); ++i) {
     largest_other = std::max(largest_other, in.unit_params[i]);
   }
   est.construction.push_back({"construction_eager", "construction, eager (fully_shard)", "bound", 0,
-                              4 * est.total_params});
+                              4 * est.total_params, 0});
   MemoryTerm sharded = model_state("construction_sharded", "construction, sharded (make_sharded)",
-                                   4 * shard_elems, in.cpu_offload);
+                                   4 * shard_elems, masters);
   sharded.basis = "bound";
   sharded.host_bytes += 4 * (in.unit_params[0] + largest_other);
   est.construction.push_back(sharded);
   return est;
+}
+
+// DeepSpeed's formulas (deepspeed/runtime/zero/stage3.py estimate_zero3_model_states_mem_needs,
+// stage_1_and_2.py estimate_zero2_model_states_mem_needs), in the same operations and order
+// (Python's int * float is a double here; int() truncates), so the figures are its own to
+// the byte. tests/interop/compare_estimate.py checks them against DeepSpeed's functions.
+std::vector<DeepSpeedRow> deepspeed_table(const EstimateInput& in, int* stage,
+                                          double additional_buffer_factor) {
+  validate(in);
+  const bool zero3 = in.strategy == ShardingStrategy::kFullShard;
+  if (!zero3 && !keeps_params(in)) {
+    bad("--deepspeed-table needs --strategy zero3 (full), zero2 or zero1: DeepSpeed estimates "
+        "stages 2 and 3 only (its stage-2 formula stands for stage 1 too)");
+  }
+  if (stage != nullptr) *stage = zero3 ? 3 : 2;
+  const MemoryEstimate base = estimate_memory(in);
+  const int64_t P = base.total_params;
+  const int64_t L = base.largest_unit_params;
+  const int64_t gpn = base.gpus_per_node, nodes = base.nodes, gpus = gpn * nodes;
+  const double factor = additional_buffer_factor;
+  const double gpus_factor = 1.0 / static_cast<double>(nodes);
+  auto trunc = [](double v) { return static_cast<int64_t>(v); };
+
+  std::vector<DeepSpeedRow> rows;
+  auto ours = [&](DeepSpeedRow& row) {
+    EstimateInput r = in;
+    r.cpu_offload = false;
+    r.offload_optimizer = row.offload_optimizer;
+    r.offload_param = row.offload_param;
+    const MemoryEstimate est = estimate_memory(r);
+    const MemoryTerm& built = est.construction[row.zero_init ? 1 : 0];
+    row.host_states_per_node = gpn * est.model_states_host();
+    row.host_construction_per_node = gpn * built.host_bytes;
+    row.host_per_node = std::max(row.host_states_per_node, row.host_construction_per_node);
+    row.device_per_gpu = est.model_states_device();
+    row.nvme_per_node = gpn * est.model_states_nvme();
+  };
+  const OffloadDevice cpu = OffloadDevice::kCpu, none = OffloadDevice::kNone;
+  if (zero3) {
+    const int64_t largest_layer_memory = 4 * L;
+    for (bool cpu_offload : {true, false}) {
+      for (bool cpu_offload_params : {true, false}) {
+        if (!cpu_offload && cpu_offload_params) continue;
+        for (bool zero_init : {true, false}) {
+          DeepSpeedRow row;
+          row.offload_param = cpu_offload_params ? cpu : none;
+          row.offload_optimizer = cpu_offload ? cpu : none;
+          row.zero_init = zero_init;
+          double cpu_mem = 0;
+          int64_t gpu_mem = 0;
+          if (cpu_offload) {
+            const int64_t per = cpu_offload_params ? 18 : 16;
+            gpu_mem = cpu_offload_params ? largest_layer_memory
+                                         : largest_layer_memory + trunc(static_cast<double>(2 * P) /
+                                                                        static_cast<double>(gpus));
+            cpu_mem = zero_init ? static_cast<double>(P * per) * gpus_factor * factor
+                                : static_cast<double>(P) *
+                                      std::max(static_cast<double>(4 * gpn),
+                                               static_cast<double>(per) * gpus_factor) *
+                                      factor;
+          } else {
+            gpu_mem = largest_layer_memory +
+                      trunc(static_cast<double>(18 * P) / static_cast<double>(gpus));
+            cpu_mem = zero_init ? static_cast<double>(L * 4 * gpn) * factor
+                                : static_cast<double>(P * 4 * gpn) * factor;
+          }
+          row.deepspeed_cpu_bytes = trunc(cpu_mem);
+          row.deepspeed_gpu_bytes = gpu_mem;
+          ours(row);
+          rows.push_back(row);
+        }
+      }
+    }
+  } else {
+    for (bool cpu_offload : {true, false}) {
+      DeepSpeedRow row;
+      row.offload_optimizer = cpu_offload ? cpu : none;
+      if (cpu_offload) {
+        row.deepspeed_gpu_bytes = 2 * P;
+        row.deepspeed_cpu_bytes =
+            trunc(static_cast<double>(P * std::max<int64_t>(4 * gpus, 16)) * factor);
+      } else {
+        row.deepspeed_gpu_bytes =
+            2 * P + trunc(static_cast<double>(18 * P) / static_cast<double>(gpus));
+        row.deepspeed_cpu_bytes = trunc(static_cast<double>(P * 4 * gpn) * factor);
+      }
+      ours(row);
+      rows.push_back(row);
+    }
+  }
+  return rows;
 }
 
 }  // namespace fsdp

@@ -4,10 +4,12 @@
 // (include/fsdp/estimate.h); this file only reads flags and prints.
 //
 //   fsdp-estimate (--n-layer L --n-head H --d-model D --block-size S [--vocab-size V]
-//                  | --params N [--units K])
-//                 [--world-size W] [--strategy full|grad_op|none|hybrid] [--hybrid-group-size G]
-//                 [--precision fp32|bf16|fp16] [--cpu-offload] [--activation-checkpointing]
-//                 [--micro-batch B] [--max-gathered-units K] [--json]
+//                  | --params N [--units K] | --unit-sizes N0,N1,... | --unit-sizes-file F)
+//                 [--world-size W | --nodes M] [--gpus-per-node G]
+//                 [--strategy zero1|zero2|zero3|full|grad_op|none|hybrid] [--hybrid-group-size G]
+//                 [--precision fp32|bf16|fp16] [--offload-optimizer none|cpu|nvme]
+//                 [--offload-param none|cpu|nvme] [--cpu-offload] [--activation-checkpointing]
+//                 [--micro-batch B] [--max-gathered-units K] [--deepspeed-table] [--json]
 #include <fsdp/estimate.h>
 #include <fsdp/version.h>
 
@@ -20,7 +22,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <stdexcept>
 
 namespace {
@@ -51,12 +55,20 @@ std::string millions(int64_t n) {
 
 const char* kNotes = R"(
 Model: one unit per GPT block plus a root unit (wte, wpe, ln_f, lm_head), as train_gpt
---wrap block; with --params, an empty root and --units equal units. Per rank, each unit
-is padded to a multiple of the shard group and split: fp32 master shard (4 B/element),
-fp32 gradient shard (4 B) and AdamW's exp_avg and exp_avg_sq (8 B), on the host with
---cpu-offload. Gathered units are in the --precision dtype: the root plus at most
---max-gathered-units others under full and hybrid, every unit under grad_op and none,
-and none at all for a shard group of one in fp32 without offload. Parameters, gradients
+--wrap block; with --params, an empty root and --units equal units; with --unit-sizes
+(or --unit-sizes-file, one count a line, '#' comments), the units as given, root first.
+Per rank, each unit is padded to a multiple of the shard group and split: fp32 master
+shard (4 B/element), fp32 gradient shard (4 B) and AdamW's exp_avg and exp_avg_sq (8 B).
+--offload-optimizer cpu moves all three to the host and keeps a --precision copy of the
+shard on the device; nvme puts the AdamW state in files. --offload-param (zero3 and
+hybrid only, with --offload-optimizer) drops that device copy; nvme puts the fp32 masters
+in files. --cpu-offload is both to cpu. Gathered units are in the --precision dtype: the
+root plus at most --max-gathered-units others under zero3/full and hybrid, every unit
+under grad_op and none, every unit between steps under zero2 and zero1 (zero1 also keeps
+the full gradients), and none at all for a shard group of one in fp32 without offload.
+Figures are per rank; per node is --gpus-per-node ranks (default: all on one node).
+--deepspeed-table prints DeepSpeed's estimate_zero3 (or zero2) model-state table, its own
+figures (with its 1.5x host factor) beside this engine's. Parameters, gradients
 and optimizer state equal the engine's counters ("exact"); gathered units and buffers
 are upper bounds ("bound"); activations are a formula (Korthikanti et al. 2022), not
 measured ("rough"). The construction peaks come before gradients and optimizer state
@@ -76,9 +88,16 @@ cxxopts::Options make_options() {
       "vocab-size", "GPT vocabulary", cxxopts::value<int64_t>()->default_value("256"))(
       "params", "a parameter count instead of a GPT shape (e.g. 1.3e9)",
       cxxopts::value<std::string>())("units", "with --params: equal units it is wrapped into",
-                                     cxxopts::value<int64_t>()->default_value("1"));
+                                     cxxopts::value<int64_t>()->default_value("1"))(
+      "unit-sizes", "parameters per unit, root first (e.g. 0,1000,2000)",
+      cxxopts::value<std::string>())("unit-sizes-file", "a file of parameters per unit, one a line",
+                                     cxxopts::value<std::string>());
   o.add_options("Run")("world-size", "ranks", cxxopts::value<int>()->default_value("1"))(
-      "strategy", "full|grad_op|none|hybrid", cxxopts::value<std::string>()->default_value("full"))(
+      "nodes", "nodes (world size = nodes x --gpus-per-node)", cxxopts::value<int>())(
+      "gpus-per-node", "ranks per node, for the per-node figures (0: all on one node)",
+      cxxopts::value<int>()->default_value("0"))(
+      "strategy", "zero1|zero2|zero3|full|grad_op|none|hybrid (zero3 = full)",
+      cxxopts::value<std::string>()->default_value("full"))(
       "hybrid-group-size", "ranks per shard group for hybrid (0: the world)",
       cxxopts::value<int>()->default_value("0"))(
       "reshard-after-forward-group-size",
@@ -87,15 +106,28 @@ cxxopts::Options make_options() {
       cxxopts::value<int>()->default_value("0"))(
       "precision", "fp32|bf16|fp16: gathered parameters and reduced gradients",
       cxxopts::value<std::string>()->default_value("fp32"))(
+      "offload-optimizer",
+      "none|cpu|nvme: fp32 shards, gradients and AdamW state off the device "
+      "(ShardingOptions::offload_optimizer)",
+      cxxopts::value<std::string>()->default_value("none"))(
+      "offload-param",
+      "none|cpu|nvme: no parameter shard on the device (ShardingOptions::offload_param)",
+      cxxopts::value<std::string>()->default_value("none"))(
+      "nvme-buffer-bytes",
+      "host bytes per NVMe offload for chunks in flight (OffloadConfig::buffer_bytes)",
+      cxxopts::value<int64_t>()->default_value("67108864"))(
       "cpu-offload",
-      "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload)")(
-      "activation-checkpointing", "recompute every block in backward")(
+      "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload: "
+      "--offload-optimizer cpu --offload-param cpu)")("activation-checkpointing",
+                                                      "recompute every block in backward")(
       "micro-batch", "sequences per rank per micro-batch, for activations (GPT only)",
       cxxopts::value<int64_t>()->default_value("1"))("max-gathered-units",
                                                      "ShardingOptions::max_gathered_units",
                                                      cxxopts::value<int>()->default_value("2"));
-  o.add_options("Output")("json", "print JSON instead of a table")("h,help", "show this help")(
-      "version", "print the version");
+  o.add_options("Output")("json", "print JSON instead of a table")(
+      "deepspeed-table",
+      "DeepSpeed's model-state table (offload_param x offload_optimizer x zero_init) with this "
+      "engine's figures beside")("h,help", "show this help")("version", "print the version");
   return o;
 }
 
@@ -104,10 +136,16 @@ struct StrategyName {
   const char* name;
   fsdp::ShardingStrategy strategy;
 };
+// The first name of a strategy is the one printed.
 constexpr StrategyName kStrategies[] = {{"full", fsdp::ShardingStrategy::kFullShard},
+                                        {"zero3", fsdp::ShardingStrategy::kFullShard},
+                                        {"zero2", fsdp::ShardingStrategy::kZero2},
+                                        {"zero1", fsdp::ShardingStrategy::kZero1},
                                         {"grad_op", fsdp::ShardingStrategy::kShardGradOp},
                                         {"none", fsdp::ShardingStrategy::kNoShard},
                                         {"hybrid", fsdp::ShardingStrategy::kHybridShard}};
+constexpr fsdp::OffloadDevice kOffloadDevices[] = {
+    fsdp::OffloadDevice::kNone, fsdp::OffloadDevice::kCpu, fsdp::OffloadDevice::kNvme};
 constexpr fsdp::Precision kPrecisions[] = {fsdp::Precision::kFp32, fsdp::Precision::kBf16,
                                            fsdp::Precision::kFp16};
 
@@ -115,7 +153,8 @@ fsdp::ShardingStrategy parse_strategy(const std::string& text) {
   for (const auto& s : kStrategies) {
     if (text == s.name) return s.strategy;
   }
-  bad_input("--strategy '" + text + "' is unknown; use full, grad_op, none or hybrid");
+  bad_input("--strategy '" + text +
+            "' is unknown; use zero1, zero2, zero3 (or full), grad_op, none or hybrid");
 }
 
 const char* strategy_name(fsdp::ShardingStrategy strategy) {
@@ -130,6 +169,48 @@ fsdp::Precision parse_precision(const std::string& text) {
     if (text == fsdp::to_string(p)) return p;
   }
   bad_input("--precision '" + text + "' is unknown; use fp32, bf16 or fp16");
+}
+
+fsdp::OffloadDevice parse_offload(const char* flag, const std::string& text) {
+  for (fsdp::OffloadDevice d : kOffloadDevices) {
+    if (text == fsdp::to_string(d)) return d;
+  }
+  bad_input(std::string("--") + flag + " '" + text + "' is unknown; use none, cpu or nvme");
+}
+
+// --unit-sizes / --unit-sizes-file: whole non-negative counts, root first.
+std::vector<int64_t> parse_unit_sizes(const std::string& flag, const std::string& text, char sep) {
+  std::vector<int64_t> units;
+  std::stringstream in(text);
+  std::string item;
+  int line = 0;
+  while (std::getline(in, item, sep)) {
+    ++line;
+    if (sep == '\n') {
+      item = item.substr(0, item.find('#'));
+    }
+    const auto b = item.find_first_not_of(" \t\r"), e = item.find_last_not_of(" \t\r");
+    if (b == std::string::npos) {
+      if (sep == '\n') continue;  // blank lines and comments
+      bad_input(flag + " has an empty entry; give counts separated by commas, e.g. 0,1000,2000");
+    }
+    item = item.substr(b, e - b + 1);
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || v < 0) {
+      bad_input(flag + " entry '" + item + "'" +
+                (sep == '\n' ? " (line " + std::to_string(line) + ")" : std::string()) +
+                " is not a count; give whole non-negative parameter counts, root unit first");
+    }
+    units.push_back(v);
+  }
+  if (units.empty()) bad_input(flag + " gives no unit; give at least one count");
+  return units;
 }
 
 // --params: a count such as 1300000000 or 1.3e9, read here rather than by cxxopts so that
@@ -154,7 +235,28 @@ void read_model(const cxxopts::ParseResult& r, fsdp::EstimateInput& in) {
   const char* shape[] = {"n-layer", "n-head", "d-model", "block-size"};
   bool gpt = false;
   for (const char* f : shape) gpt = gpt || r.count(f) > 0;
-  if (gpt && r.count("params")) bad_input("give either a GPT shape or --params, not both");
+  const int sources = (gpt ? 1 : 0) + static_cast<int>(r.count("params")) +
+                      static_cast<int>(r.count("unit-sizes")) +
+                      static_cast<int>(r.count("unit-sizes-file"));
+  if (sources > 1) {
+    bad_input(gpt && r.count("params")
+                  ? "give either a GPT shape or --params, not both"
+                  : "give one model: a GPT shape, --params, --unit-sizes or --unit-sizes-file");
+  }
+  if (r.count("unit-sizes") || r.count("unit-sizes-file")) {
+    if (r.count("units")) bad_input("--units applies to --params only");
+    if (r.count("unit-sizes")) {
+      in.unit_params = parse_unit_sizes("--unit-sizes", r["unit-sizes"].as<std::string>(), ',');
+    } else {
+      const std::string path = r["unit-sizes-file"].as<std::string>();
+      std::ifstream f(path);
+      if (!f) bad_input("--unit-sizes-file '" + path + "' cannot be read; give an existing file");
+      std::stringstream text;
+      text << f.rdbuf();
+      in.unit_params = parse_unit_sizes("--unit-sizes-file '" + path + "'", text.str(), '\n');
+    }
+    return;
+  }
   if (gpt) {
     for (const char* f : shape) {
       if (!r.count(f))
@@ -202,6 +304,20 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   fsdp::EstimateInput in;
   read_model(r, in);
   in.world_size = r["world-size"].as<int>();
+  in.gpus_per_node = r["gpus-per-node"].as<int>();
+  if (r.count("nodes")) {
+    const int nodes = r["nodes"].as<int>();
+    if (nodes < 1)
+      bad_input("--nodes " + std::to_string(nodes) + " is invalid; it must be at least 1");
+    if (in.gpus_per_node < 1)
+      bad_input("--nodes needs --gpus-per-node (the world size is their product)");
+    if (r.count("world-size") && in.world_size != nodes * in.gpus_per_node) {
+      bad_input("--world-size " + std::to_string(in.world_size) + " contradicts --nodes " +
+                std::to_string(nodes) + " x --gpus-per-node " + std::to_string(in.gpus_per_node) +
+                "; give one or the other");
+    }
+    in.world_size = nodes * in.gpus_per_node;
+  }
   in.strategy = parse_strategy(r["strategy"].as<std::string>());
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
   in.reshard_after_forward_group_size = r["reshard-after-forward-group-size"].as<int>();
@@ -210,41 +326,140 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   }
   in.precision = parse_precision(r["precision"].as<std::string>());
   in.cpu_offload = r.count("cpu-offload") > 0;
+  in.offload_optimizer =
+      parse_offload("offload-optimizer", r["offload-optimizer"].as<std::string>());
+  in.offload_param = parse_offload("offload-param", r["offload-param"].as<std::string>());
+  in.nvme_buffer_bytes = r["nvme-buffer-bytes"].as<int64_t>();
   in.activation_checkpointing = r.count("activation-checkpointing") > 0;
   in.max_gathered_units = r["max-gathered-units"].as<int>();
   return in;
 }
 
-void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
-  nlohmann::json j = {{"params", est.total_params},
-                      {"largest_unit_params", est.largest_unit_params},
-                      {"units", in.unit_params},
-                      {"world_size", in.world_size},
-                      {"strategy", strategy_name(in.strategy)},
-                      {"shard_group_size", est.shard_group_size},
-                      {"precision", fsdp::to_string(in.precision)},
-                      {"cpu_offload", in.cpu_offload},
-                      {"activation_checkpointing", in.activation_checkpointing},
-                      {"max_gathered_units", in.max_gathered_units},
-                      {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
-                      {"micro_batch", in.activations.micro_batch},
-                      {"device_total_bytes", est.device_total()},
-                      {"host_total_bytes", est.host_total()},
-                      {"model_states_device_bytes", est.model_states_device()},
-                      {"model_states_host_bytes", est.model_states_host()},
-                      {"terms", nlohmann::json::array()}};
-  for (const auto* list : {&est.terms, &est.construction}) {
-    auto& out = j[list == &est.terms ? "terms" : "construction"];
-    out = nlohmann::json::array();
-    for (const auto& t : *list) {
-      out.push_back({{"key", t.key},
-                     {"label", t.label},
-                     {"basis", t.basis},
-                     {"device_bytes", t.device_bytes},
-                     {"host_bytes", t.host_bytes}});
-    }
+// Every term's device, host and NVMe bytes.
+nlohmann::json terms_json(const std::vector<fsdp::MemoryTerm>& terms) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& t : terms) {
+    out.push_back({{"key", t.key},
+                   {"label", t.label},
+                   {"basis", t.basis},
+                   {"device_bytes", t.device_bytes},
+                   {"host_bytes", t.host_bytes},
+                   {"nvme_bytes", t.nvme_bytes}});
   }
+  return out;
+}
+
+nlohmann::json deepspeed_json(const std::vector<fsdp::DeepSpeedRow>& rows, int stage) {
+  nlohmann::json out = {{"stage", stage}, {"rows", nlohmann::json::array()}};
+  for (const auto& row : rows) {
+    out["rows"].push_back({{"offload_param", fsdp::to_string(row.offload_param)},
+                           {"offload_optimizer", fsdp::to_string(row.offload_optimizer)},
+                           {"zero_init", row.zero_init},
+                           {"deepspeed_cpu_bytes", row.deepspeed_cpu_bytes},
+                           {"deepspeed_gpu_bytes", row.deepspeed_gpu_bytes},
+                           {"host_per_node_bytes", row.host_per_node},
+                           {"device_per_gpu_bytes", row.device_per_gpu},
+                           {"nvme_per_node_bytes", row.nvme_per_node},
+                           {"host_states_per_node_bytes", row.host_states_per_node},
+                           {"host_construction_per_node_bytes", row.host_construction_per_node}});
+  }
+  return out;
+}
+
+void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est,
+                const std::vector<fsdp::DeepSpeedRow>* table, int stage) {
+  const int64_t g = est.gpus_per_node;
+  nlohmann::json j = {
+      {"params", est.total_params},
+      {"largest_unit_params", est.largest_unit_params},
+      {"units", in.unit_params},
+      {"world_size", in.world_size},
+      {"gpus_per_node", est.gpus_per_node},
+      {"nodes", est.nodes},
+      {"strategy", strategy_name(in.strategy)},
+      {"shard_group_size", est.shard_group_size},
+      {"precision", fsdp::to_string(in.precision)},
+      {"cpu_offload", in.cpu_offload},
+      {"offload_optimizer",
+       fsdp::to_string(in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_optimizer)},
+      {"offload_param",
+       fsdp::to_string(in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_param)},
+      {"activation_checkpointing", in.activation_checkpointing},
+      {"max_gathered_units", in.max_gathered_units},
+      {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
+      {"micro_batch", in.activations.micro_batch},
+      {"device_total_bytes", est.device_total()},
+      {"host_total_bytes", est.host_total()},
+      {"nvme_total_bytes", est.nvme_total()},
+      {"per_node",
+       {{"device_total_bytes", g * est.device_total()},
+        {"host_total_bytes", g * est.host_total()},
+        {"nvme_total_bytes", g * est.nvme_total()},
+        {"model_states_device_bytes", g * est.model_states_device()},
+        {"model_states_host_bytes", g * est.model_states_host()},
+        {"model_states_nvme_bytes", g * est.model_states_nvme()}}},
+      {"model_states_device_bytes", est.model_states_device()},
+      {"model_states_host_bytes", est.model_states_host()},
+      {"model_states_nvme_bytes", est.model_states_nvme()},
+      {"terms", terms_json(est.terms)},
+      {"construction", terms_json(est.construction)}};
+  if (table != nullptr) j["deepspeed_table"] = deepspeed_json(*table, stage);
   std::cout << j.dump(2) << std::endl;
+}
+
+void print_row(const std::string& label, const std::string& basis, int64_t device, int64_t host,
+               int64_t nvme) {
+  std::printf("  %-36s %-6s %12s %12s %12s\n", label.c_str(), basis.c_str(), human(device).c_str(),
+              human(host).c_str(), human(nvme).c_str());
+}
+
+// DeepSpeed's table as estimate_zero3_model_states_mem_needs_all_cold prints it (GB = 2^30
+// bytes, per CPU = per node), this engine's figures in the same units beside.
+void print_deepspeed(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est,
+                     const std::vector<fsdp::DeepSpeedRow>& rows, int stage) {
+  auto gb = [](int64_t b, int width) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%*.2fGB", width, static_cast<double>(b) / (1 << 30));
+    return std::string(buf);
+  };
+  std::printf(
+      "\nDeepSpeed's estimate_zero%d_model_states_mem_needs_all_cold%s, and this engine:\n", stage,
+      in.strategy == fsdp::ShardingStrategy::kZero1 ? " (stage 2's; it has none for stage 1)" : "");
+  std::printf("HW: Setup with %d %s, %d %s per node.\n", est.nodes,
+              est.nodes > 1 ? "nodes" : "node", est.gpus_per_node,
+              est.gpus_per_node > 1 ? "GPUs" : "GPU");
+  std::string sw =
+      "SW: Model with " + std::to_string(est.total_params / 1000000) + "M total params";
+  if (stage == 3)
+    sw += ", " + std::to_string(est.largest_unit_params / 1000000) + "M largest layer params";
+  std::printf("%s.\n", sw.c_str());
+  std::printf("   DeepSpeed:          | this engine (%s, %s):\n", fsdp::to_string(in.precision),
+              strategy_name(in.strategy));
+  std::printf("  per CPU  |  per GPU |  per CPU  |  per GPU |   Options\n");
+  for (const auto& row : rows) {
+    std::string options;
+    if (stage == 3)
+      options += std::string("offload_param=") + fsdp::to_string(row.offload_param) + ", ";
+    options += std::string("offload_optimizer=") + fsdp::to_string(row.offload_optimizer);
+    if (stage == 3) options += std::string(", zero_init=") + (row.zero_init ? "1" : "0");
+    std::printf(" %s | %s | %s | %s | %s\n", gb(row.deepspeed_cpu_bytes, 7).c_str(),
+                gb(row.deepspeed_gpu_bytes, 6).c_str(), gb(row.host_per_node, 7).c_str(),
+                gb(row.device_per_gpu, 6).c_str(), options.c_str());
+  }
+  if (stage == 3) {
+    std::printf(
+        "Per CPU is host bytes per node, per GPU device bytes per rank. DeepSpeed multiplies the\n"
+        "host by additional_buffer_factor 1.5, keeps a 2-byte copy of each shard (on the GPU, or\n"
+        "on the host with offload_param) and counts 4 B x the largest layer on the GPU, where\n"
+        "this engine has its gathered units (README, \"fsdp-estimate beside DeepSpeed\").\n");
+  } else {
+    std::printf(
+        "Per CPU is host bytes per node, per GPU device bytes per rank. DeepSpeed multiplies the\n"
+        "host by additional_buffer_factor 1.5, counts 2-byte gradient partitions on the GPU, and\n"
+        "its host figure with offload is the whole job's; this engine keeps a 2-byte copy of the\n"
+        "shard with offload_optimizer%s (README, \"fsdp-estimate beside DeepSpeed\").\n",
+        in.strategy == fsdp::ShardingStrategy::kZero1 ? ", and ZeRO-1 the full gradients" : "");
+  }
 }
 
 void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est) {
@@ -255,36 +470,45 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
           ? "GPT " + std::to_string(m.n_layer) + " x " + std::to_string(m.d_model) + ": " +
                 std::to_string(units - 1) + " blocks + root; micro-batch " +
                 std::to_string(m.micro_batch) + " x " + std::to_string(m.block_size) + " tokens"
-          : std::to_string(units - 1) + " equal units + empty root";
+          : std::to_string(units) + " units, root first";
   const char* strategy = strategy_name(in.strategy);
   const char* precision = fsdp::to_string(in.precision);
+  const fsdp::OffloadDevice opt = in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_optimizer;
+  const fsdp::OffloadDevice par = in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_param;
+  std::string offload;
+  if (opt != fsdp::OffloadDevice::kNone)
+    offload += std::string(", offload_optimizer=") + fsdp::to_string(opt);
+  if (par != fsdp::OffloadDevice::kNone)
+    offload += std::string(", offload_param=") + fsdp::to_string(par);
   std::printf(
-      "Per-rank memory: %s parameters (%s), world size %d, strategy %s (shard group %d), %s%s%s\n",
-      millions(est.total_params).c_str(), model.c_str(), in.world_size, strategy,
-      est.shard_group_size, precision, in.cpu_offload ? ", CPU offload" : "",
-      in.activation_checkpointing ? ", activation checkpointing" : "");
-  std::printf("  %-34s %-6s %14s %14s\n", "term", "basis", "device", "host");
-  for (const auto& t : est.terms) {
-    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(),
-                human(t.device_bytes).c_str(), human(t.host_bytes).c_str());
-  }
-  std::printf("  %-34s %-6s %14s %14s\n", "total", "", human(est.device_total()).c_str(),
-              human(est.host_total()).c_str());
-  std::printf("Peak while the model is built (before gradients and optimizer state):\n");
-  for (const auto& t : est.construction) {
-    std::printf("  %-34s %-6s %14s %14s\n", t.label.c_str(), t.basis.c_str(),
-                human(t.device_bytes).c_str(), human(t.host_bytes).c_str());
-  }
+      "Per-rank memory: %s parameters (%s), world size %d (%d node%s x %d), strategy %s (shard "
+      "group %d), %s%s%s\n",
+      millions(est.total_params).c_str(), model.c_str(), in.world_size, est.nodes,
+      est.nodes > 1 ? "s" : "", est.gpus_per_node, strategy, est.shard_group_size, precision,
+      offload.c_str(), in.activation_checkpointing ? ", activation checkpointing" : "");
+  std::printf("  %-36s %-6s %12s %12s %12s\n", "term", "basis", "device", "host", "nvme");
+  for (const auto& t : est.terms)
+    print_row(t.label, t.basis, t.device_bytes, t.host_bytes, t.nvme_bytes);
+  print_row("total per rank", "", est.device_total(), est.host_total(), est.nvme_total());
+  const int64_t g = est.gpus_per_node;
+  print_row("total per node (" + std::to_string(g) + " ranks)", "", g * est.device_total(),
+            g * est.host_total(), g * est.nvme_total());
+  std::printf("Peak while the model is built (before gradients and optimizer state), per rank:\n");
+  for (const auto& t : est.construction)
+    print_row(t.label, t.basis, t.device_bytes, t.host_bytes, t.nvme_bytes);
   // DeepSpeed's layout (estimate_zero3_model_states_mem_needs), with this engine's
-  // model states: 16 B per sharded element plus the gathered units. Host is per rank.
+  // model states: 16 B per sharded element plus the gathered units.
   std::printf("\nEstimated memory needed for params, optim states and gradients for a:\n");
-  std::printf("HW: Setup with %d ranks.\n", in.world_size);
+  std::printf("HW: Setup with %d ranks (%d per node).\n", in.world_size, est.gpus_per_node);
   std::printf("SW: Model with %s total params, %s largest unit params.\n",
               millions(est.total_params).c_str(), millions(est.largest_unit_params).c_str());
-  std::printf("  per CPU (rank) |    per GPU |   Options\n");
-  std::printf("  %14s | %10s | offload_optimizer=%s, strategy=%s, precision=%s\n",
-              human(est.model_states_host()).c_str(), human(est.model_states_device()).c_str(),
-              in.cpu_offload ? "cpu" : "none", strategy, precision);
+  std::printf("  per CPU (node) |    per GPU |  NVMe (node) |   Options\n");
+  std::printf(
+      "  %14s | %10s | %12s | offload_param=%s, offload_optimizer=%s, strategy=%s, "
+      "precision=%s\n",
+      human(g * est.model_states_host()).c_str(), human(est.model_states_device()).c_str(),
+      human(g * est.model_states_nvme()).c_str(), fsdp::to_string(par), fsdp::to_string(opt),
+      strategy, precision);
 }
 
 int run(int argc, char** argv) {
@@ -305,10 +529,21 @@ int run(int argc, char** argv) {
   } catch (const std::invalid_argument& e) {  // it names the flag's value and the fix
     bad_input(e.what());
   }
+  std::vector<fsdp::DeepSpeedRow> table;
+  int stage = 0;
+  const bool want_table = r.count("deepspeed-table") > 0;
+  if (want_table) {
+    try {
+      table = fsdp::deepspeed_table(in, &stage);
+    } catch (const std::invalid_argument& e) {
+      bad_input(e.what());
+    }
+  }
   if (r.count("json")) {
-    print_json(in, est);
+    print_json(in, est, want_table ? &table : nullptr, stage);
   } else {
     print_table(in, est);
+    if (want_table) print_deepspeed(in, est, table, stage);
   }
   return 0;
 }
