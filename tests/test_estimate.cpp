@@ -509,8 +509,9 @@ TEST(EstimateRules, Zero2AndZero1KeepFullParametersAndZero1FullGradients) {
   EXPECT_EQ(est.term("gathered_units").device_bytes, 264 * 2);
   EXPECT_EQ(est.term("full_gradients").device_bytes, 264 * 2);
   EXPECT_EQ(est.term("full_gradients").basis, "exact");
-  // The flat gradients are the full gradients: left, forward's casts of two shards.
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (25 + 25) * 2);
+  // The flat gradients are the full gradients: left, forward's casts, every non-root
+  // shard at once after a step (ZeRO-1/2 lift the prefetch bound).
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (25 + 25 + 13) * 2);
   EXPECT_EQ(est.model_states_device(), 66 * 16 + 264 * 2 + 264 * 2);
   EXPECT_EQ(est.shard_group_size, 4);
 }
@@ -662,7 +663,7 @@ TEST(EstimateRules, DeepSpeedTableByHand) {
   EXPECT_EQ(rows[0].deepspeed_cpu_bytes, 9600);  // 400 * max(16, 16) * 1.5: the whole job
   EXPECT_EQ(rows[0].deepspeed_gpu_bytes, 800);   // 2P
   EXPECT_EQ(rows[0].host_per_node, 3200);
-  EXPECT_EQ(rows[0].device_per_gpu, 800 + 200);  // full parameters, the shard's device copy
+  EXPECT_EQ(rows[0].device_per_gpu, 800);  // full parameters (no device copy of the shard)
   EXPECT_EQ(rows[1].deepspeed_cpu_bytes, 4800);  // 400 * 4 * 2 * 1.5
   EXPECT_EQ(rows[1].deepspeed_gpu_bytes, 800 + 1800);
   EXPECT_EQ(rows[1].host_per_node, 3200);
@@ -699,8 +700,10 @@ TEST(EstimateTool, UnitSizesFromAListAndAFileAndPerNodeJson) {
     const auto est = estimate_memory(in);
     EXPECT_EQ(j.at("host_total_bytes").get<int64_t>(), est.host_total());
     EXPECT_EQ(j.at("per_node").at("host_total_bytes").get<int64_t>(), 2 * est.host_total());
+    // Full parameters and ZeRO-1's full gradients; no device copy of the shard (ZeRO-1/2
+    // gather from the host once per step).
     EXPECT_EQ(j.at("per_node").at("model_states_device_bytes").get<int64_t>(),
-              2 * (66 * 2 + 264 * 2 + 264 * 2));
+              2 * (264 * 2 + 264 * 2));
   }
 }
 
@@ -797,20 +800,22 @@ void compare_new_mode(const ProcessGroup& pg, const NewMode& m) {
   }
   int64_t comm = est.term("comm_buffers").device_bytes;
   if (m.strategy == ShardingStrategy::kZero1) {
-    // ZeRO-1: the full gradients (reduce_dtype) between steps, in MemoryStats::comm_buffers.
-    EXPECT_EQ(est.term("full_gradients").device_bytes, mem.comm_buffers.current);
+    // ZeRO-1: the full gradients (reduce_dtype), all held at the end of backward:
+    // MemoryStats::comm_buffers' peak.
+    EXPECT_EQ(est.term("full_gradients").device_bytes, mem.comm_buffers.peak);
     comm += est.term("full_gradients").device_bytes;
   }
   EXPECT_GE(comm, mem.comm_buffers.peak);
   if (host) {
-    // The param_dtype copy of the shard on the device, refreshed by the step: counted as
-    // MemoryStats::offload_buffers (the copies of offload), its only device part.
-    const int64_t copy = est.term("device_param_shards").device_bytes;
-    EXPECT_GT(copy, 0);
-    EXPECT_EQ(copy, mem.offload_buffers.current) << "the device copy between steps";
-    EXPECT_GE(
-        copy + est.term("offload_buffers").device_bytes + est.term("offload_buffers").host_bytes,
-        mem.offload_buffers.peak);
+    // The param_dtype copy of the shard on the device, refreshed by the step
+    // (MemoryStats::device_param_shards): under ZeRO-3 only; ZeRO-1/2 gather once per
+    // step from the host and keep the full parameters instead.
+    const bool copy_kept = m.strategy == ShardingStrategy::kFullShard;
+    const int64_t copy = copy_kept ? est.term("device_param_shards").device_bytes : 0;
+    EXPECT_EQ(copy_kept, copy > 0);
+    EXPECT_EQ(copy, mem.device_param_shards.current) << "the device copy between steps";
+    EXPECT_GE(est.term("offload_buffers").device_bytes + est.term("offload_buffers").host_bytes,
+              mem.offload_buffers.peak);
   }
 }
 

@@ -106,7 +106,8 @@ struct MemoryEstimate {
   int64_t nvme_total() const;
   /// Parameters, gradients, optimizer state, the device parameter shards, gathered units and
   /// ZeRO-1's full gradients (DeepSpeed's "model states"): what a run holds between steps,
-  /// before activations and transient buffers. Per rank.
+  /// and ZeRO-1's gradients at the end of backward, before activations and transient
+  /// buffers. Per rank.
   int64_t model_states_device() const;
   int64_t model_states_host() const;
   int64_t model_states_nvme() const;

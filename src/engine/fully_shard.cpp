@@ -350,8 +350,11 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
   // [Offload granularity]).
   cfg.offload = options.cpu_offload || options.offload_optimizer.device == OffloadDevice::kCpu;
-  cfg.keep_device_params =
-      cfg.offload && !options.cpu_offload && options.offload_param.device == OffloadDevice::kNone;
+  // Not under kZero2/kZero1: their full parameters persist and are gathered once per step.
+  const bool persistent =
+      options.strategy == ShardingStrategy::kZero2 || options.strategy == ShardingStrategy::kZero1;
+  cfg.keep_device_params = cfg.offload && !options.cpu_offload && !persistent &&
+                           options.offload_param.device == OffloadDevice::kNone;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);

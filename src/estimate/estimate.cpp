@@ -57,14 +57,18 @@ int64_t precision_bytes(Precision precision) {
 struct Offload {
   OffloadDevice optimizer = OffloadDevice::kNone;
   OffloadDevice param = OffloadDevice::kNone;
+  bool persistent = false;  ///< kZero2, kZero1: the full parameters stay on the device
   bool any() const { return optimizer != OffloadDevice::kNone; }
-  // A param_dtype copy of every shard stays on the device (Note [Offload granularity]).
-  bool device_copy() const { return any() && param == OffloadDevice::kNone; }
+  // A param_dtype copy of every shard stays on the device (Note [Offload granularity]),
+  // except under ZeRO-1/2, whose full parameters are gathered once per step anyway.
+  bool device_copy() const { return any() && param == OffloadDevice::kNone && !persistent; }
 };
 
 Offload offload_of(const EstimateInput& in) {
-  if (in.cpu_offload) return {OffloadDevice::kCpu, OffloadDevice::kCpu};
-  return {in.offload_optimizer, in.offload_param};
+  const bool persistent =
+      in.strategy == ShardingStrategy::kZero2 || in.strategy == ShardingStrategy::kZero1;
+  if (in.cpu_offload) return {OffloadDevice::kCpu, OffloadDevice::kCpu, persistent};
+  return {in.offload_optimizer, in.offload_param, persistent};
 }
 
 // Runtime::reshard_after_forward frees non-root units after forward only under FULL_SHARD
@@ -214,6 +218,14 @@ int64_t in_flight_shards(const Layout& l, int k) {
   return k < 1 ? 0 : std::max(l.shard[0], largest_non_root(l.shard, k));
 }
 
+// The gathers forward may have in flight at once: max_gathered_units, or every unit
+// under ZeRO-1/2, whose prefetch bound is lifted (Note [Persistent parameters]).
+int forward_in_flight(const EstimateInput& in, const Layout& l) {
+  const bool persistent =
+      in.strategy == ShardingStrategy::kZero2 || in.strategy == ShardingStrategy::kZero1;
+  return persistent ? static_cast<int>(l.shard.size()) : in.max_gathered_units;
+}
+
 // Prefetched gathers in flight during backward: the unit computing now is waited on,
 // so at most max_gathered_units - 1 more. Under SHARD_GRAD_OP and NO_SHARD every unit is
 // still gathered from forward, and there is nothing to prefetch.
@@ -223,19 +235,19 @@ int backward_prefetches(const EstimateInput& in) {
 
 // MemoryStats::comm_buffers, the larger of two moments. Forward (with mixed precision
 // and no offload): each gather in flight holds its shard cast to param_dtype, up to
-// max_gathered_units prefetches issued from the root (ZeRO-1/2 too, in the forward after
-// a step, when they gather again). Backward: a unit's unsharded flat
+// max_gathered_units prefetches issued from the root (under ZeRO-1/2, every unit, in the
+// forward after a step, when they gather again). Backward: a unit's unsharded flat
 // gradient (reduce dtype, padded) lives from its first parameter gradient to its
 // reduce-scatter's end: the root's for the whole backward (its embeddings get theirs
 // last), that of the unit computing now and that of the unit before it, whose
 // reduce-scatter overlaps this one's compute (Note [Overlapped reduction] in
 // src/engine/flat_param.cpp), besides the casts of the units prefetched meanwhile. With
 // offload the copy to the device casts (or the device copy is already param_dtype): no
-// cast buffer. ZeRO-1's flat gradients persist: they are the full_gradients term, not
-// counted here again.
+// cast buffer. ZeRO-1's flat gradients are all held at the end of backward: they are the
+// full_gradients term, not counted here again.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   const bool casts = elem != 4 && !offload_of(in).any();
-  const int64_t forward = casts ? in_flight_shards(l, in.max_gathered_units) * elem : 0;
+  const int64_t forward = casts ? in_flight_shards(l, forward_in_flight(in, l)) * elem : 0;
   if (in.strategy == ShardingStrategy::kZero1) return forward;
   int64_t backward = 0;
   if (!direct_grads(in, l.group, elem))
@@ -249,7 +261,7 @@ int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem
 // the device copy of the shard (device_param_shards).
 int64_t offload_device_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   if (offload_of(in).device_copy()) return 0;
-  const int64_t forward = in_flight_shards(l, in.max_gathered_units) * elem;
+  const int64_t forward = in_flight_shards(l, forward_in_flight(in, l)) * elem;
   const int64_t backward = largest_non_root(l.shard, backward_prefetches(in)) * elem;
   return std::max(forward, backward);
 }
@@ -394,7 +406,7 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)",
                                   8 * shard_elems, off.optimizer));
   // offload_optimizer alone: a param_dtype copy of each shard stays on the device, the
-  // all-gathers' input, refreshed after each step (MemoryStats::offload_buffers).
+  // all-gathers' input, refreshed after each step (MemoryStats::device_param_shards).
   if (off.device_copy()) {
     est.terms.push_back(
         model_state("device_param_shards",
@@ -408,8 +420,9 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
                            to_string(in.precision) + ")",
                        keeps_params(in) ? "exact" : "bound", gathered_elems(in, l, elem) * elem, 0,
                        0});
-  // ZeRO-1: the full unsharded gradients (reduce dtype, padded) persist between steps
-  // (MemoryStats::comm_buffers), besides the fp32 gradient shards.
+  // ZeRO-1: the full unsharded gradients (reduce dtype, padded), all held at the end of
+  // backward, which reduces them (MemoryStats::comm_buffers' peak; DeepSpeed's 2Ψ
+  // gradient term), besides the fp32 gradient shards.
   if (in.strategy == ShardingStrategy::kZero1) {
     est.terms.push_back({"full_gradients",
                          std::string("full gradients (") + to_string(in.precision) + ")", "exact",

@@ -64,8 +64,8 @@ shard on the device; nvme puts the AdamW state in files. --offload-param (zero3 
 hybrid only, with --offload-optimizer) drops that device copy; nvme puts the fp32 masters
 in files. --cpu-offload is both to cpu. Gathered units are in the --precision dtype: the
 root plus at most --max-gathered-units others under zero3/full and hybrid, every unit
-under grad_op and none, every unit between steps under zero2 and zero1 (zero1 also keeps
-the full gradients), and none at all for a shard group of one in fp32 without offload.
+under grad_op and none, every unit between steps under zero2 and zero1 (zero1 also holds
+all full gradients at the end of backward), and none at all for a shard group of one in fp32 without offload.
 Figures are per rank; per node is --gpus-per-node ranks (default: all on one node).
 --deepspeed-table prints DeepSpeed's estimate_zero3 (or zero2) model-state table, its own
 figures (with its 1.5x host factor) beside this engine's. Parameters, gradients

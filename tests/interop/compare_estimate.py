@@ -50,9 +50,6 @@ DESIGN = {
                        "make_sharded holds the root unit and the largest other unit",
     "zero2_grads": "DeepSpeed's stage-2 GPU figure counts 2 B/N of fp16 gradient partitions; "
                    "this engine reduce-scatters straight into the fp32 gradient shards",
-    "zero2_device_copy": "with offload_optimizer, this engine keeps a 2 B copy of the GPU's "
-                         "shard beside the full parameters (the all-gather's input); "
-                         "DeepSpeed counts the full parameters only",
     "zero2_nodes": "DeepSpeed's stage-2 host figure with offload is the whole job's "
                    "(P x max(4 N, 16)), not one node's",
     "zero1_full_grads": "stage 1 (DeepSpeed has no estimator; its stage-2 formula): this "
@@ -179,9 +176,9 @@ def check_stage2(c, shape, j, ds, strategy):
         c.eq(what + " eager construction = 4 B x P per GPU", row["host_construction_per_node_bytes"],
              eager)
         if offload:
-            c.eq(what + " our gpu = full fp16 parameters + shard copy (+ full grads)", ours_gpu,
-                 2 * P + 2 * S + full_grads)
-            c.eq(what + " gpu = ours - shard copy (- full grads)", gpu_mem, ours_gpu - 2 * S - full_grads)
+            c.eq(what + " our gpu = full fp16 parameters (+ full grads)", ours_gpu,
+                 2 * P + full_grads)
+            c.eq(what + " gpu = ours (- full grads)", gpu_mem, ours_gpu - full_grads)
             c.eq(what + " cpu = 1.5 x nodes x ours per node", cpu_mem, 3 * nodes * host // 2)
         else:
             c.eq(what + " our gpu = full fp16 parameters + 16 B x P / N (+ full grads)", ours_gpu,
