@@ -45,7 +45,7 @@ class FlagSetter {
   FlagSetter(const Flags& f, const std::string& path) : given_(f.given), path_(path) {}
 
   template <class T, class V>
-  void set(const char* flag, const std::string& key, T& field, const V& value) {
+  void operator()(const char* flag, const std::string& key, T& field, const V& value) {
     const T v = static_cast<T>(value);
     if (given_.count(flag) && !(field == v)) {
       throw UsageError("--" + std::string(flag) + " " + to_text(field) + " was given, but " +
