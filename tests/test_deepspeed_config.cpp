@@ -534,7 +534,7 @@ TEST(TrainGpt, DeepSpeedZero3OffloadFp16ConfigTrainsLikeTheSameFlagsAtWorldTwo) 
       const char* line :
       {"DeepSpeed config: strategy kFullShard, offload_optimizer cpu, offload_param cpu, precision "
        "fp16 (loss scale dynamic from 2^12, window 100, hysteresis 2, min 1), max_gathered_units 1",
-       "batch 12 = micro 3 x accumulation 2 x world, gradient_clipping 1",
+       "batch 12 = micro 3 x accumulation 2 x world 2, gradient_clipping 1",
        "optimizer AdamW: lr 0.003, betas (0.9, 0.95), eps 1e-08, weight_decay 0.01",
        "scheduler WarmupDecayLR: 0 -> 0.003 over 3 steps (linear), then linearly to 0 at step 8",
        "zero_optimization.offload_param.device = \"cpu\": applied: "
@@ -576,6 +576,14 @@ TEST(TrainGpt, DeepSpeedConfigErrorsExitTwoNamingTheKeyOrTheConflictingFlag) {
   EXPECT_NE(r.output.find("train_gpt: error: --lr 0.0003 was given, but --deepspeed-config " + cfg +
                           " sets it to 0.0001 (optimizer.params.lr); leave the flag out, or write "
                           "\"auto\" in the config to take the flag's value"),
+            std::string::npos)
+      << r.output;
+  // NVMe is mapped; the engine refuses it, and its message reaches the user.
+  r = run(R"({"train_batch_size": 16, "zero_optimization": {"stage": 3,
+              "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})",
+          {});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("NVMe offload (OffloadDevice::kNvme) is not available in this build yet"),
             std::string::npos)
       << r.output;
   std::remove(cfg.c_str());

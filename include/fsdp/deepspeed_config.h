@@ -91,6 +91,7 @@ struct DeepSpeedConfig {
   DeepSpeedOptimizer optimizer;
   bool has_scheduler = false;  ///< the config had a scheduler section
   WarmupSchedule scheduler;
+  int world_size = 1;                       ///< DeepSpeedProgramValues::world_size
   int64_t train_batch_size = 0;             ///< global, in samples
   int64_t micro_batch_per_rank = 0;         ///< train_micro_batch_size_per_gpu
   int64_t gradient_accumulation_steps = 0;  ///< micro-batches per step

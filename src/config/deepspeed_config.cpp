@@ -763,6 +763,7 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
               " must be at least 1");
   const json j = detail::parse_relaxed_json(json_text, "ds_config");
   DeepSpeedConfig out;
+  out.world_size = program.world_size;
   out.sharding.strategy = ShardingStrategy::kNoShard;  // stage 0 when zero_optimization is absent
   ConfigReader r(program, out);
   ConfigReader::check_keys(
@@ -827,7 +828,7 @@ std::string DeepSpeedConfig::describe() const {
   }
   s << ", max_gathered_units " << so.max_gathered_units << "\n  batch " << train_batch_size
     << " = micro " << micro_batch_per_rank << " x accumulation " << gradient_accumulation_steps
-    << " x world, gradient_clipping " << gradient_clipping;
+    << " x world " << world_size << ", gradient_clipping " << gradient_clipping;
   if (optimizer.present)
     s << "\n  optimizer " << optimizer.type << ": lr " << optimizer.lr << ", betas ("
       << optimizer.beta1 << ", " << optimizer.beta2 << "), eps " << optimizer.eps
