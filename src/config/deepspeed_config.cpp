@@ -705,7 +705,7 @@ void ConfigReader::zero(const json& z_in) {
     boolean(std::string("zero_optimization.") + k, z[k]);
     note(std::string("zero_optimization.") + k, z[k], false,
          "checkpoints are sharded; a consolidated file of the full weights is written by "
-         "fsdp::save_consolidated / fsdp-consolidate (train_gpt --consolidate-to)");
+         "fsdp::export_consolidated / fsdp-consolidate (train_gpt --consolidate-to)");
   }
   prefetch(z, stage);
 }
