@@ -489,13 +489,29 @@ TEST_P(TrainGptBadInput, ExitsNonZeroWithAMessageAndNoStackDump) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, TrainGptBadInput,
     ::testing::Values(
-        BadInput{
-            {"--sharding", "zero3"},
-            "train_gpt: error: --sharding zero3 is unknown; use full, grad_op, none or hybrid"},
+        BadInput{{"--sharding", "zero4"},
+                 "train_gpt: error: --sharding zero4 is unknown; use full (= zero3), grad_op, "
+                 "zero2, zero1, none or hybrid"},
         BadInput{{"--wrap", "size:many"},
                  "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
         BadInput{{"--lr-schedule", "linear"},
-                 "train_gpt: error: --lr-schedule linear is unknown; use constant or cosine"},
+                 "train_gpt: error: --lr-schedule linear is unknown; use constant, cosine, warmup "
+                 "or warmup_decay"},
+        BadInput{{"--lr-schedule", "warmup", "--warmup-steps", "0"},
+                 "train_gpt: error: --lr-schedule warmup needs --warmup-steps of at least 1"},
+        BadInput{{"--warmup-type", "cosine"},
+                 "train_gpt: error: --warmup-type cosine is unknown; use log or linear"},
+        BadInput{{"--adam-betas", "0.9"},
+                 "train_gpt: error: --adam-betas 0.9 must be two numbers in [0, 1), e.g. 0.9,0.95"},
+        BadInput{{"--offload-optimizer", "disk"},
+                 "train_gpt: error: --offload-optimizer disk is unknown; use none, cpu or nvme"},
+        BadInput{{"--max-gathered-units", "0"},
+                 "train_gpt: error: --max-gathered-units 0 must be at least 1 (1: no prefetch)"},
+        BadInput{{"--loss-scale-window", "10"},
+                 "train_gpt: error: --loss-scale-window applies only to --precision fp16"},
+        BadInput{{"--deepspeed-config", "/nonexistent/ds.json"},
+                 "train_gpt: error: --deepspeed-config /nonexistent/ds.json: ds_config: cannot "
+                 "open /nonexistent/ds.json"},
         BadInput{{"--d-model", "30", "--n-head", "4"},
                  "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
         BadInput{{"--data", "/nonexistent/input.txt"},

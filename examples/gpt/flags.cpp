@@ -44,8 +44,17 @@ void add_training_flags(cxxopts::Options& o) {
   flag("steps", "optimizer steps", value<int64_t>("200"));
   flag("lr", "peak learning rate", value<double>("3e-3"));
   flag("weight-decay", "AdamW weight decay", value<double>("0.01"));
-  flag("warmup-steps", "linear warm-up steps", value<int64_t>("10"));
-  flag("lr-schedule", "constant|cosine", value<std::string>("cosine"));
+  flag("warmup-steps", "warm-up steps", value<int64_t>("10"));
+  flag("lr-schedule",
+       "constant|cosine (each after a linear warm-up to --lr), warmup|warmup_decay (DeepSpeed's "
+       "WarmupLR and WarmupDecayLR: --warmup-min-lr to --lr over --warmup-steps, then constant, "
+       "or linearly to 0 at --steps)",
+       value<std::string>("cosine"));
+  flag("warmup-min-lr", "warmup, warmup_decay: the rate they start from", value<double>("0"));
+  flag("warmup-type", "warmup, warmup_decay: log|linear (DeepSpeed's warmup_type)",
+       value<std::string>("log"));
+  flag("adam-betas", "AdamW's betas, B1,B2", value<std::string>("0.9,0.999"));
+  flag("adam-eps", "AdamW's eps", value<double>("1e-8"));
   flag("clip-grad", "clip the global gradient norm to this (0: off)", value<double>("1.0"));
   flag("seed", "seed for weights and data", value<uint64_t>("1337"));
   flag("data", "train on this text file, byte-level (default: the synthetic task)",
@@ -65,7 +74,37 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("loss-scale-power",
        "fp16: the dynamic loss scale starts at 2^N (DeepSpeed's initial_scale_power)",
        value<int>("16"));
-  flag("sharding", "full|grad_op|none|hybrid", value<std::string>("full"));
+  flag("loss-scale", "fp16: a static loss scale (0: dynamic)", value<double>("0"));
+  flag("loss-scale-window", "fp16: clean steps before the dynamic scale doubles",
+       value<int>("1000"));
+  flag("loss-scale-hysteresis", "fp16: overflows absorbed before the scale halves",
+       value<int>("2"));
+  flag("min-loss-scale", "fp16: the dynamic scale's floor", value<double>("1"));
+  flag("sharding", "full|grad_op|none|hybrid|zero1|zero2|zero3", value<std::string>("full"));
+  flag("offload-optimizer",
+       "none|cpu|nvme: fp32 masters, gradients and optimizer state off the device (DeepSpeed's "
+       "offload_optimizer)",
+       value<std::string>("none"));
+  flag("offload-param",
+       "none|cpu|nvme: the parameter shards too (DeepSpeed's offload_param; needs "
+       "--offload-optimizer)",
+       value<std::string>("none"));
+  flag("nvme-path", "the directory of --offload-optimizer/--offload-param nvme",
+       value<std::string>(""));
+  flag("max-gathered-units", "prefetching stops while this many units are gathered",
+       value<int>("2"));
+  flag("max-live-numel",
+       "prefetching also stops before the gathered units would hold more parameter elements "
+       "(DeepSpeed's stage3_max_live_parameters); 0: no such bound",
+       value<int64_t>("0"));
+  flag("prefetch-bucket-numel",
+       "at most this many parameter elements gathered ahead (DeepSpeed's "
+       "stage3_prefetch_bucket_size); 0: no such bound",
+       value<int64_t>("0"));
+  flag("persistence-threshold-numel",
+       "units with fewer parameter elements stay gathered between uses (DeepSpeed's "
+       "stage3_param_persistence_threshold); 0: none",
+       value<int64_t>("0"));
   flag("hybrid-group-size", "ranks per shard group for --sharding hybrid", value<int>("0"));
   flag("wrap", "block|size:N|none", value<std::string>("block"));
   flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
@@ -122,6 +161,10 @@ void add_output_flags(cxxopts::Options& o) {
        "({\"event\", \"path\", \"seconds\"}; timed from a barrier to a barrier)",
        value<std::string>(""));
   flag("config", "JSON file with any of these options; flags given here override it",
+       value<std::string>(""));
+  flag("deepspeed-config",
+       "a DeepSpeed ds_config.json: its keys set the flags above (\"auto\" takes the flag's "
+       "value; a flag given with another value is an error); rank 0 prints what each key became",
        value<std::string>(""));
   flag("h,help", "show this help");
 }
@@ -218,6 +261,16 @@ TrainingFlags read_training(const cxxopts::ParseResult& r) {
   t.weight_decay = r["weight-decay"].as<double>();
   t.warmup_steps = r["warmup-steps"].as<int64_t>();
   t.lr_schedule = r["lr-schedule"].as<std::string>();
+  t.warmup_min_lr = r["warmup-min-lr"].as<double>();
+  t.warmup_type = r["warmup-type"].as<std::string>();
+  t.eps = r["adam-eps"].as<double>();
+  const std::string betas = r["adam-betas"].as<std::string>();
+  std::istringstream in(betas);
+  char comma = 0;
+  if (!(in >> t.beta1 >> comma >> t.beta2) || comma != ',' || !in.eof() || t.beta1 < 0 ||
+      t.beta1 >= 1 || t.beta2 < 0 || t.beta2 >= 1) {
+    throw UsageError("--adam-betas " + betas + " must be two numbers in [0, 1), e.g. 0.9,0.95");
+  }
   t.clip_grad = r["clip-grad"].as<double>();
   t.seed = r["seed"].as<uint64_t>();
   t.data = r["data"].as<std::string>();
@@ -245,9 +298,19 @@ void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
   if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
   if (t.warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
   if (t.clip_grad < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
-  if (t.lr_schedule != "constant" && t.lr_schedule != "cosine") {
-    throw UsageError("--lr-schedule " + t.lr_schedule + " is unknown; use constant or cosine");
+  if (t.lr_schedule != "constant" && t.lr_schedule != "cosine" && t.lr_schedule != "warmup" &&
+      t.lr_schedule != "warmup_decay") {
+    throw UsageError("--lr-schedule " + t.lr_schedule +
+                     " is unknown; use constant, cosine, warmup or warmup_decay");
   }
+  if (t.warmup_type != "log" && t.warmup_type != "linear")
+    throw UsageError("--warmup-type " + t.warmup_type + " is unknown; use log or linear");
+  if ((t.lr_schedule == "warmup" || t.lr_schedule == "warmup_decay") && t.warmup_steps < 1) {
+    throw UsageError("--lr-schedule " + t.lr_schedule +
+                     " needs --warmup-steps of at least 1 (DeepSpeed's warmup_num_steps)");
+  }
+  if (!(t.eps > 0)) throw UsageError("--adam-eps must be positive");
+  if (t.warmup_min_lr < 0) throw UsageError("--warmup-min-lr must not be negative");
 }
 
 void check_val_fraction(double val_fraction) {
@@ -259,28 +322,76 @@ void check_val_fraction(double val_fraction) {
   }
 }
 
+}  // namespace
+
+void check_loss_scaler(const fsdp::LossScalerOptions& ls) {
+  if (ls.initial_scale_power < 0 || ls.initial_scale_power > 60) {
+    throw UsageError("--loss-scale-power " + std::to_string(ls.initial_scale_power) +
+                     " must be between 0 and 60 (the default is 16)");
+  }
+  if (ls.loss_scale < 0) throw UsageError("--loss-scale must not be negative (0: dynamic)");
+  if (ls.loss_scale_window < 1) throw UsageError("--loss-scale-window must be at least 1");
+  if (ls.hysteresis < 1) throw UsageError("--loss-scale-hysteresis must be at least 1");
+  if (!(ls.min_loss_scale > 0)) throw UsageError("--min-loss-scale must be positive");
+}
+
+fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::string& v) {
+  if (v == "none") return fsdp::OffloadDevice::kNone;
+  if (v == "cpu") return fsdp::OffloadDevice::kCpu;
+  if (v == "nvme") return fsdp::OffloadDevice::kNvme;
+  throw UsageError("--" + flag + " " + v + " is unknown; use none, cpu or nvme");
+}
+
+namespace {
+
 ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   ShardingFlags s;
   s.precision = r["precision"].as<std::string>();
-  s.loss_scale_power = r["loss-scale-power"].as<int>();
-  if (r.count("loss-scale-power") && s.precision != "fp16") {
-    throw UsageError("--loss-scale-power applies only to --precision fp16 (this run is " +
-                     s.precision + ")");
+  fsdp::LossScalerOptions& ls = s.loss_scaler;
+  ls.initial_scale_power = r["loss-scale-power"].as<int>();
+  ls.loss_scale = r["loss-scale"].as<double>();
+  ls.loss_scale_window = r["loss-scale-window"].as<int>();
+  ls.hysteresis = r["loss-scale-hysteresis"].as<int>();
+  ls.min_loss_scale = r["min-loss-scale"].as<double>();
+  for (const char* name : {"loss-scale-power", "loss-scale", "loss-scale-window",
+                           "loss-scale-hysteresis", "min-loss-scale"}) {
+    if (r.count(name) && s.precision != "fp16") {
+      throw UsageError(std::string("--") + name +
+                       " applies only to --precision fp16 (this run is " + s.precision + ")");
+    }
   }
-  if (s.loss_scale_power < 0 || s.loss_scale_power > 60) {
-    throw UsageError("--loss-scale-power " + std::to_string(s.loss_scale_power) +
-                     " must be between 0 and 60 (the default is 16)");
-  }
+  check_loss_scaler(ls);
   s.options = sharding_options(s.precision, r["sharding"].as<std::string>(),
                                r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
                                r["activation-checkpointing"].as<std::string>());
   s.options.cpu_offload = r.count("cpu-offload") > 0;
+  s.options.offload_optimizer.device =
+      parse_offload_device("offload-optimizer", r["offload-optimizer"].as<std::string>());
+  s.options.offload_param.device =
+      parse_offload_device("offload-param", r["offload-param"].as<std::string>());
+  s.options.offload_optimizer.nvme_path = s.options.offload_param.nvme_path =
+      r["nvme-path"].as<std::string>();
+  s.options.max_gathered_units = r["max-gathered-units"].as<int>();
+  if (s.options.max_gathered_units < 1) {
+    throw UsageError("--max-gathered-units " + std::to_string(s.options.max_gathered_units) +
+                     " must be at least 1 (1: no prefetch)");
+  }
+  for (const auto& [name, field] :
+       {std::pair<const char*, int64_t*>{"max-live-numel", &s.options.max_live_numel},
+        {"prefetch-bucket-numel", &s.options.prefetch_bucket_numel},
+        {"persistence-threshold-numel", &s.options.persistence_threshold_numel}}) {
+    *field = r[name].as<int64_t>();
+    if (*field < 0)
+      throw UsageError("--" + std::string(name) + " " + std::to_string(*field) +
+                       " must be 0 (off) or a positive number of parameter elements");
+  }
   const auto construction = r["construction"].as<std::string>();
   if (construction != "sharded" && construction != "eager") {
     throw UsageError("--construction " + construction + " is unknown; use sharded or eager");
   }
   s.sharded_construction = construction == "sharded";
   s.device = r["device"].as<std::string>();
+  s.wrap = r["wrap"].as<std::string>();
   s.options.device = examples::parse_device_flag(s.device);
   s.options.prefetch = r.count("no-prefetch") == 0;
   s.options.trace = r["trace"].as<std::string>();
@@ -322,6 +433,8 @@ std::optional<Flags> parse_flags(int argc, char** argv) {
     throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
 
   Flags f;
+  for (const auto& kv : r.arguments()) f.given.insert(kv.key());
+  f.deepspeed_config = r["deepspeed-config"].as<std::string>();
   f.model = read_model(r);
   f.training = read_training(r);
   check_model_and_training(f.model, f.training);

@@ -9,30 +9,38 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 
 namespace gpt {
 
 /// How to train.
 struct TrainingFlags {
-  int64_t batch_size = 0;    ///< --batch-size: the global batch in sequences, split across ranks
-  int64_t grad_accum = 0;    ///< --grad-accum: micro-batches per step
-  int64_t steps = 0;         ///< --steps: optimizer steps the schedule spans
-  double lr = 0;             ///< --lr: the peak learning rate
-  double weight_decay = 0;   ///< --weight-decay: AdamW's
-  int64_t warmup_steps = 0;  ///< --warmup-steps: linear warm-up
-  std::string lr_schedule;   ///< --lr-schedule: constant|cosine
-  double clip_grad = 0;      ///< --clip-grad: the global gradient norm's bound (0: off)
-  uint64_t seed = 0;         ///< --seed: weights and data
-  std::string data;          ///< --data: a text file, byte-level ("": the synthetic task)
-  double val_fraction = 0;   ///< --val-fraction: with --data, the last part held out
+  int64_t batch_size = 0;       ///< --batch-size: the global batch in sequences, split across ranks
+  int64_t grad_accum = 0;       ///< --grad-accum: micro-batches per step
+  int64_t steps = 0;            ///< --steps: optimizer steps the schedule spans
+  double lr = 0;                ///< --lr: the peak learning rate
+  double weight_decay = 0;      ///< --weight-decay: AdamW's
+  int64_t warmup_steps = 0;     ///< --warmup-steps: the warm-up's steps
+  std::string lr_schedule;      ///< --lr-schedule: constant|cosine|warmup|warmup_decay
+  double warmup_min_lr = 0;     ///< --warmup-min-lr: warmup and warmup_decay start here
+  std::string warmup_type;      ///< --warmup-type: log|linear (warmup, warmup_decay)
+  double beta1 = 0, beta2 = 0;  ///< --adam-betas B1,B2
+  double eps = 0;               ///< --adam-eps
+  double clip_grad = 0;         ///< --clip-grad: the global gradient norm's bound (0: off)
+  uint64_t seed = 0;            ///< --seed: weights and data
+  std::string data;             ///< --data: a text file, byte-level ("": the synthetic task)
+  double val_fraction = 0;      ///< --val-fraction: with --data, the last part held out
 };
 
 /// How the model is sharded, and in which precision.
 struct ShardingFlags {
-  std::string precision;             ///< --precision: fp32|bf16|fp16
-  int loss_scale_power = 0;          ///< --loss-scale-power: fp16's loss scale starts at 2^N
+  std::string precision;  ///< --precision: fp32|bf16|fp16
+  /// fp16: --loss-scale (0: dynamic), --loss-scale-power, --loss-scale-window,
+  /// --loss-scale-hysteresis, --min-loss-scale (DeepSpeed's fp16 fields)
+  fsdp::LossScalerOptions loss_scaler;
   std::string device;                ///< --device as given: cpu|cuda|cuda:N|auto
+  std::string wrap;                  ///< --wrap as given: block|size:N|none
   fsdp::ShardingOptions options;     ///< all the flags say (device included); the group comes later
   bool sharded_construction = true;  ///< --construction sharded (make_sharded) or eager
 };
@@ -57,7 +65,9 @@ struct OutputFlags {
 };
 
 struct Flags {
-  Config model;  ///< --n-layer, --n-head, ..., or --init-from's file
+  std::string deepspeed_config;  ///< --deepspeed-config: a DeepSpeed ds_config.json
+  std::set<std::string> given;   ///< the flags given (command line and --config), by name
+  Config model;                  ///< --n-layer, --n-head, ..., or --init-from's file
   TrainingFlags training;
   ShardingFlags sharding;
   CheckpointFlags checkpoint;
@@ -67,6 +77,11 @@ struct Flags {
 /// Parses and checks the command line, all but what needs the world size or touches the
 /// disk. std::nullopt after printing --help.
 std::optional<Flags> parse_flags(int argc, char** argv);
+
+/// fp16's loss-scale fields in range (the flags, or a DeepSpeed config's fp16 section).
+void check_loss_scaler(const fsdp::LossScalerOptions& ls);
+/// --offload-optimizer / --offload-param: none|cpu|nvme.
+fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::string& value);
 
 /// The global batch must split evenly into `world` ranks' micro-batches.
 void check_batch_for_world(const TrainingFlags& training, int world);

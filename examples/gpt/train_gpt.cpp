@@ -18,6 +18,7 @@
 #include "../common/device.h"
 #include "checkpoints.h"
 #include "data.h"
+#include "deepspeed_flags.h"
 #include "flags.h"
 #include "gpt_model.h"
 #include "train_log.h"
@@ -59,22 +60,35 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
       std::cout << "train_gpt: initial weights from " << f.checkpoint.init_from << std::endl;
   }
   if (f.sharding.precision == "fp16") {
-    fsdp::LossScalerOptions lso;
-    lso.initial_scale_power = f.sharding.loss_scale_power;
-    t.scaler.emplace(t.model, lso);
+    t.scaler.emplace(t.model, f.sharding.loss_scaler);
   }
   // fsdp::FusedAdamW steps shards in host memory (CPU training, or offload) with its SIMD
   // kernels and shards on a GPU with ATen's fused kernel (at::_fused_adamw_). Under bf16
   // the host step also writes each shard's bf16 copy, which the next gathers send instead
   // of casting the shard again.
-  const auto adamw =
-      torch::optim::AdamWOptions(f.training.lr).weight_decay(f.training.weight_decay);
+  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
+                         .betas({f.training.beta1, f.training.beta2})
+                         .eps(f.training.eps)
+                         .weight_decay(f.training.weight_decay);
   t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
   return t;
 }
 
-/// The learning rate of `step`: a linear warm-up, then constant or a cosine decay to 10%.
-double lr_at(const TrainingFlags& t, int64_t step) {
+/// The learning rate of `step` (0-based): constant and cosine: a linear warm-up, then
+/// constant or a cosine decay to 10%. warmup and warmup_decay: DeepSpeed's WarmupLR and
+/// WarmupDecayLR, stepped as DeepSpeed's engine steps them, once per applied optimizer
+/// step (`skipped`: steps skipped so far for fp16 overflow).
+double lr_at(const TrainingFlags& t, int64_t step, int64_t skipped) {
+  if (t.lr_schedule == "warmup" || t.lr_schedule == "warmup_decay") {
+    fsdp::WarmupSchedule w;
+    w.warmup_min_lr = t.warmup_min_lr;
+    w.warmup_max_lr = t.lr;
+    w.warmup_num_steps = t.warmup_steps;
+    w.warmup_type = t.warmup_type == "log" ? fsdp::WarmupSchedule::Type::kLog
+                                           : fsdp::WarmupSchedule::Type::kLinear;
+    w.total_num_steps = t.lr_schedule == "warmup_decay" ? t.steps : 0;
+    return w.lr(step - skipped - 1);
+  }
   if (step < t.warmup_steps)
     return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
   if (t.lr_schedule != "cosine") return t.lr;
@@ -151,7 +165,7 @@ void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGro
   for (int64_t step = first_step; step < last_step; ++step) {
     StepRecord r;
     r.step = step + 1;
-    r.lr = lr_at(f.training, step);
+    r.lr = lr_at(f.training, step, t.scaler ? t.scaler->state().skipped_steps : 0);
     set_lr(*t.opt, r.lr);
     const auto start = std::chrono::steady_clock::now();
     {
@@ -170,12 +184,13 @@ void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGro
 }
 
 int run(int argc, char** argv) {
-  const std::optional<Flags> flags = parse_flags(argc, argv);
+  std::optional<Flags> flags = parse_flags(argc, argv);
   if (!flags) return 0;  // --help
+  const fsdp::ProcessGroup pg = examples::init_process_group_for(flags->sharding.options.device);
+  const std::string deepspeed = apply_deepspeed_config(*flags, pg.size());
   const Flags& f = *flags;
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);
   data.check(f.model.block_size);
-  const fsdp::ProcessGroup pg = examples::init_process_group_for(f.sharding.options.device);
   check_batch_for_world(f.training, pg.size());
   check_checkpoint_flags(f.checkpoint, f.training.steps);
   const bool main_rank = pg.rank() == 0;
@@ -185,6 +200,7 @@ int run(int argc, char** argv) {
   const int64_t first_step = checkpoints.resume();
   const int64_t last_step = checkpoints.last_step(first_step);
   TrainLog log(f.output, f.training.steps, main_rank);
+  if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   if (main_rank) print_summary(t.model, f, data, pg.size());
   log.start(first_step, last_step);
   train(t, f, data, pg, log, checkpoints, first_step, last_step);

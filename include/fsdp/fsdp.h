@@ -4,6 +4,7 @@
 #include <fsdp/activation_checkpoint.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad.h>
+#include <fsdp/deepspeed_config.h>
 #include <fsdp/full_params.h>
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/fused_adamw.h>

@@ -1,0 +1,118 @@
+#pragma once
+// DeepSpeed's ds_config.json, taken as it is: read into this library's options, each key
+// applied or accepted with the reason it has no effect here (README, "DeepSpeed configs").
+//
+//   fsdp::DeepSpeedProgramValues program;  // what "auto" means: the program's own values
+//   program.world_size = pg.size();
+//   auto ds = fsdp::load_deepspeed_config("ds_config.json", program);
+//   std::cout << ds.describe();            // the options, and one line per key
+//   fsdp::ShardingOptions so = ds.sharding;  // strategy, offload, precision, prefetch bound
+
+#include <fsdp/loss_scaler.h>
+#include <fsdp/options.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+/// The program's values, which fill a config's "auto" entries (as Hugging Face's Trainer
+/// fills them from its TrainingArguments), and the world size of the batch rule.
+struct DeepSpeedProgramValues {
+  int world_size = 1;                       ///< ranks of the job (train_batch_size's rule)
+  int64_t micro_batch_per_rank = 0;         ///< sequences per rank per micro-batch; 0: unknown
+  int64_t gradient_accumulation_steps = 1;  ///< micro-batches per optimizer step
+  double lr = 1e-3;                         ///< the optimizer's (peak) learning rate
+  double beta1 = 0.9, beta2 = 0.999;        ///< Adam's betas
+  double eps = 1e-8;                        ///< Adam's eps
+  double weight_decay = 0;                  ///< decoupled weight decay
+  double gradient_clipping = 1.0;           ///< the global norm's bound (0: off)
+  std::string precision = "fp32";           ///< fp32|bf16|fp16: fills fp16/bf16 "enabled"
+  int64_t warmup_steps = 0;                 ///< the schedule's warm-up steps
+  int64_t total_steps = 0;                  ///< optimizer steps the schedule spans
+  /// The model width: "auto" bucket sizes as the Trainer sets them (reduce_bucket_size =
+  /// h*h, stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h);
+  /// 0: DeepSpeed's defaults.
+  int64_t hidden_size = 0;
+};
+
+/// DeepSpeed's WarmupLR (total_num_steps = 0) and WarmupDecayLR
+/// (deepspeed/runtime/lr_schedules.py), formula for formula.
+struct WarmupSchedule {
+  enum class Type { kLog, kLinear };
+  double warmup_min_lr = 0;         ///< the rate before and at the first step
+  double warmup_max_lr = 1e-3;      ///< the rate after the warm-up
+  int64_t warmup_num_steps = 1000;  ///< steps from min to max (DeepSpeed uses at least 2)
+  Type warmup_type = Type::kLog;    ///< log: min + (max-min)*ln(i+1)/ln(n); linear: i/n
+  /// WarmupDecayLR: the rate falls linearly to 0 at this step; 0: WarmupLR (no decay).
+  int64_t total_num_steps = 0;
+
+  /// The rate after `last_batch_iteration` scheduler steps, DeepSpeed's argument: -1
+  /// before the first (DeepSpeed's engine sets the rate of optimizer step k, counting
+  /// from 0, as lr(k - 1 - steps skipped for fp16 overflow so far)).
+  double lr(int64_t last_batch_iteration) const;
+};
+
+/// What a config's `optimizer` section asked for (DeepSpeed's Adam and AdamW).
+struct DeepSpeedOptimizer {
+  bool present = false;     ///< the config had an optimizer section
+  std::string type;         ///< as written: Adam or AdamW (any case)
+  double lr = 1e-3;         ///< params.lr (DeepSpeed's FusedAdam default)
+  double beta1 = 0.9;       ///< params.betas[0]
+  double beta2 = 0.999;     ///< params.betas[1]
+  double eps = 1e-8;        ///< params.eps
+  double weight_decay = 0;  ///< params.weight_decay
+  /// False for Adam with adam_w_mode false: L2 weight decay added to the gradient, not
+  /// AdamW's decoupled decay (fsdp::FusedAdamW does the latter only).
+  bool decoupled_weight_decay = true;
+};
+
+/// One key of the config and what became of it.
+struct DeepSpeedNote {
+  std::string key;      ///< its path, e.g. zero_optimization.offload_param.device
+  std::string value;    ///< as read (an "auto" shows what it was filled with)
+  bool applied = true;  ///< false: accepted with no effect here
+  std::string effect;   ///< applied: to what; otherwise why it has no effect
+};
+
+/// A config read into options. Keys the config leaves out take DeepSpeed's defaults.
+struct DeepSpeedConfig {
+  /// strategy (zero_optimization.stage: 0 kNoShard, 1 kZero1, 2 kZero2, 3 kFullShard),
+  /// offload_optimizer/offload_param, mixed_precision (fp16/bf16) and
+  /// max_gathered_units (the stage-3 prefetch bounds). Device, wrap policy and process
+  /// group are the program's to set.
+  ShardingOptions sharding;
+  std::string precision = "fp32";  ///< fp32|bf16|fp16
+  LossScalerOptions loss_scaler;   ///< fp16's loss_scale, initial_scale_power, ...
+  DeepSpeedOptimizer optimizer;
+  bool has_scheduler = false;  ///< the config had a scheduler section
+  WarmupSchedule scheduler;
+  int world_size = 1;                       ///< DeepSpeedProgramValues::world_size
+  int64_t train_batch_size = 0;             ///< global, in samples
+  int64_t micro_batch_per_rank = 0;         ///< train_micro_batch_size_per_gpu
+  int64_t gradient_accumulation_steps = 0;  ///< micro-batches per step
+  double gradient_clipping = 1.0;           ///< DeepSpeed's default is 1.0 (0: off)
+  int64_t steps_per_print = 0;              ///< 0: not given
+  bool wall_clock_breakdown = false;
+  std::vector<DeepSpeedNote> notes;  ///< one per key of the config, section by section
+
+  /// The options it became and one line per note, for a program to print at start.
+  std::string describe() const;
+  /// Whether the config had this key (its path, e.g. "optimizer.params.lr").
+  bool has(const std::string& key) const;
+};
+
+/// Reads a config from its JSON text. "auto" values are filled from `program`. An
+/// unknown key or a value of the wrong type throws, naming the key's path, the value and
+/// the keys supported there (the closest first). Trailing commas and comments (// /* */ #,
+/// as DeepSpeed's hjson reader accepts) are accepted; other syntax errors name the line
+/// and column. Duplicate keys throw, as in DeepSpeed.
+DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
+                                       const DeepSpeedProgramValues& program = {});
+/// The same from a file.
+DeepSpeedConfig load_deepspeed_config(const std::string& path,
+                                      const DeepSpeedProgramValues& program = {});
+
+
+}  // namespace fsdp
