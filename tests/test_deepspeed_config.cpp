@@ -544,17 +544,17 @@ TEST(TrainGpt, DeepSpeedZero3OffloadFp16ConfigTrainsLikeTheSameFlagsAtWorldTwo) 
   ASSERT_EQ(la.size(), 8u) << ra.output;
   for (double l : la) EXPECT_TRUE(std::isfinite(l)) << ra.output;
   EXPECT_EQ(la, lb);
-  for (
-      const char* line :
-      {"DeepSpeed config: strategy kFullShard, offload_optimizer cpu, offload_param cpu, precision "
-       "fp16 (loss scale dynamic from 2^12, window 100, hysteresis 2, min 1), prefetch "
-       "max_live_numel 1000000000, prefetch_bucket_numel ",
-       "batch 12 = micro 3 x accumulation 2 x world 2, gradient_clipping 1",
-       "optimizer AdamW: lr 0.003, betas (0.9, 0.95), eps 1e-08, weight_decay 0.01",
-       "scheduler WarmupDecayLR: 0 -> 0.003 over 3 steps (linear), then linearly to 0 at step 8",
-       "zero_optimization.offload_param.device = \"cpu\": applied: "
-       "ShardingOptions::offload_param.device = cpu",
-       "wall_clock_breakdown = false: no effect here: "}) {
+  for (const char* line :
+       {"DeepSpeed config: strategy kFullShard, offload_optimizer cpu, offload_param cpu, "
+        "precision "
+        "fp16 (loss scale dynamic from 2^12, window 100, hysteresis 2, min 1), prefetch "
+        "max_live_numel 1000000000, prefetch_bucket_numel ",
+        "batch 12 = micro 3 x accumulation 2 x world 2, gradient_clipping 1",
+        "optimizer AdamW: lr 0.003, betas (0.9, 0.95), eps 1e-08, weight_decay 0.01",
+        "scheduler WarmupDecayLR: 0 -> 0.003 over 3 steps (linear), then linearly to 0 at step 8",
+        "zero_optimization.offload_param.device = \"cpu\": applied: "
+        "ShardingOptions::offload_param.device = cpu",
+        "wall_clock_breakdown = false: no effect here: "}) {
     EXPECT_NE(ra.output.find(line), std::string::npos) << line << "\n" << ra.output;
   }
   std::remove(a.c_str());

@@ -663,7 +663,7 @@ TEST(EstimateRules, DeepSpeedTableByHand) {
   EXPECT_EQ(rows[0].deepspeed_cpu_bytes, 9600);  // 400 * max(16, 16) * 1.5: the whole job
   EXPECT_EQ(rows[0].deepspeed_gpu_bytes, 800);   // 2P
   EXPECT_EQ(rows[0].host_per_node, 3200);
-  EXPECT_EQ(rows[0].device_per_gpu, 800);  // full parameters (no device copy of the shard)
+  EXPECT_EQ(rows[0].device_per_gpu, 800);        // full parameters (no device copy of the shard)
   EXPECT_EQ(rows[1].deepspeed_cpu_bytes, 4800);  // 400 * 4 * 2 * 1.5
   EXPECT_EQ(rows[1].deepspeed_gpu_bytes, 800 + 1800);
   EXPECT_EQ(rows[1].host_per_node, 3200);

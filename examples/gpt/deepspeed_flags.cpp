@@ -86,8 +86,6 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   p.warmup_steps = t.warmup_steps;
   p.total_steps = t.steps;
   p.hidden_size = f.model.d_model;
-  // --wrap block: the units are the blocks, 12 d^2 + 13 d parameters each.
-  if (s.wrap == "block")
   fsdp::DeepSpeedConfig ds;
   try {
     ds = fsdp::load_deepspeed_config(path, p);

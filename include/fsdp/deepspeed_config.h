@@ -114,5 +114,4 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
 DeepSpeedConfig load_deepspeed_config(const std::string& path,
                                       const DeepSpeedProgramValues& program = {});
 
-
 }  // namespace fsdp

@@ -826,9 +826,9 @@ std::string DeepSpeedConfig::describe() const {
     s << "max_gathered_units " << so.max_gathered_units;
   if (so.persistence_threshold_numel > 0)
     s << ", persistence_threshold_numel " << so.persistence_threshold_numel;
-  s << "\n  batch " << train_batch_size
-    << " = micro " << micro_batch_per_rank << " x accumulation " << gradient_accumulation_steps
-    << " x world " << world_size << ", gradient_clipping " << gradient_clipping;
+  s << "\n  batch " << train_batch_size << " = micro " << micro_batch_per_rank << " x accumulation "
+    << gradient_accumulation_steps << " x world " << world_size << ", gradient_clipping "
+    << gradient_clipping;
   if (optimizer.present)
     s << "\n  optimizer " << optimizer.type << ": lr " << optimizer.lr << ", betas ("
       << optimizer.beta1 << ", " << optimizer.beta2 << "), eps " << optimizer.eps
