@@ -52,7 +52,11 @@ struct ShardParamGroups::State {
         if (vg.defined() && vg.is_alias_of(g) &&
             vg.storage_offset() == g.storage_offset() + s.begin)
           continue;
-        s.view.mutable_grad() = g.narrow(0, s.begin, s.numel);
+        // Not an autograd view of the gradient shard (set_, not narrow): an optimizer's
+        // zero_grad() detaches gradients in place, which autograd refuses for views.
+        s.view.mutable_grad() =
+            torch::empty({0}, g.options())
+                .set_(g.storage(), g.storage_offset() + s.begin, {s.numel}, {1});
       }
     }
   }
