@@ -496,6 +496,8 @@ INSTANTIATE_TEST_SUITE_P(
                  "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
         BadInput{{"--lr-schedule", "linear"},
                  "train_gpt: error: --lr-schedule linear is unknown; use constant or cosine"},
+        BadInput{{"--no-decay-recipe", "biases"},
+                 "train_gpt: error: --no-decay-recipe biases is unknown; use standard or none"},
         BadInput{{"--d-model", "30", "--n-head", "4"},
                  "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
         BadInput{{"--data", "/nonexistent/input.txt"},

@@ -15,11 +15,14 @@ namespace gpt {
 
 /// How to train.
 struct TrainingFlags {
-  int64_t batch_size = 0;    ///< --batch-size: the global batch in sequences, split across ranks
-  int64_t grad_accum = 0;    ///< --grad-accum: micro-batches per step
-  int64_t steps = 0;         ///< --steps: optimizer steps the schedule spans
-  double lr = 0;             ///< --lr: the peak learning rate
-  double weight_decay = 0;   ///< --weight-decay: AdamW's
+  int64_t batch_size = 0;   ///< --batch-size: the global batch in sequences, split across ranks
+  int64_t grad_accum = 0;   ///< --grad-accum: micro-batches per step
+  int64_t steps = 0;        ///< --steps: optimizer steps the schedule spans
+  double lr = 0;            ///< --lr: the peak learning rate
+  double weight_decay = 0;  ///< --weight-decay: AdamW's
+  /// --no-decay-recipe: "standard" (biases and 1-D parameters, i.e. norm weights, without
+  /// weight decay: fsdp::no_decay_groups) or "none" (every parameter decays).
+  std::string no_decay_recipe;
   int64_t warmup_steps = 0;  ///< --warmup-steps: linear warm-up
   std::string lr_schedule;   ///< --lr-schedule: constant|cosine
   double clip_grad = 0;      ///< --clip-grad: the global gradient norm's bound (0: off)
