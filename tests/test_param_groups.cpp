@@ -227,6 +227,54 @@ TEST(ParamGroups, SegmentsFollowShardBoundariesAndGroups) {
   });
 }
 
+// With cpu_offload the gradient shard arrives through the host transfers (added when it
+// lands), and with gradient accumulation over two micro-batches it is added to in place:
+// the views follow both. Training equals training without offload bit for bit, and the
+// same training on whole batches (one backward a step) within the parity tolerances (a
+// step that saw only one micro-batch's gradient would be off by ~1e-3).
+TEST(ParamGroups, ViewsFollowOffloadAndGradientAccumulation) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    std::vector<double> losses[3];
+    std::vector<std::pair<std::string, torch::Tensor>> weights[3];
+    for (int run = 0; run < 3; ++run) {  // 0: accumulate, 1: and offload, 2: whole batches
+      ShardingOptions o;
+      o.process_group = pg;
+      o.cpu_offload = run == 1;
+      torch::manual_seed(0);
+      auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
+      ShardParamGroups groups(model, gpt_spec());
+      torch::optim::AdamW opt(groups.param_groups(group_adamw()), group_adamw());
+      const int micros = run == 2 ? 1 : 2;
+      for (int step = 0; step < 4; ++step) {
+        auto batch = my_rows(gpt_batch(step, kGroupRows, small_gpt_config().block_size), pg);
+        const int64_t rows = batch.size(0) / micros;
+        double sum = 0;
+        for (int micro = 0; micro < micros; ++micro) {
+          auto loss = gpt::loss_on(model, batch.narrow(0, micro * rows, rows)) / micros;
+          loss.backward();
+          sum += global_mean(loss, pg);
+        }
+        opt.step();
+        opt.zero_grad();
+        losses[run].push_back(sum);
+      }
+      weights[run] = full_state_dict(model);
+    }
+    for (size_t i = 0; i < losses[0].size(); ++i) {
+      EXPECT_EQ(losses[1][i], losses[0][i]) << "step " << i;
+      EXPECT_NEAR(losses[2][i], losses[0][i], kLossTol * losses[0][i]) << "step " << i;
+    }
+    ASSERT_EQ(weights[0].size(), weights[1].size());
+    for (size_t i = 0; i < weights[0].size(); ++i) {
+      const auto& [name, w] = weights[0][i];
+      EXPECT_TRUE(torch::equal(weights[1][i].second, w)) << name;
+      const double tol =
+          name == "wte.weight" || name == "wpe.weight" ? 10 * kWeightTol : kWeightTol;
+      EXPECT_LE(rel_diff(weights[2][i].second, w), tol) << name;
+    }
+  });
+}
+
 TEST(ParamGroups, BadSpecsAreNamed) {
   run_ranks(1, [](const ProcessGroup& pg) {
     ShardingOptions o;
