@@ -68,12 +68,22 @@ std::vector<torch::optim::OptimizerParamGroup> reference_groups(torch::nn::Modul
   return out;
 }
 
-enum class Opt { kFused, kTorch };
-void PrintTo(Opt o, std::ostream* os) { *os << (o == Opt::kFused ? "FusedAdamW" : "torch AdamW"); }
+// kFusedAten: FusedAdamW through at::_fused_adamw_, the kernel of device shards (its CPU
+// kernel here), over the same views.
+enum class Opt { kFused, kFusedAten, kTorch };
+const char* opt_name(Opt o) {
+  return o == Opt::kFused ? "fused" : o == Opt::kFusedAten ? "fused_aten" : "torch";
+}
+void PrintTo(Opt o, std::ostream* os) { *os << opt_name(o); }
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Opt which, const ShardParamGroups& groups,
                                                     torch::optim::AdamWOptions d) {
   if (which == Opt::kFused) return std::make_unique<FusedAdamW>(groups, d);
+  if (which == Opt::kFusedAten) {
+    auto f = std::make_unique<FusedAdamW>(groups, d);
+    f->set_kernel(FusedAdamW::Kernel::kAten);
+    return f;
+  }
   return std::make_unique<torch::optim::AdamW>(groups.param_groups(d), d);
 }
 
@@ -139,15 +149,18 @@ class GroupParity : public ::testing::TestWithParam<std::tuple<int, Opt>> {};
 
 TEST_P(GroupParity, GptWithNoDecayAndEmbeddingLrGroupsMatchesUnshardedAdamW) {
   const Opt which = std::get<1>(GetParam());
+  if (which == Opt::kFusedAten && !FusedAdamW::aten_kernel_available(torch::kCPU))
+    GTEST_SKIP() << "this LibTorch has no CPU kernel of at::_fused_adamw_ (PyTorch 2.4+)";
   run_ranks(std::get<0>(GetParam()), [&](const ProcessGroup& pg) { gpt_group_parity(pg, which); });
 }
 
 INSTANTIATE_TEST_SUITE_P(World, GroupParity,
                          ::testing::Combine(::testing::Values(1, 2, 3),
-                                            ::testing::Values(Opt::kFused, Opt::kTorch)),
+                                            ::testing::Values(Opt::kFused, Opt::kFusedAten,
+                                                              Opt::kTorch)),
                          [](const auto& info) {
-                           return "w" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) == Opt::kFused ? "_fused" : "_torch");
+                           return "w" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  opt_name(std::get<1>(info.param));
                          });
 
 // One unit of 13 elements: a.weight (6), a.bias (3), b.weight (4). At 3 ranks the padded
