@@ -223,12 +223,22 @@ void export_consolidated(const std::string& file, const ShardedModel& root,
       });
     }
     if (!options.with_optimizer || !ls.info.requires_grad) continue;
-    ParamState st = get_param_state(*optimizer, ls.shard);
+    ParamState st = get_shard_state(*optimizer, ls.shard);
     if (st.tensors.empty()) continue;  // not stepped yet
-    const auto hp =
-        group_hparams(*optimizer, static_cast<size_t>(find_param(*optimizer, ls.shard).first));
+    // Each parameter's group: the shard's, or that of the view holding its first element.
+    const int whole = find_param(*optimizer, ls.shard).first;
+    const auto views = whole >= 0 ? std::vector<std::pair<at::Tensor, int64_t>>{}
+                                  : shard_views(*optimizer, ls.shard);
     guarded([&] {
-      for (const auto& p : ls.params) w->optim_group(p.fqn, st.step, hp);
+      for (const auto& p : ls.params) {
+        int g = whole;
+        for (const auto& [v, off] : views) {
+          const int64_t first = std::max<int64_t>(p.offset - ls.begin, 0);
+          if (first >= off && first < off + v.numel()) g = find_param(*optimizer, v).first;
+        }
+        if (g < 0) g = std::max(shard_group(*optimizer, ls.shard), 0);
+        w->optim_group(p.fqn, st.step, group_hparams(*optimizer, static_cast<size_t>(g)));
+      }
     });
     for (const auto& [name, t] : st.tensors) {
       at::Tensor full = detail::gather_flat(root, k, t.reshape({-1}));

@@ -3,6 +3,9 @@
 
 #include "internal/optim_key.h"
 
+#include <algorithm>
+#include <iterator>
+
 namespace fsdp::ckpt {
 namespace {
 
@@ -119,6 +122,78 @@ void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, Para
       s->momentum_buffer(std::move(t));
     }
     state[key] = std::move(s);
+  }
+}
+
+std::vector<std::pair<at::Tensor, int64_t>> shard_views(torch::optim::Optimizer& opt,
+                                                        const at::Tensor& shard) {
+  std::vector<std::pair<at::Tensor, int64_t>> out;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.unsafeGetTensorImpl() == shard.unsafeGetTensorImpl() || !p.is_alias_of(shard)) continue;
+      const int64_t off = p.storage_offset() - shard.storage_offset();
+      TORCH_CHECK(off >= 0 && off + p.numel() <= shard.numel() && p.is_contiguous(),
+                  "checkpoint: an optimizer parameter shares a shard's storage but is not a "
+                  "contiguous range of it; build views with fsdp::ShardParamGroups");
+      out.emplace_back(p, off);
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.second < b.second; });
+  return out;
+}
+
+int shard_group(torch::optim::Optimizer& opt, const at::Tensor& shard) {
+  const int g = find_param(opt, shard).first;
+  if (g >= 0) return g;
+  const auto views = shard_views(opt, shard);
+  return views.empty() ? -1 : find_param(opt, views.front().first).first;
+}
+
+ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard) {
+  if (find_param(opt, shard).first >= 0) return get_param_state(opt, shard);
+  ParamState out;
+  const auto views = shard_views(opt, shard);
+  if (views.empty()) {
+    // A rank that holds only padding of this shard has no view of it, but takes part in
+    // collectives over the state as the others do: zeros named like any stepped state.
+    for (const auto& group : opt.param_groups()) {
+      for (const auto& p : group.params()) {
+        ParamState any = get_param_state(opt, p);
+        if (any.tensors.empty()) continue;
+        out.step = any.step;
+        for (const auto& [name, t] : any.tensors)
+          out.tensors.emplace_back(name, at::zeros({shard.numel()}, shard.options()));
+        return out;
+      }
+    }
+    return out;
+  }
+  for (const auto& [v, off] : views) {
+    ParamState st = get_param_state(opt, v);
+    if (st.tensors.empty()) continue;
+    out.step = std::max(out.step, st.step);
+    for (auto& [name, t] : st.tensors) {
+      auto it = std::find_if(out.tensors.begin(), out.tensors.end(),
+                             [&](const auto& e) { return e.first == name; });
+      if (it == out.tensors.end()) {
+        out.tensors.emplace_back(name, at::zeros({shard.numel()}, t.options()));
+        it = std::prev(out.tensors.end());
+      }
+      it->second.narrow(0, off, v.numel()).copy_(t.reshape({-1}));
+    }
+  }
+  return out;
+}
+
+void set_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard, ParamState&& st) {
+  if (find_param(opt, shard).first >= 0) return set_param_state(opt, shard, std::move(st));
+  for (const auto& [v, off] : shard_views(opt, shard)) {
+    ParamState part;
+    part.step = st.step;
+    for (const auto& [name, t] : st.tensors)
+      part.tensors.emplace_back(name, t.reshape({-1}).narrow(0, off, v.numel()).view(v.sizes()));
+    set_param_state(opt, v, std::move(part));
   }
 }
 

@@ -29,6 +29,19 @@ void set_param_state(torch::optim::Optimizer& opt, const at::Tensor& param, Para
 /// The optimizer's param group and position holding `param`, or {-1, -1}.
 std::pair<int, int> find_param(torch::optim::Optimizer& opt, const at::Tensor& param);
 
+/// The optimizer's parameters that are views of `shard` (fsdp::ShardParamGroups's
+/// segments, or any leaf sharing its storage), each with its first element in the shard.
+std::vector<std::pair<at::Tensor, int64_t>> shard_views(torch::optim::Optimizer& opt,
+                                                        const at::Tensor& shard);
+/// The param group holding `shard`, or else its first view; -1 when it holds neither.
+int shard_group(torch::optim::Optimizer& opt, const at::Tensor& shard);
+/// The state of `shard` laid out like it: the shard's own, or its views' put together
+/// (elements no view covers are zero; the step is the largest of the views').
+ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard);
+/// Sets the state of `shard` (shard-sized tensors): the shard's own when the optimizer
+/// holds it, else each view gets its range (views of `st`'s tensors) and the step.
+void set_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard, ParamState&& st);
+
 /// Hyperparameters of group `g` by name (lr, betas, eps, weight_decay, amsgrad, ...).
 std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g);
 /// Sets the hyperparameters that `hp` names on group `g`.

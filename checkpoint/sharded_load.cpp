@@ -98,10 +98,11 @@ void fill_from_pieces(ShardedReader& src, const std::vector<Piece>& pieces, int6
 // The optimizer state of one trainable shard, over the same pieces as its parameters.
 void load_shard_optim_state(ShardedReader& src, const LocalShard& ls,
                             const std::vector<Piece>& pieces, torch::optim::Optimizer& optimizer) {
-  TORCH_CHECK(find_param(optimizer, ls.shard).first >= 0,
+  TORCH_CHECK(shard_group(optimizer, ls.shard) >= 0 || ls.length == 0,
               "load: the optimizer does not hold the shard of "
               "unit '",
-              ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
+              ls.info.unit_fqn,
+              "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
   // The state names and step come from the first source flat this shard reads.
   if (pieces.empty()) return;
   const SourceFlat& sf = src.flats()[pieces.front().src_flat];
@@ -119,7 +120,7 @@ void load_shard_optim_state(ShardedReader& src, const LocalShard& ls,
     fill_from_pieces(src, pieces, ls.length, t, "optim/" + name);
     st.tensors.emplace_back(name, t);
   }
-  set_param_state(optimizer, ls.shard, std::move(st));
+  set_shard_state(optimizer, ls.shard, std::move(st));
 }
 
 // One local shard: its parameters and, with an optimizer, their state.

@@ -90,14 +90,16 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     };
     f.param = keep(flat + "/param", fp32(ls.shard.detach().narrow(0, 0, f.length)));
     if (opt && ls.info.requires_grad) {
-      const int64_t group = find_param(*opt, ls.shard).first;
-      TORCH_CHECK(group >= 0, "save: the optimizer does not hold the shard of unit '",
-                  ls.info.unit_fqn, "'. Build it from model.sharded_parameters().");
-      ParamState st = get_param_state(*opt, ls.shard);
+      const int64_t group = shard_group(*opt, ls.shard);
+      // (A rank holding only padding of a shard has no view of it: ShardParamGroups.)
+      TORCH_CHECK(group >= 0 || ls.length == 0,
+                  "save: the optimizer does not hold the shard of unit '", ls.info.unit_fqn,
+                  "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
+      ParamState st = get_shard_state(*opt, ls.shard);
       if (!st.tensors.empty()) {
         f.has_optim = true;
         f.optim_step = st.step;
-        f.optim_group = group;
+        f.optim_group = std::max<int64_t>(group, 0);
         for (const auto& [name, t] : st.tensors) {
           f.optim.emplace_back(
               name, keep(flat + "/optim/" + name, fp32(t.reshape({-1}).narrow(0, 0, f.length))));

@@ -512,6 +512,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--deepspeed-config", "/nonexistent/ds.json"},
                  "train_gpt: error: --deepspeed-config /nonexistent/ds.json: ds_config: cannot "
                  "open /nonexistent/ds.json"},
+        BadInput{{"--no-decay-recipe", "biases"},
+                 "train_gpt: error: --no-decay-recipe biases is unknown; use standard or none"},
         BadInput{{"--d-model", "30", "--n-head", "4"},
                  "train_gpt: error: --d-model 30 must be divisible by --n-head 4"},
         BadInput{{"--data", "/nonexistent/input.txt"},

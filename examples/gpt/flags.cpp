@@ -44,6 +44,10 @@ void add_training_flags(cxxopts::Options& o) {
   flag("steps", "optimizer steps", value<int64_t>("200"));
   flag("lr", "peak learning rate", value<double>("3e-3"));
   flag("weight-decay", "AdamW weight decay", value<double>("0.01"));
+  flag("no-decay-recipe",
+       "standard: no weight decay for biases and norm weights (1-D parameters); none: every "
+       "parameter decays",
+       value<std::string>("standard"));
   flag("warmup-steps", "warm-up steps", value<int64_t>("10"));
   flag("lr-schedule",
        "constant|cosine (each after a linear warm-up to --lr), warmup|warmup_decay (DeepSpeed's "
@@ -259,6 +263,7 @@ TrainingFlags read_training(const cxxopts::ParseResult& r) {
   t.steps = r["steps"].as<int64_t>();
   t.lr = r["lr"].as<double>();
   t.weight_decay = r["weight-decay"].as<double>();
+  t.no_decay_recipe = r["no-decay-recipe"].as<std::string>();
   t.warmup_steps = r["warmup-steps"].as<int64_t>();
   t.lr_schedule = r["lr-schedule"].as<std::string>();
   t.warmup_min_lr = r["warmup-min-lr"].as<double>();
@@ -298,6 +303,10 @@ void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
   if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
   if (t.warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
   if (t.clip_grad < 0) throw UsageError("--clip-grad must not be negative (0 turns clipping off)");
+  if (t.no_decay_recipe != "standard" && t.no_decay_recipe != "none") {
+    throw UsageError("--no-decay-recipe " + t.no_decay_recipe +
+                     " is unknown; use standard or none");
+  }
   if (t.lr_schedule != "constant" && t.lr_schedule != "cosine" && t.lr_schedule != "warmup" &&
       t.lr_schedule != "warmup_decay") {
     throw UsageError("--lr-schedule " + t.lr_schedule +

@@ -21,6 +21,9 @@ struct TrainingFlags {
   int64_t steps = 0;            ///< --steps: optimizer steps the schedule spans
   double lr = 0;                ///< --lr: the peak learning rate
   double weight_decay = 0;      ///< --weight-decay: AdamW's
+  /// --no-decay-recipe: "standard" (biases and 1-D parameters, i.e. norm weights, without
+  /// weight decay: fsdp::no_decay_groups) or "none" (every parameter decays).
+  std::string no_decay_recipe;
   int64_t warmup_steps = 0;     ///< --warmup-steps: the warm-up's steps
   std::string lr_schedule;      ///< --lr-schedule: constant|cosine|warmup|warmup_decay
   double warmup_min_lr = 0;     ///< --warmup-min-lr: warmup and warmup_decay start here

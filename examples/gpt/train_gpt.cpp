@@ -70,7 +70,18 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
                          .betas({f.training.beta1, f.training.beta2})
                          .eps(f.training.eps)
                          .weight_decay(f.training.weight_decay);
-  t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
+  if (f.training.no_decay_recipe == "standard") {
+    // Groups by original parameter over the flat shards (include/fsdp/param_groups.h):
+    // biases and norm weights without weight decay, as GPT-2/nanoGPT train.
+    fsdp::ShardParamGroups groups(t.model, fsdp::no_decay_groups(f.training.weight_decay));
+    if (pg.rank() == 0) {
+      std::cout << "train_gpt: optimizer groups (--no-decay-recipe standard):\n"
+                << groups.describe(f.training.lr, f.training.weight_decay) << std::flush;
+    }
+    t.opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
+  } else {
+    t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
+  }
   return t;
 }
 

@@ -10,6 +10,7 @@
 #include <fsdp/fused_adamw.h>
 #include <fsdp/loss_scaler.h>
 #include <fsdp/options.h>
+#include <fsdp/param_groups.h>
 #include <fsdp/process_group.h>
 #include <fsdp/stats.h>
 #include <fsdp/trace.h>

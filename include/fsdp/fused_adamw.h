@@ -14,6 +14,7 @@
 // version counter bumped, as in-place torch ops do.
 
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/param_groups.h>
 
 #include <torch/torch.h>
 
@@ -39,6 +40,10 @@ class FusedAdamW : public torch::optim::AdamW {
   /// CPU shards (bf16/fp16 param_dtype, CPU training or cpu_offload), each step also
   /// writes the 16-bit copy that the next all-gather sends, so gathers skip their cast.
   explicit FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults = {});
+  /// Over the segments of `groups` (include/fsdp/param_groups.h): one group per spec group,
+  /// each with its lr and weight_decay over `defaults`; each segment, a contiguous range of
+  /// a shard, is stepped in one pass. (No 16-bit copy-out: gathers cast the shard.)
+  explicit FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOptions defaults = {});
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 

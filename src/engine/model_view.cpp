@@ -63,6 +63,10 @@ std::vector<FlatParamInfo> flat_params(const ShardedModel& model) {
   return out;
 }
 
+void add_backward_observer(const ShardedModel& model, std::function<void(bool)> f) {
+  model_runtime(model).add_backward_observer(std::move(f));
+}
+
 std::vector<LocalShard> local_shards(const ShardedModel& model) {
   auto& rt = model_runtime(model);
   const auto& cfg = rt.flat_config();

@@ -260,6 +260,7 @@ void Runtime::post_forward(Unit& u, std::vector<at::Tensor>& outputs) {
 void Runtime::queue_end_of_backward() {
   if (phase_ == Phase::kBackward) return;
   phase_ = Phase::kBackward;
+  for (auto& f : backward_observers_) f(true);
   recount_grads();  // before this backward gives any shard a gradient
   auto self = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback(
@@ -294,6 +295,7 @@ void Runtime::end_of_backward() {
   }
   phase_ = Phase::kIdle;
   order_frozen_ = true;
+  for (auto& f : backward_observers_) f(false);
   recount_grads();
 }
 

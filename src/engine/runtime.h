@@ -8,6 +8,7 @@
 #include "comm_context.h"
 #include "unit.h"
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -71,6 +72,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   /// backward starts and ends and when the stats are read; inside backward each flat
   /// parameter counts its gradient where the engine gives it one (FlatParam::count_grad).
   void recount_grads();
+  /// Called with true when a backward starts, before any shard gets a gradient, and with
+  /// false once it has ended (fsdp::ShardParamGroups keeps its views' .grad() in step).
+  void add_backward_observer(std::function<void(bool starting)> f) {
+    backward_observers_.push_back(std::move(f));
+  }
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
   bool no_sync() const { return !comm_->gradient_sync(); }
   void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
@@ -112,6 +118,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::map<std::string, at::Tensor> staging_pool_;
   /// set_prefetch(): [0] forward, [1] backward.
   std::map<const Unit*, std::vector<Unit*>> explicit_prefetch_[2];
+  std::vector<std::function<void(bool)>> backward_observers_;  ///< add_backward_observer()
 };
 
 }  // namespace detail

@@ -98,6 +98,9 @@ struct FlatSlot {
   int64_t numel = 0;
   std::vector<int64_t> shape;
 };
+/// Calls `f(true)` when each backward of `model` starts (before any gradient shard is
+/// written) and `f(false)` when it has ended, for as long as the model lives.
+void add_backward_observer(const ShardedModel& model, std::function<void(bool starting)> f);
 /// The original parameters of flat parameter `index`, in slot order.
 std::vector<FlatSlot> flat_slots(const ShardedModel& model, size_t index);
 

@@ -71,6 +71,9 @@ FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions def
   detail::attach_copy_out(model, *this);
 }
 
+FusedAdamW::FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(groups.param_groups(defaults), defaults) {}
+
 bool FusedAdamW::isa_supported(Isa isa) {
   return isa == Isa::kAuto || detail::isa_available(to_kernel(isa));
 }

@@ -540,7 +540,7 @@ class Jobs:
     def ours(self, m, world, extra=()):
         return [os.path.join(self.bin_dir, "train_gpt")] + model_flags(m, world) + [
             "--precision", "fp32", "--init-from", self.init_file(m), "--io-log", "{IO_LOG}", "--log-every", "1",
-            "--device", "cpu"] + list(extra)
+            "--device", "cpu", "--no-decay-recipe", "none"] + list(extra)  # the others decay every parameter
 
 
 def short(e):

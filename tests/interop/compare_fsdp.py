@@ -142,7 +142,9 @@ class Runner:
         weights = os.path.join(self.work, f"{tag}_{impl}.h5")
         common = model_args(m) + ["--precision", precision, "--init-from", init, "--log-jsonl", log]
         if impl == "cpp":
-            prog = [os.path.join(self.bin_dir, "train_gpt")] + common + ["--consolidate-to", weights,
+            # The anchors decay every parameter (fsdp_gpt.py): so does train_gpt here.
+            prog = [os.path.join(self.bin_dir, "train_gpt")] + common + ["--no-decay-recipe", "none",
+                                                                          "--consolidate-to", weights,
                                                                           "--log-every", str(m["steps"])]
         else:
             prog = [sys.executable, TRAINER] + common + ["--impl", impl, "--full-state-to", weights]
@@ -231,7 +233,8 @@ class Runner:
         common = model_args(m) + ["--precision", "fp32", "--init-from", init, "--io-log", io_log,
                                   "--log-jsonl", os.path.join(self.work, f"{tag}_{impl}_{phase}.jsonl")]
         if impl == "cpp":
-            prog = [os.path.join(self.bin_dir, "train_gpt")] + common + ["--save-dir", ckpt, "--keep", "1"]
+            prog = [os.path.join(self.bin_dir, "train_gpt")] + common + ["--no-decay-recipe", "none",
+                                                                          "--save-dir", ckpt, "--keep", "1"]
             prog += ["--consolidate-to", export] if phase == "save" else ["--resume"]
         else:
             prog = [sys.executable, TRAINER] + common
