@@ -71,9 +71,13 @@ FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions def
     : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)) {
   detail::attach_copy_out(model, *this);
   const OffloadConfig& nvme = model.sharding_options().offload_optimizer;
-  if (nvme.device == OffloadDevice::kNvme)
-    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, model.sharded_parameters(),
+  if (nvme.device == OffloadDevice::kNvme) {
+    std::vector<torch::Tensor> trainable;  // frozen shards never get a gradient
+    for (const auto& p : model.sharded_parameters())
+      if (p.requires_grad()) trainable.push_back(p);
+    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, trainable,
                                                     "ShardingOptions::offload_optimizer.nvme_path");
+  }
 }
 
 FusedAdamW::~FusedAdamW() = default;

@@ -45,7 +45,7 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
   chunk_ = config.buffer_bytes / 24 / 1024 * 1024;
   int64_t bytes = 0, elements = 0;
   for (const auto& p : params) {
-    if (!p.requires_grad() || regions_.count(p.unsafeGetTensorImpl())) continue;
+    if (regions_.count(p.unsafeGetTensorImpl())) continue;
     TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
                 "NVMe optimizer state needs contiguous fp32 CPU parameters (the engine's shards "
                 "with offload_optimizer); got ",

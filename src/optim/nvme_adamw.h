@@ -26,7 +26,7 @@ class AlignedBuffer;
 class NvmeAdamState {
  public:
   /// Checks config.nvme_path (`field` names it in errors) and reserves a file there for
-  /// the exp_avg and exp_avg_sq of every parameter in `params` that requires grad.
+  /// the exp_avg and exp_avg_sq of every parameter in `params`.
   NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
                 const std::string& field);
   ~NvmeAdamState();
