@@ -85,7 +85,8 @@ TEST(NvmeCheckpoint, SavedAtWorld2WithNvmeLoadsAtWorld1WithoutOffload) {
 
 TEST(NvmeCheckpoint, SavedWithoutOffloadLoadsIntoNvmeStateAtWorld2) {
   const std::string ckpt = scratch_dir("plain"), state_dir = scratch_dir("state");
-  train_and_save(options_for(ProcessGroup()), ckpt);
+  // In the test process only: code before run_ranks also runs in the rank processes.
+  if (!is_rank_process()) train_and_save(options_for(ProcessGroup()), ckpt);
   run_ranks(2, [&](const ProcessGroup& pg) {
     const auto into_nvme = resume(ckpt, with_nvme(pg, state_dir));
     const auto into_mem = resume(ckpt, options_for(pg));
