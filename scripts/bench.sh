@@ -5,7 +5,7 @@
 # are shared and noisy). Takes a few minutes on 2 cores and needs ~3 GB of disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BENCHES=(bench_adamw bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state bench_trace)
+BENCHES=(bench_adamw bench_nvme bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state bench_trace)
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh
 fsdp_torch_setup
@@ -27,6 +27,8 @@ run ./build/bin/bench_adamw
 run ./build/bin/bench_world1_overhead
 run ./build/bin/bench_activation_checkpoint
 run ./build/bin/bench_checkpoint --gb 1.0 --dir build/bench/ckpt
+mkdir -p build/bench/nvme
+run ./build/bin/bench_nvme --dir build/bench/nvme
 for n in 1 2 4; do run ./build/bin/fsdp-run --nproc "$n" -- ./build/bin/bench_model_state; done
 run ./build/bin/fsdp-run --nproc 2 -- ./build/bin/bench_trace
 echo "== summary (this run)"

@@ -8,7 +8,7 @@
 # Parts, in order (each writes a Markdown file under build/bench/md/, then the section
 # between the "generated" markers of docs/benchmarks.md is rewritten from them; the rest
 # of the file, the history and its explanations, is left as it is):
-#   bench        scripts/bench.sh: AdamW, world-1 overhead, activation checkpointing,
+#   bench        scripts/bench.sh: AdamW, NVMe state I/O, world-1 overhead, activation checkpointing,
 #                checkpoint I/O against the disk, model-state bytes, the trace's cost
 #   anchors      scripts/compare-pytorch.sh: this library against PyTorch FSDP2, FSDP1
 #                and DeepSpeed ZeRO-3, loopback

@@ -16,11 +16,11 @@ namespace gpt {
 
 /// How to train.
 struct TrainingFlags {
-  int64_t batch_size = 0;       ///< --batch-size: the global batch in sequences, split across ranks
-  int64_t grad_accum = 0;       ///< --grad-accum: micro-batches per step
-  int64_t steps = 0;            ///< --steps: optimizer steps the schedule spans
-  double lr = 0;                ///< --lr: the peak learning rate
-  double weight_decay = 0;      ///< --weight-decay: AdamW's
+  int64_t batch_size = 0;   ///< --batch-size: the global batch in sequences, split across ranks
+  int64_t grad_accum = 0;   ///< --grad-accum: micro-batches per step
+  int64_t steps = 0;        ///< --steps: optimizer steps the schedule spans
+  double lr = 0;            ///< --lr: the peak learning rate
+  double weight_decay = 0;  ///< --weight-decay: AdamW's
   /// --no-decay-recipe: "standard" (biases and 1-D parameters, i.e. norm weights, without
   /// weight decay: fsdp::no_decay_groups) or "none" (every parameter decays).
   std::string no_decay_recipe;

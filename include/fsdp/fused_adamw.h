@@ -12,6 +12,11 @@
 // Optionally it writes a bf16 or fp16 copy of each updated parameter in the same pass
 // (set_copy_out), e.g. the input of the next all-gather. Parameters it updates get their
 // version counter bumped, as in-place torch ops do.
+//
+// With NVMe state (the model's ShardingOptions::offload_optimizer.device = kNvme, or
+// offload_state), exp_avg and exp_avg_sq live in a file and each step streams them
+// through OffloadConfig::buffer_bytes of host memory, reading ahead and writing behind
+// while the kernel runs; the results are bit-identical to in-memory state.
 
 #include <fsdp/fully_sharded_module.h>
 #include <fsdp/param_groups.h>
@@ -24,6 +29,10 @@
 #include <vector>
 
 namespace fsdp {
+
+namespace detail {
+class NvmeAdamState;
+}
 
 class FusedAdamW : public torch::optim::AdamW {
  public:
@@ -39,11 +48,14 @@ class FusedAdamW : public torch::optim::AdamW {
   /// Over `model`'s sharded parameters. Where the model gathers 16-bit parameters from
   /// CPU shards (bf16/fp16 param_dtype, CPU training or cpu_offload), each step also
   /// writes the 16-bit copy that the next all-gather sends, so gathers skip their cast.
+  /// With offload_optimizer.device = kNvme in the model's options, the Adam state goes to
+  /// files under its nvme_path (see offload_state).
   explicit FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults = {});
   /// Over the segments of `groups` (include/fsdp/param_groups.h): one group per spec group,
   /// each with its lr and weight_decay over `defaults`; each segment, a contiguous range of
   /// a shard, is stepped in one pass. (No 16-bit copy-out: gathers cast the shard.)
   explicit FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOptions defaults = {});
+  ~FusedAdamW() override;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 
@@ -71,6 +83,19 @@ class FusedAdamW : public torch::optim::AdamW {
   Bf16Rounding bf16_rounding() const { return bf16_rounding_; }
   /// Bytes of kCompensated's buffers.
   int64_t compensation_bytes() const;
+  /// Keeps exp_avg and exp_avg_sq of every trainable parameter in a file under
+  /// config.nvme_path (config.device must be kNvme) and streams them through
+  /// config.buffer_bytes of host memory at each step. Checks the directory and reserves
+  /// the file now: a missing, unwritable or too full directory throws here, naming the
+  /// bytes needed and available. Parameters must be contiguous fp32 CPU tensors. Call
+  /// before the first step. The state map still holds AdamW state (its moments are views
+  /// of the file), so checkpoints save and load it as usual.
+  void offload_state(const OffloadConfig& config);
+  /// Whether the state lives in files (offload_state, or the model's options).
+  bool state_offloaded() const { return nvme_ != nullptr; }
+  /// How the state is offloaded, for logs: the I/O engine (io_uring or threads), whether
+  /// the file is opened with O_DIRECT, and the chunk size; "" when it is in memory.
+  std::string state_offload_info() const;
 
   /// Chooses the kernel of this optimizer's steps (default kAuto).
   void set_kernel(Kernel kernel) { kernel_ = kernel; }
@@ -106,6 +131,8 @@ class FusedAdamW : public torch::optim::AdamW {
     std::shared_ptr<std::atomic<int64_t>> written;
   };
   std::unordered_map<const void*, CopyOut> copy_out_;
+  /// The state's files (Note [NVMe optimizer state]); null: state in memory.
+  std::unique_ptr<detail::NvmeAdamState> nvme_;
 };
 
 }  // namespace fsdp

@@ -112,6 +112,9 @@ class ShardParamGroups {
   /// One line per group: "group 0 'decay': 1234 elements, 5 parameters (lr 3e-4, weight_decay
   /// 0.1)".
   std::string describe(double default_lr, double default_weight_decay) const;
+  /// The model's ShardingOptions::offload_optimizer: FusedAdamW over these groups keeps
+  /// its state where it says (NVMe files included), as over the model itself.
+  const OffloadConfig& offload_optimizer() const;
 
  private:
   struct State;

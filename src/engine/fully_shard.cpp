@@ -1,6 +1,7 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
 // and points each wrap point at its unit.
 #include "engine_access.h"
+#include "offload/state_file.h"
 
 #include <cstdlib>
 #if defined(__GLIBC__)
@@ -145,11 +146,17 @@ void validate_offload(const ShardingOptions& o) {
   TORCH_CHECK(!o.cpu_offload || (opt != OffloadDevice::kNvme && par != OffloadDevice::kNvme),
               "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
               "offload_optimizer or offload_param; use one or the other");
-  for (const OffloadConfig* c : {&o.offload_optimizer, &o.offload_param}) {
-    TORCH_CHECK(c->device != OffloadDevice::kNvme,
-                "NVMe offload (OffloadDevice::kNvme) is not available in this build yet; use "
-                "OffloadDevice::kCpu");
-  }
+  // Note [NVMe optimizer state]: only the optimizer state goes to files; the fp32 master
+  // shards stay in host memory, so offload_param cannot be nvme.
+  TORCH_CHECK(par != OffloadDevice::kNvme,
+              "ShardingOptions::offload_param.device=nvme is not supported: the fp32 master "
+              "shards stay in host memory here and only the optimizer state goes to files. Use "
+              "offload_param.device=cpu (or none) with offload_optimizer.device=nvme");
+  // The directory's existence and writability now, before anything is built; its free
+  // space when FusedAdamW reserves its file (it knows the bytes then).
+  if (opt == OffloadDevice::kNvme)
+    offload::check_nvme_dir(o.offload_optimizer.nvme_path,
+                            "ShardingOptions::offload_optimizer.nvme_path");
 }
 
 void validate(const ShardingOptions& o) {
@@ -349,7 +356,8 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.master_dtype = options.mixed_precision.master_dtype;
   // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
   // [Offload granularity]).
-  cfg.offload = options.cpu_offload || options.offload_optimizer.device == OffloadDevice::kCpu;
+  // offload_optimizer = nvme keeps them on the host too (Note [NVMe optimizer state]).
+  cfg.offload = options.cpu_offload || options.offload_optimizer.device != OffloadDevice::kNone;
   // Not under kZero2/kZero1: their full parameters persist and are gathered once per step.
   const bool persistent =
       options.strategy == ShardingStrategy::kZero2 || options.strategy == ShardingStrategy::kZero1;

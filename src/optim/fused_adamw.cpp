@@ -5,6 +5,7 @@
 #include "adamw_kernels.h"
 #include "internal/optim_key.h"
 #include "internal/sharded_model.h"
+#include "nvme_adamw.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -69,10 +70,45 @@ FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOpt
 FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)) {
   detail::attach_copy_out(model, *this);
+  const OffloadConfig& nvme = model.sharding_options().offload_optimizer;
+  if (nvme.device == OffloadDevice::kNvme) {
+    std::vector<torch::Tensor> trainable;  // frozen shards never get a gradient
+    for (const auto& p : model.sharded_parameters())
+      if (p.requires_grad()) trainable.push_back(p);
+    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, trainable,
+                                                    "ShardingOptions::offload_optimizer.nvme_path");
+  }
+}
+
+FusedAdamW::~FusedAdamW() = default;
+
+std::string FusedAdamW::state_offload_info() const {
+  if (!nvme_) return "";
+  return std::string(nvme_->io_engine_name()) + (nvme_->direct_io() ? ", O_DIRECT" : ", buffered") +
+         ", chunks of " + std::to_string(nvme_->chunk_elements()) + " elements";
+}
+
+void FusedAdamW::offload_state(const OffloadConfig& config) {
+  TORCH_CHECK(config.device == OffloadDevice::kNvme,
+              "FusedAdamW::offload_state: OffloadConfig::device must be OffloadDevice::kNvme");
+  TORCH_CHECK(state().empty(),
+              "FusedAdamW::offload_state: call it before the first step (the state exists)");
+  std::vector<torch::Tensor> params;
+  for (const auto& g : param_groups())
+    params.insert(params.end(), g.params().begin(), g.params().end());
+  nvme_ = std::make_unique<detail::NvmeAdamState>(config, params, "OffloadConfig::nvme_path");
 }
 
 FusedAdamW::FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOptions defaults)
-    : torch::optim::AdamW(groups.param_groups(defaults), defaults) {}
+    : torch::optim::AdamW(groups.param_groups(defaults), defaults) {
+  const OffloadConfig& nvme = groups.offload_optimizer();
+  if (nvme.device == OffloadDevice::kNvme) {
+    std::vector<torch::Tensor> views;  // the segments: contiguous fp32 ranges of the shards
+    for (const auto& s : groups.segments()) views.push_back(s.view);
+    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, views,
+                                                    "ShardingOptions::offload_optimizer.nvme_path");
+  }
+}
 
 bool FusedAdamW::isa_supported(Isa isa) {
   return isa == Isa::kAuto || detail::isa_available(to_kernel(isa));
@@ -128,18 +164,23 @@ torch::Tensor fp32_grad(const torch::Tensor& p) {
 
 // The AdamW state of `p` (zero moments at the first step), checked for the kernels.
 // (The map's key type differs among LibTorch 2.x versions: internal/optim_key.h.)
+// With NVMe state (`nvme`), the moments are views of its file (Note [NVMe optimizer state]).
 template <class States>
-torch::optim::AdamWParamState& adamw_state(States& states, const torch::Tensor& p) {
+torch::optim::AdamWParamState& adamw_state(States& states, const torch::Tensor& p,
+                                           detail::NvmeAdamState* nvme) {
   const auto key = detail::optim_state_key(states, p);
   auto it = states.find(key);
   if (it == states.end()) {
-    auto st = std::make_unique<torch::optim::AdamWParamState>();
-    st->step(0);
-    st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-    st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    auto st = nvme ? nvme->fresh_state(p) : std::make_unique<torch::optim::AdamWParamState>();
+    if (!nvme) {
+      st->step(0);
+      st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+      st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    }
     it = states.emplace(key, std::move(st)).first;
   }
   auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+  if (nvme) nvme->adopt(p, st);
   TORCH_CHECK(
       st.exp_avg().is_contiguous() && st.exp_avg_sq().is_contiguous() &&
           st.exp_avg().scalar_type() == torch::kFloat,
@@ -175,6 +216,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     loss = closure();
   }
   const Isa isa = active_isa();
+  TORCH_CHECK(!nvme_ || kernel_ == Kernel::kAuto,
+              "FusedAdamW: NVMe state streams through the SIMD kernels; set_kernel(kAten) "
+              "cannot step it. Use Kernel::kAuto");
   for (auto& group : param_groups()) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
     TORCH_CHECK(!o.amsgrad(),
@@ -192,6 +236,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     }
     if (!on_aten.empty()) step_aten(on_aten, o);
   }
+  if (nvme_) nvme_->run(to_kernel(isa));  // the updates step_param queued
   return loss;
 }
 
@@ -346,7 +391,7 @@ bool FusedAdamW::aten_kernel_available(const torch::Device& device) {
 
 void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa) {
   const torch::Tensor g = fp32_grad(p);
-  auto& st = adamw_state(state(), p);
+  auto& st = adamw_state(state(), p, nvme_.get());
   st.step(st.step() + 1);
   const detail::AdamWConstants c = adamw_constants(o, st.step());
   uint16_t* out = nullptr;
@@ -356,6 +401,10 @@ void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& 
     out = reinterpret_cast<uint16_t*>(co->second.out.data_ptr());
     kind = co->second.out.scalar_type() == torch::kBFloat16 ? detail::CopyOutDtype::kBF16
                                                             : detail::CopyOutDtype::kF16;
+  }
+  if (nvme_) {
+    nvme_->queue(p, g, c, out, kind, co != copy_out_.end() ? co->second.written : nullptr);
+    return;
   }
   float* pp = p.data_ptr<float>();
   const float* gp = g.data_ptr<float>();

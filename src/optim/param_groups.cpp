@@ -12,6 +12,7 @@ namespace fsdp {
 
 struct ShardParamGroups::State {
   ParamGroupSpec spec;
+  OffloadConfig offload_optimizer;
   std::vector<ShardSegment> segments;
   std::map<std::string, size_t> group_by_fqn;
   std::vector<int64_t> numel_total;
@@ -79,6 +80,7 @@ ParamGroupSpec no_decay_groups(double weight_decay, bool embeddings_no_decay,
 
 ShardParamGroups::ShardParamGroups(const ShardedModel& model, ParamGroupSpec spec)
     : state_(std::make_shared<State>()) {
+  state_->offload_optimizer = model.sharding_options().offload_optimizer;
   TORCH_CHECK(!spec.groups.empty(),
               "ShardParamGroups: the spec has no groups; give at least one GroupOptions");
   TORCH_CHECK(static_cast<bool>(spec.rule),
@@ -200,6 +202,10 @@ std::string ShardParamGroups::describe(double default_lr, double default_weight_
        << state_->params_total[g] << " parameters (lr " << lr << ", weight_decay " << wd << ")\n";
   }
   return os.str();
+}
+
+const OffloadConfig& ShardParamGroups::offload_optimizer() const {
+  return state_->offload_optimizer;
 }
 
 }  // namespace fsdp

@@ -1,0 +1,138 @@
+// Files and buffers of the NVMe offload (see state_file.h).
+#include "state_file.h"
+
+#include "io_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace fsdp::detail::offload {
+namespace {
+
+std::string human_bytes(int64_t bytes) {
+  std::ostringstream os;
+  os.precision(3);
+  if (bytes >= (int64_t{1} << 30)) {
+    os << static_cast<double>(bytes) / (1 << 30) << " GiB";
+  } else {
+    os << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  }
+  return os.str();
+}
+
+std::string unique_name(const std::string& dir, const char* stem) {
+  static std::atomic<int> counter{0};
+  return dir + "/" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+}  // namespace
+
+int64_t io_round_up(int64_t bytes) { return (bytes + kIoAlign - 1) / kIoAlign * kIoAlign; }
+
+void check_nvme_dir(const std::string& dir, const std::string& field, int64_t bytes,
+                    const std::string& need) {
+  TORCH_CHECK(!dir.empty(), field,
+              " is empty: set it to a directory on the NVMe disk (e.g. /local_nvme/fsdp), in "
+              "which each rank makes its own files");
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    TORCH_CHECK(false, field, "='", dir, "' cannot be used: ", std::strerror(errno),
+                ". Create it (mkdir -p ", dir,
+                ") or point it at an existing directory on the NVMe disk");
+  }
+  TORCH_CHECK(S_ISDIR(st.st_mode), field, "='", dir,
+              "' is not a directory; point it at a directory on the NVMe disk, in which each "
+              "rank makes its own files");
+  // Root passes permission checks, not a read-only mount: a real file tells both.
+  const std::string probe = unique_name(dir, ".fsdp-nvme-probe");
+  const int fd = ::open(probe.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
+  if (fd < 0) {
+    TORCH_CHECK(false, field, "='", dir,
+                "' is not writable: creating a file there failed: ", std::strerror(errno),
+                ". Make the directory writable by this user (chmod, chown, or remount it "
+                "read-write), or choose another one");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  if (bytes <= 0) return;
+  struct statvfs vfs {};
+  TORCH_CHECK(::statvfs(dir.c_str(), &vfs) == 0, field, "='", dir,
+              "': statvfs failed: ", std::strerror(errno));
+  const int64_t avail = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+  TORCH_CHECK(bytes <= avail, "not enough free space in ", field, "='", dir, "': ", need, " needs ",
+              bytes, " bytes (", human_bytes(bytes), ") but only ", avail, " bytes (",
+              human_bytes(avail),
+              ") are available there. Free space on that disk, point nvme_path at a larger "
+              "one, or shard over more ranks");
+}
+
+AlignedBuffer::AlignedBuffer(int64_t bytes) : bytes_(io_round_up(bytes)) {
+  void* p = nullptr;
+  const int r = ::posix_memalign(&p, kIoAlign, static_cast<size_t>(bytes_));
+  TORCH_CHECK(r == 0, "NVMe offload: cannot allocate ", bytes_,
+              " bytes of I/O buffers (OffloadConfig::buffer_bytes): ", std::strerror(r));
+  data_ = static_cast<char*>(p);
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+
+StateFile::StateFile(const std::string& dir, int64_t bytes, const std::string& field)
+    : path_(unique_name(dir, "fsdp-optim-state")), bytes_(io_round_up(bytes)) {
+  fd_ = ::open(path_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_DIRECT, 0600);
+  direct_ = fd_ >= 0;
+  if (fd_ < 0 && errno == EINVAL)  // the file system has no O_DIRECT
+    fd_ = ::open(path_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  TORCH_CHECK(fd_ >= 0, field, "='", dir, "': cannot create ", path_, ": ", std::strerror(errno),
+              ". Make the directory writable by this user, or choose another one");
+  ::unlink(path_.c_str());
+  if (bytes_ == 0) return;
+  int r = ::fallocate(fd_, 0, 0, bytes_);
+  if (r != 0 && errno == EOPNOTSUPP) r = ::ftruncate(fd_, bytes_);
+  if (r != 0) {
+    const int err = errno;
+    ::close(fd_);
+    TORCH_CHECK(false, field, "='", dir, "': reserving ", bytes_, " bytes (", human_bytes(bytes_),
+                ") for optimizer state failed: ", std::strerror(err),
+                err == ENOSPC ? ". Free space on that disk (other ranks of this node share it), "
+                                "point nvme_path at a larger one, or shard over more ranks"
+                              : "");
+  }
+  void* m =
+      ::mmap(nullptr, static_cast<size_t>(bytes_), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (m == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd_);
+    TORCH_CHECK(false, "NVMe offload: mapping ", path_, " failed: ", std::strerror(err));
+  }
+  const auto len = static_cast<size_t>(bytes_);
+  map_ = std::shared_ptr<void>(m, [len](void* p) { ::munmap(p, len); });
+}
+
+StateFile::~StateFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+at::Tensor StateFile::view(int64_t offset, at::IntArrayRef sizes) const {
+  TORCH_INTERNAL_ASSERT(offset % kIoAlign == 0, "unaligned state view");
+  int64_t n = 1;
+  for (auto s : sizes) n *= s;
+  TORCH_INTERNAL_ASSERT(offset + n * 4 <= bytes_, "state view past the end of its file");
+  if (n == 0) return at::empty(sizes, at::kFloat);
+  auto keep = map_;
+  return at::from_blob(
+      static_cast<char*>(map_.get()) + offset, sizes, [keep](void*) mutable { keep.reset(); },
+      at::TensorOptions(at::kFloat));
+}
+
+}  // namespace fsdp::detail::offload

@@ -1,0 +1,71 @@
+#pragma once
+// The files of the NVMe offload (Note [NVMe optimizer state] in src/optim/nvme_adamw.cpp):
+// the checks of OffloadConfig::nvme_path made before training, one file per optimizer
+// and rank read and written with O_DIRECT, and aligned host buffers for its transfers.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace fsdp::detail::offload {
+
+/// Throws, naming `dir` and the fix, unless `dir` is an existing directory in which this
+/// process can create files and (when `bytes` > 0) whose file system has `bytes` free for
+/// this user (statvfs f_bavail). `field` names the option in messages (e.g.
+/// "ShardingOptions::offload_optimizer.nvme_path"); `need` says what the bytes are for.
+void check_nvme_dir(const std::string& dir, const std::string& field, int64_t bytes = 0,
+                    const std::string& need = "");
+
+/// `bytes` rounded up to a multiple of kIoAlign.
+int64_t io_round_up(int64_t bytes);
+
+/// Host memory aligned to kIoAlign (posix_memalign), as O_DIRECT needs.
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(int64_t bytes);
+  ~AlignedBuffer();
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  char* data() const { return data_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  char* data_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+/// A file of `bytes` in a directory, opened with O_DIRECT where the file system allows it
+/// (else buffered: tmpfs before Linux 6.6), its space reserved at once (fallocate, so a
+/// full disk shows now and not mid-training), and unlinked right away: nothing is left
+/// behind, even after a crash; the space returns when the file and its views are gone.
+class StateFile {
+ public:
+  StateFile(const std::string& dir, int64_t bytes, const std::string& field);
+  ~StateFile();
+  StateFile(const StateFile&) = delete;
+  StateFile& operator=(const StateFile&) = delete;
+
+  int fd() const { return fd_; }
+  /// Opened with O_DIRECT (false: the page cache serves, e.g. on tmpfs).
+  bool direct() const { return direct_; }
+  /// The file's name when it was made (for messages; it is no longer in the directory).
+  const std::string& path() const { return path_; }
+  int64_t bytes() const { return bytes_; }
+  /// Where byte `offset` of the file is mapped (views there start at this address).
+  const void* address(int64_t offset) const { return static_cast<char*>(map_.get()) + offset; }
+  /// A float tensor of `sizes` over the file from `offset` (a multiple of kIoAlign), by a
+  /// shared mapping: reading it reads the file (through the page cache, which O_DIRECT
+  /// transfers keep coherent), and it stays valid after this object is gone.
+  at::Tensor view(int64_t offset, at::IntArrayRef sizes) const;
+
+ private:
+  int fd_ = -1;
+  bool direct_ = false;
+  std::string path_;
+  int64_t bytes_ = 0;
+  std::shared_ptr<void> map_;  ///< the whole file, mapped; unmapped with its last view
+};
+
+}  // namespace fsdp::detail::offload

@@ -1,0 +1,226 @@
+// FusedAdamW's optimizer state in files (see nvme_adamw.h).
+//
+// Note [NVMe optimizer state]
+// ZeRO-Infinity's offload_optimizer with "device": "nvme". The fp32 shards and their
+// gradients stay in host memory, as with offload_optimizer = cpu (the engine cannot tell
+// the two apart); only Adam's exp_avg and exp_avg_sq (8 bytes per trainable shard
+// element) live in one file per optimizer and rank under OffloadConfig::nvme_path,
+// reserved with fallocate when the optimizer is built, so a full disk fails then and not
+// mid-training. Each tensor has its own region, aligned to 4096 bytes, for O_DIRECT.
+//
+// A step streams the moments of every parameter it updates as one sequence of chunks of
+// chunk_ elements (OffloadConfig::buffer_bytes / 24: three slots of two fp32 moments).
+// While the kernel steps chunk k in slot k % 3, the read of chunk k + 1 and the write of
+// chunk k - 1 are in flight (io_uring, or the thread pool); chunk k + 1's read waits only
+// for the write of chunk k - 2, which held its slot. So host memory is bounded by
+// buffer_bytes whatever the model's size, and the disk is kept busy in both directions
+// while the CPU computes. The kernel is FusedAdamW's own (adamw_update), on the same
+// elements with the same constants; it works element by element, so chunking changes
+// no bit: results equal in-memory FusedAdamW exactly.
+//
+// Checkpoints see ordinary AdamW state: the state map holds, for each parameter, its
+// step and exp_avg / exp_avg_sq as tensors over a shared mapping of the file, which
+// read the file only when touched (a checkpoint save reads them, the page cache then
+// serves; O_DIRECT writes invalidate it). A checkpoint load replaces those tensors with
+// in-memory ones; the next step writes them to the file and puts the views back
+// (adopt), so host memory holds the loaded state only between the load and that step.
+#include "nvme_adamw.h"
+
+#include "offload/io_engine.h"
+#include "offload/state_file.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace fsdp::detail {
+
+NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
+                             const std::string& field) {
+  const std::string buf_field = field.substr(0, field.rfind('.')) + ".buffer_bytes";
+  TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
+              " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
+              "through it, at least 1024 elements each (24576 bytes); use 64 MiB (the default)");
+  chunk_ = config.buffer_bytes / 24 / 1024 * 1024;
+  int64_t bytes = 0, elements = 0;
+  for (const auto& p : params) {
+    if (regions_.count(p.unsafeGetTensorImpl())) continue;
+    TORCH_CHECK(p.is_cpu() && p.scalar_type() == torch::kFloat && p.is_contiguous(),
+                "NVMe optimizer state needs contiguous fp32 CPU parameters (the engine's shards "
+                "with offload_optimizer); got ",
+                p.toString());
+    Region r;
+    r.numel = p.numel();
+    r.m = bytes;
+    bytes += offload::io_round_up(4 * r.numel);
+    r.v = bytes;
+    bytes += offload::io_round_up(4 * r.numel);
+    elements += r.numel;
+    regions_.emplace(p.unsafeGetTensorImpl(), r);
+  }
+  offload::check_nvme_dir(config.nvme_path, field, bytes,
+                          "the optimizer state of this rank (exp_avg and exp_avg_sq, 8 bytes "
+                          "for each of its " +
+                              std::to_string(elements) +
+                              " trainable shard elements, each tensor aligned to 4096 bytes)");
+  file_ = std::make_unique<offload::StateFile>(config.nvme_path, bytes, field);
+  io_ = offload::make_io_engine(16);
+  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * 2 * 4 * chunk_);
+}
+
+NvmeAdamState::~NvmeAdamState() = default;
+
+const char* NvmeAdamState::io_engine_name() const { return io_->name(); }
+bool NvmeAdamState::direct_io() const { return file_->direct(); }
+
+NvmeAdamState::Region& NvmeAdamState::region(const torch::Tensor& p) {
+  auto it = regions_.find(p.unsafeGetTensorImpl());
+  TORCH_CHECK(it != regions_.end(), "FusedAdamW with NVMe state: a parameter (", p.toString(),
+              " of ", p.numel(),
+              " elements) was not among those the optimizer was built with, so it has no room "
+              "in the state file. Build the optimizer over every parameter it will step");
+  return it->second;
+}
+
+void NvmeAdamState::write_through(const float* src, int64_t numel, int64_t offset) {
+  char* buf = buffers_->data();
+  for (int64_t b = 0; b < numel; b += chunk_) {
+    const int64_t n = std::min(chunk_, numel - b);
+    const int64_t bytes = offload::io_round_up(4 * n);
+    std::memcpy(buf, src + b, 4 * n);
+    std::memset(buf + 4 * n, 0, bytes - 4 * n);
+    io_->wait(io_->submit(offload::IoOp::kWrite, file_->fd(), buf, bytes, offset + 4 * b,
+                          &file_->path()));
+  }
+}
+
+std::unique_ptr<torch::optim::AdamWParamState> NvmeAdamState::fresh_state(const torch::Tensor& p) {
+  Region& r = region(p);
+  if (!r.zero) {  // a state dropped and begun again: its region holds old moments
+    const std::vector<float> zeros(static_cast<size_t>(std::min(chunk_, r.numel)), 0.0f);
+    for (int64_t off : {r.m, r.v}) {
+      for (int64_t b = 0; b < r.numel; b += chunk_)
+        write_through(zeros.data(), std::min(chunk_, r.numel - b), off + 4 * b);
+    }
+  }
+  r.zero = false;
+  auto st = std::make_unique<torch::optim::AdamWParamState>();
+  st->step(0);
+  st->exp_avg(file_->view(r.m, p.sizes()));
+  st->exp_avg_sq(file_->view(r.v, p.sizes()));
+  return st;
+}
+
+void NvmeAdamState::adopt(const torch::Tensor& p, torch::optim::AdamWParamState& st) {
+  Region& r = region(p);
+  r.zero = false;
+  for (int which = 0; which < 2; ++which) {
+    const int64_t off = which == 0 ? r.m : r.v;
+    const torch::Tensor& t = which == 0 ? st.exp_avg() : st.exp_avg_sq();
+    if (t.defined() && t.data_ptr() == file_->address(off)) continue;
+    TORCH_CHECK(!t.defined() || t.numel() == r.numel, "FusedAdamW with NVMe state: the ",
+                which == 0 ? "exp_avg" : "exp_avg_sq", " given for a parameter of ", r.numel,
+                " elements has ", t.defined() ? t.numel() : 0);
+    if (t.defined()) {
+      const torch::Tensor c = t.to(torch::kCPU, torch::kFloat).contiguous();
+      write_through(c.data_ptr<float>(), r.numel, off);
+    } else {
+      const std::vector<float> zeros(static_cast<size_t>(std::min(chunk_, r.numel)), 0.0f);
+      for (int64_t b = 0; b < r.numel; b += chunk_)
+        write_through(zeros.data(), std::min(chunk_, r.numel - b), off + 4 * b);
+    }
+    if (which == 0) {
+      st.exp_avg(file_->view(off, p.sizes()));
+    } else {
+      st.exp_avg_sq(file_->view(off, p.sizes()));
+    }
+  }
+}
+
+void NvmeAdamState::queue(const torch::Tensor& p, torch::Tensor g, const AdamWConstants& c,
+                          uint16_t* out, CopyOutDtype kind,
+                          std::shared_ptr<std::atomic<int64_t>> written) {
+  jobs_.push_back(Job{p, std::move(g), &region(p), c, out, kind, std::move(written)});
+}
+
+void NvmeAdamState::run(KernelIsa isa) {
+  struct Chunk {
+    const Job* job;
+    int64_t begin, n;
+  };
+  std::vector<Chunk> chunks;
+  for (const Job& j : jobs_) {
+    for (int64_t b = 0; b < j.region->numel; b += chunk_)
+      chunks.push_back(Chunk{&j, b, std::min(chunk_, j.region->numel - b)});
+  }
+  struct Tickets {
+    int64_t m = -1, v = -1;
+  };
+  const size_t k_end = chunks.size();
+  std::vector<Tickets> reads(k_end), writes(k_end);
+  auto slot = [&](size_t k) {
+    return reinterpret_cast<float*>(buffers_->data()) + (k % 3) * 2 * chunk_;
+  };
+  auto issue = [&](offload::IoOp op, size_t k) {
+    const Chunk& ch = chunks[k];
+    const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
+    float* m = slot(k);
+    Tickets t;
+    t.m = io_->submit(op, file_->fd(), m, bytes, ch.job->region->m + at, &file_->path());
+    t.v = io_->submit(op, file_->fd(), m + chunk_, bytes, ch.job->region->v + at, &file_->path());
+    io_bytes_ += 2 * bytes;
+    return t;
+  };
+  auto wait = [&](Tickets& t) {
+    for (int64_t* id : {&t.m, &t.v}) {
+      if (*id < 0) continue;
+      const int64_t ticket = *id;
+      *id = -1;
+      io_->wait(ticket);
+    }
+  };
+  try {
+    if (k_end > 0) reads[0] = issue(offload::IoOp::kRead, 0);
+    for (size_t k = 0; k < k_end; ++k) {
+      if (k + 1 < k_end) {
+        if (k >= 2) wait(writes[k - 2]);  // slot (k + 1) % 3 held chunk k - 2
+        reads[k + 1] = issue(offload::IoOp::kRead, k + 1);
+      }
+      wait(reads[k]);
+      const Chunk& ch = chunks[k];
+      const Job& j = *ch.job;
+      float* pp = j.p.data_ptr<float>() + ch.begin;
+      const float* gp = j.g.data_ptr<float>() + ch.begin;
+      float* mp = slot(k);
+      float* vp = mp + chunk_;
+      uint16_t* out = j.out ? j.out + ch.begin : nullptr;
+      at::parallel_for(0, ch.n, int64_t{1} << 16, [&](int64_t b, int64_t e) {
+        adamw_update(isa, j.c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
+                     j.kind);
+      });
+      writes[k] = issue(offload::IoOp::kWrite, k);
+    }
+    for (auto& w : writes) wait(w);
+  } catch (...) {
+    // Nothing may still write into the buffers once this returns.
+    for (auto* ts : {&reads, &writes}) {
+      for (auto& t : *ts) {
+        try {
+          wait(t);
+        } catch (...) {
+        }
+      }
+    }
+    jobs_.clear();
+    throw;
+  }
+  for (const Job& j : jobs_) {
+    // Written through raw pointers: tell the version counter, as in-place ops do.
+    j.p.unsafeGetTensorImpl()->bump_version();
+    if (j.written) j.written->store(j.p._version());
+  }
+  jobs_.clear();
+}
+
+}  // namespace fsdp::detail
