@@ -848,3 +848,38 @@ INSTANTIATE_TEST_SUITE_P(Modes, EstimateNewModes, ::testing::ValuesIn(kNewModes)
                            }
                            return n;
                          });
+
+// Pure bf16 and activation offload by hand, on HandWorkedFigures' units (world 4, bf16:
+// shards 3 + 25 + 25 + 13 = 66 elements).
+TEST(EstimateRules, PureBf16HalvesTheShardedStateAndActivationOffloadMovesBlockInputs) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};
+  in.world_size = 4;
+  in.precision = Precision::kBf16;
+  in.pure_bf16 = true;
+  auto est = estimate_memory(in);
+  EXPECT_EQ(est.term("parameters").device_bytes, 66 * 2);
+  EXPECT_EQ(est.term("gradients").device_bytes, 66 * 2);
+  EXPECT_EQ(est.term("optimizer_state").device_bytes, 66 * 4);
+  EXPECT_EQ(est.term("parameters").label, "parameters (bf16 shards)");
+  in.precision = Precision::kFp32;
+  EXPECT_THROW(estimate_memory(in), std::invalid_argument);
+
+  EstimateInput a;
+  a.unit_params = {10, 100, 100, 50};
+  a.activations.n_layer = 3;
+  a.activations.n_head = 2;
+  a.activations.d_model = 32;
+  a.activations.block_size = 16;
+  a.activations.vocab_size = 256;
+  a.activations.micro_batch = 4;
+  a.activation_checkpointing = true;
+  const int64_t kept = estimate_memory(a).term("activations").device_bytes;
+  a.offload_activations = true;
+  est = estimate_memory(a);
+  const int64_t inputs = 3 * 16 * 4 * 32 * 4;  // one fp32 (s, b, h) input per block
+  EXPECT_EQ(est.term("activations").host_bytes, inputs);
+  EXPECT_EQ(kept - est.term("activations").device_bytes, inputs);
+  a.activation_checkpointing = false;
+  EXPECT_THROW(estimate_memory(a), std::invalid_argument);
+}

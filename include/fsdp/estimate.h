@@ -61,7 +61,13 @@ struct EstimateInput {
   /// Ranks (GPUs) per node, for the per-node figures; 0: every rank on one node.
   int gpus_per_node = 0;
   bool activation_checkpointing = false;  ///< every block checkpointed
-  int max_gathered_units = 2;             ///< ShardingOptions::max_gathered_units
+  /// ShardingOptions::offload_activations: the checkpointed blocks' inputs in host memory
+  /// (needs activation_checkpointing).
+  bool offload_activations = false;
+  /// MixedPrecision::master_dtype = kBFloat16 (pure bf16; needs Precision::kBf16): shards,
+  /// gradient shards and AdamW's state in bf16, 8 bytes per sharded element instead of 16.
+  bool pure_bf16 = false;
+  int max_gathered_units = 2;  ///< ShardingOptions::max_gathered_units
   /// ShardingOptions::reshard_after_forward_group_size (hpZ): 0, or k dividing the shard
   /// group (1 < k < group) under kFullShard or kHybridShard.
   int reshard_after_forward_group_size = 0;

@@ -98,6 +98,12 @@ void validate(const EstimateInput& in) {
   }
   if (in.world_size < 1)
     bad("--world-size " + std::to_string(in.world_size) + " is invalid; it must be at least 1");
+  if (in.pure_bf16 && in.precision != Precision::kBf16)
+    bad("--pure-bf16 needs --precision bf16: the gathered parameters cannot be more precise "
+        "than the bf16 shards");
+  if (in.offload_activations && !in.activation_checkpointing)
+    bad("--offload-activations moves the inputs activation checkpointing keeps; add "
+        "--activation-checkpointing");
   if (in.max_gathered_units < 1) {
     bad("--max-gathered-units " + std::to_string(in.max_gathered_units) +
         " is invalid; it must be at least 1 (the unit that computes)");
@@ -287,10 +293,19 @@ int64_t activation_bytes(const EstimateInput& in, int64_t elem) {
   const double per_block = s * b * h * (34.0 + 5.0 * a * s / h) * scale;
   const double block_input = s * b * h * static_cast<double>(elem);
   const double layers = static_cast<double>(m.n_layer);
-  const double blocks =
-      in.activation_checkpointing ? layers * block_input + per_block : layers * per_block;
+  // With offload_activations the block inputs are on the host (offloaded_activation_bytes).
+  const double kept_inputs = in.offload_activations ? 0.0 : layers * block_input;
+  const double blocks = in.activation_checkpointing ? kept_inputs + per_block : layers * per_block;
   const double logits = 2.0 * s * b * static_cast<double>(m.vocab_size) * 4.0;
   return static_cast<int64_t>(blocks + logits);
+}
+
+// ShardingOptions::offload_activations: every checkpointed block's input (s, b, h) in the
+// compute dtype, in host memory from forward to backward (Note [Activation offload]).
+int64_t offloaded_activation_bytes(const EstimateInput& in, int64_t elem) {
+  const TransformerShape& m = in.activations;
+  if (!in.offload_activations || m.n_layer == 0 || m.micro_batch == 0) return 0;
+  return m.n_layer * m.block_size * m.micro_batch * m.d_model * elem;
 }
 
 // A model-state term on the device, the host or in NVMe files.
@@ -399,12 +414,17 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   const int64_t shard_elems = sum(l.shard);
   const OffloadDevice host_side = off.any() ? OffloadDevice::kCpu : OffloadDevice::kNone;
   const OffloadDevice masters = off.param == OffloadDevice::kNvme ? off.param : host_side;
+  // Pure bf16 (MixedPrecision::master_dtype): all three in bf16, half the bytes.
+  const int64_t master = in.pure_bf16 ? 2 : 4;
+  const std::string mdt = in.pure_bf16 ? "bf16" : "fp32";
   est.terms.push_back(
-      model_state("parameters", "parameters (fp32 shards)", 4 * shard_elems, masters));
+      model_state("parameters", "parameters (" + mdt + " shards)", master * shard_elems, masters));
   est.terms.push_back(
-      model_state("gradients", "gradients (fp32 shards)", 4 * shard_elems, host_side));
-  est.terms.push_back(model_state("optimizer_state", "optimizer state (AdamW m, v)",
-                                  8 * shard_elems, off.optimizer));
+      model_state("gradients", "gradients (" + mdt + " shards)", master * shard_elems, host_side));
+  est.terms.push_back(
+      model_state("optimizer_state",
+                  "optimizer state (AdamW m, v" + std::string(in.pure_bf16 ? ", bf16" : "") + ")",
+                  2 * master * shard_elems, off.optimizer));
   // offload_optimizer alone: a param_dtype copy of each shard stays on the device, the
   // all-gathers' input, refreshed after each step (MemoryStats::device_param_shards).
   if (off.device_copy()) {
@@ -461,7 +481,9 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   } else if (in.activation_checkpointing) {
     act_label += " (checkpointed)";
   }
-  est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem), 0, 0});
+  if (in.offload_activations) act_label += ", inputs offloaded";
+  est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem),
+                       offloaded_activation_bytes(in, elem), 0});
   // Construction peaks (per rank; docs/design.md, "Sharded construction").
   int64_t largest_other = 0;
   for (size_t i = 1; i < in.unit_params.size(); ++i) {

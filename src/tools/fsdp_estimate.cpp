@@ -120,10 +120,15 @@ cxxopts::Options make_options() {
       "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload: "
       "--offload-optimizer cpu --offload-param cpu)")("activation-checkpointing",
                                                       "recompute every block in backward")(
-      "micro-batch", "sequences per rank per micro-batch, for activations (GPT only)",
-      cxxopts::value<int64_t>()->default_value("1"))("max-gathered-units",
-                                                     "ShardingOptions::max_gathered_units",
-                                                     cxxopts::value<int>()->default_value("2"));
+      "offload-activations",
+      "the checkpointed blocks' inputs in host memory (ShardingOptions::offload_activations)")(
+      "pure-bf16",
+      "shards, gradients and optimizer state in bf16 (MixedPrecision::master_dtype; with "
+      "--precision bf16)")("micro-batch",
+                           "sequences per rank per micro-batch, for activations (GPT only)",
+                           cxxopts::value<int64_t>()->default_value("1"))(
+      "max-gathered-units", "ShardingOptions::max_gathered_units",
+      cxxopts::value<int>()->default_value("2"));
   o.add_options("Output")("json", "print JSON instead of a table")(
       "deepspeed-table",
       "DeepSpeed's model-state table (offload_param x offload_optimizer x zero_init) with this "
@@ -331,6 +336,8 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   in.offload_param = parse_offload("offload-param", r["offload-param"].as<std::string>());
   in.nvme_buffer_bytes = r["nvme-buffer-bytes"].as<int64_t>();
   in.activation_checkpointing = r.count("activation-checkpointing") > 0;
+  in.offload_activations = r.count("offload-activations") > 0;
+  in.pure_bf16 = r.count("pure-bf16") > 0;
   in.max_gathered_units = r["max-gathered-units"].as<int>();
   return in;
 }
@@ -385,6 +392,8 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est,
       {"offload_param",
        fsdp::to_string(in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_param)},
       {"activation_checkpointing", in.activation_checkpointing},
+      {"offload_activations", in.offload_activations},
+      {"pure_bf16", in.pure_bf16},
       {"max_gathered_units", in.max_gathered_units},
       {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
       {"micro_batch", in.activations.micro_batch},
