@@ -593,12 +593,14 @@ TEST(TrainGpt, DeepSpeedConfigErrorsExitTwoNamingTheKeyOrTheConflictingFlag) {
                           "\"auto\" in the config to take the flag's value"),
             std::string::npos)
       << r.output;
-  // NVMe is mapped; the engine refuses it, and its message reaches the user.
+  // NVMe is mapped, and a path that does not exist reaches the engine's check, whose
+  // message reaches the user.
   r = run(R"({"train_batch_size": 16, "zero_optimization": {"stage": 3,
-              "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}})",
+              "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent/nvme"}}})",
           {});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("NVMe offload (OffloadDevice::kNvme) is not available in this build yet"),
+  EXPECT_NE(r.output.find("ShardingOptions::offload_optimizer.nvme_path='/nonexistent/nvme' cannot "
+                          "be used: No such file or directory"),
             std::string::npos)
       << r.output;
   std::remove(cfg.c_str());
