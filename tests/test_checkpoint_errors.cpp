@@ -52,7 +52,7 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
        "holds no optimizer state; pass nullptr as the optimizer to load only the model"},
       {[&] { save_sharded_checkpoint(dir + "/x", model, &foreign, sample_state(1)); },
        "the optimizer does not hold the shard of unit ''. Build it from "
-       "model.sharded_parameters()."},
+       "model.sharded_parameters() or fsdp::ShardParamGroups."},
       {[&] { save_sharded_checkpoint(dir + "/x", model, &rms, sample_state(1)); },
        "this optimizer is none of them (pass nullptr to save or load without optimizer state)"},
       {[&] { save_sharded_checkpoint(dir + "/x", model, nullptr, sample_state(1), negative); },
