@@ -175,7 +175,7 @@ TEST(Cuda, FusedAdamWOnTheGpuMatchesTorchAdamW_CUDA) {
 
 }  // namespace
 
-#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#if FSDP_TEST_HAVE_CUDA && __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
 #define FSDP_TEST_CUDA_ALLOCATOR_STATS 1
 #endif
@@ -188,8 +188,8 @@ namespace {
 TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
   SKIP_WITHOUT_CUDA();
 #ifndef FSDP_TEST_CUDA_ALLOCATOR_STATS
-  GTEST_SKIP() << "this LibTorch has no c10/cuda/CUDACachingAllocator.h to read the GPU's "
-                  "allocated bytes";
+  GTEST_SKIP() << "this LibTorch has no CUDA caching allocator to read the GPU's allocated "
+                  "bytes from (a CPU-only build)";
 #else
   auto allocated = []() {
     torch::cuda::synchronize();
