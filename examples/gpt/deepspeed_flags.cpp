@@ -35,9 +35,7 @@ std::string to_text(fsdp::ShardingStrategy s) {
   }
   return "?";
 }
-std::string to_text(fsdp::OffloadDevice d) {
-  return d == fsdp::OffloadDevice::kCpu ? "cpu" : d == fsdp::OffloadDevice::kNvme ? "nvme" : "none";
-}
+std::string to_text(fsdp::OffloadDevice d) { return fsdp::to_string(d); }
 
 /// Sets flags from the config; a flag given with another value is refused.
 class FlagSetter {

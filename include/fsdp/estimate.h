@@ -125,9 +125,6 @@ struct MemoryEstimate {
 /// estimates the per-rank memory.
 MemoryEstimate estimate_memory(const EstimateInput& in);
 
-/// "none", "cpu" or "nvme".
-const char* to_string(OffloadDevice d);
-
 /// One row of DeepSpeed's table (estimate_zero3_model_states_mem_needs_all_cold, or
 /// ..._zero2_...), with DeepSpeed's own figures (its formula, additional_buffer_factor
 /// included) beside this engine's for the same options.

@@ -29,4 +29,7 @@ enum class OffloadDevice {
   kNvme,  ///< files under OffloadConfig::nvme_path, read and written asynchronously
 };
 
+/// "none", "cpu" or "nvme" (defined with the estimator, which every fsdp library links).
+const char* to_string(OffloadDevice d);
+
 }  // namespace fsdp

@@ -118,29 +118,17 @@ void collect_units(WrapNode& node, std::vector<WrapNode*>& out) {
   for (auto& c : node.children) collect_units(*c, out);
 }
 
-const char* offload_device_name(OffloadDevice d) {
-  switch (d) {
-    case OffloadDevice::kNone:
-      return "none";
-    case OffloadDevice::kCpu:
-      return "cpu";
-    case OffloadDevice::kNvme:
-      return "nvme";
-  }
-  return "?";
-}
-
 // DeepSpeed's offload sections, as ShardingOptions::offload_optimizer and offload_param.
 void validate_offload(const ShardingOptions& o) {
   const OffloadDevice opt = o.offload_optimizer.device, par = o.offload_param.device;
   TORCH_CHECK(par == OffloadDevice::kNone || opt != OffloadDevice::kNone,
-              "ShardingOptions::offload_param.device=", offload_device_name(par),
+              "ShardingOptions::offload_param.device=", fsdp::to_string(par),
               " needs offload_optimizer too: the fp32 master shard is the parameter here, so "
               "parameters can leave the device only with the optimizer state. Set "
               "offload_optimizer.device as well, or offload the optimizer alone");
   TORCH_CHECK(par == OffloadDevice::kNone || o.strategy == ShardingStrategy::kFullShard ||
                   o.strategy == ShardingStrategy::kHybridShard,
-              "ShardingOptions::offload_param.device=", offload_device_name(par),
+              "ShardingOptions::offload_param.device=", fsdp::to_string(par),
               " needs a strategy that frees parameters after use (kFullShard, ZeRO-3, or "
               "kHybridShard), as DeepSpeed's offload_param needs stage 3");
   TORCH_CHECK(!o.cpu_offload || (opt != OffloadDevice::kNvme && par != OffloadDevice::kNvme),
