@@ -507,6 +507,9 @@ INSTANTIATE_TEST_SUITE_P(
                  "train_gpt: error: --offload-optimizer disk is unknown; use none, cpu or nvme"},
         BadInput{{"--max-gathered-units", "0"},
                  "train_gpt: error: --max-gathered-units 0 must be at least 1 (1: no prefetch)"},
+        BadInput{{"--max-live-numel", "-1"},
+                 "train_gpt: error: --max-live-numel -1 must be 0 (off) or a positive number of "
+                 "parameter elements"},
         BadInput{{"--loss-scale-window", "10"},
                  "train_gpt: error: --loss-scale-window applies only to --precision fp16"},
         BadInput{{"--deepspeed-config", "/nonexistent/ds.json"},
