@@ -76,6 +76,28 @@ torch::optim::AdamWParamState& state_of(FusedAdamW& opt, const torch::Tensor& p)
   return static_cast<torch::optim::AdamWParamState&>(*st.at(fsdp::detail::optim_state_key(st, p)));
 }
 
+// Trains `plain` and `nvme` on the same batches for `steps` steps: equal losses at every
+// step and equal parameters after.
+template <class Model>
+void train_side_by_side(const ProcessGroup& pg, Model& plain, Model& nvme, FusedAdamW& opt_plain,
+                        FusedAdamW& opt_nvme, int64_t steps) {
+  for (int64_t s = 0; s < steps; ++s) {
+    auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
+    torch::Tensor lp = gpt::loss_on(plain, rows), ln = gpt::loss_on(nvme, rows);
+    EXPECT_EQ(lp.item<double>(), ln.item<double>()) << "step " << s;
+    lp.backward();
+    ln.backward();
+    opt_plain.step();
+    opt_nvme.step();
+    opt_plain.zero_grad();
+    opt_nvme.zero_grad();
+  }
+  auto a = full_state_dict(plain), b = full_state_dict(nvme);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+}
+
 void nvme_parity(const ProcessGroup& pg, bool bf16, const char* io) {
   setenv("FSDP_NVME_IO", io, 1);
   TempDir dir;
@@ -90,21 +112,7 @@ void nvme_parity(const ProcessGroup& pg, bool bf16, const char* io) {
   ASSERT_FALSE(opt_plain.state_offloaded());
   ASSERT_TRUE(opt_nvme.state_offloaded());
   for (auto& p : nvme.sharded_parameters()) EXPECT_TRUE(p.is_cpu());
-  for (int64_t s = 0; s < 4; ++s) {
-    auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
-    auto lp = gpt::loss_on(plain, rows), ln = gpt::loss_on(nvme, rows);
-    EXPECT_EQ(lp.item<double>(), ln.item<double>()) << "step " << s;
-    lp.backward();
-    ln.backward();
-    opt_plain.step();
-    opt_nvme.step();
-    opt_plain.zero_grad();
-    opt_nvme.zero_grad();
-  }
-  auto a = full_state_dict(plain), b = full_state_dict(nvme);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+  train_side_by_side(pg, plain, nvme, opt_plain, opt_nvme, 4);
   // The state, read through its views of the file, equals the in-memory state.
   auto pp = plain.sharded_parameters(), pn = nvme.sharded_parameters();
   for (size_t i = 0; i < pp.size(); ++i) {
@@ -338,20 +346,7 @@ TEST(NvmeOffload, ParameterGroupsOverTheShardsUseTheFilesAndTrainExactly) {
     FusedAdamW opt_plain(gp, adamw), opt_nvme(gn, adamw);
     ASSERT_FALSE(opt_plain.state_offloaded());
     ASSERT_TRUE(opt_nvme.state_offloaded());
-    for (int64_t s = 0; s < 3; ++s) {
-      auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
-      auto lp = gpt::loss_on(plain, rows), ln = gpt::loss_on(nvme, rows);
-      EXPECT_EQ(lp.item<double>(), ln.item<double>()) << "step " << s;
-      lp.backward();
-      ln.backward();
-      opt_plain.step();
-      opt_nvme.step();
-      opt_plain.zero_grad();
-      opt_nvme.zero_grad();
-    }
-    auto a = full_state_dict(plain), b = full_state_dict(nvme);
-    for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+    train_side_by_side(pg, plain, nvme, opt_plain, opt_nvme, 3);
     unsetenv("FSDP_NVME_IO");
   });
 }
