@@ -1,6 +1,8 @@
 #pragma once
 // Memory and communication accounting. All figures are bytes, per rank.
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <string>
 
@@ -74,5 +76,21 @@ struct CommCounters {
   CommStats step;
   CommStats total;
 };
+
+/// One GPU's bytes as LibTorch's CUDA caching allocator counts them (what
+/// torch.cuda.memory_allocated, max_memory_allocated, memory_reserved and
+/// max_memory_reserved report in Python): every tensor on the device, the engine's and the
+/// program's, and cuBLAS's workspace.
+struct DeviceMemory {
+  int64_t allocated = 0;       ///< bytes in tensors now
+  int64_t peak_allocated = 0;  ///< most bytes in tensors since the last reset
+  int64_t reserved = 0;        ///< bytes the allocator holds from the driver now
+  int64_t peak_reserved = 0;   ///< most bytes held from the driver since the last reset
+};
+/// `device`'s figures (a CUDA device; no index: the current one). Throws for another
+/// device type, and when this fsdp was built against a CPU-only LibTorch.
+DeviceMemory device_memory(const c10::Device& device);
+/// Starts device_memory's peaks again from the current figures.
+void reset_device_peak_memory(const c10::Device& device);
 
 }  // namespace fsdp

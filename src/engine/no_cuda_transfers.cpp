@@ -2,6 +2,8 @@
 // (see CMakeLists.txt).
 #include "transfers.h"
 
+#include <fsdp/stats.h>
+
 #include <c10/util/Exception.h>
 
 namespace fsdp::detail {
@@ -11,3 +13,16 @@ std::shared_ptr<Transfers> make_cuda_transfers(at::Device device) {
       "; rebuild against a CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");
 }
 }  // namespace fsdp::detail
+
+namespace fsdp {
+DeviceMemory device_memory(const c10::Device& device) {
+  TORCH_CHECK(false, "device_memory(", device,
+              "): fsdp was built against a CPU-only LibTorch, which has no CUDA caching "
+              "allocator; rebuild against a CUDA LibTorch");
+}
+void reset_device_peak_memory(const c10::Device& device) {
+  TORCH_CHECK(false, "reset_device_peak_memory(", device,
+              "): fsdp was built against a CPU-only LibTorch, which has no CUDA caching "
+              "allocator; rebuild against a CUDA LibTorch");
+}
+}  // namespace fsdp

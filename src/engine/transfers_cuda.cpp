@@ -2,6 +2,8 @@
 // Built only against a CUDA LibTorch (2.6 or newer).
 #include "transfers.h"
 
+#include <fsdp/stats.h>
+
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -100,3 +102,34 @@ std::shared_ptr<Transfers> make_cuda_transfers(at::Device device) {
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+namespace {
+
+c10::DeviceIndex cuda_index_of(const c10::Device& device, const char* what) {
+  TORCH_CHECK(device.is_cuda(), what, ": ", device,
+              " is not a CUDA device; the caching allocator's figures exist for cuda:N only "
+              "(for host memory read the process's peak RSS)");
+  return device.has_index() ? device.index() : c10::cuda::current_device();
+}
+
+}  // namespace
+
+DeviceMemory device_memory(const c10::Device& device) {
+  const auto stats =
+      c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index_of(device, "device_memory"));
+  const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  DeviceMemory m;
+  m.allocated = stats.allocated_bytes[all].current;
+  m.peak_allocated = stats.allocated_bytes[all].peak;
+  m.reserved = stats.reserved_bytes[all].current;
+  m.peak_reserved = stats.reserved_bytes[all].peak;
+  return m;
+}
+
+void reset_device_peak_memory(const c10::Device& device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(
+      cuda_index_of(device, "reset_device_peak_memory"));
+}
+
+}  // namespace fsdp
