@@ -201,6 +201,32 @@ TEST(PureBf16, BadCombinationsAreRefusedNamingTheFix) {
   }
 }
 
+// A rounding FusedAdamW cannot apply is an error, not a silent round-to-nearest: a bf16
+// parameter that ATen's kernel steps (on a GPU, or here set_kernel(kAten)) with
+// kStochastic or kCompensated asked for.
+TEST(PureBf16, ARoundingAtensKernelCannotApplyIsRefused) {
+  if (!FusedAdamW::aten_kernel_available(torch::kCPU))
+    GTEST_SKIP() << "this LibTorch has no at::_fused_adamw_ for the CPU";
+  auto p = torch::ones({8}, torch::TensorOptions().dtype(torch::kBFloat16)).requires_grad_(true);
+  p.mutable_grad() = torch::ones_like(p);
+  FusedAdamW opt({p}, torch::optim::AdamWOptions(0.1));  // a step of 0.1: over half an ulp
+  opt.set_kernel(FusedAdamW::Kernel::kAten);
+  opt.set_bf16_rounding(FusedAdamW::Bf16Rounding::kStochastic, 1);
+  try {
+    opt.step();
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()),
+              "FusedAdamW: set_bf16_rounding(kStochastic) rounds in the host kernel, but a bf16 "
+              "parameter on cpu under set_kernel(kAten) steps with ATen's fused kernel, which "
+              "rounds to nearest; use Bf16Rounding::kNearest there, or step the shards on the "
+              "host (offload_optimizer)");
+  }
+  opt.set_bf16_rounding(FusedAdamW::Bf16Rounding::kNearest);
+  opt.step();
+  EXPECT_LT(p.detach().to(torch::kFloat).max().item<float>(), 1.0f) << "nearest still steps";
+}
+
 #ifdef FSDP_TEST_HAVE_HDF5
 // Checkpoints hold fp32 values: a pure bf16 run's checkpoint (world 2) loads into a run
 // with fp32 masters at world 1 with the same values (bf16 widens exactly), Adam's moments

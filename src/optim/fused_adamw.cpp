@@ -231,6 +231,16 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       } else if (kernel_ == Kernel::kAuto && p.is_cpu()) {
         step_param(p, o, isa);
       } else {
+        // ATen's kernel writes a bf16 parameter rounded to nearest: a rounding asked for
+        // must not be dropped without a word.
+        TORCH_CHECK(bf16_rounding_ == Bf16Rounding::kNearest || p.scalar_type() != torch::kBFloat16,
+                    "FusedAdamW: set_bf16_rounding(",
+                    bf16_rounding_ == Bf16Rounding::kStochastic ? "kStochastic" : "kCompensated",
+                    ") rounds in the host kernel, but a bf16 parameter on ", p.device(),
+                    kernel_ == Kernel::kAten ? " under set_kernel(kAten)" : "",
+                    " steps with ATen's fused kernel, which rounds to nearest; use "
+                    "Bf16Rounding::kNearest there, or step the shards on the host "
+                    "(offload_optimizer)");
         on_aten.push_back(p);
       }
     }
