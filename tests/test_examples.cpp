@@ -299,6 +299,57 @@ TEST(TrainGpt, ActivationCheckpointingLeavesTheLossesUnchanged) {
   for (const auto& j : without) EXPECT_EQ(j.at("recomputes").get<int64_t>(), 0) << j;
 }
 
+// --master-dtype bf16 (pure bf16) at two ranks: the summary names the rounding (auto:
+// stochastic, since the CPU steps on the host), it learns, and its loss stays within
+// stochastic rounding's tolerance of fp32 masters (tests/test_pure_bf16.cpp: 10%).
+TEST(TrainGpt, PureBf16FlagTrainsNearFp32MastersWithStochasticRounding) {
+  auto masters = temp_path("bf16m"), pure = temp_path("bf16p");
+  std::string output;
+  for (auto [log, master] : {std::pair{masters, "fp32"}, std::pair{pure, "bf16"}}) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+    auto args = small_run(log, 30);
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), {"--precision", "bf16", "--master-dtype", master});
+    auto r = run_command(cmd);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    output = r.output;
+  }
+  EXPECT_NE(output.find("train_gpt: pure bf16: shards, gradients and optimizer state in bf16 "
+                        "(stochastic rounding)"),
+            std::string::npos)
+      << output;
+  const auto a = losses(masters), b = losses(pure);
+  ASSERT_EQ(a.size(), 30u);
+  ASSERT_EQ(b.size(), 30u);
+  EXPECT_NE(a, b) << "the shards are bf16, so the losses differ";
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE(std::abs(b[i] - a[i]) / a[i], 0.10) << i;
+  EXPECT_LT(b.back(), b.front() - 1.0) << "it learns";
+}
+
+// --offload-activations: the same losses as checkpointing alone, and each step holds
+// every checkpointed block's input on the host: 2 blocks x (6 rows x 16 positions x 32
+// wide) fp32 per rank.
+TEST(TrainGpt, OffloadActivationsGivesTheSameLossesAndHoldsTheBlockInputsOnTheHost) {
+  auto plain = temp_path("oa0"), off = temp_path("oa1");
+  for (auto [log, offload] : {std::pair{plain, false}, std::pair{off, true}}) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+    auto args = small_run(log, 5);
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), {"--activation-checkpointing", "all"});
+    if (offload) cmd.push_back("--offload-activations");
+    auto r = run_command(cmd);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (offload)
+      EXPECT_NE(r.output.find(", checkpointed inputs offloaded to host memory"), std::string::npos)
+          << r.output;
+  }
+  EXPECT_EQ(losses(plain), losses(off));
+  for (const auto& j : read_jsonl(off))
+    EXPECT_EQ(j.at("offloaded_activation_bytes").get<int64_t>(), 2 * 6 * 16 * 32 * 4) << j;
+  for (const auto& j : read_jsonl(plain))
+    EXPECT_EQ(j.at("offloaded_activation_bytes").get<int64_t>(), 0) << j;
+}
+
 TEST(TrainGpt, CpuOffloadGivesTheSameLossesAtTwoRanks) {
   auto a = temp_path("nooff"), b = temp_path("off");
   std::vector<std::string> launch = {bin("fsdp-run"), "--nproc", "2", "--"};
@@ -515,6 +566,21 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--deepspeed-config", "/nonexistent/ds.json"},
                  "train_gpt: error: --deepspeed-config /nonexistent/ds.json: ds_config: cannot "
                  "open /nonexistent/ds.json"},
+        BadInput{{"--master-dtype", "fp16"},
+                 "train_gpt: error: --master-dtype fp16 is unknown; use fp32 or bf16"},
+        BadInput{{"--master-dtype", "bf16"},
+                 "train_gpt: error: --master-dtype bf16 (pure bf16) needs --precision bf16 (this "
+                 "run is fp32): the gathered parameters cannot be more precise than the shards"},
+        BadInput{{"--bf16-rounding", "stochastic"},
+                 "train_gpt: error: --bf16-rounding stochastic applies only to --master-dtype "
+                 "bf16 (this run's shards are fp32)"},
+        BadInput{{"--precision", "bf16", "--master-dtype", "bf16", "--bf16-rounding", "up"},
+                 "train_gpt: error: --bf16-rounding up is unknown; use auto, nearest, stochastic "
+                 "or compensated"},
+        BadInput{{"--offload-activations"},
+                 "train_gpt: error: --offload-activations keeps the inputs that activation "
+                 "checkpointing saves, and this run checkpoints none; add "
+                 "--activation-checkpointing all (or every:K)"},
         BadInput{{"--no-decay-recipe", "biases"},
                  "train_gpt: error: --no-decay-recipe biases is unknown; use standard or none"},
         BadInput{{"--d-model", "30", "--n-head", "4"},

@@ -84,6 +84,15 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("loss-scale-hysteresis", "fp16: overflows absorbed before the scale halves",
        value<int>("2"));
   flag("min-loss-scale", "fp16: the dynamic scale's floor", value<double>("1"));
+  flag("master-dtype",
+       "fp32|bf16: the dtype of the shards, their gradients and the optimizer state; bf16 is "
+       "pure bf16 (needs --precision bf16): 8 bytes per parameter instead of 16",
+       value<std::string>("fp32"));
+  flag("bf16-rounding",
+       "auto|nearest|stochastic|compensated: how --master-dtype bf16 writes each update "
+       "(fsdp::FusedAdamW::Bf16Rounding); stochastic and compensated need the step on the host "
+       "(--device cpu or --offload-optimizer); auto: stochastic there, else nearest",
+       value<std::string>("auto"));
   flag("sharding", "full|grad_op|none|hybrid|zero1|zero2|zero3", value<std::string>("full"));
   flag("offload-optimizer",
        "none|cpu|nvme: fp32 masters, gradients and optimizer state off the device (DeepSpeed's "
@@ -114,6 +123,9 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
        value<std::string>("none"));
   flag("device", examples::kDeviceHelp, value<std::string>("auto"));
+  flag("offload-activations",
+       "keep the inputs that --activation-checkpointing saves in host memory (pinned on a GPU) "
+       "from forward to backward");
   flag("cpu-offload",
        "keep fp32 shards, gradients and optimizer state in host memory (ZeRO-Offload)");
   flag("construction",
@@ -353,6 +365,50 @@ fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::str
 
 namespace {
 
+// --master-dtype and --bf16-rounding, after the device and the offload flags: whether
+// the shards step on the host decides which roundings can apply.
+void read_pure_bf16(const cxxopts::ParseResult& r, ShardingFlags& s) {
+  using Rounding = fsdp::FusedAdamW::Bf16Rounding;
+  const auto master = r["master-dtype"].as<std::string>();
+  const auto rounding = r["bf16-rounding"].as<std::string>();
+  if (master == "bf16") {
+    if (s.precision != "bf16") {
+      throw UsageError("--master-dtype bf16 (pure bf16) needs --precision bf16 (this run is " +
+                       s.precision +
+                       "): the gathered parameters cannot be more precise "
+                       "than the shards");
+    }
+    s.options.mixed_precision.master_dtype = torch::kBFloat16;
+  } else if (master != "fp32") {
+    throw UsageError("--master-dtype " + master + " is unknown; use fp32 or bf16");
+  }
+  if (rounding != "auto" && rounding != "nearest" && rounding != "stochastic" &&
+      rounding != "compensated") {
+    throw UsageError("--bf16-rounding " + rounding +
+                     " is unknown; use auto, nearest, stochastic or compensated");
+  }
+  if (rounding != "auto" && master != "bf16") {
+    throw UsageError("--bf16-rounding " + rounding +
+                     " applies only to --master-dtype bf16 (this run's shards are fp32)");
+  }
+  // FusedAdamW rounds in its host kernel; shards on a GPU step with ATen's, which rounds to
+  // nearest.
+  const bool host_step = s.options.device.is_cpu() || s.options.cpu_offload ||
+                         s.options.offload_optimizer.device != fsdp::OffloadDevice::kNone;
+  if (!host_step && (rounding == "stochastic" || rounding == "compensated")) {
+    throw UsageError("--bf16-rounding " + rounding +
+                     " rounds in the optimizer's host kernel, "
+                     "but the shards step on " +
+                     s.options.device.str() +
+                     " (ATen's fused kernel, which rounds to nearest); use --bf16-rounding "
+                     "nearest (or auto), or --offload-optimizer cpu");
+  }
+  s.bf16_rounding = rounding == "nearest"                   ? Rounding::kNearest
+                    : rounding == "compensated"             ? Rounding::kCompensated
+                    : rounding == "stochastic" || host_step ? Rounding::kStochastic
+                                                            : Rounding::kNearest;
+}
+
 ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   ShardingFlags s;
   s.precision = r["precision"].as<std::string>();
@@ -374,6 +430,12 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
                                r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
                                r["activation-checkpointing"].as<std::string>());
   s.options.cpu_offload = r.count("cpu-offload") > 0;
+  s.options.offload_activations = r.count("offload-activations") > 0;
+  if (s.options.offload_activations && s.options.checkpoint_policy == nullptr) {
+    throw UsageError(
+        "--offload-activations keeps the inputs that activation checkpointing saves, and this "
+        "run checkpoints none; add --activation-checkpointing all (or every:K)");
+  }
   s.options.offload_optimizer.device =
       parse_offload_device("offload-optimizer", r["offload-optimizer"].as<std::string>());
   s.options.offload_param.device =
@@ -403,6 +465,7 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.wrap = r["wrap"].as<std::string>();
   s.options.device = examples::parse_device_flag(s.device);
   s.options.prefetch = r.count("no-prefetch") == 0;
+  read_pure_bf16(r, s);
   s.options.trace = r["trace"].as<std::string>();
   return s;
 }

@@ -46,6 +46,9 @@ struct ShardingFlags {
   std::string wrap;                  ///< --wrap as given: block|size:N|none
   fsdp::ShardingOptions options;     ///< all the flags say (device included); the group comes later
   bool sharded_construction = true;  ///< --construction sharded (make_sharded) or eager
+  /// --bf16-rounding, resolved (auto: stochastic where the shards step on the host, else
+  /// nearest); used with --master-dtype bf16 only.
+  fsdp::FusedAdamW::Bf16Rounding bf16_rounding = fsdp::FusedAdamW::Bf16Rounding::kNearest;
 };
 
 /// Where checkpoints go and where the weights come from.

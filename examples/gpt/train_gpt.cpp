@@ -82,6 +82,11 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   } else {
     t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
   }
+  if (so.mixed_precision.master_dtype == torch::kBFloat16) {
+    // Pure bf16: each rank rounds with its own random bits.
+    static_cast<fsdp::FusedAdamW&>(*t.opt).set_bf16_rounding(
+        f.sharding.bf16_rounding, f.training.seed + static_cast<uint64_t>(pg.rank()));
+  }
   return t;
 }
 
@@ -226,6 +231,11 @@ int run(int argc, char** argv) {
   }
   if (main_rank) {
     std::cout << "train_gpt: peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";
+    if (f.sharding.options.device.is_cuda()) {
+      const fsdp::DeviceMemory m = fsdp::device_memory(f.sharding.options.device);
+      std::cout << "train_gpt: peak GPU memory of rank 0: " << m.peak_allocated / 1048576
+                << " MiB allocated, " << m.peak_reserved / 1048576 << " MiB reserved\n";
+    }
     std::cout << "train_gpt: done" << std::endl;
   }
   return 0;

@@ -48,6 +48,7 @@ void read_engine_stats(const fsdp::ShardedModel& model, StepRecord& r) {
                  mem.comm_buffers.peak;
   r.comm = model.comm_stats().step;
   r.recomputes = fsdp::activation_recomputes();
+  r.offloaded_activation_bytes = mem.offloaded_activations.peak;
 }
 
 int64_t peak_rss_mib() {
@@ -75,7 +76,19 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   std::cout << "train_gpt: device " << device.str() << " (--device " << flags.sharding.device
             << "), collectives over " << (world > 1 ? fsdp::backend_for(device) : "none")
             << (flags.sharding.options.cpu_offload ? ", shards offloaded to host memory" : "")
+            << (flags.sharding.options.offload_activations
+                    ? ", checkpointed inputs offloaded to host memory"
+                    : "")
             << "\n";
+  if (flags.sharding.options.mixed_precision.master_dtype == torch::kBFloat16) {
+    using R = fsdp::FusedAdamW::Bf16Rounding;
+    const R r = flags.sharding.bf16_rounding;
+    std::cout << "train_gpt: pure bf16: shards, gradients and optimizer state in bf16 ("
+              << (r == R::kNearest      ? "nearest"
+                  : r == R::kStochastic ? "stochastic"
+                                        : "compensated")
+              << " rounding)\n";
+  }
   std::cout << "train_gpt: " << (flags.sharding.sharded_construction ? "sharded" : "eager")
             << " construction: the model is " << n_params * 4 / (1024 * 1024)
             << " MiB in fp32; peak RSS of rank 0 so far " << peak_rss_mib() << " MiB\n";
@@ -126,7 +139,8 @@ void TrainLog::write(const StepRecord& r) {
                         // rank), and this step's offload copies.
                         {"recomputes", r.recomputes},
                         {"offload_to_device_bytes", r.comm.offload_to_device_bytes},
-                        {"offload_to_host_bytes", r.comm.offload_to_host_bytes}};
+                        {"offload_to_host_bytes", r.comm.offload_to_host_bytes},
+                        {"offloaded_activation_bytes", r.offloaded_activation_bytes}};
     if (!std::isnan(r.val_loss)) j["val_loss"] = r.val_loss;
     if (r.loss_scaler) {
       j["loss_scale"] = r.loss_scaler->scale;

@@ -27,6 +27,8 @@ struct StepRecord {
   int64_t peak_bytes = 0;          ///< the engine's peak: shards, gradients, gathers, buffers
   fsdp::CommStats comm;            ///< this step's communication and offload copies
   int64_t recomputes = 0;          ///< regions recomputed so far (this rank)
+  /// --offload-activations: the most bytes of checkpointed inputs held on the host at once
+  int64_t offloaded_activation_bytes = 0;
   std::optional<fsdp::LossScalerState> loss_scaler;  ///< fp16: the scale, steps skipped
 };
 
