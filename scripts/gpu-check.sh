@@ -6,7 +6,8 @@
 # at::_fused_adamw_ step; and every test named *_CUDA, e.g. tests/test_examples.cpp's
 # train_gpt --device cuda at world 1, and 2 where two GPUs are visible), the CPU suites that
 # must still pass there (Parity, FusedAdamW, Offload) and bench_gpu (tokens/s, peak
-# memory, MFU against plain LibTorch; JSON lines). Such machines are borrowed, offline
+# memory, MFU against plain LibTorch; JSON lines), PyTorch FSDP2 beside it, and every
+# memory mode of train_gpt (tests/bench/memory_modes.py). Such machines are borrowed, offline
 # and short-lived, so the run is bounded (FSDP_GPU_CHECK_BUDGET, default 500 s, so that it
 # ends within 9 minutes whatever hangs) and leaves its results in a folder:
 #
@@ -249,6 +250,16 @@ if read(os.path.join(out, "fsdp2.txt")) is not None:
                            ("peak_memory_fp32", "gpu_peak_memory_bytes", "fsdp2_peak_memory_bytes"),
                            ("mfu_bf16", "gpu_mfu", "fsdp2_bf16_mfu"))
         if a in ours and b in theirs and theirs[b]}
+# Every memory mode of train_gpt on the GPU (tests/bench/memory_modes.py): one JSON line each.
+modes = None
+if read(os.path.join(out, "memory_modes.txt")) is not None:
+    modes = {"output": "memory_modes.txt", "modes": []}
+    for line in read(os.path.join(out, "memory_modes.txt")).splitlines():
+        if line.startswith("{"):
+            try:
+                modes["modes"].append(json.loads(line))
+            except ValueError:
+                pass
 configure = read(os.path.join(out, "logs", "configure.log")) or ""
 summary = [l[3:] for l in configure.splitlines() if l.startswith("-- fsdp: LibTorch")]
 osr = dict(l.split("=", 1) for l in (read("/etc/os-release") or "").splitlines() if "=" in l)
@@ -268,6 +279,7 @@ r = {
     "tests": {"cuda": junit("test-cuda"), "cpu": junit("test-cpu")},
     "bench_gpu": bench,
     "fsdp2": fsdp2,
+    "memory_modes": modes,
     "bundle": json.loads(read(manifest)) if manifest and read(manifest) else None,
 }
 with open(os.path.join(out, "results.json"), "w") as f:
@@ -478,11 +490,19 @@ if [ "$BUILT" = 1 ]; then
     cp "$OUT/logs/fsdp2.log" "$OUT/fsdp2.txt" 2>/dev/null || true
     grep '^{' "$OUT/fsdp2.txt" | sed 's/^/[gpu-check] fsdp2: /' || true
   fi
+  # Every memory mode of train_gpt (ZeRO stages, offloads, pure bf16, activation offload)
+  # on this GPU: tokens/s and peak memory against fp32 in the same run.
+  if [ -n "$PY" ] && [ -x "$BUILD/bin/train_gpt" ]; then
+    run_phase modes 150 stdbuf -oL "$PY" "$SRC/tests/bench/memory_modes.py" \
+      --train-gpt "$BUILD/bin/train_gpt" --device cuda || true
+    cp "$OUT/logs/modes.log" "$OUT/memory_modes.txt" 2>/dev/null || true
+    grep '^|' "$OUT/memory_modes.txt" | sed 's/^/[gpu-check] modes: /' || true
+  fi
   CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
   ctest_phase test-cpu 150 -R "${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' \
     -j"$CPU_J" || TESTS_OK=0
 else
-  for p in test-cuda bench-gpu fsdp2 test-cpu; do note_phase "$p" skipped "the build did not complete"; done
+  for p in test-cuda bench-gpu fsdp2 modes test-cpu; do note_phase "$p" skipped "the build did not complete"; done
 fi
 
 # 5. The results, as JSON.
