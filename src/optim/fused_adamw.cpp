@@ -306,6 +306,16 @@ void FusedAdamW::step_aten(const std::vector<torch::Tensor>& params,
     at::_fused_adamw_(ps, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, state_steps, o.lr(),
                       std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(),
                       /*amsgrad=*/false, /*maximize=*/false);
+    // at::_fused_adamw_ writes in place without bumping the version counters (as called
+    // here, under no_grad, it never passes through autograd's in-place bookkeeping). The
+    // engine tells a changed shard by its version (Note [Persistent parameters]: zero1
+    // and zero2 regather after a step), so bump them as the host kernels do; without it
+    // zero1 and zero2 trained on stale parameters on a GPU.
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ps[i].unsafeGetTensorImpl()->bump_version();
+      exp_avgs[i].unsafeGetTensorImpl()->bump_version();
+      exp_avg_sqs[i].unsafeGetTensorImpl()->bump_version();
+    }
   }
 }
 
