@@ -38,8 +38,8 @@ int64_t CheckpointPolicy::resume() {
   auto latest = fsdp::latest_checkpoint(dir);
   if (!latest) {
     if (main_rank_) {
-      std::cout << "train_gpt: --resume: no checkpoint in " << dir << " yet; starting from step 0"
-                << std::endl;
+      std::cout << program() << ": --resume: no checkpoint in " << dir
+                << " yet; starting from step 0" << std::endl;
     }
     return last_saved_ = 0;
   }
@@ -48,13 +48,13 @@ int64_t CheckpointPolicy::resume() {
                 [&] { return fsdp::load_sharded_checkpoint(dir, model_, &opt_, &st).path; });
   const std::string seed = std::to_string(flags_.training.seed);
   if (st.extra.count("seed") && st.extra.at("seed") != seed && main_rank_) {
-    std::cout << "train_gpt: warning: the checkpoint was trained with --seed "
+    std::cout << program() << ": warning: the checkpoint was trained with --seed "
               << st.extra.at("seed") << ", this run uses " << seed
               << " (the data stream changes)\n";
   }
   if (scaler_ && st.loss_scaler) scaler_->load_state(*st.loss_scaler);
   if (main_rank_)
-    std::cout << "train_gpt: resumed from " << *latest << " at step " << st.step << std::endl;
+    std::cout << program() << ": resumed from " << *latest << " at step " << st.step << std::endl;
   return last_saved_ = st.step;
 }
 
@@ -85,7 +85,7 @@ void CheckpointPolicy::finish(int64_t final_step) {
     io_log_.timed("save_wait", [&] { return pending_.wait(); });
   }
   if (ckpt_.stop_at > 0 && main_rank_) {
-    std::cout << "train_gpt: stopped at step " << final_step << " of " << flags_.training.steps
+    std::cout << program() << ": stopped at step " << final_step << " of " << flags_.training.steps
               << " (--stop-at)" << (ckpt_.save_dir.empty() ? "" : "; continue with --resume")
               << std::endl;
   }
@@ -97,7 +97,8 @@ void CheckpointPolicy::finish(int64_t final_step) {
       return ckpt_.consolidate_to;
     });
     if (main_rank_)
-      std::cout << "train_gpt: wrote consolidated weights to " << ckpt_.consolidate_to << std::endl;
+      std::cout << program() << ": wrote consolidated weights to " << ckpt_.consolidate_to
+                << std::endl;
   }
 }
 

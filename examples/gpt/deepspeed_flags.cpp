@@ -175,7 +175,7 @@ std::string apply_deepspeed_config(Flags& f, int world) {
     f.output.log_every = std::max<int64_t>(1, t.steps / 20);  // --steps may have changed
 
   if (s.precision == "fp16") check_loss_scaler(s.loss_scaler);
-  return "train_gpt: --deepspeed-config " + path + "\n" + ds.describe();
+  return program() + ": --deepspeed-config " + path + "\n" + ds.describe();
 }
 
 }  // namespace gpt

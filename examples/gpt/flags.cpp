@@ -2,6 +2,7 @@
 
 #include "../common/cli.h"
 #include "../common/device.h"
+#include "../llama/hf_config.h"
 #include "architecture.h"
 #include "config_file.h"
 #include "sharding_options.h"
@@ -21,6 +22,14 @@ namespace {
 
 using examples::UsageError;
 
+Program& current_program() {
+  static Program p{"train_gpt", "gpt",
+                   "Train the GPT example, fully sharded over the job's ranks."};
+  return p;
+}
+
+bool llama_arch() { return current_program().arch == "llama"; }
+
 template <class T>
 std::shared_ptr<cxxopts::Value> value(const char* default_value) {
   return cxxopts::value<T>()->default_value(default_value);
@@ -33,8 +42,22 @@ void add_model_flags(cxxopts::Options& o) {
   flag("n-layer", "transformer blocks", value<int64_t>("2"));
   flag("n-head", "attention heads", value<int64_t>("4"));
   flag("d-model", "model width", value<int64_t>("64"));
-  flag("block-size", "context length in bytes", value<int64_t>("32"));
-  flag("dropout", "dropout probability", value<double>("0"));
+  if (llama_arch()) {
+    flag("block-size",
+         "training sequence length in bytes (the model's max_position_embeddings: this, or "
+         "--init-from's config.json)",
+         value<int64_t>("32"));
+    flag("n-kv-head", "key/value heads (grouped-query attention; divides --n-head)",
+         value<int64_t>("2"));
+    flag("intermediate-size", "the SwiGLU MLP's width (0: 8/3 of --d-model, rounded up to 16)",
+         value<int64_t>("0"));
+    flag("rope-theta", "the rotary positions' base", value<double>("10000"));
+    flag("rms-norm-eps", "RMSNorm's epsilon", value<double>("1e-5"));
+    flag("tie-embeddings", "lm_head is the embedding (tie_word_embeddings)");
+  } else {
+    flag("block-size", "context length in bytes", value<int64_t>("32"));
+    flag("dropout", "dropout probability", value<double>("0"));
+  }
 }
 
 void add_training_flags(cxxopts::Options& o) {
@@ -166,6 +189,15 @@ void add_checkpoint_flags(cxxopts::Options& o) {
   flag("consolidate-to",
        "at the end, write one consolidated HDF5 file here (for generate and other tools)",
        value<std::string>(""));
+  if (llama_arch()) {
+    flag("export-hf",
+         "at the end, write a Hugging Face model directory here: config.json and "
+         "model.safetensors under transformers' names (AutoModelForCausalLM.from_pretrained "
+         "loads it)",
+         value<std::string>(""));
+    flag("export-dtype", "fp32|bf16|fp16: the dtype of --export-hf's weights",
+         value<std::string>("fp32"));
+  }
 }
 
 void add_output_flags(cxxopts::Options& o) {
@@ -186,7 +218,7 @@ void add_output_flags(cxxopts::Options& o) {
 }
 
 cxxopts::Options make_options() {
-  cxxopts::Options o("train_gpt", "Train the GPT example, fully sharded over the job's ranks.");
+  cxxopts::Options o(current_program().name, current_program().description);
   add_model_flags(o);
   add_training_flags(o);
   add_sharding_flags(o);
@@ -220,9 +252,57 @@ std::optional<std::vector<std::string>> command_line(int argc, char** argv) {
 // attributes, or a safetensors __metadata__). A flag given on the command line must agree
 // with the file, each disagreement named with both values (checked before any rank
 // starts training).
+// A flag given on the command line must agree with the architecture --init-from reads.
+template <class T>
+void agree(const cxxopts::ParseResult& r, const std::string& flag, const T& ours, T& theirs,
+           const std::string& file, const std::string& key) {
+  if (r.count(flag) == 0) return;
+  if (r[flag].as<T>() == theirs) return;
+  std::ostringstream msg;
+  msg << "--" << flag << " " << ours << " but " << file << " has " << key << " " << theirs
+      << "; leave the flag out to take the file's, or give another file";
+  throw UsageError(msg.str());
+}
+
+// --init-from DIR with a config.json (a Hugging Face model directory): the architecture is
+// config.json's; the flags given must agree with it.
+void apply_hf_dir(const std::string& dir, Config& cfg, const cxxopts::ParseResult& r) {
+  Config hf = llama::read_hf_config(dir, cfg.block_size);
+  const std::string file = dir + "/config.json";
+  agree<int64_t>(r, "n-layer", cfg.n_layer, hf.n_layer, file, "num_hidden_layers");
+  agree<int64_t>(r, "n-head", cfg.n_head, hf.n_head, file, "num_attention_heads");
+  agree<int64_t>(r, "n-kv-head", cfg.n_kv_head, hf.n_kv_head, file, "num_key_value_heads");
+  agree<int64_t>(r, "d-model", cfg.d_model, hf.d_model, file, "hidden_size");
+  agree<int64_t>(r, "intermediate-size", cfg.intermediate_size, hf.intermediate_size, file,
+                 "intermediate_size");
+  agree<double>(r, "rope-theta", cfg.rope_theta, hf.rope_theta, file, "rope_theta");
+  agree<double>(r, "rms-norm-eps", cfg.rms_norm_eps, hf.rms_norm_eps, file, "rms_norm_eps");
+  if (r.count("tie-embeddings") && !hf.tie_embeddings) {
+    throw UsageError("--tie-embeddings but " + file +
+                     " has tie_word_embeddings false; leave the flag out to take the file's");
+  }
+  if (cfg.block_size > hf.max_positions) {
+    throw UsageError("--block-size " + std::to_string(cfg.block_size) + " is past " + file +
+                     "'s max_position_embeddings " + std::to_string(hf.max_positions) +
+                     "; use a --block-size of at most that");
+  }
+  cfg = hf;
+}
+
 void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseResult& r) {
   if (!std::filesystem::exists(file))
     throw UsageError("--init-from " + file + ": cannot open the file");
+  if (llama::is_hf_model_dir(file)) {
+    if (!llama_arch()) {
+      throw UsageError("--init-from " + file +
+                       " is a Hugging Face model directory (it holds config.json); " +
+                       current_program().name +
+                       " trains the GPT of docs/design.md, which is no Hugging Face "
+                       "architecture: use train_llama for Llama models");
+    }
+    apply_hf_dir(file, cfg, r);
+    return;
+  }
   std::map<std::string, fsdp::AttrValue> attrs;
   try {
     attrs = fsdp::consolidated_attributes(file);
@@ -254,15 +334,60 @@ void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseR
     }
     *field = std::get<int64_t>(it->second);
   }
+  // The family: a Llama file names its arch; a GPT file names none.
+  auto arch = attrs.find("arch");
+  const std::string theirs =
+      arch != attrs.end() && std::holds_alternative<std::string>(arch->second)
+          ? std::get<std::string>(arch->second)
+          : "gpt";
+  if (theirs != cfg.arch) {
+    throw UsageError("--init-from " + file + " holds a " + theirs + " model, and " +
+                     current_program().name + " trains " + cfg.arch + " models; use train_" +
+                     theirs + " for it");
+  }
+  if (cfg.arch != "llama") return;
+  auto number = [&](const char* key) -> const fsdp::AttrValue& {
+    auto it = attrs.find(key);
+    if (it == attrs.end())
+      throw UsageError("--init-from " + file + " has no attribute " + key +
+                       " (a Llama file records it)");
+    return it->second;
+  };
+  for (const auto& [key, field] : llama_int_fields(cfg)) {
+    if (!std::holds_alternative<int64_t>(number(key)))
+      throw UsageError("--init-from " + file + ": attribute " + key + " is not an integer");
+    *field = std::get<int64_t>(number(key));
+  }
+  for (const auto& [key, field] : llama_real_fields(cfg)) {
+    const auto& v = number(key);
+    *field =
+        std::holds_alternative<double>(v) ? std::get<double>(v)
+        : std::holds_alternative<int64_t>(v)
+            ? static_cast<double>(std::get<int64_t>(v))
+            : throw UsageError("--init-from " + file + ": attribute " + key + " is not a number");
+  }
+  const auto& tie = number("tie_embeddings");
+  cfg.tie_embeddings = std::holds_alternative<int64_t>(tie) && std::get<int64_t>(tie) != 0;
 }
 
 Config read_model(const cxxopts::ParseResult& r) {
   Config cfg;
+  cfg.arch = current_program().arch;
   cfg.n_layer = r["n-layer"].as<int64_t>();
   cfg.n_head = r["n-head"].as<int64_t>();
   cfg.d_model = r["d-model"].as<int64_t>();
   cfg.block_size = r["block-size"].as<int64_t>();
-  cfg.dropout = r["dropout"].as<double>();
+  if (llama_arch()) {
+    cfg.dropout = 0;
+    cfg.n_kv_head = r["n-kv-head"].as<int64_t>();
+    cfg.intermediate_size = r["intermediate-size"].as<int64_t>();
+    if (cfg.intermediate_size == 0) cfg.intermediate_size = (8 * cfg.d_model / 3 + 15) / 16 * 16;
+    cfg.rope_theta = r["rope-theta"].as<double>();
+    cfg.rms_norm_eps = r["rms-norm-eps"].as<double>();
+    cfg.tie_embeddings = r.count("tie-embeddings") > 0;
+  } else {
+    cfg.dropout = r["dropout"].as<double>();
+  }
   const std::string init_from = r["init-from"].as<std::string>();
   if (!init_from.empty()) apply_init_file(init_from, cfg, r);
   return cfg;
@@ -311,6 +436,25 @@ void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
   if (cfg.d_model % cfg.n_head != 0) {
     throw UsageError("--d-model " + std::to_string(cfg.d_model) +
                      " must be divisible by --n-head " + std::to_string(cfg.n_head));
+  }
+  if (cfg.arch == "llama") {
+    positive("n-kv-head", cfg.n_kv_head);
+    positive("intermediate-size", cfg.intermediate_size);
+    positive("rope-theta", cfg.rope_theta);
+    positive("rms-norm-eps", cfg.rms_norm_eps);
+    if (cfg.n_head % cfg.n_kv_head != 0) {
+      throw UsageError("--n-kv-head " + std::to_string(cfg.n_kv_head) + " must divide --n-head " +
+                       std::to_string(cfg.n_head) +
+                       " (each key/value head serves n_head / n_kv_head query heads)");
+    }
+    if ((cfg.d_model / cfg.n_head) % 2 != 0) {
+      throw UsageError("--d-model / --n-head = " + std::to_string(cfg.d_model / cfg.n_head) +
+                       " must be even: rotary positions rotate pairs of a head's dimensions");
+    }
+    if (cfg.vocab_size < 256) {
+      throw UsageError("vocab_size " + std::to_string(cfg.vocab_size) +
+                       " is below 256: the training data are bytes (token ids 0-255)");
+    }
   }
   if (cfg.dropout < 0 || cfg.dropout >= 1) throw UsageError("--dropout must be in [0, 1)");
   if (t.warmup_steps < 0) throw UsageError("--warmup-steps must not be negative");
@@ -426,9 +570,10 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
     }
   }
   check_loss_scaler(ls);
-  s.options = sharding_options(s.precision, r["sharding"].as<std::string>(),
-                               r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
-                               r["activation-checkpointing"].as<std::string>());
+  s.options =
+      sharding_options(s.precision, r["sharding"].as<std::string>(),
+                       r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
+                       r["activation-checkpointing"].as<std::string>(), current_program().arch);
   s.options.cpu_offload = r.count("cpu-offload") > 0;
   s.options.offload_activations = r.count("offload-activations") > 0;
   if (s.options.offload_activations && s.options.checkpoint_policy == nullptr) {
@@ -480,6 +625,12 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   c.resume = r.count("resume") > 0;
   c.init_from = r["init-from"].as<std::string>();
   c.consolidate_to = r["consolidate-to"].as<std::string>();
+  if (llama_arch()) {
+    c.export_hf = r["export-hf"].as<std::string>();
+    c.export_dtype = r["export-dtype"].as<std::string>();
+    if (c.export_dtype != "fp32" && c.export_dtype != "bf16" && c.export_dtype != "fp16")
+      throw UsageError("--export-dtype " + c.export_dtype + " is unknown; use fp32, bf16 or fp16");
+  }
   return c;
 }
 
@@ -494,7 +645,11 @@ OutputFlags read_output(const cxxopts::ParseResult& r, int64_t steps) {
 
 }  // namespace
 
-std::optional<Flags> parse_flags(int argc, char** argv) {
+const std::string& program() { return current_program().name; }
+const Program& program_info() { return current_program(); }
+
+std::optional<Flags> parse_flags(const Program& program, int argc, char** argv) {
+  current_program() = program;
   const auto args = command_line(argc, argv);
   if (!args) return std::nullopt;
   std::vector<char*> cargs;
@@ -549,6 +704,13 @@ void check_checkpoint_flags(const CheckpointFlags& c, int64_t steps) {
     if (ec || !std::filesystem::is_directory(c.save_dir)) {
       throw UsageError("--save-dir " + c.save_dir + ": cannot create the directory (" +
                        ec.message() + ")");
+    }
+  }
+  if (!c.export_hf.empty()) {
+    const auto parent = std::filesystem::absolute(c.export_hf).parent_path();
+    if (!std::filesystem::is_directory(parent)) {
+      throw UsageError("--export-hf " + c.export_hf + ": the directory " + parent.string() +
+                       " does not exist");
     }
   }
   if (!c.consolidate_to.empty()) {

@@ -61,6 +61,8 @@ struct CheckpointFlags {
   bool resume = false;         ///< --resume: from the newest checkpoint in save_dir
   std::string init_from;       ///< --init-from: consolidated weights to start from
   std::string consolidate_to;  ///< --consolidate-to: one HDF5 file written at the end
+  std::string export_hf;       ///< --export-hf: a Hugging Face model directory written at the end
+  std::string export_dtype;    ///< --export-dtype: fp32|bf16|fp16 of --export-hf
 };
 
 /// What rank 0 writes as training goes.
@@ -80,9 +82,19 @@ struct Flags {
   OutputFlags output;
 };
 
+/// The program the trainer runs as: train_gpt (arch "gpt") or train_llama (arch "llama").
+struct Program {
+  std::string name;         ///< prefixes its output lines and errors
+  std::string arch;         ///< the model family it trains
+  std::string description;  ///< --help's first line
+};
+/// The program parse_flags was called for (its name prefixes every output line).
+const std::string& program();
+const Program& program_info();
+
 /// Parses and checks the command line, all but what needs the world size or touches the
 /// disk. std::nullopt after printing --help.
-std::optional<Flags> parse_flags(int argc, char** argv);
+std::optional<Flags> parse_flags(const Program& program, int argc, char** argv);
 
 /// fp16's loss-scale fields in range (the flags, or a DeepSpeed config's fp16 section).
 void check_loss_scaler(const fsdp::LossScalerOptions& ls);

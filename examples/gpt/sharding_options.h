@@ -13,6 +13,7 @@ namespace gpt {
 /// process group is left for the caller.
 fsdp::ShardingOptions sharding_options(const std::string& precision, const std::string& sharding,
                                        int hybrid_group_size, const std::string& wrap,
-                                       const std::string& activation_checkpointing);
+                                       const std::string& activation_checkpointing,
+                                       const std::string& arch);
 
 }  // namespace gpt

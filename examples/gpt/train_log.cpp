@@ -70,10 +70,11 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
     if (seen.emplace(p.unit_fqn, p.requires_grad, p.offset).second) n_params += p.numel;
   }
   const Config& cfg = flags.model;
-  std::cout << "train_gpt: " << n_params << " parameters, " << cfg.n_layer << " layers, d_model "
-            << cfg.d_model << ", world size " << world << ", " << units.size() << " units\n";
+  std::cout << program() << ": " << n_params << " parameters, " << cfg.n_layer
+            << " layers, d_model " << cfg.d_model << ", world size " << world << ", "
+            << units.size() << " units\n";
   const torch::Device device = flags.sharding.options.device;
-  std::cout << "train_gpt: device " << device.str() << " (--device " << flags.sharding.device
+  std::cout << program() << ": device " << device.str() << " (--device " << flags.sharding.device
             << "), collectives over " << (world > 1 ? fsdp::backend_for(device) : "none")
             << (flags.sharding.options.cpu_offload ? ", shards offloaded to host memory" : "")
             << (flags.sharding.options.offload_activations
@@ -83,23 +84,23 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   if (flags.sharding.options.mixed_precision.master_dtype == torch::kBFloat16) {
     using R = fsdp::FusedAdamW::Bf16Rounding;
     const R r = flags.sharding.bf16_rounding;
-    std::cout << "train_gpt: pure bf16: shards, gradients and optimizer state in bf16 ("
+    std::cout << program() << ": pure bf16: shards, gradients and optimizer state in bf16 ("
               << (r == R::kNearest      ? "nearest"
                   : r == R::kStochastic ? "stochastic"
                                         : "compensated")
               << " rounding)\n";
   }
-  std::cout << "train_gpt: " << (flags.sharding.sharded_construction ? "sharded" : "eager")
+  std::cout << program() << ": " << (flags.sharding.sharded_construction ? "sharded" : "eager")
             << " construction: the model is " << n_params * 4 / (1024 * 1024)
             << " MiB in fp32; peak RSS of rank 0 so far " << peak_rss_mib() << " MiB\n";
   if (data.synthetic()) {
-    std::cout << "train_gpt: synthetic Markov task; reference: unigram entropy "
+    std::cout << program() << ": synthetic Markov task; reference: unigram entropy "
               << data.unigram_entropy(cfg.block_size) << " nats (no context), conditional entropy "
               << data.conditional_entropy() << " nats (the floor)\n";
   }
   std::cout << std::flush;
   if (data.validates()) {
-    std::cout << "train_gpt: " << flags.training.data << ": " << data.train_bytes()
+    std::cout << program() << ": " << flags.training.data << ": " << data.train_bytes()
               << " bytes to train on, " << data.val_bytes()
               << " held out for validation (--val-fraction " << flags.training.val_fraction << ")"
               << std::endl;

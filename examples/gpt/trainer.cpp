@@ -1,0 +1,320 @@
+// The training program of train_gpt and train_llama (examples/llama/): trains the GPT of
+// docs/design.md, "Contracts", or the Llama of examples/llama/llama_model.h, sharded over
+// every rank of the job. Each program's main is one call of run_training.
+//
+//   build/bin/train_gpt --steps 200                      # one process
+//   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine
+//   build/bin/train_gpt --device cuda                    # on the GPU (NCCL between ranks)
+//
+// Without --data it learns a synthetic byte-level task generated from --seed: text from
+// a random Markov chain over 32 characters in which each character has two likely
+// successors. A model that ignores context cannot beat the unigram entropy printed at
+// the start; a model that learns the chain approaches the conditional entropy.
+//
+// This file is the training program; the rest of the folder is what it reads:
+// flags.h (the command line), data.h (the batches), train_log.h (the progress lines and
+// the JSONL log), checkpoints.h (resume, saves, --stop-at, the consolidated export).
+#include <fsdp/fsdp.h>
+
+#include "../common/cli.h"
+#include "../common/device.h"
+#include "../llama/hf_config.h"
+#include "../llama/llama_model.h"
+#include "architecture.h"
+#include "checkpoints.h"
+#include "data.h"
+#include "deepspeed_flags.h"
+#include "flags.h"
+#include "gpt_model.h"
+#include "train_log.h"
+#include "trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <memory>
+#include <optional>
+
+namespace {
+
+using namespace gpt;
+
+/// What a training step changes: the sharded model (whichever family: `forward` calls
+/// it), its optimizer and, under fp16, the loss scaler.
+struct Training {
+  fsdp::ShardedModel model;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;  ///< (B, T) tokens -> logits
+  std::unique_ptr<torch::optim::AdamW> opt;
+  std::optional<fsdp::LossScaler> scaler;
+};
+
+/// Mean next-token cross-entropy on (B, T+1) token rows.
+torch::Tensor loss_of(Training& t, const torch::Tensor& rows) {
+  auto x = rows.narrow(1, 0, rows.size(1) - 1);
+  auto y = rows.narrow(1, 1, rows.size(1) - 1);
+  auto logits = t.forward(x);
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              y.reshape({-1}));
+}
+
+/// Builds model family M sharded. Sharded construction: no rank ever holds the whole
+/// model (docs/design.md, "Sharded construction"); the weights are the same as eager
+/// construction's.
+template <class M, class Cfg>
+void build(Training& t, const Cfg& cfg, const fsdp::ShardingOptions& so, bool sharded) {
+  auto model = std::make_shared<fsdp::Sharded<M>>(sharded ? fsdp::make_sharded<M>(so, cfg)
+                                                          : fsdp::fully_shard(M(cfg), so));
+  t.model = *model;
+  t.forward = [model](const torch::Tensor& x) { return (*model)->forward(x); };
+}
+
+/// The Llama of examples/llama/llama_model.h from the shared Config.
+llama::Config llama_config(const Config& c) {
+  llama::Config l;
+  l.n_layer = c.n_layer;
+  l.n_head = c.n_head;
+  l.n_kv_head = c.n_kv_head;
+  l.d_model = c.d_model;
+  l.intermediate_size = c.intermediate_size;
+  l.block_size = c.max_positions > 0 ? c.max_positions : c.block_size;
+  l.vocab_size = c.vocab_size;
+  l.rope_theta = c.rope_theta;
+  l.rms_norm_eps = c.rms_norm_eps;
+  l.tie_embeddings = c.tie_embeddings;
+  return l;
+}
+
+Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
+  fsdp::ShardingOptions so = f.sharding.options;
+  so.process_group = pg;
+  torch::manual_seed(f.training.seed);
+  Training t;
+  if (f.model.arch == "llama") {
+    build<llama::Llama>(t, llama_config(f.model), so, f.sharding.sharded_construction);
+  } else {
+    build<GPT>(t, f.model, so, f.sharding.sharded_construction);
+  }
+  // --init-from: the starting weights come from a consolidated file (written by this
+  // program, fsdp-consolidate or another framework with h5py). Loaded before the
+  // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
+  if (!f.checkpoint.init_from.empty()) {
+    fsdp::import_consolidated(f.checkpoint.init_from, t.model);
+    if (pg.rank() == 0)
+      std::cout << program() << ": initial weights from " << f.checkpoint.init_from << std::endl;
+  }
+  if (f.sharding.precision == "fp16") {
+    t.scaler.emplace(t.model, f.sharding.loss_scaler);
+  }
+  // fsdp::FusedAdamW steps shards in host memory (CPU training, or offload) with its SIMD
+  // kernels and shards on a GPU with ATen's fused kernel (at::_fused_adamw_). Under bf16
+  // the host step also writes each shard's bf16 copy, which the next gathers send instead
+  // of casting the shard again.
+  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
+                         .betas({f.training.beta1, f.training.beta2})
+                         .eps(f.training.eps)
+                         .weight_decay(f.training.weight_decay);
+  if (f.training.no_decay_recipe == "standard") {
+    // Groups by original parameter over the flat shards (include/fsdp/param_groups.h):
+    // biases and norm weights without weight decay, as GPT-2/nanoGPT train.
+    fsdp::ShardParamGroups groups(t.model, fsdp::no_decay_groups(f.training.weight_decay));
+    if (pg.rank() == 0) {
+      std::cout << program() << ": optimizer groups (--no-decay-recipe standard):\n"
+                << groups.describe(f.training.lr, f.training.weight_decay) << std::flush;
+    }
+    t.opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
+  } else {
+    t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
+  }
+  if (so.mixed_precision.master_dtype == torch::kBFloat16) {
+    // Pure bf16: each rank rounds with its own random bits.
+    static_cast<fsdp::FusedAdamW&>(*t.opt).set_bf16_rounding(
+        f.sharding.bf16_rounding, f.training.seed + static_cast<uint64_t>(pg.rank()));
+  }
+  return t;
+}
+
+/// The learning rate of `step` (0-based): constant and cosine: a linear warm-up, then
+/// constant or a cosine decay to 10%. warmup and warmup_decay: DeepSpeed's WarmupLR and
+/// WarmupDecayLR, stepped as DeepSpeed's engine steps them, once per applied optimizer
+/// step (`skipped`: steps skipped so far for fp16 overflow).
+double lr_at(const TrainingFlags& t, int64_t step, int64_t skipped) {
+  if (t.lr_schedule == "warmup" || t.lr_schedule == "warmup_decay") {
+    fsdp::WarmupSchedule w;
+    w.warmup_min_lr = t.warmup_min_lr;
+    w.warmup_max_lr = t.lr;
+    w.warmup_num_steps = t.warmup_steps;
+    w.warmup_type = t.warmup_type == "log" ? fsdp::WarmupSchedule::Type::kLog
+                                           : fsdp::WarmupSchedule::Type::kLinear;
+    w.total_num_steps = t.lr_schedule == "warmup_decay" ? t.steps : 0;
+    return w.lr(step - skipped - 1);
+  }
+  if (step < t.warmup_steps)
+    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+  if (t.lr_schedule != "cosine") return t.lr;
+  double progress =
+      static_cast<double>(step - t.warmup_steps) / std::max<int64_t>(1, t.steps - t.warmup_steps);
+  return t.lr * (0.1 + 0.9 * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& g : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
+}
+
+/// This rank's rows of a batch that every rank holds whole, on the compute device.
+torch::Tensor my_rows(const torch::Tensor& rows, const fsdp::ProcessGroup& pg,
+                      const torch::Device& device) {
+  const int64_t n = rows.size(0) / pg.size();
+  return rows.narrow(0, pg.rank() * n, n).to(device);
+}
+
+/// One optimizer step on the global batch `global`, in --grad-accum micro-batches, each
+/// rank its rows of each. Returns the step's loss, the mean over ranks.
+double train_step(Training& t, const torch::Tensor& global, const TrainingFlags& f,
+                  const fsdp::ProcessGroup& pg, const torch::Device& device) {
+  const int64_t accum = f.grad_accum, micro = f.batch_size / accum;
+  double loss_sum = 0;
+  for (int64_t m = 0; m < accum; ++m) {
+    auto mine = my_rows(global.narrow(0, m * micro, micro), pg, device);
+    auto loss = loss_of(t, mine) / static_cast<double>(accum);
+    (t.scaler ? t.scaler->scale(loss) : loss).backward();
+    loss_sum += loss.item<double>();
+  }
+  if (t.scaler) t.scaler->unscale_();  // before clipping: the norm is of the true gradients
+  // (A step whose gradients overflowed is skipped: nothing to clip.)
+  if (f.clip_grad > 0 && !(t.scaler && t.scaler->overflowed()))
+    fsdp::clip_grad_norm_(t.model, f.clip_grad);
+  if (t.scaler) {
+    t.scaler->step(*t.opt);  // skipped, on every rank alike, when a gradient is inf or nan
+    t.scaler->update();
+  } else {
+    t.opt->step();
+  }
+  t.opt->zero_grad();
+  // On the compute device: NCCL reduces device tensors only.
+  auto l = torch::tensor({loss_sum}, torch::kDouble).to(device);
+  pg.all_reduce_sum(l);
+  return l.item<double>() / pg.size();
+}
+
+/// Validation loss over the held-out part: the same 4 batches every time, each rank its
+/// rows, no gradients, dropout off; the mean over ranks and batches. Collective.
+double val_loss(Training& t, const Data& data, const Flags& f, const fsdp::ProcessGroup& pg) {
+  constexpr int64_t kValBatches = 4;
+  const torch::Device device = f.sharding.options.device;
+  torch::NoGradGuard no_grad;
+  t.model.as_module().eval();
+  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kDouble).device(device));
+  for (int64_t i = 0; i < kValBatches; ++i) {
+    auto rows = data.val_batch(i, f.training.batch_size, f.model.block_size);
+    sum += loss_of(t, my_rows(rows, pg, device)).to(torch::kDouble).reshape({1});
+  }
+  t.model.as_module().train();
+  pg.all_reduce_sum(sum);
+  return sum.item<double>() / static_cast<double>(pg.size() * kValBatches);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// The training loop: steps [first_step, last_step).
+void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGroup& pg,
+           TrainLog& log, CheckpointPolicy& checkpoints, int64_t first_step, int64_t last_step) {
+  const int64_t batch = f.training.batch_size, block = f.model.block_size;
+  for (int64_t step = first_step; step < last_step; ++step) {
+    StepRecord r;
+    r.step = step + 1;
+    r.lr = lr_at(f.training, step, t.scaler ? t.scaler->state().skipped_steps : 0);
+    set_lr(*t.opt, r.lr);
+    const auto start = std::chrono::steady_clock::now();
+    {
+      fsdp::TraceScope span("train step " + std::to_string(r.step));
+      r.loss =
+          train_step(t, data.batch(step, batch, block), f.training, pg, f.sharding.options.device);
+    }
+    r.step_s = seconds_since(start);
+    r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
+    read_engine_stats(t.model, r);
+    if (data.validates() && log.progress_after(r.step)) r.val_loss = val_loss(t, data, f, pg);
+    if (t.scaler) r.loss_scaler = t.scaler->state();
+    log.write(r);
+    if (checkpoints.due(r.step)) checkpoints.save(r.step);
+  }
+}
+
+/// --export-hf DIR: the weights as transformers saves them (model.safetensors, or shards
+/// and an index, under the model's own names, which are transformers'), and config.json.
+/// Collective; rank 0 writes, one unit's full parameters at a time.
+void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
+  fsdp::TrainingState st;
+  st.step = step;
+  st.model_attrs = architecture_attrs(f.model);
+  fsdp::SafetensorsOptions o;
+  const std::string& d = f.checkpoint.export_dtype;
+  o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
+  fsdp::export_safetensors(f.checkpoint.export_hf, t.model, st, o);
+  if (pg.rank() == 0) {
+    llama::write_hf_config(f.checkpoint.export_hf, f.model,
+                           d == "bf16"   ? "bfloat16"
+                           : d == "fp16" ? "float16"
+                                         : "float32");
+    std::cout << program() << ": wrote a Hugging Face model (" << d << ") to "
+              << f.checkpoint.export_hf << " in " << seconds_since(start) << " s" << std::endl;
+  }
+  pg.barrier();
+}
+
+int run(const Program& prog, int argc, char** argv) {
+  std::optional<Flags> flags = parse_flags(prog, argc, argv);
+  if (!flags) return 0;  // --help
+  const fsdp::ProcessGroup pg = examples::init_process_group_for(flags->sharding.options.device);
+  const std::string deepspeed = apply_deepspeed_config(*flags, pg.size());
+  const Flags& f = *flags;
+  const Data data(f.training.seed, f.training.data, f.training.val_fraction);
+  data.check(f.model.block_size);
+  check_batch_for_world(f.training, pg.size());
+  check_checkpoint_flags(f.checkpoint, f.training.steps);
+  const bool main_rank = pg.rank() == 0;
+
+  Training t = make_training(f, pg);
+  CheckpointPolicy checkpoints(f, t.model, *t.opt, t.scaler ? &*t.scaler : nullptr, pg);
+  const int64_t first_step = checkpoints.resume();
+  const int64_t last_step = checkpoints.last_step(first_step);
+  TrainLog log(f.output, f.training.steps, main_rank);
+  if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
+  if (main_rank) print_summary(t.model, f, data, pg.size());
+  log.start(first_step, last_step);
+  train(t, f, data, pg, log, checkpoints, first_step, last_step);
+
+  const int64_t final_step = std::max(first_step, last_step);
+  checkpoints.finish(final_step);
+  if (!f.checkpoint.export_hf.empty()) export_hf(t, f, pg, final_step);
+  if (t.scaler) {
+    // Every rank reports: skipping is agreed across ranks, so these lines must match.
+    std::cout << program() << ": rank " << pg.rank() << ": fp16 skipped "
+              << t.scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
+              << static_cast<int64_t>(t.scaler->state().scale) << std::endl;
+  }
+  if (main_rank) {
+    std::cout << program() << ": peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";
+    if (f.sharding.options.device.is_cuda()) {
+      const fsdp::DeviceMemory m = fsdp::device_memory(f.sharding.options.device);
+      std::cout << program() << ": peak GPU memory of rank 0: " << m.peak_allocated / 1048576
+                << " MiB allocated, " << m.peak_reserved / 1048576 << " MiB reserved\n";
+    }
+    std::cout << program() << ": done" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+namespace gpt {
+
+int run_training(const Program& program, int argc, char** argv) {
+  return examples::program_main(program.name.c_str(), [&] { return run(program, argc, argv); });
+}
+
+}  // namespace gpt
