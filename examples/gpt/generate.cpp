@@ -10,7 +10,7 @@
 
 #include "../common/cli.h"
 #include "../common/device.h"
-#include "architecture.h"
+#include "../common/trainer/architecture.h"
 #include "gpt_model.h"
 
 #include <cxxopts.hpp>
@@ -57,8 +57,7 @@ cxxopts::Options make_options() {
 gpt::Config read_architecture(const std::string& file) {
   const auto attrs = fsdp::consolidated_attributes(file);
   gpt::Config cfg;
-  for (const auto& [key, field] : gpt::architecture_fields(cfg))
-    *field = int_attr(attrs, key, file);
+  for (const auto& [key, field] : lm::architecture_fields(cfg)) *field = int_attr(attrs, key, file);
   return cfg;
 }
 

@@ -1,13 +1,19 @@
 // train_gpt: trains the GPT of docs/design.md, "Contracts", sharded over every rank of the
-// job. The program is trainer.cpp's, shared with train_llama.
+// job, one block per unit. The program is the shared trainer's
+// (examples/common/trainer/trainer.cpp), which train_llama runs too.
 //
 //   build/bin/train_gpt --steps 200                      # one process
 //   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine
 //   build/bin/train_gpt --device cuda                    # on the GPU (NCCL between ranks)
-#include "trainer.h"
+#include "../common/trainer/trainer.h"
+#include "gpt_model.h"
 
 int main(int argc, char** argv) {
-  return gpt::run_training(
-      {"train_gpt", "gpt", "Train the GPT example, fully sharded over the job's ranks."}, argc,
-      argv);
+  lm::Program p;
+  p.name = "train_gpt";
+  p.arch = "gpt";
+  p.description = "Train the GPT example, fully sharded over the job's ranks.";
+  p.block_policy = fsdp::module_type_policy<gpt::Block>();
+  p.build = lm::build_sharded<gpt::GPT, lm::Config>;
+  return lm::run_training(p, argc, argv);
 }

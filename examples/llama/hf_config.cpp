@@ -39,7 +39,7 @@ bool is_hf_model_dir(const std::string& dir) {
          std::filesystem::is_regular_file(std::filesystem::path(dir) / "config.json");
 }
 
-gpt::Config read_hf_config(const std::string& dir, int64_t block_size) {
+lm::Config read_hf_config(const std::string& dir, int64_t block_size) {
   std::ifstream in(where(dir));
   if (!in) throw UsageError(where(dir) + ": cannot open the file");
   json j;
@@ -54,7 +54,7 @@ gpt::Config read_hf_config(const std::string& dir, int64_t block_size) {
                      "\"; train_llama builds Llama models (model_type \"llama\", "
                      "LlamaForCausalLM)");
   }
-  gpt::Config c;
+  lm::Config c;
   c.arch = "llama";
   // LlamaConfig's defaults where a field is absent.
   c.vocab_size = field<int64_t>(j, "vocab_size", 32000, dir);
@@ -105,7 +105,7 @@ gpt::Config read_hf_config(const std::string& dir, int64_t block_size) {
   return c;
 }
 
-void write_hf_config(const std::string& dir, const gpt::Config& c, const std::string& dtype) {
+void write_hf_config(const std::string& dir, const lm::Config& c, const std::string& dtype) {
   json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
             {"vocab_size", c.vocab_size},

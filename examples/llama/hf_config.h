@@ -2,7 +2,7 @@
 // transformers' config.json for LlamaForCausalLM, read and written: what --init-from DIR
 // takes the architecture from and what --export-hf writes beside model.safetensors.
 
-#include "../gpt/gpt_model.h"
+#include "../common/trainer/lm_config.h"
 
 #include <string>
 
@@ -16,10 +16,10 @@ bool is_hf_model_dir(const std::string& dir);
 /// field and value when the file is not a Llama this example can build (another
 /// model_type, an activation other than silu, biases, rope scaling, a head_dim other than
 /// hidden_size / num_attention_heads).
-gpt::Config read_hf_config(const std::string& dir, int64_t block_size);
+lm::Config read_hf_config(const std::string& dir, int64_t block_size);
 
 /// Writes `dir`/config.json for `cfg` (LlamaConfig's fields; torch_dtype `dtype`: float32,
 /// bfloat16 or float16), under a temporary name then renamed.
-void write_hf_config(const std::string& dir, const gpt::Config& cfg, const std::string& dtype);
+void write_hf_config(const std::string& dir, const lm::Config& cfg, const std::string& dtype);
 
 }  // namespace llama

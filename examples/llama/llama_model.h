@@ -15,6 +15,8 @@
 
 #include <fsdp/fully_sharded_module.h>
 
+#include "../common/trainer/lm_config.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -36,6 +38,23 @@ struct Config {
   bool tie_embeddings = false;  ///< tie_word_embeddings
   int64_t head_dim() const { return d_model / n_head; }
 };
+
+/// The Llama fields of the trainer's shared Config (max_position_embeddings: max_positions,
+/// or block_size when that is 0).
+inline Config from_lm(const lm::Config& c) {
+  Config l;
+  l.n_layer = c.n_layer;
+  l.n_head = c.n_head;
+  l.n_kv_head = c.n_kv_head;
+  l.d_model = c.d_model;
+  l.intermediate_size = c.intermediate_size;
+  l.block_size = c.max_positions > 0 ? c.max_positions : c.block_size;
+  l.vocab_size = c.vocab_size;
+  l.rope_theta = c.rope_theta;
+  l.rms_norm_eps = c.rms_norm_eps;
+  l.tie_embeddings = c.tie_embeddings;
+  return l;
+}
 
 /// transformers' _init_weights for Llama: N(0, initializer_range = 0.02) for linear and
 /// embedding weights; RMSNorm weights stay one.

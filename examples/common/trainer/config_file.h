@@ -5,10 +5,10 @@
 #include <string>
 #include <vector>
 
-namespace gpt {
+namespace lm {
 
 /// Turns {"n_layer": 4, "lr-schedule": "cosine", "resume": true} into
 /// "--n-layer=4 --lr-schedule=cosine --resume" (a switch set to false is left out).
 std::vector<std::string> config_file_args(const std::string& path);
 
-}  // namespace gpt
+}  // namespace lm

@@ -10,7 +10,7 @@
 #include <functional>
 #include <string>
 
-namespace gpt {
+namespace lm {
 
 class IoLog {
  public:
@@ -26,4 +26,4 @@ class IoLog {
   std::ofstream file_;  ///< open on rank 0 only
 };
 
-}  // namespace gpt
+}  // namespace lm

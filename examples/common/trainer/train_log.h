@@ -14,7 +14,7 @@
 #include <fstream>
 #include <optional>
 
-namespace gpt {
+namespace lm {
 
 /// One step, as the log reports it.
 struct StepRecord {
@@ -67,4 +67,4 @@ class TrainLog {
   int64_t first_step_ = 0, last_step_ = 0;  ///< this run's steps: [first_step_, last_step_)
 };
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,12 +1,12 @@
 #include "io_log.h"
 
-#include "../common/cli.h"
+#include "../cli.h"
 
 #include <nlohmann/json.hpp>
 
 #include <chrono>
 
-namespace gpt {
+namespace lm {
 
 IoLog::IoLog(const std::string& path, fsdp::ProcessGroup pg)
     : pg_(std::move(pg)), enabled_(!path.empty()) {
@@ -26,4 +26,4 @@ void IoLog::timed(const char* event, const std::function<std::string()>& op) {
     file_ << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump() << std::endl;
 }
 
-}  // namespace gpt
+}  // namespace lm

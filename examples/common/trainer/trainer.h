@@ -5,10 +5,10 @@
 
 #include "flags.h"
 
-namespace gpt {
+namespace lm {
 
 /// Parses the command line as `program` and trains; returns the process's exit status
 /// (2 for a usage error, 1 for another failure), printing errors as "<name>: error: ...".
 int run_training(const Program& program, int argc, char** argv);
 
-}  // namespace gpt
+}  // namespace lm

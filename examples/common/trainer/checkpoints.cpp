@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <iostream>
 
-namespace gpt {
+namespace lm {
 
 CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model,
                                    torch::optim::Optimizer& opt, fsdp::LossScaler* scaler,
@@ -102,4 +102,4 @@ void CheckpointPolicy::finish(int64_t final_step) {
   }
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,13 +1,13 @@
 #include "data.h"
 
-#include "../common/cli.h"
+#include "../cli.h"
 
 #include <cmath>
 #include <fstream>
 #include <random>
 #include <sstream>
 
-namespace gpt {
+namespace lm {
 namespace {
 
 using examples::UsageError;
@@ -93,4 +93,4 @@ double Data::unigram_entropy(int64_t block) const {
 
 double Data::conditional_entropy() const { return -(0.7 * std::log(0.7) + 0.3 * std::log(0.3)); }
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,11 +1,11 @@
 #include "deepspeed_flags.h"
 
-#include "../common/cli.h"
+#include "../cli.h"
 
 #include <algorithm>
 #include <sstream>
 
-namespace gpt {
+namespace lm {
 namespace {
 
 using examples::UsageError;
@@ -178,4 +178,4 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   return program() + ": --deepspeed-config " + path + "\n" + ds.describe();
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -5,14 +5,15 @@
 
 #include <fsdp/fsdp.h>
 
-#include "gpt_model.h"
+#include "lm_config.h"
+#include "program.h"
 
 #include <cstdint>
 #include <optional>
 #include <set>
 #include <string>
 
-namespace gpt {
+namespace lm {
 
 /// How to train.
 struct TrainingFlags {
@@ -33,6 +34,7 @@ struct TrainingFlags {
   double clip_grad = 0;         ///< --clip-grad: the global gradient norm's bound (0: off)
   uint64_t seed = 0;            ///< --seed: weights and data
   std::string data;             ///< --data: a text file, byte-level ("": the synthetic task)
+  std::string eval_text;        ///< --eval-text: a fixed batch's bytes, evaluated first and last
   double val_fraction = 0;      ///< --val-fraction: with --data, the last part held out
 };
 
@@ -82,12 +84,6 @@ struct Flags {
   OutputFlags output;
 };
 
-/// The program the trainer runs as: train_gpt (arch "gpt") or train_llama (arch "llama").
-struct Program {
-  std::string name;         ///< prefixes its output lines and errors
-  std::string arch;         ///< the model family it trains
-  std::string description;  ///< --help's first line
-};
 /// The program parse_flags was called for (its name prefixes every output line).
 const std::string& program();
 const Program& program_info();
@@ -108,4 +104,4 @@ void check_batch_for_world(const TrainingFlags& training, int world);
 /// save directory is created, and the consolidated file's directory must exist.
 void check_checkpoint_flags(const CheckpointFlags& checkpoint, int64_t steps);
 
-}  // namespace gpt
+}  // namespace lm

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace gpt {
+namespace lm {
 
 class CheckpointPolicy {
  public:
@@ -50,4 +50,4 @@ class CheckpointPolicy {
   fsdp::AsyncSave pending_;  ///< --async-save: the save in flight
 };
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,13 +1,13 @@
 #include "config_file.h"
 
-#include "../common/cli.h"
+#include "../cli.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <fstream>
 
-namespace gpt {
+namespace lm {
 
 using examples::UsageError;
 
@@ -42,4 +42,4 @@ std::vector<std::string> config_file_args(const std::string& path) {
   return out;
 }
 
-}  // namespace gpt
+}  // namespace lm

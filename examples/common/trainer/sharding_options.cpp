@@ -1,10 +1,9 @@
 #include "sharding_options.h"
 
-#include "../common/cli.h"
-#include "../llama/llama_model.h"
-#include "gpt_model.h"
+#include "../cli.h"
+#include "lm_config.h"
 
-namespace gpt {
+namespace lm {
 namespace {
 
 using examples::UsageError;
@@ -37,14 +36,8 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
                    " is unknown; use full (= zero3), grad_op, zero2, zero1, none or hybrid");
 }
 
-// The model's repeated block: the GPT's Block or the Llama's DecoderLayer.
-fsdp::WrapPolicy block_policy(const std::string& arch) {
-  return arch == "llama" ? fsdp::module_type_policy<llama::DecoderLayer>()
-                         : fsdp::module_type_policy<Block>();
-}
-
-fsdp::WrapPolicy parse_wrap(const std::string& s, const std::string& arch) {
-  if (s == "block") return block_policy(arch);
+fsdp::WrapPolicy parse_wrap(const std::string& s, const fsdp::WrapPolicy& block) {
+  if (s == "block") return block;
   if (s == "none") return fsdp::never_wrap_policy();
   if (s.rfind("size:", 0) == 0) {
     try {
@@ -58,15 +51,15 @@ fsdp::WrapPolicy parse_wrap(const std::string& s, const std::string& arch) {
                    " is unknown; use block, none or size:N (N = least parameters per unit)");
 }
 
-fsdp::WrapPolicy parse_checkpointing(const std::string& s, const std::string& arch) {
+fsdp::WrapPolicy parse_checkpointing(const std::string& s, const fsdp::WrapPolicy& block) {
   if (s == "none") return nullptr;
-  if (s == "all") return block_policy(arch);
+  if (s == "all") return block;
   if (s.rfind("every:", 0) == 0) {
     try {
       size_t used = 0;
       int k = std::stoi(s.substr(6), &used);
       if (used == s.size() - 6 && k >= 1) {
-        return fsdp::all_policy({block_policy(arch), fsdp::every_kth_policy(k)});
+        return fsdp::all_policy({block, fsdp::every_kth_policy(k)});
       }
     } catch (const std::exception&) {
     }
@@ -80,14 +73,14 @@ fsdp::WrapPolicy parse_checkpointing(const std::string& s, const std::string& ar
 fsdp::ShardingOptions sharding_options(const std::string& precision, const std::string& sharding,
                                        int hybrid_group_size, const std::string& wrap,
                                        const std::string& activation_checkpointing,
-                                       const std::string& arch) {
+                                       const fsdp::WrapPolicy& block) {
   fsdp::ShardingOptions so;
   set_precision(precision, so.mixed_precision);
   so.strategy = parse_sharding(sharding);
   so.hybrid_group_size = hybrid_group_size;
-  so.auto_wrap_policy = parse_wrap(wrap, arch);
-  so.checkpoint_policy = parse_checkpointing(activation_checkpointing, arch);
+  so.auto_wrap_policy = parse_wrap(wrap, block);
+  so.checkpoint_policy = parse_checkpointing(activation_checkpointing, block);
   return so;
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -16,29 +16,29 @@
 // the JSONL log), checkpoints.h (resume, saves, --stop-at, the consolidated export).
 #include <fsdp/fsdp.h>
 
-#include "../common/cli.h"
-#include "../common/device.h"
-#include "../llama/hf_config.h"
-#include "../llama/llama_model.h"
+#include "../cli.h"
+#include "../device.h"
 #include "architecture.h"
 #include "checkpoints.h"
 #include "data.h"
 #include "deepspeed_flags.h"
 #include "flags.h"
-#include "gpt_model.h"
+#include "lm_config.h"
 #include "train_log.h"
 #include "trainer.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <optional>
 
 namespace {
 
-using namespace gpt;
+using namespace lm;
 
 /// What a training step changes: the sharded model (whichever family: `forward` calls
 /// it), its optimizer and, under fp16, the loss scaler.
@@ -58,43 +58,14 @@ torch::Tensor loss_of(Training& t, const torch::Tensor& rows) {
                                               y.reshape({-1}));
 }
 
-/// Builds model family M sharded. Sharded construction: no rank ever holds the whole
-/// model (docs/design.md, "Sharded construction"); the weights are the same as eager
-/// construction's.
-template <class M, class Cfg>
-void build(Training& t, const Cfg& cfg, const fsdp::ShardingOptions& so, bool sharded) {
-  auto model = std::make_shared<fsdp::Sharded<M>>(sharded ? fsdp::make_sharded<M>(so, cfg)
-                                                          : fsdp::fully_shard(M(cfg), so));
-  t.model = *model;
-  t.forward = [model](const torch::Tensor& x) { return (*model)->forward(x); };
-}
-
-/// The Llama of examples/llama/llama_model.h from the shared Config.
-llama::Config llama_config(const Config& c) {
-  llama::Config l;
-  l.n_layer = c.n_layer;
-  l.n_head = c.n_head;
-  l.n_kv_head = c.n_kv_head;
-  l.d_model = c.d_model;
-  l.intermediate_size = c.intermediate_size;
-  l.block_size = c.max_positions > 0 ? c.max_positions : c.block_size;
-  l.vocab_size = c.vocab_size;
-  l.rope_theta = c.rope_theta;
-  l.rms_norm_eps = c.rms_norm_eps;
-  l.tie_embeddings = c.tie_embeddings;
-  return l;
-}
-
 Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   fsdp::ShardingOptions so = f.sharding.options;
   so.process_group = pg;
   torch::manual_seed(f.training.seed);
   Training t;
-  if (f.model.arch == "llama") {
-    build<llama::Llama>(t, llama_config(f.model), so, f.sharding.sharded_construction);
-  } else {
-    build<GPT>(t, f.model, so, f.sharding.sharded_construction);
-  }
+  BuiltModel built = program_info().build(f.model, so, f.sharding.sharded_construction);
+  t.model = built.model;
+  t.forward = built.forward;
   // --init-from: the starting weights come from a consolidated file (written by this
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
@@ -243,6 +214,39 @@ void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGro
   }
 }
 
+/// --eval-text: the file's bytes as (rows, block_size + 1) token rows, at most 64 rows.
+torch::Tensor eval_rows(const std::string& file, int64_t block) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw examples::UsageError("--eval-text " + file + ": cannot open the file");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const int64_t rows = std::min<int64_t>(64, static_cast<int64_t>(bytes.size()) / (block + 1));
+  if (rows < 1) {
+    throw examples::UsageError(
+        "--eval-text " + file + " holds " + std::to_string(bytes.size()) +
+        " bytes, fewer than one row of --block-size + 1 = " + std::to_string(block + 1));
+  }
+  auto t = torch::empty({rows, block + 1}, torch::kLong);
+  auto* p = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * (block + 1); ++i) p[i] = static_cast<unsigned char>(bytes[i]);
+  return t;
+}
+
+/// The mean next-token loss on the --eval-text rows, every rank all of them (collective:
+/// every rank runs the forward), printed by rank 0 with 9 significant digits.
+void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
+  if (f.training.eval_text.empty()) return;
+  const auto rows = eval_rows(f.training.eval_text, f.model.block_size);
+  torch::NoGradGuard no_grad;
+  t.model.as_module().eval();
+  const double loss = loss_of(t, rows.to(f.sharding.options.device)).item<double>();
+  t.model.as_module().train();
+  if (pg.rank() == 0) {
+    std::cout << program() << ": eval loss at step " << step << ": " << std::setprecision(9) << loss
+              << std::setprecision(6) << " (" << rows.size(0) << " rows of " << f.training.eval_text
+              << ")" << std::endl;
+  }
+}
+
 /// --export-hf DIR: the weights as transformers saves them (model.safetensors, or shards
 /// and an index, under the model's own names, which are transformers'), and config.json.
 /// Collective; rank 0 writes, one unit's full parameters at a time.
@@ -256,10 +260,10 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
   fsdp::export_safetensors(f.checkpoint.export_hf, t.model, st, o);
   if (pg.rank() == 0) {
-    llama::write_hf_config(f.checkpoint.export_hf, f.model,
-                           d == "bf16"   ? "bfloat16"
-                           : d == "fp16" ? "float16"
-                                         : "float32");
+    program_info().write_hf_config(f.checkpoint.export_hf, f.model,
+                                   d == "bf16"   ? "bfloat16"
+                                   : d == "fp16" ? "float16"
+                                                 : "float32");
     std::cout << program() << ": wrote a Hugging Face model (" << d << ") to "
               << f.checkpoint.export_hf << " in " << seconds_since(start) << " s" << std::endl;
   }
@@ -286,9 +290,11 @@ int run(const Program& prog, int argc, char** argv) {
   if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   if (main_rank) print_summary(t.model, f, data, pg.size());
   log.start(first_step, last_step);
+  eval_text(t, f, pg, first_step);
   train(t, f, data, pg, log, checkpoints, first_step, last_step);
 
   const int64_t final_step = std::max(first_step, last_step);
+  eval_text(t, f, pg, final_step);
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(t, f, pg, final_step);
   if (t.scaler) {
@@ -311,10 +317,10 @@ int run(const Program& prog, int argc, char** argv) {
 
 }  // namespace
 
-namespace gpt {
+namespace lm {
 
 int run_training(const Program& program, int argc, char** argv) {
   return examples::program_main(program.name.c_str(), [&] { return run(program, argc, argv); });
 }
 
-}  // namespace gpt
+}  // namespace lm

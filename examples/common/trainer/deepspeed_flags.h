@@ -12,7 +12,7 @@
 
 #include <string>
 
-namespace gpt {
+namespace lm {
 
 /// Applies f.deepspeed_config (if any) to `f` for a job of `world` ranks. Returns the
 /// lines rank 0 prints: the options the config became and one line per key; "" without
@@ -20,4 +20,4 @@ namespace gpt {
 /// flag given.
 std::string apply_deepspeed_config(Flags& f, int world);
 
-}  // namespace gpt
+}  // namespace lm

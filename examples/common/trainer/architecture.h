@@ -1,18 +1,18 @@
 #pragma once
-// The GPT's architecture as a checkpoint records it: the integer fields of gpt::Config
+// The GPT's architecture as a checkpoint records it: the integer fields of lm::Config
 // under their attribute names. train_gpt writes them into every checkpoint and reads them
 // back for --init-from; generate builds its model from them.
 
 #include <fsdp/checkpoint_format.h>
 
-#include "gpt_model.h"
+#include "lm_config.h"
 
 #include <array>
 #include <map>
 #include <string>
 #include <utility>
 
-namespace gpt {
+namespace lm {
 
 /// Each recorded field of `cfg` by its attribute name, in the order errors name them.
 inline std::array<std::pair<const char*, int64_t*>, 5> architecture_fields(Config& cfg) {
@@ -49,4 +49,4 @@ inline std::map<std::string, fsdp::AttrValue> architecture_attrs(Config cfg) {
   return attrs;
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpt {
+namespace lm {
 
 class Data {
  public:
@@ -51,4 +51,4 @@ class Data {
       next_;  ///< per character: likely (p=0.7) and other (0.3) successor
 };
 
-}  // namespace gpt
+}  // namespace lm

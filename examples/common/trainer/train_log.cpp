@@ -1,6 +1,6 @@
 #include "train_log.h"
 
-#include "../common/cli.h"
+#include "../cli.h"
 
 #include <nlohmann/json.hpp>
 
@@ -12,7 +12,7 @@
 #include <string>
 #include <tuple>
 
-namespace gpt {
+namespace lm {
 namespace {
 
 std::string human_bytes(double b) {
@@ -175,4 +175,4 @@ void TrainLog::print_progress(const StepRecord& r) const {
             << std::endl;
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -7,13 +7,14 @@
 
 #include <string>
 
-namespace gpt {
+namespace lm {
 
-/// Names the flags' values; `hybrid_group_size` is --hybrid-group-size's. The options'
-/// process group is left for the caller.
+/// Names the flags' values; `hybrid_group_size` is --hybrid-group-size's; `block` picks the
+/// model's repeated block (--wrap block, --activation-checkpointing). The options' process
+/// group is left for the caller.
 fsdp::ShardingOptions sharding_options(const std::string& precision, const std::string& sharding,
                                        int hybrid_group_size, const std::string& wrap,
                                        const std::string& activation_checkpointing,
-                                       const std::string& arch);
+                                       const fsdp::WrapPolicy& block);
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,8 +1,7 @@
 #include "flags.h"
 
-#include "../common/cli.h"
-#include "../common/device.h"
-#include "../llama/hf_config.h"
+#include "../cli.h"
+#include "../device.h"
 #include "architecture.h"
 #include "config_file.h"
 #include "sharding_options.h"
@@ -17,7 +16,7 @@
 #include <variant>
 #include <vector>
 
-namespace gpt {
+namespace lm {
 namespace {
 
 using examples::UsageError;
@@ -84,6 +83,11 @@ void add_training_flags(cxxopts::Options& o) {
   flag("adam-eps", "AdamW's eps", value<double>("1e-8"));
   flag("clip-grad", "clip the global gradient norm to this (0: off)", value<double>("1.0"));
   flag("seed", "seed for weights and data", value<uint64_t>("1337"));
+  flag("eval-text",
+       "before the first step and after the last, print the loss on this file's bytes, cut into "
+       "rows of --block-size + 1 (at most 64 rows; every rank computes all of them), with 9 "
+       "significant digits: a fixed batch to compare with another framework",
+       value<std::string>(""));
   flag("data", "train on this text file, byte-level (default: the synthetic task)",
        value<std::string>(""));
   flag("val-fraction",
@@ -189,7 +193,7 @@ void add_checkpoint_flags(cxxopts::Options& o) {
   flag("consolidate-to",
        "at the end, write one consolidated HDF5 file here (for generate and other tools)",
        value<std::string>(""));
-  if (llama_arch()) {
+  if (current_program().write_hf_config) {
     flag("export-hf",
          "at the end, write a Hugging Face model directory here: config.json and "
          "model.safetensors under transformers' names (AutoModelForCausalLM.from_pretrained "
@@ -267,7 +271,7 @@ void agree(const cxxopts::ParseResult& r, const std::string& flag, const T& ours
 // --init-from DIR with a config.json (a Hugging Face model directory): the architecture is
 // config.json's; the flags given must agree with it.
 void apply_hf_dir(const std::string& dir, Config& cfg, const cxxopts::ParseResult& r) {
-  Config hf = llama::read_hf_config(dir, cfg.block_size);
+  Config hf = current_program().read_hf_config(dir, cfg.block_size);
   const std::string file = dir + "/config.json";
   agree<int64_t>(r, "n-layer", cfg.n_layer, hf.n_layer, file, "num_hidden_layers");
   agree<int64_t>(r, "n-head", cfg.n_head, hf.n_head, file, "num_attention_heads");
@@ -292,13 +296,13 @@ void apply_hf_dir(const std::string& dir, Config& cfg, const cxxopts::ParseResul
 void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseResult& r) {
   if (!std::filesystem::exists(file))
     throw UsageError("--init-from " + file + ": cannot open the file");
-  if (llama::is_hf_model_dir(file)) {
-    if (!llama_arch()) {
+  if (std::filesystem::is_regular_file(std::filesystem::path(file) / "config.json")) {
+    if (!current_program().read_hf_config) {
       throw UsageError("--init-from " + file +
                        " is a Hugging Face model directory (it holds config.json); " +
-                       current_program().name +
-                       " trains the GPT of docs/design.md, which is no Hugging Face "
-                       "architecture: use train_llama for Llama models");
+                       current_program().name + " trains a " + current_program().arch +
+                       " model, which is no Hugging Face architecture: use train_llama for "
+                       "Llama models");
     }
     apply_hf_dir(file, cfg, r);
     return;
@@ -416,6 +420,7 @@ TrainingFlags read_training(const cxxopts::ParseResult& r) {
   t.clip_grad = r["clip-grad"].as<double>();
   t.seed = r["seed"].as<uint64_t>();
   t.data = r["data"].as<std::string>();
+  t.eval_text = r["eval-text"].as<std::string>();
   t.val_fraction = r["val-fraction"].as<double>();
   return t;
 }
@@ -570,10 +575,10 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
     }
   }
   check_loss_scaler(ls);
-  s.options =
-      sharding_options(s.precision, r["sharding"].as<std::string>(),
-                       r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
-                       r["activation-checkpointing"].as<std::string>(), current_program().arch);
+  s.options = sharding_options(s.precision, r["sharding"].as<std::string>(),
+                               r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
+                               r["activation-checkpointing"].as<std::string>(),
+                               current_program().block_policy);
   s.options.cpu_offload = r.count("cpu-offload") > 0;
   s.options.offload_activations = r.count("offload-activations") > 0;
   if (s.options.offload_activations && s.options.checkpoint_policy == nullptr) {
@@ -625,7 +630,7 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   c.resume = r.count("resume") > 0;
   c.init_from = r["init-from"].as<std::string>();
   c.consolidate_to = r["consolidate-to"].as<std::string>();
-  if (llama_arch()) {
+  if (current_program().write_hf_config) {
     c.export_hf = r["export-hf"].as<std::string>();
     c.export_dtype = r["export-dtype"].as<std::string>();
     if (c.export_dtype != "fp32" && c.export_dtype != "bf16" && c.export_dtype != "fp16")
@@ -722,4 +727,4 @@ void check_checkpoint_flags(const CheckpointFlags& c, int64_t steps) {
   }
 }
 
-}  // namespace gpt
+}  // namespace lm

@@ -1,0 +1,46 @@
+#pragma once
+// What a training program built on the shared trainer (trainer.h) says about itself: its
+// name, its model family and how to build it, and, for a family Hugging Face knows, how
+// to read and write transformers' config.json.
+
+#include <fsdp/fsdp.h>
+
+#include "lm_config.h"
+
+#include <functional>
+#include <string>
+
+namespace lm {
+
+/// A sharded model of any family, as the trainer drives it.
+struct BuiltModel {
+  fsdp::ShardedModel model;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;  ///< (B, T) tokens -> logits
+};
+
+/// Builds model family M sharded: constructed already sharded (fsdp::make_sharded; no rank
+/// ever holds the whole model) or in full then sharded (fsdp::fully_shard); the same
+/// weights either way.
+template <class M, class Cfg>
+BuiltModel build_sharded(const Cfg& cfg, const fsdp::ShardingOptions& so, bool sharded) {
+  auto model = std::make_shared<fsdp::Sharded<M>>(sharded ? fsdp::make_sharded<M>(so, cfg)
+                                                          : fsdp::fully_shard(M(cfg), so));
+  return {*model, [model](const torch::Tensor& x) { return (*model)->forward(x); }};
+}
+
+struct Program {
+  std::string name;         ///< prefixes its output lines and errors
+  std::string arch;         ///< the model family (Config::arch): "gpt" or "llama"
+  std::string description;  ///< --help's first line
+  /// The family's repeated block: what --wrap block and --activation-checkpointing pick.
+  fsdp::WrapPolicy block_policy;
+  std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
+  /// A Hugging Face architecture: the Config of a model directory's config.json (block_size
+  /// given: the training sequence length), and config.json written for a Config with the
+  /// weights' dtype name. Both empty for a family Hugging Face does not know.
+  std::function<Config(const std::string& dir, int64_t block_size)> read_hf_config;
+  std::function<void(const std::string& dir, const Config&, const std::string& dtype)>
+      write_hf_config;
+};
+
+}  // namespace lm
