@@ -493,8 +493,8 @@ void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& 
   float* mp = st.exp_avg().data_ptr<float>();
   float* vp = st.exp_avg_sq().data_ptr<float>();
   const detail::KernelIsa kernel = to_kernel(isa);
-  // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
-  at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
+  // Ranges of 64K elements or more over the intra-op pool (for_each_range).
+  for_each_range(p, [&](int64_t b, int64_t e) {
     detail::adamw_update(kernel, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
                          kind);
   });
