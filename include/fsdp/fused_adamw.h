@@ -73,8 +73,9 @@ class FusedAdamW : public torch::optim::AdamW {
   /// - kNearest: round to nearest even; an update below half a bf16 ulp of the parameter
   ///   is lost, so small learning rates stall.
   /// - kStochastic: round up with probability equal to the remainder's share of an ulp,
-  ///   so updates survive on average (an unbiased rounding); its random bits come from a
-  ///   generator of this optimizer seeded with `seed` (give each rank its own).
+  ///   so updates survive on average (an unbiased rounding); its random bits are a hash
+  ///   of `seed` (give each rank its own), the parameter's position in the groups, its
+  ///   step count and the element's index: the same whatever the number of threads.
   /// - kCompensated: a bf16 compensation buffer per parameter (Kahan) keeps what
   ///   rounding dropped and adds it back at the next update: 2 more bytes per parameter.
   ///   The buffer is not saved in checkpoints; a resumed run starts it at zero.
@@ -117,14 +118,14 @@ class FusedAdamW : public torch::optim::AdamW {
   /// One parameter's update: its fp32 gradient, state and the kernels (and its copy-out).
   void step_param(torch::Tensor& p, const torch::optim::AdamWOptions& o, Isa isa);
   /// A CPU bf16 parameter: the update in fp32 over its bf16 values and moments, written
-  /// back as bf16_rounding_ says.
-  void step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o);
+  /// back as bf16_rounding_ says. `position`: p's index in the groups, in order.
+  void step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o, int64_t position);
   /// One group's parameters through at::_fused_adamw_, a launch per device and dtype.
   void step_aten(const std::vector<torch::Tensor>& params, const torch::optim::AdamWOptions& o);
 
   Kernel kernel_ = Kernel::kAuto;
   Bf16Rounding bf16_rounding_ = Bf16Rounding::kNearest;
-  at::Generator rounding_gen_;
+  uint64_t rounding_seed_ = 0;  ///< set_bf16_rounding's seed (kStochastic's random bits)
   std::unordered_map<const void*, torch::Tensor> compensation_;
   struct CopyOut {
     torch::Tensor out;

@@ -18,7 +18,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -43,10 +45,36 @@ struct ScalarTraits {
   static T fmadd(T a, T b, T c) { return std::fma(a, b, c); }
   static void store_bf16(uint16_t* o, T a) { *o = c10::BFloat16(a).x; }
   static void store_f16(uint16_t* o, T a) { *o = c10::Half(a).x; }
+  // Integer lanes (bf16_adamw_body.inc).
+  using I = uint32_t;
+  static I load16(const uint16_t* x) { return *x; }
+  static void store16(uint16_t* o, I a) { *o = static_cast<uint16_t>(a); }
+  static I bits(T a) {
+    I u;
+    std::memcpy(&u, &a, sizeof u);
+    return u;
+  }
+  static T widen(I a) {
+    const I u = a << 16;
+    T f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static I rne(T a) { return c10::BFloat16(a).x; }
+  static I set1_i(uint32_t a) { return a; }
+  static I iota(uint32_t base) { return base; }
+  static I add_i(I a, I b) { return a + b; }
+  static I xor_i(I a, I b) { return a ^ b; }
+  static I mul_i(I a, I b) { return a * b; }
+  template <int k>
+  static I shr(I a) {
+    return a >> k;
+  }
 };
 
 namespace scalar {
 #include "adamw_body.inc"
+#include "bf16_adamw_body.inc"
 }  // namespace scalar
 
 void scalar_range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
@@ -93,13 +121,49 @@ struct Traits {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
+  // Integer lanes (bf16_adamw_body.inc).
+  using I = __m512i;
+  static I load16(const uint16_t* x) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  }
+  static void store16(uint16_t* o, I a) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(a));
+  }
+  static I bits(T a) { return _mm512_castps_si512(a); }
+  static T widen(I a) { return _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)); }
+  static I rne(T x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  }
+  static I set1_i(uint32_t a) { return _mm512_set1_epi32(static_cast<int>(a)); }
+  static I iota(uint32_t base) {
+    return _mm512_add_epi32(
+        set1_i(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I xor_i(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I mul_i(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int k>
+  static I shr(I a) {
+    return _mm512_srli_epi32(a, k);
+  }
 };
 
 #include "adamw_body.inc"
+#include "bf16_adamw_body.inc"
 
 void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
            uint16_t* out, CopyOutDtype kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
+}
+
+int64_t bf16_range(const AdamWConstants& c, const Bf16Arrays& a, int64_t at, int64_t n, uint32_t k0,
+                   uint32_t k1) {
+  return bf16_adamw_dispatch<Traits>(c, a, at, n, k0, k1);
 }
 
 }  // namespace avx512
@@ -135,13 +199,49 @@ struct Traits {
   static void store_f16(uint16_t* o, T x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
+  // Integer lanes (bf16_adamw_body.inc).
+  using I = __m256i;
+  static I load16(const uint16_t* x) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+  static void store16(uint16_t* o, I a) {  // lanes hold at most 0xFFFF: packus keeps them
+    __m128i lo = _mm256_castsi256_si128(a), hi = _mm256_extracti128_si256(a, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_packus_epi32(lo, hi));
+  }
+  static I bits(T a) { return _mm256_castps_si256(a); }
+  static T widen(I a) { return _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)); }
+  static I rne(T x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  }
+  static I set1_i(uint32_t a) { return _mm256_set1_epi32(static_cast<int>(a)); }
+  static I iota(uint32_t base) {
+    return _mm256_add_epi32(set1_i(base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I xor_i(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I mul_i(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int k>
+  static I shr(I a) {
+    return _mm256_srli_epi32(a, k);
+  }
 };
 
 #include "adamw_body.inc"
+#include "bf16_adamw_body.inc"
 
 void range(const AdamWConstants& c, float* p, const float* g, float* m, float* v, int64_t n,
            uint16_t* out, CopyOutDtype kind) {
   tail(c, p, g, m, v, adamw_body<Traits>(c, p, g, m, v, n, out, kind), n, out, kind);
+}
+
+int64_t bf16_range(const AdamWConstants& c, const Bf16Arrays& a, int64_t at, int64_t n, uint32_t k0,
+                   uint32_t k1) {
+  return bf16_adamw_dispatch<Traits>(c, a, at, n, k0, k1);
 }
 
 }  // namespace avx2
@@ -187,6 +287,25 @@ void adamw_update(KernelIsa isa, const AdamWConstants& c, float* p, const float*
   if (isa == KernelIsa::kAvx2) return avx2::range(c, p, g, m, v, n, out, kind);
 #endif
   scalar_range(c, p, g, m, v, n, out, kind);
+}
+
+void adamw_update_bf16(KernelIsa isa, const AdamWConstants& c, const Bf16Arrays& a, int64_t begin,
+                       int64_t end) {
+  const auto k0 = static_cast<uint32_t>(a.key), k1 = static_cast<uint32_t>(a.key >> 32);
+  // Pieces that stay within one 2^32-element block, so that the vector lanes' 32-bit
+  // indices never wrap and the block's number can go into the hash's key.
+  for (int64_t b = begin; b < end;) {
+    const int64_t e = std::min(end, (b | int64_t{0xFFFFFFFF}) + 1);
+    const uint32_t kb = k1 ^ (static_cast<uint32_t>(b >> 32) * 0x9E3779B9u);
+    int64_t done = 0;
+#if defined(__x86_64__)
+    if (isa == KernelIsa::kAvx512) done = avx512::bf16_range(c, a, b, e - b, k0, kb);
+    if (isa == KernelIsa::kAvx2) done = avx2::bf16_range(c, a, b, e - b, k0, kb);
+#endif
+    if (b + done < e)
+      scalar::bf16_adamw_dispatch<ScalarTraits>(c, a, b + done, e - b - done, k0, kb);
+    b = e;
+  }
 }
 
 }  // namespace fsdp::detail

@@ -8,6 +8,7 @@
 #include "nvme_adamw.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 #include <ATen/ops/_fused_adamw.h>
 
 #include <atomic>
@@ -188,6 +189,45 @@ torch::optim::AdamWParamState& adamw_state(States& states, const torch::Tensor& 
   return st;
 }
 
+// Calls f(begin, end) over [0, p.numel()) split among LibTorch's intra-op threads, in
+// ranges of at least 64K elements. at::parallel_for would not do: it is inline and runs
+// in parallel only in code compiled with the threading backend's flags (-fopenmp for
+// LibTorch's OpenMP builds), which this library is not; TensorIterator::for_each runs
+// it inside LibTorch. p (contiguous) only gives the iterator its shape: f gets indices.
+template <class F>
+void for_each_range(const torch::Tensor& p, const F& f) {
+  constexpr int64_t kGrain = int64_t{1} << 16;
+  if (p.numel() <= kGrain || at::get_num_threads() == 1) {
+    f(int64_t{0}, p.numel());
+    return;
+  }
+  const auto flat = p.view({-1});
+  auto iter = at::TensorIteratorConfig()
+                  .add_output(flat)
+                  .set_check_mem_overlap(false)
+                  .check_all_same_dtype(false)
+                  .resize_outputs(false)
+                  .build();
+  const char* base = static_cast<const char*>(flat.data_ptr());
+  const int64_t item = static_cast<int64_t>(flat.element_size());
+  iter.for_each(
+      [&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
+        for (int64_t j = 0; j < size1; ++j) {
+          const int64_t b = (data[0] + j * strides[1] - base) / item;
+          f(b, b + size0);
+        }
+      },
+      kGrain);
+}
+
+// Sebastiano Vigna's splitmix64 finalizer: a 64-bit mix, for step_bf16's keys.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 // The step's scalars for the kernels, at step number `step` (1 for the first).
 detail::AdamWConstants adamw_constants(const torch::optim::AdamWOptions& o, int64_t step) {
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
@@ -219,15 +259,17 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   TORCH_CHECK(!nvme_ || kernel_ == Kernel::kAuto,
               "FusedAdamW: NVMe state streams through the SIMD kernels; set_kernel(kAten) "
               "cannot step it. Use Kernel::kAuto");
+  int64_t position = 0;  // of a parameter in the groups, for step_bf16's random bits
   for (auto& group : param_groups()) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
     TORCH_CHECK(!o.amsgrad(),
                 "FusedAdamW does not implement amsgrad; use torch::optim::AdamW for it");
     std::vector<torch::Tensor> on_aten;  // device parameters (all of them under kAten)
     for (auto& p : group.params()) {
+      ++position;
       if (!p.grad().defined()) continue;
       if (kernel_ == Kernel::kAuto && p.is_cpu() && p.scalar_type() == torch::kBFloat16) {
-        step_bf16(p, o);
+        step_bf16(p, o, position - 1);
       } else if (kernel_ == Kernel::kAuto && p.is_cpu()) {
         step_param(p, o, isa);
       } else {
@@ -321,7 +363,7 @@ void FusedAdamW::step_aten(const std::vector<torch::Tensor>& params,
 
 void FusedAdamW::set_bf16_rounding(Bf16Rounding rounding, uint64_t seed) {
   bf16_rounding_ = rounding;
-  rounding_gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  rounding_seed_ = seed;
   if (rounding != Bf16Rounding::kCompensated) compensation_.clear();
 }
 
@@ -339,7 +381,18 @@ int64_t FusedAdamW::compensation_bytes() const {
 // truncating, so it rounds up with probability equal to the dropped fraction of an ulp
 // and the expected value is the fp32 result. The compensated form keeps the dropped part
 // in a second bf16 tensor (Kahan summation) and adds it to the next update.
-void FusedAdamW::step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o) {
+//
+// One fused pass per parameter (detail::adamw_update_bf16, src/optim/bf16_adamw_body.inc)
+// over chunks of the intra-op pool: it reads the bf16 parameter, gradient (bf16 or fp32),
+// moments (and compensation), does the arithmetic of the ATen op chain it replaced op for
+// op, and writes the moments rounded to nearest even, so kNearest and kCompensated give
+// that chain's bits (tests/test_pure_bf16.cpp checks it against the chain). kStochastic's
+// random bits are counter-based: a hash of the element's index under a key made of the
+// seed of set_bf16_rounding, the parameter's position in the optimizer's groups and its
+// step count, so they do not depend on the number of threads or on the chunking, and a
+// resumed run (same seed, same steps) draws the same bits.
+void FusedAdamW::step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o,
+                           int64_t position) {
   TORCH_CHECK(p.is_contiguous(), "FusedAdamW steps contiguous parameters; got ", p.toString(),
               " (not contiguous)");
   const auto key = detail::optim_state_key(state(), p);
@@ -353,48 +406,57 @@ void FusedAdamW::step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o
   }
   auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
   for (auto* t : {&st.exp_avg(), &st.exp_avg_sq()}) {
-    if (t->scalar_type() != torch::kBFloat16 || !t->is_contiguous())
-      *t = t->to(torch::kBFloat16).contiguous();
+    if (t->scalar_type() != torch::kBFloat16 || !t->is_contiguous() || !t->is_cpu())
+      *t = t->to(torch::kCPU, torch::kBFloat16).contiguous();
+    TORCH_CHECK(t->numel() == p.numel(), "FusedAdamW: the state of a bf16 parameter of ", p.numel(),
+                " elements has ", t->numel(),
+                " (loaded for another parameter?); load a state that matches the parameters");
   }
   st.step(st.step() + 1);
-  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
-  const double bc1 = 1 - std::pow(beta1, static_cast<double>(st.step()));
-  const double bc2 = 1 - std::pow(beta2, static_cast<double>(st.step()));
-  torch::Tensor* comp = nullptr;
-  if (bf16_rounding_ == Bf16Rounding::kCompensated) {
-    auto [c, fresh] = compensation_.try_emplace(p.unsafeGetTensorImpl());
-    if (fresh || !c->second.defined())
-      c->second = torch::zeros_like(p, at::MemoryFormat::Contiguous);
-    comp = &c->second;
+  const detail::AdamWConstants c = adamw_constants(o, st.step());
+  torch::Tensor g = p.grad();
+  TORCH_CHECK(!g.is_sparse(), "FusedAdamW does not support sparse gradients");
+  TORCH_CHECK(g.numel() == p.numel(), "FusedAdamW: the gradient has ", g.numel(),
+              " elements but its parameter ", p.numel());
+  if (!g.is_cpu() || !g.is_contiguous() ||
+      (g.scalar_type() != torch::kBFloat16 && g.scalar_type() != torch::kFloat))
+    g = g.to(torch::kCPU, torch::kFloat).contiguous();
+  detail::Bf16Arrays a;
+  a.p = reinterpret_cast<uint16_t*>(p.data_ptr());
+  if (g.scalar_type() == torch::kFloat) {
+    a.grad_f32 = g.data_ptr<float>();
+  } else {
+    a.grad_bf16 = reinterpret_cast<const uint16_t*>(g.data_ptr());
   }
-  at::Tensor w = p.to(torch::kFloat);
-  if (comp != nullptr) w.add_(comp->to(torch::kFloat));
-  const at::Tensor g = p.grad().to(torch::kFloat);
-  at::Tensor m = st.exp_avg().to(torch::kFloat), v = st.exp_avg_sq().to(torch::kFloat);
-  if (o.weight_decay() != 0) w.mul_(1 - o.lr() * o.weight_decay());
-  m.lerp_(g, 1 - beta1);
-  v.mul_(beta2).addcmul_(g, g, 1 - beta2);
-  const at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps());
-  w.addcdiv_(m, denom, -o.lr() / bc1);
-  st.exp_avg().copy_(m);
-  st.exp_avg_sq().copy_(v);
+  a.exp_avg = reinterpret_cast<uint16_t*>(st.exp_avg().data_ptr());
+  a.exp_avg_sq = reinterpret_cast<uint16_t*>(st.exp_avg_sq().data_ptr());
+  torch::Tensor* comp = nullptr;
   switch (bf16_rounding_) {
     case Bf16Rounding::kNearest:
-      p.copy_(w);
+      a.write = detail::Bf16Write::kNearest;
       break;
-    case Bf16Rounding::kStochastic: {
-      at::Tensor bits = w.view(torch::kInt);
-      if (!rounding_gen_.defined()) rounding_gen_ = at::make_generator<at::CPUGeneratorImpl>(0);
-      bits.add_(at::randint(0, 1 << 16, w.sizes(), rounding_gen_, w.options().dtype(torch::kInt)));
-      bits.bitwise_and_(static_cast<int64_t>(-65536));  // 0xFFFF0000: the bf16 bits only
-      p.copy_(w);                                       // exact: nothing below bf16's bits is left
+    case Bf16Rounding::kStochastic:
+      a.write = detail::Bf16Write::kStochastic;
+      a.key = splitmix64(splitmix64(splitmix64(rounding_seed_) ^ static_cast<uint64_t>(position)) ^
+                         static_cast<uint64_t>(st.step()));
+      break;
+    case Bf16Rounding::kCompensated: {
+      a.write = detail::Bf16Write::kCompensated;
+      auto [cb, fresh] = compensation_.try_emplace(p.unsafeGetTensorImpl());
+      if (fresh || !cb->second.defined() || cb->second.numel() != p.numel())
+        cb->second = torch::zeros_like(p, at::MemoryFormat::Contiguous);
+      comp = &cb->second;
+      a.comp = reinterpret_cast<uint16_t*>(comp->data_ptr());
       break;
     }
-    case Bf16Rounding::kCompensated:
-      p.copy_(w);
-      comp->copy_(w - p.to(torch::kFloat));
-      break;
   }
+  const detail::KernelIsa kernel = to_kernel(active_isa());
+  for_each_range(p, [&](int64_t b, int64_t e) { detail::adamw_update_bf16(kernel, c, a, b, e); });
+  // Written through raw pointers: tell the version counters, as in-place ops do.
+  p.unsafeGetTensorImpl()->bump_version();
+  st.exp_avg().unsafeGetTensorImpl()->bump_version();
+  st.exp_avg_sq().unsafeGetTensorImpl()->bump_version();
+  if (comp != nullptr) comp->unsafeGetTensorImpl()->bump_version();
 }
 
 bool FusedAdamW::aten_kernel_available(const torch::Device& device) {
@@ -431,8 +493,8 @@ void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& 
   float* mp = st.exp_avg().data_ptr<float>();
   float* vp = st.exp_avg_sq().data_ptr<float>();
   const detail::KernelIsa kernel = to_kernel(isa);
-  // Chunks of 64K elements (a multiple of every vector width) over the intra-op pool.
-  at::parallel_for(0, p.numel(), int64_t{1} << 16, [&](int64_t b, int64_t e) {
+  // Ranges of 64K elements or more over the intra-op pool (for_each_range).
+  for_each_range(p, [&](int64_t b, int64_t e) {
     detail::adamw_update(kernel, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
                          kind);
   });
