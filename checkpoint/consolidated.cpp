@@ -340,9 +340,16 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root,
   std::set<std::string> used;
   std::vector<std::string> mismatched;
   for (const auto& ls : shards) {
+    // Tied parameters (one tensor under several names: the same offset in one unit) are
+    // loaded once, from whichever name the file has: transformers, for one, writes a tied
+    // embedding under its first name only.
+    std::set<int64_t> present;
+    for (const auto& p : ls.params) {
+      if (names.count(p.fqn)) present.insert(p.offset);
+    }
     for (const auto& p : ls.params) {
       if (!names.count(p.fqn)) {
-        report.missing.push_back(p.fqn);
+        if (!present.count(p.offset)) report.missing.push_back(p.fqn);
         continue;
       }
       used.insert(p.fqn);
@@ -403,10 +410,15 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
   report.path = file;
   auto tensors = named_parameters_clean(module);
   for (auto& b : named_buffers_clean(module)) tensors.push_back(b);
+  // Tied parameters (one tensor under several names) need one of their names in the file.
+  std::set<const void*> present;
+  for (const auto& [name, t] : tensors) {
+    if (names.count(name)) present.insert(t.unsafeGetTensorImpl());
+  }
   std::set<std::string> used;
   for (const auto& [name, t] : tensors) {
     if (!names.count(name)) {
-      report.missing.push_back(name);
+      if (!present.count(t.unsafeGetTensorImpl())) report.missing.push_back(name);
       continue;
     }
     used.insert(name);
