@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 using namespace fsdp::testing;
@@ -802,4 +803,121 @@ TEST(SmallExamples, MlpAndSequentialTrainOnTwoRanks) {
     EXPECT_NE(r.output.find("step 80 loss"), std::string::npos) << name << ":\n" << r.output;
   }
 }
+}  // namespace
+
+// ---- train_llama (examples/llama): the shared trainer with the Llama ------------------
+
+namespace {
+
+// A Hugging Face model directory holding only a config.json (the flags are checked
+// against it before any weight is read).
+std::string hf_dir_with(const std::string& config_json) {
+  const std::string dir = temp_path("hfcfg");
+  std::remove(dir.c_str());
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << config_json;
+  return dir;
+}
+
+const std::string kLlamaConfig =
+    R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": false,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0})";
+
+TEST(TrainLlama, BadInputIsRefusedNamingTheValueAndTheFix) {
+  const std::string ok = hf_dir_with(kLlamaConfig + "}");
+  const std::string gpt2 = hf_dir_with(R"({"model_type": "gpt2"})");
+  const std::string scaled = hf_dir_with(
+      R"({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2}})");
+  const std::string biased = hf_dir_with(R"({"model_type": "llama", "attention_bias": true})");
+  expect_usage_error({bin("train_gpt"), "--init-from", ok},
+                     "train_gpt: error: --init-from " + ok +
+                         " is a Hugging Face model directory (it holds config.json); train_gpt "
+                         "trains a gpt model, which is no Hugging Face architecture: use "
+                         "train_llama for Llama models");
+  expect_usage_error({bin("train_llama"), "--n-kv-head", "3"},
+                     "train_llama: error: --n-kv-head 3 must divide --n-head 4 (each key/value "
+                     "head serves n_head / n_kv_head query heads)");
+  expect_usage_error({bin("train_llama"), "--export-dtype", "fp8"},
+                     "train_llama: error: --export-dtype fp8 is unknown; use fp32, bf16 or fp16");
+  expect_usage_error({bin("train_llama"), "--init-from", gpt2},
+                     "train_llama: error: " + gpt2 +
+                         "/config.json: model_type \"gpt2\"; train_llama builds Llama models "
+                         "(model_type \"llama\", LlamaForCausalLM)");
+  expect_usage_error({bin("train_llama"), "--init-from", scaled},
+                     "train_llama: error: " + scaled +
+                         "/config.json: rope_type \"linear\" (rope scaling) is not implemented "
+                         "here; this example computes default rotary positions only");
+  expect_usage_error({bin("train_llama"), "--init-from", biased},
+                     "train_llama: error: " + biased +
+                         "/config.json: attention_bias true; this Llama has no biases");
+  expect_usage_error({bin("train_llama"), "--init-from", ok, "--n-layer", "3"},
+                     "train_llama: error: --n-layer 3 but " + ok +
+                         "/config.json has num_hidden_layers 2; leave the flag out to take the "
+                         "file's, or give another file");
+  expect_usage_error({bin("train_llama"), "--init-from", ok, "--block-size", "100"},
+                     "train_llama: error: --block-size 100 is past " + ok +
+                         "/config.json's max_position_embeddings 64; use a --block-size of at "
+                         "most that");
+  std::filesystem::remove_all(ok);
+  std::filesystem::remove_all(gpt2);
+  std::filesystem::remove_all(scaled);
+  std::filesystem::remove_all(biased);
+}
+
+// A config.json whose shapes the weights do not have: the import names the parameter
+// and both shapes. train_llama exports d_model 64 with intermediate_size 176; the
+// config then says 192.
+TEST(TrainLlama, WeightsThatDoNotFitTheConfigAreNamedWithBothShapes) {
+  const std::string dir = temp_path("hfexp");
+  std::remove(dir.c_str());
+  auto r = run_command({bin("train_llama"), "--steps", "1", "--batch-size", "2", "--export-hf", dir,
+                        "--intermediate-size", "176"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto cfg = nlohmann::json::parse(std::ifstream(dir + "/config.json"));
+  EXPECT_EQ(cfg.at("architectures"), nlohmann::json::array({"LlamaForCausalLM"}));
+  EXPECT_EQ(cfg.at("num_key_value_heads").get<int64_t>(), 2);
+  cfg["intermediate_size"] = 192;
+  std::ofstream(dir + "/config.json") << cfg.dump();
+  r = run_command({bin("train_llama"), "--steps", "1", "--batch-size", "2", "--init-from", dir});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("does not match this model: shapes differ for "
+                          "model.layers.0.mlp.gate_proj.weight (file [176, 64], model [192, 64]), "
+                          "model.layers.0.mlp.up_proj.weight (file [176, 64], model [192, 64]), "
+                          "model.layers.0.mlp.down_proj.weight (file [64, 176], model [64, 192])"),
+            std::string::npos)
+      << r.output;
+  std::filesystem::remove_all(dir);
+}
+
+// The shared trainer's features run for the Llama too: world 2 gives world 1's losses, and
+// a run stopped and resumed gives the uninterrupted run's losses.
+TEST(TrainLlama, WorldTwoAndAResumedRunGiveTheSameLosses) {
+  auto run = [&](const std::string& log, int world, std::vector<std::string> extra) {
+    std::vector<std::string> cmd = {
+        bin("fsdp-run"), "--nproc", std::to_string(world), "--", bin("train_llama"), "--steps", "6",
+        "--batch-size",  "4",       "--log-jsonl",         log,  "--tie-embeddings"};
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    auto r = run_command(cmd);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r;
+  };
+  const std::string one = temp_path("ll1"), two = temp_path("ll2"), part = temp_path("ll3"),
+                    rest = temp_path("ll4"), dir = temp_path("llck");
+  std::remove(dir.c_str());
+  run(one, 1, {});
+  run(two, 2, {});
+  const auto a = losses(one), b = losses(two);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * a[i]) << i;
+  run(part, 2, {"--save-dir", dir, "--stop-at", "3"});
+  run(rest, 2, {"--save-dir", dir, "--resume"});
+  auto c = losses(part), d = losses(rest);
+  c.insert(c.end(), d.begin(), d.end());
+  EXPECT_EQ(c, b) << "stopped at 3 and resumed: the uninterrupted run's losses";
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
