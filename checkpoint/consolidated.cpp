@@ -277,12 +277,32 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
   const auto buffers = named_buffers_clean(model.as_module());
   // Every tensor, in order: each flat parameter's original parameters (aliases as copies
   // of their own), then the buffers. Every rank knows them; rank 0 writes.
+  // SafetensorsOptions::name_for and ::transpose: another framework's names and layout.
+  auto name_of = [&](const std::string& fqn) {
+    return options.name_for ? options.name_for(fqn) : fqn;
+  };
+  auto transposed = [&](const std::string& fqn, const std::vector<int64_t>& shape) {
+    if (!options.transpose || !options.transpose(fqn)) return false;
+    TORCH_CHECK(shape.size() == 2, "export_safetensors: SafetensorsOptions::transpose picks '", fqn,
+                "', which has ", shape.size(), " dimensions; only 2-D tensors transpose");
+    return true;
+  };
+  auto file_shape = [&](const std::string& fqn, std::vector<int64_t> shape) {
+    if (transposed(fqn, shape)) std::swap(shape[0], shape[1]);
+    return shape;
+  };
   std::vector<st::Spec> specs;
   for (const auto& ls : shards) {
-    for (const auto& p : ls.params) specs.push_back({p.fqn, safetensors_dtype(elem), p.shape});
+    for (const auto& p : ls.params) {
+      if (!name_of(p.fqn).empty())
+        specs.push_back({name_of(p.fqn), safetensors_dtype(elem), file_shape(p.fqn, p.shape)});
+    }
   }
   for (const auto& [name, b] : buffers) {
-    specs.push_back({name, safetensors_dtype(buffer_elem(b, elem)), b.sizes().vec()});
+    if (!name_of(name).empty()) {
+      specs.push_back({name_of(name), safetensors_dtype(buffer_elem(b, elem)),
+                       file_shape(name, b.sizes().vec())});
+    }
   }
   std::unique_ptr<st::DirWriter> w;
   guarded([&] {
@@ -300,7 +320,10 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
       TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn,
                   "' gathered ", full.numel(), " elements, its table has ", ls.info.numel);
       for (const auto& p : ls.params) {
-        at::Tensor v = file_bytes(full.narrow(0, p.offset, p.numel), elem);
+        if (name_of(p.fqn).empty()) continue;
+        at::Tensor value = full.narrow(0, p.offset, p.numel);
+        if (transposed(p.fqn, p.shape)) value = value.view(p.shape).t().contiguous().view(-1);
+        at::Tensor v = file_bytes(value, elem);
         TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ",
                     v.numel(), " elements, its shape needs ", p.numel);
         w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
@@ -313,7 +336,9 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
   }
   guarded([&] {
     for (const auto& [name, b] : buffers) {
-      at::Tensor v = file_bytes(b, buffer_elem(b, elem));
+      if (name_of(name).empty()) continue;
+      at::Tensor v = file_bytes(transposed(name, b.sizes().vec()) ? b.t().contiguous() : b,
+                                buffer_elem(b, elem));
       w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
     }
     w->finish();

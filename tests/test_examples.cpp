@@ -834,7 +834,7 @@ TEST(TrainLlama, BadInputIsRefusedNamingTheValueAndTheFix) {
   expect_usage_error({bin("train_gpt"), "--init-from", ok},
                      "train_gpt: error: --init-from " + ok +
                          " is a Hugging Face model directory (it holds config.json); train_gpt "
-                         "trains a gpt model, which is no Hugging Face architecture: use "
+                         "starts only from its own files (consolidated HDF5 or safetensors): use "
                          "train_llama for Llama models");
   expect_usage_error({bin("train_llama"), "--n-kv-head", "3"},
                      "train_llama: error: --n-kv-head 3 must divide --n-head 4 (each key/value "

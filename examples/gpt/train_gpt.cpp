@@ -6,6 +6,7 @@
 //   build/bin/fsdp-run --nproc 2 -- build/bin/train_gpt  # two ranks on this machine
 //   build/bin/train_gpt --device cuda                    # on the GPU (NCCL between ranks)
 #include "../common/trainer/trainer.h"
+#include "gpt2_export.h"
 #include "gpt_model.h"
 
 int main(int argc, char** argv) {
@@ -15,5 +16,8 @@ int main(int argc, char** argv) {
   p.description = "Train the GPT example, fully sharded over the job's ranks.";
   p.block_policy = fsdp::module_type_policy<gpt::Block>();
   p.build = lm::build_sharded<gpt::GPT, lm::Config>;
+  // --export-hf: as transformers' GPT2LMHeadModel (gpt2_export.h).
+  p.write_hf_config = gpt::write_gpt2_config;
+  p.hf_layout = gpt::gpt2_layout;
   return lm::run_training(p, argc, argv);
 }

@@ -8,7 +8,8 @@
 //   model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
 //   model.layers.{i}.post_attention_layernorm.weight,
 //   model.layers.{i}.mlp.{gate,up,down}_proj.weight, model.norm.weight, lm_head.weight
-// (lm_head.weight is the embedding itself when tied, and is then not written).
+// (lm_head.weight is the embedding itself when tied; our exports write it under both names,
+// transformers under the first only, and either loads).
 // Each decoder layer is a wrap point (fsdp::FullyShardedModule<DecoderLayer>).
 // The forward computes what transformers' eager attention does, in the same order; with a
 // KvCache it appends each new position's keys and values and attends over the cache.

@@ -182,6 +182,11 @@ struct SafetensorsOptions {
   uint64_t max_shard_size = 5'000'000'000;
   /// Print progress on rank 0.
   bool verbose = false;
+  /// Another framework's layout (live export only): the name each parameter and buffer
+  /// is written under (from its clean FQN; "" leaves it out), and which 2-D ones are
+  /// written transposed (e.g. GPT-2's Conv1D weights). Unset: clean FQNs, as they are.
+  std::function<std::string(const std::string& fqn)> name_for;
+  std::function<bool(const std::string& fqn)> transpose;
 };
 
 /// Writes the model's weights as safetensors, the format inference tools load, into the

@@ -300,9 +300,9 @@ void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseR
     if (!current_program().read_hf_config) {
       throw UsageError("--init-from " + file +
                        " is a Hugging Face model directory (it holds config.json); " +
-                       current_program().name + " trains a " + current_program().arch +
-                       " model, which is no Hugging Face architecture: use train_llama for "
-                       "Llama models");
+                       current_program().name +
+                       " starts only from its own files (consolidated HDF5 or safetensors): "
+                       "use train_llama for Llama models");
     }
     apply_hf_dir(file, cfg, r);
     return;

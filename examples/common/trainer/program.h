@@ -41,6 +41,9 @@ struct Program {
   std::function<Config(const std::string& dir, int64_t block_size)> read_hf_config;
   std::function<void(const std::string& dir, const Config&, const std::string& dtype)>
       write_hf_config;
+  /// With write_hf_config: the weights' names and layout in that architecture, when they
+  /// are not the model's own (SafetensorsOptions::name_for and ::transpose). Empty: as they are.
+  std::function<void(fsdp::SafetensorsOptions&)> hf_layout;
 };
 
 }  // namespace lm

@@ -258,6 +258,7 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   fsdp::SafetensorsOptions o;
   const std::string& d = f.checkpoint.export_dtype;
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
+  if (program_info().hf_layout) program_info().hf_layout(o);
   fsdp::export_safetensors(f.checkpoint.export_hf, t.model, st, o);
   if (pg.rank() == 0) {
     program_info().write_hf_config(f.checkpoint.export_hf, f.model,
