@@ -5,9 +5,9 @@ transformers builds a small random Llama (seed 0: vocab 256, hidden 64, 2 layers
 save_pretrained writes it; generate_llama --dump-logits --max-new-tokens 20 runs on that
 directory. The logits of one forward over the prompt must agree within 1e-5 (max |ours -
 theirs| / max |theirs|), and the 20 greedy tokens must equal model.generate(do_sample=False)'s.
-Three directories: fp32 untied, fp32 tied (save_pretrained leaves lm_head.weight out) and
-the untied model saved in bf16 (both sides then compute in fp32 on the same rounded
-weights).
+Four directories: fp32 untied, fp32 tied (save_pretrained leaves lm_head.weight out), the
+untied model saved in bf16 (both sides then compute in fp32 on the same rounded weights)
+and the tied one in shards of at most 100 KB (model.safetensors.index.json).
 
 transformers runs with attn_implementation="eager": its SDPA path sums in another order
 (a fused kernel), which is not what llama_model.h computes; eager is the reference the
@@ -74,7 +74,7 @@ def run_ours(exe, model_dir, logits_file):
     raise SystemExit(f"no 'tokens: ' line in generate_llama's output:\n{r.stdout}")
 
 
-def check(exe, name, model, save_dtype, work):
+def check(exe, name, model, save_dtype, work, max_shard_size=None):
     import numpy as np
     import torch
     from transformers import LlamaForCausalLM
@@ -82,7 +82,10 @@ def check(exe, name, model, save_dtype, work):
     model_dir = os.path.join(work, name)
     if save_dtype is not None:
         model = model.to(save_dtype)
-    model.save_pretrained(model_dir)
+    if max_shard_size is None:
+        model.save_pretrained(model_dir)
+    else:
+        model.save_pretrained(model_dir, max_shard_size=max_shard_size)
     files = sorted(os.listdir(model_dir))
     # transformers' reference: the saved directory loaded back in fp32.
     ref = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -141,6 +144,8 @@ def main():
         ok &= check(args.generate_llama, "fp32-untied", build_model(False), None, work)
         ok &= check(args.generate_llama, "fp32-tied", build_model(True), None, work)
         ok &= check(args.generate_llama, "bf16-untied", build_model(False), torch.bfloat16, work)
+        ok &= check(args.generate_llama, "fp32-tied-sharded", build_model(True), None, work,
+                    max_shard_size="100KB")
     if not ok:
         sys.exit(1)
     print("OK: generate_llama's logits and greedy tokens equal transformers'")
