@@ -841,10 +841,11 @@ TEST(TrainLlama, BadInputIsRefusedNamingTheValueAndTheFix) {
                      "head serves n_head / n_kv_head query heads)");
   expect_usage_error({bin("train_llama"), "--export-dtype", "fp8"},
                      "train_llama: error: --export-dtype fp8 is unknown; use fp32, bf16 or fp16");
-  expect_usage_error({bin("train_llama"), "--init-from", gpt2},
-                     "train_llama: error: " + gpt2 +
-                         "/config.json: model_type \"gpt2\"; train_llama builds Llama models "
-                         "(model_type \"llama\", LlamaForCausalLM)");
+  expect_usage_error(
+      {bin("train_llama"), "--init-from", gpt2},
+      "train_llama: error: " + gpt2 +
+          "/config.json: model_type \"gpt2\"; train_llama and generate_llama build Llama models "
+          "(model_type \"llama\", LlamaForCausalLM)");
   expect_usage_error({bin("train_llama"), "--init-from", scaled},
                      "train_llama: error: " + scaled +
                          "/config.json: rope_type \"linear\" (rope scaling) is not implemented "

@@ -51,7 +51,7 @@ lm::Config read_hf_config(const std::string& dir, int64_t block_size) {
   const auto model_type = field<std::string>(j, "model_type", "", dir);
   if (model_type != "llama") {
     throw UsageError(where(dir) + ": model_type \"" + model_type +
-                     "\"; train_llama builds Llama models (model_type \"llama\", "
+                     "\"; train_llama and generate_llama build Llama models (model_type \"llama\", "
                      "LlamaForCausalLM)");
   }
   lm::Config c;
