@@ -268,6 +268,17 @@ TEST_P(StageCounters, EqualDeepSpeedsModelStateFormulaTermByTerm) {
       EXPECT_EQ(after.gathered_params.current, persistent ? 2 * s.padded : 0)
           << "DeepSpeed stages 1 and 2: 2Ψ parameters; stage 3: none kept here";
       EXPECT_EQ(after.grad_shards.current, 0) << "zero_grad(set_to_none) frees them";
+      if (pg.rank() == 0 && step == 1) {
+        // The terms, as counted and as the formula gives them (bytes, rank 0).
+        std::cout << "[report] " << stage.name << " N=" << N << " Psi=" << s.padded << ": "
+                  << "16-bit parameters kept " << after.gathered_params.current << " (formula "
+                  << (persistent ? 2 * s.padded : 0) << "); 16-bit gradients held at once "
+                  << m.comm_buffers.peak << " (stage 1 formula " << 2 * s.padded
+                  << "); fp32 gradient shards " << m.grad_shards.current << " (4Psi/N "
+                  << 4 * s.padded / N << "); fp32 masters " << after.sharded_params.current
+                  << " (4Psi/N " << 4 * s.padded / N << "); Adam moments " << adam << " (8Psi/N "
+                  << 8 * s.padded / N << ")" << std::endl;
+      }
     }
   });
 }

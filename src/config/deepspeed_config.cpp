@@ -79,9 +79,9 @@ class ConfigReader {
       const std::string where = path.empty() ? key : path + "." + key;
       TORCH_CHECK(false, "ds_config: ", where, " is not a key this library knows",
                   edit_distance(key, sorted[0]) <= std::max<size_t>(3, key.size() / 3)
-                      ? "; did you mean " + sorted[0] + "?"
-                      : "",
-                  " Supported keys ", path.empty() ? "at the top level" : "in " + path, ": ", list);
+                      ? "; did you mean " + sorted[0] + "? "
+                      : ". ",
+                  "Supported keys ", path.empty() ? "at the top level" : "in " + path, ": ", list);
     }
   }
 

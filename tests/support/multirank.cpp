@@ -1,5 +1,6 @@
 #include "multirank.h"
 #include <iostream>
+#include <sstream>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -17,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <thread>
 
 extern char** environ;
@@ -227,6 +227,13 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
   for (int r = 0; r < world; ++r) {
     std::string out = read_file(outs[r]);
     unlink(outs[r].c_str());
+    // A rank's lines that start with "[report] " are figures a test shows (multirank.h):
+    // passed on to this process's output, which ctest -V and logs keep.
+    std::istringstream lines(out);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("[report] ", 0) == 0) std::cout << line << "\n";
+    }
+    std::cout << std::flush;
     EXPECT_EQ(codes[r], 0) << "rank " << r << " of " << world << " failed (exit " << codes[r]
                            << "); its output:\n"
                            << out;

@@ -4,7 +4,8 @@
 // A test calls run_ranks(N, body). In the test process it starts N copies of this test
 // binary, filtered to the current test, with a torchrun environment on a free port, and
 // fails if any rank fails (printing that rank's output). In each copy, run_ranks builds
-// the process group from that environment and runs body on it.
+// the process group from that environment and runs body on it. A rank's output lines that
+// start with "[report] " (figures a test shows) are printed by the test process.
 
 #include <fsdp/process_group.h>
 
