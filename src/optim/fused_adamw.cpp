@@ -6,6 +6,7 @@
 #include "internal/optim_key.h"
 #include "internal/sharded_model.h"
 #include "nvme_adamw.h"
+#include "parallel_range.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/TensorIterator.h>
@@ -187,37 +188,6 @@ torch::optim::AdamWParamState& adamw_state(States& states, const torch::Tensor& 
           st.exp_avg().scalar_type() == torch::kFloat,
       "FusedAdamW: the state of a parameter is not contiguous fp32 (loaded from elsewhere?)");
   return st;
-}
-
-// Calls f(begin, end) over [0, p.numel()) split among LibTorch's intra-op threads, in
-// ranges of at least 64K elements. at::parallel_for would not do: it is inline and runs
-// in parallel only in code compiled with the threading backend's flags (-fopenmp for
-// LibTorch's OpenMP builds), which this library is not; TensorIterator::for_each runs
-// it inside LibTorch. p (contiguous) only gives the iterator its shape: f gets indices.
-template <class F>
-void for_each_range(const torch::Tensor& p, const F& f) {
-  constexpr int64_t kGrain = int64_t{1} << 16;
-  if (p.numel() <= kGrain || at::get_num_threads() == 1) {
-    f(int64_t{0}, p.numel());
-    return;
-  }
-  const auto flat = p.view({-1});
-  auto iter = at::TensorIteratorConfig()
-                  .add_output(flat)
-                  .set_check_mem_overlap(false)
-                  .check_all_same_dtype(false)
-                  .resize_outputs(false)
-                  .build();
-  const char* base = static_cast<const char*>(flat.data_ptr());
-  const int64_t item = static_cast<int64_t>(flat.element_size());
-  iter.for_each(
-      [&](char** data, const int64_t* strides, int64_t size0, int64_t size1) {
-        for (int64_t j = 0; j < size1; ++j) {
-          const int64_t b = (data[0] + j * strides[1] - base) / item;
-          f(b, b + size0);
-        }
-      },
-      kGrain);
 }
 
 // Sebastiano Vigna's splitmix64 finalizer: a 64-bit mix, for step_bf16's keys.
@@ -451,7 +421,8 @@ void FusedAdamW::step_bf16(torch::Tensor& p, const torch::optim::AdamWOptions& o
     }
   }
   const detail::KernelIsa kernel = to_kernel(active_isa());
-  for_each_range(p, [&](int64_t b, int64_t e) { detail::adamw_update_bf16(kernel, c, a, b, e); });
+  detail::for_each_range(
+      p, [&](int64_t b, int64_t e) { detail::adamw_update_bf16(kernel, c, a, b, e); });
   // Written through raw pointers: tell the version counters, as in-place ops do.
   p.unsafeGetTensorImpl()->bump_version();
   st.exp_avg().unsafeGetTensorImpl()->bump_version();
@@ -494,7 +465,7 @@ void FusedAdamW::step_param(torch::Tensor& p, const torch::optim::AdamWOptions& 
   float* vp = st.exp_avg_sq().data_ptr<float>();
   const detail::KernelIsa kernel = to_kernel(isa);
   // Ranges of 64K elements or more over the intra-op pool (for_each_range).
-  for_each_range(p, [&](int64_t b, int64_t e) {
+  detail::for_each_range(p, [&](int64_t b, int64_t e) {
     detail::adamw_update(kernel, c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
                          kind);
   });

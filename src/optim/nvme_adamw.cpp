@@ -28,6 +28,7 @@
 
 #include "offload/io_engine.h"
 #include "offload/state_file.h"
+#include "parallel_range.h"
 
 #include <ATen/Parallel.h>
 
@@ -195,7 +196,8 @@ void NvmeAdamState::run(KernelIsa isa) {
       float* mp = slot(k);
       float* vp = mp + chunk_;
       uint16_t* out = j.out ? j.out + ch.begin : nullptr;
-      at::parallel_for(0, ch.n, int64_t{1} << 16, [&](int64_t b, int64_t e) {
+      // Over the intra-op threads (parallel_range.h: at::parallel_for would run on one).
+      for_each_range(torch::from_blob(pp, {ch.n}, torch::kFloat), [&](int64_t b, int64_t e) {
         adamw_update(isa, j.c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
                      j.kind);
       });
