@@ -44,8 +44,9 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
 // A small, fast configuration shared by the runs that are compared; on the CPU unless
 // `device` says otherwise (the losses compared bit for bit are the CPU's).
 std::vector<std::string> small_run(const std::string& log, int steps = 8,
-                                   const std::string& device = "cpu") {
-  return {bin("train_gpt"),
+                                   const std::string& device = "cpu",
+                                   const std::string& program = "train_gpt") {
+  return {bin(program),
           "--device",
           device,
           "--steps",
@@ -165,13 +166,14 @@ TEST(Device, CpuIsHonouredAndNamedInTheSummary) {
 // train_gpt on the CPU at world 1 against train_gpt --device cuda on `gpus` ranks (under
 // fsdp-run from 2): the GPU run's output names `expect`, its loss falls, and each step's
 // loss is within 1e-3 of the CPU's.
-void expect_gpu_follows_cpu(int gpus, const std::string& expect) {
+void expect_gpu_follows_cpu(int gpus, const std::string& expect,
+                            const std::string& program = "train_gpt") {
   auto log_cpu = temp_path("gcpu"), log_gpu = temp_path("ggpu");
-  auto rc = run_command(small_run(log_cpu, 8, "cpu"));
+  auto rc = run_command(small_run(log_cpu, 8, "cpu", program));
   ASSERT_EQ(rc.exit_code, 0) << rc.output;
   std::vector<std::string> launch;
   if (gpus > 1) launch = {bin("fsdp-run"), "--nproc", std::to_string(gpus), "--"};
-  auto args = small_run(log_gpu, 8, "cuda");
+  auto args = small_run(log_gpu, 8, "cuda", program);
   launch.insert(launch.end(), args.begin(), args.end());
   auto rg = run_command(launch);
   ASSERT_EQ(rg.exit_code, 0) << rg.output;
@@ -189,6 +191,13 @@ void expect_gpu_follows_cpu(int gpus, const std::string& expect) {
 TEST(Cuda, TrainGptOnTheGpuFollowsTheCpuLosses_CUDA) {
   SKIP_WITHOUT_GPUS(1);
   expect_gpu_follows_cpu(1, "train_gpt: device cuda:0 (--device cuda)");
+}
+
+// train_llama --device cuda at world 1 likewise (the Llama's rotary tables, RMSNorm in fp32
+// and grouped-query attention on the GPU).
+TEST(Cuda, TrainLlamaOnTheGpuFollowsTheCpuLosses_CUDA) {
+  SKIP_WITHOUT_GPUS(1);
+  expect_gpu_follows_cpu(1, "train_llama: device cuda:0 (--device cuda)", "train_llama");
 }
 
 // Two ranks on two GPUs under fsdp-run (NCCL) follow one rank on the CPU.

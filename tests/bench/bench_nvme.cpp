@@ -61,7 +61,22 @@ double fio_bw(const std::string& json, const char* dir) {
 int main(int argc, char** argv) {
   std::string dir = "/tmp";
   int64_t n = 32 << 20, buffer_mib = 64;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  const char* usage =
+      "usage: bench_nvme [--dir DIR (default /tmp)] [--params N (default 32M)] "
+      "[--buffer-mib M (default 64)]\n";
+  for (int i = 1; i < argc; i += 2) {
+    const bool known = !std::strcmp(argv[i], "--dir") || !std::strcmp(argv[i], "--params") ||
+                       !std::strcmp(argv[i], "--buffer-mib");
+    if (!std::strcmp(argv[i], "-h") || !std::strcmp(argv[i], "--help")) {
+      std::cout << usage;
+      return 0;
+    }
+    if (!known || i + 1 >= argc) {
+      std::cerr << "bench_nvme: " << (known ? "a value is missing after " : "unknown argument ")
+                << argv[i] << "\n"
+                << usage;
+      return 2;
+    }
     if (!std::strcmp(argv[i], "--dir")) dir = argv[i + 1];
     if (!std::strcmp(argv[i], "--params")) n = static_cast<int64_t>(std::stod(argv[i + 1]));
     if (!std::strcmp(argv[i], "--buffer-mib")) buffer_mib = std::atoll(argv[i + 1]);
