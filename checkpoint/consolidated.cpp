@@ -342,6 +342,7 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
       w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
     }
     w->finish();
+    write_hf_config(dir, state.model_attrs);
   });
   guarded.check("export_safetensors to " + dir,
                 [&] { w.reset(); });  // removes its unpublished files

@@ -139,4 +139,11 @@ const char* safetensors_dtype(h5::Elem e);
 /// model attributes, all as strings.
 std::map<std::string, std::string> safetensors_metadata(
     h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs);
+
+/// The model attribute (TrainingState::model_attrs) whose string is a Hugging Face
+/// config.json: safetensors exports, live and offline, write it beside the weights (and
+/// not into __metadata__), so that transformers loads the directory as a model.
+inline constexpr const char* kHfConfigAttr = "hf_config";
+/// Writes `dir`/config.json from attrs[kHfConfigAttr], atomically; nothing without it.
+void write_hf_config(const std::string& dir, const std::map<std::string, AttrValue>& attrs);
 }  // namespace fsdp::ckpt

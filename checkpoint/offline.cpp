@@ -200,6 +200,7 @@ std::map<std::string, std::string> safetensors_metadata(
     h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs) {
   std::map<std::string, std::string> m;
   for (const auto& [k, v] : attrs) {
+    if (k == kHfConfigAttr) continue;  // config.json, beside the weights
     if (const auto* i = std::get_if<int64_t>(&v)) {
       m[k] = std::to_string(*i);
     } else if (const auto* d = std::get_if<double>(&v)) {
@@ -218,6 +219,15 @@ std::map<std::string, std::string> safetensors_metadata(
   m["dtype"] = h5::elem_name(dtype);
   m["step"] = std::to_string(step);
   return m;
+}
+
+void write_hf_config(const std::string& dir, const std::map<std::string, AttrValue>& attrs) {
+  auto it = attrs.find(kHfConfigAttr);
+  if (it == attrs.end()) return;
+  const auto* text = std::get_if<std::string>(&it->second);
+  TORCH_CHECK(text != nullptr, "model attribute ", kHfConfigAttr,
+              " must be a string (a Hugging Face config.json)");
+  write_atomically(std::filesystem::path(dir) / "config.json", *text);
 }
 
 void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
@@ -287,6 +297,7 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
     if (progress) progress(i, total, b.name);
   }
   w.finish();
+  write_hf_config(out_dir, attrs);
 }
 
 }  // namespace fsdp::ckpt

@@ -16,10 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
-#include <fstream>
 #include <regex>
-#include <stdexcept>
 #include <string>
 
 namespace gpt {
@@ -58,8 +55,7 @@ inline void gpt2_layout(fsdp::SafetensorsOptions& o) {
 }
 
 /// config.json of a GPT2LMHeadModel with the GPT's shape.
-inline void write_gpt2_config(const std::string& dir, const lm::Config& c,
-                              const std::string& dtype) {
+inline std::string gpt2_config_json(const lm::Config& c, const std::string& dtype) {
   nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}},
                       {"model_type", "gpt2"},
                       {"vocab_size", c.vocab_size},
@@ -82,14 +78,11 @@ inline void write_gpt2_config(const std::string& dir, const lm::Config& c,
                       {"eos_token_id", nullptr},
                       {"torch_dtype", dtype},
                       {"dtype", dtype}};
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/config.json", tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << j.dump(2) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
+  if (dtype.empty()) {
+    j.erase("torch_dtype");
+    j.erase("dtype");
   }
-  std::filesystem::rename(tmp, path);
+  return j.dump(2) + "\n";
 }
 
 }  // namespace gpt

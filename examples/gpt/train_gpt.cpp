@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   p.block_policy = fsdp::module_type_policy<gpt::Block>();
   p.build = lm::build_sharded<gpt::GPT, lm::Config>;
   // --export-hf: as transformers' GPT2LMHeadModel (gpt2_export.h).
-  p.write_hf_config = gpt::write_gpt2_config;
+  p.hf_config_json = gpt::gpt2_config_json;
   p.hf_layout = gpt::gpt2_layout;
   return lm::run_training(p, argc, argv);
 }

@@ -105,7 +105,7 @@ lm::Config read_hf_config(const std::string& dir, int64_t block_size) {
   return c;
 }
 
-void write_hf_config(const std::string& dir, const lm::Config& c, const std::string& dtype) {
+std::string hf_config_json(const lm::Config& c, const std::string& dtype) {
   json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
             {"vocab_size", c.vocab_size},
@@ -128,14 +128,11 @@ void write_hf_config(const std::string& dir, const lm::Config& c, const std::str
             {"use_cache", true},
             {"torch_dtype", dtype},
             {"dtype", dtype}};
-  std::filesystem::create_directories(dir);
-  const std::string path = where(dir), tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << j.dump(2) << "\n";
-    if (!out) throw std::runtime_error("cannot write " + tmp);
+  if (dtype.empty()) {
+    j.erase("torch_dtype");
+    j.erase("dtype");
   }
-  std::filesystem::rename(tmp, path);
+  return j.dump(2) + "\n";
 }
 
 }  // namespace llama

@@ -22,6 +22,6 @@ int main(int argc, char** argv) {
     return lm::build_sharded<llama::Llama>(llama::from_lm(c), so, sharded);
   };
   p.read_hf_config = llama::read_hf_config;
-  p.write_hf_config = llama::write_hf_config;
+  p.hf_config_json = llama::hf_config_json;
   return lm::run_training(p, argc, argv);
 }

@@ -37,7 +37,10 @@ struct TrainingState {
   std::map<std::string, double> scheduler;
   /// The user's own state: data-loader position, seeds, anything (strings).
   std::map<std::string, std::string> extra;
-  /// Model description (e.g. n_layer, d_model), copied into consolidated exports.
+  /// Model description (e.g. n_layer, d_model), copied into consolidated exports. A string
+  /// under "hf_config" is a Hugging Face config.json: safetensors exports (live, and
+  /// offline from a checkpoint that carries it) write it as config.json beside the
+  /// weights, so that transformers loads the directory as a model.
   std::map<std::string, AttrValue> model_attrs;
 };
 

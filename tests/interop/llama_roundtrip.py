@@ -17,6 +17,8 @@ train_llama loads it sharded, trains it and exports it, and transformers loads t
    --export-hf (fp32).
 4. transformers: from_pretrained(export), no missing or unexpected keys, and its loss on the
    rows against train_llama's after training.
+5. With --fsdp-consolidate: the same for train_llama's last checkpoint consolidated offline
+   (fsdp-consolidate --format safetensors; the checkpoint carries config.json).
 
 Both losses must agree within 1e-5 relative (before: the imported weights; after: the
 exported ones). Prints every figure. Exit status 1 on a mismatch, 77 when transformers
@@ -70,6 +72,9 @@ def main():
     ap.add_argument("--shard-files", action="store_true",
                     help="transformers saves shards of at most 100 KB and an index")
     ap.add_argument("--keep", default="", help="work in this directory and keep it")
+    ap.add_argument("--fsdp-consolidate", default="",
+                    help="also export offline: fsdp-consolidate of train_llama's checkpoint "
+                         "(--format safetensors), which transformers must load the same way")
     args = ap.parse_args()
     work = args.keep or tempfile.mkdtemp(prefix="llama_roundtrip_")
     os.makedirs(work, exist_ok=True)
@@ -106,7 +111,8 @@ def main():
     cmd = [args.fsdp_run, "--nproc", str(args.world), "--", args.train_llama,
            "--init-from", src, "--eval-text", text, "--block-size", str(BLOCK),
            "--batch-size", str(4 * args.world), "--steps", str(args.steps), "--lr", "1e-3",
-           "--warmup-steps", "0", "--export-hf", out, "--log-jsonl", log, "--device", "cpu"]
+           "--warmup-steps", "0", "--export-hf", out, "--log-jsonl", log, "--device", "cpu",
+           "--save-dir", os.path.join(work, "ck")]
     print("3. " + " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write("".join("   " + l + "\n" for l in p.stdout.splitlines()
@@ -135,11 +141,38 @@ def main():
           f"mismatched {keys.get('mismatched_keys')}")
     print(f"   its loss on the rows: {after_hf:.9f}")
 
+    offline_hf = None
+    if args.fsdp_consolidate:
+        # 5. Offline: the checkpoint (which carries config.json) consolidated with no
+        # process group, and loaded by transformers.
+        off = os.path.join(work, "hf_offline")
+        c = subprocess.run([args.fsdp_consolidate, os.path.join(work, "ck"), off, "--format",
+                            "safetensors"], capture_output=True, text=True)
+        if c.returncode != 0:
+            print(c.stdout[-2000:] + c.stderr[-2000:])
+            print("llama_roundtrip.py: FAILED: fsdp-consolidate exited", c.returncode)
+            return 1
+        offline, off_info = LlamaForCausalLM.from_pretrained(off, output_loading_info=True,
+                                                            dtype=torch.float32)
+        offline.eval()
+        offline_hf = hf_loss(offline, rows)
+        print(f"5. fsdp-consolidate {os.path.join(work, 'ck')} {off} --format safetensors: "
+              f"{sorted(os.listdir(off))}; transformers: missing keys "
+              f"{off_info.get('missing_keys')}, unexpected keys {off_info.get('unexpected_keys')}"
+              f"; its loss on the rows: {offline_hf:.9f}")
+        for k in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            if off_info.get(k):
+                print(f"llama_roundtrip.py: FAILED: offline export {k}: {off_info[k]}")
+                return 1
+
     ok = True
     print("\n| stage | train_llama | transformers | relative difference |")
     print("|---|---|---|---|")
-    for stage, ours, theirs in (("imported (step 0)", evals[0], before_hf),
-                                (f"exported (step {args.steps})", evals[args.steps], after_hf)):
+    stages = [("imported (step 0)", evals[0], before_hf),
+              (f"exported (step {args.steps})", evals[args.steps], after_hf)]
+    if offline_hf is not None:
+        stages.append((f"consolidated offline (step {args.steps})", evals[args.steps], offline_hf))
+    for stage, ours, theirs in stages:
         d = rel(ours, theirs)
         print(f"| {stage} | {ours:.9f} | {theirs:.9f} | {d:.2e} |")
         ok &= d <= TOLERANCE

@@ -193,7 +193,7 @@ void add_checkpoint_flags(cxxopts::Options& o) {
   flag("consolidate-to",
        "at the end, write one consolidated HDF5 file here (for generate and other tools)",
        value<std::string>(""));
-  if (current_program().write_hf_config) {
+  if (current_program().hf_config_json) {
     flag("export-hf",
          "at the end, write a Hugging Face model directory here: config.json and "
          "model.safetensors under transformers' names (AutoModelForCausalLM.from_pretrained "
@@ -630,7 +630,7 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   c.resume = r.count("resume") > 0;
   c.init_from = r["init-from"].as<std::string>();
   c.consolidate_to = r["consolidate-to"].as<std::string>();
-  if (current_program().write_hf_config) {
+  if (current_program().hf_config_json) {
     c.export_hf = r["export-hf"].as<std::string>();
     c.export_dtype = r["export-dtype"].as<std::string>();
     if (c.export_dtype != "fp32" && c.export_dtype != "bf16" && c.export_dtype != "fp16")

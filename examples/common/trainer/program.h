@@ -36,13 +36,16 @@ struct Program {
   fsdp::WrapPolicy block_policy;
   std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
   /// A Hugging Face architecture: the Config of a model directory's config.json (block_size
-  /// given: the training sequence length), and config.json written for a Config with the
-  /// weights' dtype name. Both empty for a family Hugging Face does not know.
+  /// given: the training sequence length; empty: train from this program's own files
+  /// only), and the text of config.json for a Config (dtype: the weights' dtype name, ""
+  /// for none), which --export-hf writes. Both empty for a family Hugging Face does not
+  /// know.
   std::function<Config(const std::string& dir, int64_t block_size)> read_hf_config;
-  std::function<void(const std::string& dir, const Config&, const std::string& dtype)>
-      write_hf_config;
-  /// With write_hf_config: the weights' names and layout in that architecture, when they
-  /// are not the model's own (SafetensorsOptions::name_for and ::transpose). Empty: as they are.
+  std::function<std::string(const Config&, const std::string& dtype)> hf_config_json;
+  /// With hf_config_json: the weights' names and layout in that architecture, when they
+  /// are not the model's own (SafetensorsOptions::name_for and ::transpose). Empty: they
+  /// are, and then checkpoints carry config.json too (model attribute "hf_config"), so
+  /// that fsdp-consolidate --format safetensors writes a Hugging Face directory offline.
   std::function<void(fsdp::SafetensorsOptions&)> hf_layout;
 };
 

@@ -252,23 +252,22 @@ void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
 /// Collective; rank 0 writes, one unit's full parameters at a time.
 void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
   const auto start = std::chrono::steady_clock::now();
+  const std::string& d = f.checkpoint.export_dtype;
   fsdp::TrainingState st;
   st.step = step;
   st.model_attrs = architecture_attrs(f.model);
+  // export_safetensors writes it as config.json beside the weights.
+  st.model_attrs["hf_config"] = program_info().hf_config_json(f.model, d == "bf16"   ? "bfloat16"
+                                                                       : d == "fp16" ? "float16"
+                                                                                     : "float32");
   fsdp::SafetensorsOptions o;
-  const std::string& d = f.checkpoint.export_dtype;
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
   if (program_info().hf_layout) program_info().hf_layout(o);
   fsdp::export_safetensors(f.checkpoint.export_hf, t.model, st, o);
   if (pg.rank() == 0) {
-    program_info().write_hf_config(f.checkpoint.export_hf, f.model,
-                                   d == "bf16"   ? "bfloat16"
-                                   : d == "fp16" ? "float16"
-                                                 : "float32");
     std::cout << program() << ": wrote a Hugging Face model (" << d << ") to "
               << f.checkpoint.export_hf << " in " << seconds_since(start) << " s" << std::endl;
   }
-  pg.barrier();
 }
 
 int run(const Program& prog, int argc, char** argv) {
