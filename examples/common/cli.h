@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <initializer_list>
+#include <iostream>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -32,6 +35,23 @@ inline void print_error(const char* program, const std::string& message) {
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+/// Parses argv with `options`. std::nullopt after printing --help; a UsageError for an
+/// argument no flag takes, or for a `required` flag left out.
+inline std::optional<cxxopts::ParseResult> parse_command_line(
+    cxxopts::Options& options, int argc, char** argv, std::initializer_list<const char*> required) {
+  auto r = options.parse(argc, argv);
+  if (r.count("help")) {
+    std::cout << options.help() << std::endl;
+    return std::nullopt;
+  }
+  if (!r.unmatched().empty())
+    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
+  for (const char* need : required) {
+    if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
+  }
+  return r;
+}
 
 /// Runs `run()` (which returns the exit status), turning what it throws into a message
 /// and an exit status.

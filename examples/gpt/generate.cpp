@@ -89,16 +89,10 @@ int64_t next_token(gpt::GPT& model, const std::vector<int64_t>& tokens, int64_t 
 
 int run(int argc, char** argv) {
   auto o = make_options();
-  auto r = o.parse(argc, argv);
-  if (r.count("help")) {
-    std::cout << o.help() << std::endl;
-    return 0;
-  }
-  if (!r.unmatched().empty())
-    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
-  for (const char* need : {"weights", "prompt", "max-new-tokens"}) {
-    if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
-  }
+  const auto parsed =
+      examples::parse_command_line(o, argc, argv, {"weights", "prompt", "max-new-tokens"});
+  if (!parsed) return 0;  // --help
+  const cxxopts::ParseResult& r = *parsed;
   const bool greedy = r.count("greedy") > 0;
   if (greedy && (r.count("temperature") || r.count("top-k") || r.count("seed"))) {
     throw UsageError("--greedy takes no --temperature, --top-k or --seed (it does not sample)");

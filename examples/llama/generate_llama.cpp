@@ -245,16 +245,9 @@ std::string fixed(double v) {
 
 int run(int argc, char** argv) {
   auto o = make_options();
-  auto r = o.parse(argc, argv);
-  if (r.count("help")) {
-    std::cout << o.help() << std::endl;
-    return 0;
-  }
-  if (!r.unmatched().empty())
-    throw UsageError("unexpected argument '" + r.unmatched()[0] + "'; see --help");
-  for (const char* need : {"model", "max-new-tokens"}) {
-    if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
-  }
+  const auto parsed = examples::parse_command_line(o, argc, argv, {"model", "max-new-tokens"});
+  if (!parsed) return 0;  // --help
+  const cxxopts::ParseResult& r = *parsed;
   if (r.count("prompt") + r.count("prompt-ids") != 1)
     throw UsageError("give one of --prompt TEXT or --prompt-ids 3,5,7");
   const bool no_cache = r.count("no-kv-cache") > 0, compare = r.count("compare-no-cache") > 0;
