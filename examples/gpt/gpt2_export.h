@@ -55,7 +55,7 @@ inline void gpt2_layout(fsdp::SafetensorsOptions& o) {
 }
 
 /// config.json of a GPT2LMHeadModel with the GPT's shape.
-inline std::string gpt2_config_json(const lm::Config& c, const std::string& dtype) {
+inline std::string gpt2_config_json(const lm::Config& c) {
   nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}},
                       {"model_type", "gpt2"},
                       {"vocab_size", c.vocab_size},
@@ -75,13 +75,7 @@ inline std::string gpt2_config_json(const lm::Config& c, const std::string& dtyp
                       {"use_cache", true},
                       // GPT-2's defaults (50256) are past this byte-level vocabulary.
                       {"bos_token_id", nullptr},
-                      {"eos_token_id", nullptr},
-                      {"torch_dtype", dtype},
-                      {"dtype", dtype}};
-  if (dtype.empty()) {
-    j.erase("torch_dtype");
-    j.erase("dtype");
-  }
+                      {"eos_token_id", nullptr}};
   return j.dump(2) + "\n";
 }
 

@@ -105,7 +105,7 @@ lm::Config read_hf_config(const std::string& dir, int64_t block_size) {
   return c;
 }
 
-std::string hf_config_json(const lm::Config& c, const std::string& dtype) {
+std::string hf_config_json(const lm::Config& c) {
   json j = {{"architectures", {"LlamaForCausalLM"}},
             {"model_type", "llama"},
             {"vocab_size", c.vocab_size},
@@ -125,13 +125,7 @@ std::string hf_config_json(const lm::Config& c, const std::string& dtype) {
             {"attention_dropout", 0.0},
             {"mlp_bias", false},
             {"tie_word_embeddings", c.tie_embeddings},
-            {"use_cache", true},
-            {"torch_dtype", dtype},
-            {"dtype", dtype}};
-  if (dtype.empty()) {
-    j.erase("torch_dtype");
-    j.erase("dtype");
-  }
+            {"use_cache", true}};
   return j.dump(2) + "\n";
 }
 

@@ -18,8 +18,8 @@ bool is_hf_model_dir(const std::string& dir);
 /// hidden_size / num_attention_heads).
 lm::Config read_hf_config(const std::string& dir, int64_t block_size);
 
-/// config.json's text for `cfg` (LlamaConfig's fields; torch_dtype `dtype`: float32,
-/// bfloat16 or float16, or "" for none).
-std::string hf_config_json(const lm::Config& cfg, const std::string& dtype);
+/// config.json's text for `cfg` (LlamaConfig's fields; the weights' dtype is the
+/// exporter's to add).
+std::string hf_config_json(const lm::Config& cfg);
 
 }  // namespace llama

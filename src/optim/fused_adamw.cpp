@@ -8,8 +8,6 @@
 #include "nvme_adamw.h"
 #include "parallel_range.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/TensorIterator.h>
 #include <ATen/ops/_fused_adamw.h>
 
 #include <atomic>

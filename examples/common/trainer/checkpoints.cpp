@@ -31,7 +31,7 @@ fsdp::TrainingState CheckpointPolicy::training_state(int64_t step) const {
   // fsdp-consolidate --format safetensors makes a model directory of the checkpoint.
   const Program& p = program_info();
   if (p.hf_config_json && !p.hf_layout)
-    st.model_attrs["hf_config"] = p.hf_config_json(flags_.model, "");
+    st.model_attrs["hf_config"] = p.hf_config_json(flags_.model);
   st.extra = {{"seed", std::to_string(flags_.training.seed)}, {"data", flags_.training.data}};
   if (scaler_) st.loss_scaler = scaler_->state();
   return st;

@@ -21,9 +21,8 @@ namespace {
 
 using examples::UsageError;
 
-Program& current_program() {
-  static Program p{"train_gpt", "gpt",
-                   "Train the GPT example, fully sharded over the job's ranks."};
+Program& current_program() {  // parse_flags sets it
+  static Program p;
   return p;
 }
 
@@ -252,13 +251,9 @@ std::optional<std::vector<std::string>> command_line(int argc, char** argv) {
 
 // ---- values: each group read, then checked in the order errors are reported ---------
 
-// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
-// attributes, or a safetensors __metadata__). A flag given on the command line must agree
-// with the file, each disagreement named with both values (checked before any rank
-// starts training).
 // A flag given on the command line must agree with the architecture --init-from reads.
 template <class T>
-void agree(const cxxopts::ParseResult& r, const std::string& flag, const T& ours, T& theirs,
+void agree(const cxxopts::ParseResult& r, const std::string& flag, const T& ours, const T& theirs,
            const std::string& file, const std::string& key) {
   if (r.count(flag) == 0) return;
   if (r[flag].as<T>() == theirs) return;
@@ -293,6 +288,10 @@ void apply_hf_dir(const std::string& dir, Config& cfg, const cxxopts::ParseResul
   cfg = hf;
 }
 
+// --init-from FILE: the architecture comes from the file's attributes (HDF5 root
+// attributes, or a safetensors __metadata__), or from a Hugging Face directory's
+// config.json. A flag given on the command line must agree with the file, each
+// disagreement named with both values (checked before any rank starts training).
 void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseResult& r) {
   if (!std::filesystem::exists(file))
     throw UsageError("--init-from " + file + ": cannot open the file");

@@ -37,11 +37,10 @@ struct Program {
   std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
   /// A Hugging Face architecture: the Config of a model directory's config.json (block_size
   /// given: the training sequence length; empty: train from this program's own files
-  /// only), and the text of config.json for a Config (dtype: the weights' dtype name, ""
-  /// for none), which --export-hf writes. Both empty for a family Hugging Face does not
-  /// know.
+  /// only), and the text of config.json for a Config, which --export-hf writes (adding
+  /// the weights' dtype). Both empty for a family Hugging Face does not know.
   std::function<Config(const std::string& dir, int64_t block_size)> read_hf_config;
-  std::function<std::string(const Config&, const std::string& dtype)> hf_config_json;
+  std::function<std::string(const Config&)> hf_config_json;
   /// With hf_config_json: the weights' names and layout in that architecture, when they
   /// are not the model's own (SafetensorsOptions::name_for and ::transpose). Empty: they
   /// are, and then checkpoints carry config.json too (model attribute "hf_config"), so

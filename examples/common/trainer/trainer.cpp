@@ -27,6 +27,8 @@
 #include "train_log.h"
 #include "trainer.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,9 +44,7 @@ using namespace lm;
 
 /// What a training step changes: the sharded model (whichever family: `forward` calls
 /// it), its optimizer and, under fp16, the loss scaler.
-struct Training {
-  fsdp::ShardedModel model;
-  std::function<torch::Tensor(const torch::Tensor&)> forward;  ///< (B, T) tokens -> logits
+struct Training : BuiltModel {
   std::unique_ptr<torch::optim::AdamW> opt;
   std::optional<fsdp::LossScaler> scaler;
 };
@@ -62,10 +62,8 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   fsdp::ShardingOptions so = f.sharding.options;
   so.process_group = pg;
   torch::manual_seed(f.training.seed);
-  Training t;
-  BuiltModel built = program_info().build(f.model, so, f.sharding.sharded_construction);
-  t.model = built.model;
-  t.forward = built.forward;
+  Training t{program_info().build(f.model, so, f.sharding.sharded_construction), nullptr,
+             std::nullopt};
   // --init-from: the starting weights come from a consolidated file (written by this
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
@@ -233,9 +231,9 @@ torch::Tensor eval_rows(const std::string& file, int64_t block) {
 
 /// The mean next-token loss on the --eval-text rows, every rank all of them (collective:
 /// every rank runs the forward), printed by rank 0 with 9 significant digits.
-void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
-  if (f.training.eval_text.empty()) return;
-  const auto rows = eval_rows(f.training.eval_text, f.model.block_size);
+void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step,
+               const torch::Tensor& rows) {
+  if (!rows.defined()) return;
   torch::NoGradGuard no_grad;
   t.model.as_module().eval();
   const double loss = loss_of(t, rows.to(f.sharding.options.device)).item<double>();
@@ -256,10 +254,12 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   fsdp::TrainingState st;
   st.step = step;
   st.model_attrs = architecture_attrs(f.model);
-  // export_safetensors writes it as config.json beside the weights.
-  st.model_attrs["hf_config"] = program_info().hf_config_json(f.model, d == "bf16"   ? "bfloat16"
-                                                                       : d == "fp16" ? "float16"
-                                                                                     : "float32");
+  // export_safetensors writes it as config.json beside the weights, with their dtype.
+  auto config = nlohmann::json::parse(program_info().hf_config_json(f.model));
+  config["torch_dtype"] = config["dtype"] = d == "bf16"   ? "bfloat16"
+                                            : d == "fp16" ? "float16"
+                                                          : "float32";
+  st.model_attrs["hf_config"] = config.dump(2) + "\n";
   fsdp::SafetensorsOptions o;
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
   if (program_info().hf_layout) program_info().hf_layout(o);
@@ -290,11 +290,14 @@ int run(const Program& prog, int argc, char** argv) {
   if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   if (main_rank) print_summary(t.model, f, data, pg.size());
   log.start(first_step, last_step);
-  eval_text(t, f, pg, first_step);
+  const torch::Tensor eval = f.training.eval_text.empty()
+                                 ? torch::Tensor()
+                                 : eval_rows(f.training.eval_text, f.model.block_size);
+  eval_text(t, f, pg, first_step, eval);
   train(t, f, data, pg, log, checkpoints, first_step, last_step);
 
   const int64_t final_step = std::max(first_step, last_step);
-  eval_text(t, f, pg, final_step);
+  eval_text(t, f, pg, final_step, eval);
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(t, f, pg, final_step);
   if (t.scaler) {
