@@ -876,6 +876,72 @@ TEST(TrainLlama, BadInputIsRefusedNamingTheValueAndTheFix) {
   std::filesystem::remove_all(biased);
 }
 
+// The rest of the Llama's refusals: shapes the model cannot have, config.json fields of the
+// wrong kind or value, flags that disagree with the file, --eval-text and --export-hf
+// places that cannot work, and a file of the other family.
+TEST(TrainLlama, EveryOtherRefusalNamesTheValueAndTheFix) {
+  auto config_with = [](const std::string& from, const std::string& to) {
+    std::string c = kLlamaConfig + "}";
+    const size_t at = c.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return hf_dir_with(c.replace(at, from.size(), to));
+  };
+  const std::string ok = hf_dir_with(kLlamaConfig + "}");
+  const std::string small_vocab = config_with(R"("vocab_size": 256)", R"("vocab_size": 100)");
+  const std::string gelu =
+      config_with(R"("hidden_size": 64)", R"("hidden_size": 64, "hidden_act": "gelu")");
+  const std::string head_dim =
+      config_with(R"("hidden_size": 64)", R"("hidden_size": 64, "head_dim": 32)");
+  const std::string text_layers =
+      config_with(R"("num_hidden_layers": 2)", R"("num_hidden_layers": "two")");
+  const std::string not_json = hf_dir_with("{\"model_type\": ");
+  expect_usage_error({bin("train_llama"), "--d-model", "36", "--n-head", "4"},
+                     "train_llama: error: --d-model / --n-head = 9 must be even: rotary positions "
+                     "rotate pairs of a head's dimensions");
+  expect_usage_error({bin("train_llama"), "--init-from", small_vocab},
+                     "train_llama: error: vocab_size 100 is below 256: the training data are bytes "
+                     "(token ids 0-255)");
+  expect_usage_error({bin("train_llama"), "--init-from", ok, "--tie-embeddings"},
+                     "train_llama: error: --tie-embeddings but " + ok +
+                         "/config.json has tie_word_embeddings false; leave the flag out to take "
+                         "the file's");
+  expect_usage_error({bin("train_llama"), "--init-from", gelu},
+                     "train_llama: error: " + gelu +
+                         "/config.json: hidden_act \"gelu\"; the Llama MLP here is SwiGLU (silu)");
+  expect_usage_error({bin("train_llama"), "--init-from", head_dim},
+                     "train_llama: error: " + head_dim +
+                         "/config.json: head_dim 32 differs from hidden_size / num_attention_heads "
+                         "= 16; not implemented here");
+  expect_usage_error({bin("train_llama"), "--init-from", text_layers},
+                     "train_llama: error: " + text_layers +
+                         "/config.json: num_hidden_layers is \"two\", not an integer");
+  expect_usage_error({bin("train_llama"), "--init-from", not_json},
+                     "train_llama: error: " + not_json + "/config.json: not valid JSON (");
+  expect_usage_error({bin("train_llama"), "--steps", "1", "--eval-text", "/nonexistent/e.txt"},
+                     "train_llama: error: --eval-text /nonexistent/e.txt: cannot open the file");
+  const std::string short_text = temp_path("evt");
+  std::ofstream(short_text) << "abcde";
+  expect_usage_error({bin("train_llama"), "--steps", "1", "--eval-text", short_text},
+                     "train_llama: error: --eval-text " + short_text +
+                         " holds 5 bytes, fewer than one row of --block-size + 1 = 33");
+  expect_usage_error({bin("train_llama"), "--steps", "1", "--export-hf", "/nonexistent/dir/out"},
+                     "train_llama: error: --export-hf /nonexistent/dir/out: the directory "
+                     "/nonexistent/dir does not exist");
+  // A Llama's safetensors file (its metadata names the arch) given to train_gpt.
+  const std::string exported = temp_path("llexp");
+  std::remove(exported.c_str());
+  auto r = run_command(
+      {bin("train_llama"), "--steps", "1", "--batch-size", "2", "--export-hf", exported});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_usage_error({bin("train_gpt"), "--init-from", exported + "/model.safetensors"},
+                     "train_gpt: error: --init-from " + exported +
+                         "/model.safetensors holds a llama model, and train_gpt trains gpt models; "
+                         "use train_llama for it");
+  for (const auto& d : {ok, small_vocab, gelu, head_dim, text_layers, not_json, exported})
+    std::filesystem::remove_all(d);
+  std::remove(short_text.c_str());
+}
+
 // A config.json whose shapes the weights do not have: the import names the parameter
 // and both shapes. train_llama exports d_model 64 with intermediate_size 176; the
 // config then says 192.

@@ -24,11 +24,11 @@ T field(const json& j, const char* key, T fallback, const std::string& dir) {
   try {
     return it->get<T>();
   } catch (const json::exception&) {
-    throw UsageError(where(dir) + ": " + key + " is " + it->dump() + ", not a " +
-                     (std::is_same_v<T, bool>          ? "boolean"
-                      : std::is_same_v<T, double>      ? "number"
-                      : std::is_same_v<T, std::string> ? "string"
-                                                       : "integer"));
+    throw UsageError(where(dir) + ": " + key + " is " + it->dump() + ", not " +
+                     (std::is_same_v<T, bool>          ? "a boolean"
+                      : std::is_same_v<T, double>      ? "a number"
+                      : std::is_same_v<T, std::string> ? "a string"
+                                                       : "an integer"));
   }
 }
 
