@@ -22,6 +22,8 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <tuple>
 #include <vector>
 
 namespace llama {
@@ -102,6 +104,28 @@ inline std::pair<torch::Tensor, torch::Tensor> rope_cos_sin(const Config& c,
   auto emb = torch::cat({freqs, freqs}, -1);
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
 }
+
+/// The cos and sin tables of positions 0 .. T-1, made once per (T, device, dtype) and
+/// shared by every layer of a model (each layer's forward would otherwise make the same
+/// tables again, in training and in each recompute).
+class RopeTables {
+ public:
+  explicit RopeTables(const Config& c) : cfg_(c) {}
+  std::pair<torch::Tensor, torch::Tensor> get(int64_t T, const torch::Device& device,
+                                              torch::Dtype dtype) {
+    if (!cos_.defined() || cos_.size(0) != T || cos_.device() != device ||
+        cos_.scalar_type() != dtype) {
+      torch::NoGradGuard constant;
+      std::tie(cos_, sin_) = rope_cos_sin(
+          cfg_, torch::arange(T, torch::TensorOptions(torch::kLong).device(device)), dtype);
+    }
+    return {cos_, sin_};
+  }
+
+ private:
+  Config cfg_;
+  torch::Tensor cos_, sin_;
+};
 
 inline torch::Tensor rotate_half(const torch::Tensor& x) {
   const int64_t h = x.size(-1) / 2;
@@ -205,8 +229,9 @@ TORCH_MODULE(Mlp);
 
 class DecoderLayerImpl : public torch::nn::Module {
  public:
-  explicit DecoderLayerImpl(const Config& c)
-      : cfg_(c),
+  /// `rope`: the model's shared tables (a layer built alone makes its own).
+  explicit DecoderLayerImpl(const Config& c, std::shared_ptr<RopeTables> rope = nullptr)
+      : rope_(rope ? std::move(rope) : std::make_shared<RopeTables>(c)),
         input_layernorm(register_module("input_layernorm", RMSNorm(c.d_model, c.rms_norm_eps))),
         self_attn(register_module("self_attn", Attention(c))),
         post_attention_layernorm(
@@ -216,9 +241,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   }
   /// Training and evaluation: positions 0 .. T-1, no cache.
   torch::Tensor forward(torch::Tensor x) {
-    auto positions =
-        torch::arange(x.size(1), torch::TensorOptions(torch::kLong).device(x.device()));
-    auto [cos, sin] = rope_cos_sin(cfg_, positions, x.scalar_type());
+    auto [cos, sin] = rope_->get(x.size(1), x.device(), x.scalar_type());
     return forward_at(x, cos, sin, nullptr);
   }
   torch::Tensor forward_at(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -228,7 +251,7 @@ class DecoderLayerImpl : public torch::nn::Module {
   }
 
  private:
-  Config cfg_;
+  std::shared_ptr<RopeTables> rope_;
 
  public:
   RMSNorm input_layernorm;
@@ -245,8 +268,9 @@ class ModelImpl : public torch::nn::Module {
       : embed_tokens(
             register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.d_model))) {
     auto list = register_module("layers", torch::nn::ModuleList());
+    auto rope = std::make_shared<RopeTables>(c);
     for (int64_t i = 0; i < c.n_layer; ++i) {
-      layers.emplace_back(DecoderLayer(c));
+      layers.emplace_back(DecoderLayer(c, rope));
       list->push_back(layers.back());
     }
     norm = register_module("norm", RMSNorm(c.d_model, c.rms_norm_eps));
