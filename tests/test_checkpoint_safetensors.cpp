@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 
 namespace fs = std::filesystem;
@@ -243,6 +244,60 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--with-optimizer needs --format hdf5"), std::string::npos) << r.output;
   fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+// SafetensorsOptions::name_for and ::transpose write another framework's layout (GPT-2's,
+// for train_gpt --export-hf), and a model attribute "hf_config" becomes config.json beside
+// the weights and not __metadata__; a transposed tensor that is not 2-D and a non-string
+// hf_config are refused.
+TEST(SafetensorsExport, AnotherLayoutRenamesTransposesAndWritesConfigJson) {
+  const std::string dir = scratch_dir("st_layout");
+  auto model = fully_shard(MlpNet());  // inp.weight is [32, 16]
+  std::map<std::string, torch::Tensor> full;
+  for (auto& [name, t] : full_state_dict(model)) full[name] = t;
+  SafetensorsOptions so;
+  so.name_for = [](const std::string& fqn) { return fqn == "out.bias" ? "" : "x." + fqn; };
+  so.transpose = [](const std::string& fqn) { return fqn == "inp.weight"; };
+  TrainingState state = sample_state(3);
+  state.model_attrs["hf_config"] = std::string("{\"model_type\": \"mlp\"}\n");
+  export_safetensors(dir + "/a", model, state, so);
+  std::ifstream config(dir + "/a/config.json");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(config), {}), "{\"model_type\": \"mlp\"}\n");
+  st::Reader r(dir + "/a");
+  EXPECT_EQ(r.metadata().count("hf_config"), 0u);
+  EXPECT_EQ(r.entries().count("out.bias") + r.entries().count("x.out.bias"), 0u) << "left out";
+  ASSERT_EQ(r.entries().count("x.inp.weight"), 1u);
+  EXPECT_EQ(r.entries().at("x.inp.weight").shape, (std::vector<int64_t>{16, 32}));
+  at::Tensor w = at::empty({16, 32}, at::kFloat);
+  r.read("x.inp.weight", 0, w.nbytes(), w.data_ptr());
+  EXPECT_TRUE(torch::equal(w, full.at("inp.weight").t())) << "written transposed";
+
+  so.transpose = [](const std::string& fqn) { return fqn == "inp.bias"; };
+  try {
+    export_safetensors(dir + "/b", model, state, so);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("export_safetensors: SafetensorsOptions::transpose picks 'inp.bias', "
+                        "which has 1 dimensions; only 2-D tensors transpose"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  so.transpose = nullptr;
+  state.model_attrs["hf_config"] = int64_t{1};
+  try {
+    export_safetensors(dir + "/c", model, state, so);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("model attribute hf_config must be a string (a Hugging Face config.json)"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 }  // namespace
