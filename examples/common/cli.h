@@ -3,6 +3,8 @@
 // "<program>: error: <message>"; a command line that cannot run as given exits 2, any
 // other failure 1.
 
+#include "attention.h"
+
 #include <torch/torch.h>
 
 #include <cxxopts.hpp>
@@ -51,6 +53,15 @@ inline std::optional<cxxopts::ParseResult> parse_command_line(
     if (!r.count(need)) throw UsageError(std::string("--") + need + " is required; see --help");
   }
   return r;
+}
+
+/// The kernel --attention names (examples/common/attention.h); a UsageError otherwise.
+inline AttentionKernel parse_attention_flag(const std::string& value) {
+  try {
+    return parse_attention_kernel(value);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
 }
 
 /// Runs `run()` (which returns the exit status), turning what it throws into a message

@@ -2,6 +2,7 @@
 //
 //   generate --weights FILE.h5 --prompt TEXT --max-new-tokens N
 //            [--greedy | --temperature T --top-k K --seed S] [--device cpu|cuda|cuda:N|auto]
+//            [--attention sdpa|math]
 //
 // The architecture comes from the file's root attributes (n_layer, n_head, d_model,
 // block_size, vocab_size), so no model flags are needed. Only the generated
@@ -49,6 +50,7 @@ cxxopts::Options make_options() {
       "threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
       cxxopts::value<int>()->default_value("1"))(
       "device", examples::kDeviceHelp, cxxopts::value<std::string>()->default_value("auto"))(
+      "attention", examples::kAttentionHelp, cxxopts::value<std::string>()->default_value("sdpa"))(
       "h,help", "show this help");
   return o;
 }
@@ -116,7 +118,9 @@ int run(int argc, char** argv) {
 
   const torch::Device device = examples::parse_device_flag(r["device"].as<std::string>());
   const std::string file = r["weights"].as<std::string>();
-  const gpt::Config cfg = read_architecture(file);
+  const auto attention = examples::parse_attention_flag(r["attention"].as<std::string>());
+  gpt::Config cfg = read_architecture(file);
+  cfg.attention = attention;
   if (top_k < 0 || top_k > cfg.vocab_size) {
     throw UsageError("--top-k " + std::to_string(top_k) + " must be in 1.." +
                      std::to_string(cfg.vocab_size) + " (0: no limit)");

@@ -7,6 +7,7 @@
 
 #include <fsdp/fully_sharded_module.h>
 
+#include "../common/attention.h"
 #include "../common/trainer/lm_config.h"
 
 #include <torch/torch.h>
@@ -41,9 +42,10 @@ class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const Config& c)
       : n_head_(c.n_head),
+        kernel_(c.attention),
+        dropout_(c.dropout),
         qkv(register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model))),
         proj(register_module("proj", torch::nn::Linear(c.d_model, c.d_model))),
-        attn_drop(register_module("attn_drop", torch::nn::Dropout(c.dropout))),
         resid_drop(register_module("resid_drop", torch::nn::Dropout(c.dropout))) {}
 
   torch::Tensor forward(const torch::Tensor& x) {
@@ -52,22 +54,27 @@ class AttentionImpl : public torch::nn::Module {
     auto heads = [&](const torch::Tensor& t) {
       return t.view({B, T, n_head_, hd}).transpose(1, 2);
     };
-    auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    auto mask =
-        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).tril();
-    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    att = attn_drop(torch::softmax(att, -1));
-    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    // Causal attention (examples/common/attention.h): the fused kernel, or the explicit
+    // softmax; dropout on the attention probabilities either way.
+    examples::AttentionOptions o;
+    o.kernel = kernel_;
+    o.dropout_p = dropout_;
+    o.training = is_training();
+    auto y = examples::causal_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]), o)
+                 .transpose(1, 2)
+                 .contiguous()
+                 .view({B, T, C});
     return resid_drop(proj(y));
   }
 
  private:
   int64_t n_head_;
+  examples::AttentionKernel kernel_;
+  double dropout_;
 
  public:
   torch::nn::Linear qkv, proj;
-  torch::nn::Dropout attn_drop, resid_drop;
+  torch::nn::Dropout resid_drop;
 };
 TORCH_MODULE(Attention);
 

@@ -70,6 +70,7 @@ cxxopts::Options make_options() {
       "threads", "LibTorch intra-op threads (one sequence is small work: more threads mostly wait)",
       cxxopts::value<int>()->default_value("1"))(
       "device", examples::kDeviceHelp, cxxopts::value<std::string>()->default_value("auto"))(
+      "attention", examples::kAttentionHelp, cxxopts::value<std::string>()->default_value("sdpa"))(
       "h,help", "show this help");
   return o;
 }
@@ -266,12 +267,14 @@ int run(int argc, char** argv) {
   if (threads <= 0) throw UsageError("--threads " + std::to_string(threads) + " must be positive");
   at::set_num_threads(threads);  // see generate.cpp: more threads mostly spin on 2 cores
 
+  const auto attention = examples::parse_attention_flag(r["attention"].as<std::string>());
   const std::string dir = r["model"].as<std::string>();
   if (!std::filesystem::is_directory(dir))
     throw UsageError("--model " + dir + ": no such directory; " + kModelDirHint);
   if (!llama::is_hf_model_dir(dir))
     throw UsageError("--model " + dir + " has no config.json; " + kModelDirHint);
-  const llama::Config cfg = llama::from_lm(llama::read_hf_config(dir, 0));
+  llama::Config cfg = llama::from_lm(llama::read_hf_config(dir, 0));
+  cfg.attention = attention;
   const torch::Device device = examples::parse_device_flag(r["device"].as<std::string>());
 
   std::vector<int64_t> prompt;

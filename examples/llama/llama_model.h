@@ -11,11 +11,13 @@
 // (lm_head.weight is the embedding itself when tied; our exports write it under both names,
 // transformers under the first only, and either loads).
 // Each decoder layer is a wrap point (fsdp::FullyShardedModule<DecoderLayer>).
-// The forward computes what transformers' eager attention does, in the same order; with a
-// KvCache it appends each new position's keys and values and attends over the cache.
+// The forward computes what transformers does: with --attention math its eager attention,
+// in the same order; by default the fused kernel, as its "sdpa" attention. With a KvCache
+// it appends each new position's keys and values and attends over the cache.
 
 #include <fsdp/fully_sharded_module.h>
 
+#include "../common/attention.h"
 #include "../common/trainer/lm_config.h"
 
 #include <torch/torch.h>
@@ -39,6 +41,8 @@ struct Config {
   double rope_theta = 10000.0;
   double rms_norm_eps = 1e-5;
   bool tie_embeddings = false;  ///< tie_word_embeddings
+  /// The fused kernel or the explicit softmax (examples/common/attention.h).
+  examples::AttentionKernel attention = examples::AttentionKernel::kSdpa;
   int64_t head_dim() const { return d_model / n_head; }
 };
 
@@ -56,6 +60,7 @@ inline Config from_lm(const lm::Config& c) {
   l.rope_theta = c.rope_theta;
   l.rms_norm_eps = c.rms_norm_eps;
   l.tie_embeddings = c.tie_embeddings;
+  l.attention = c.attention;
   return l;
 }
 
@@ -181,20 +186,14 @@ class AttentionImpl : public torch::nn::Module {
       cache->k = k;
       cache->v = v;
     }
-    const int64_t S = k.size(2);  // key positions: the cached ones, then these T
-    // Grouped-query attention: query head h reads key/value head h / (n_head / n_kv_head).
-    const int64_t rep = cfg_.n_head / cfg_.n_kv_head;
-    if (rep > 1) {
-      k = k.unsqueeze(2).expand({B, cfg_.n_kv_head, rep, S, hd}).reshape({B, cfg_.n_head, S, hd});
-      v = v.unsqueeze(2).expand({B, cfg_.n_kv_head, rep, S, hd}).reshape({B, cfg_.n_head, S, hd});
-    }
-    auto att = torch::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-    // Causal over absolute positions: query i (at S - T + i) sees keys 0 .. S - T + i.
-    auto mask = torch::ones({T, S}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
-                    .tril(S - T);
-    att = att.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    att = torch::softmax(att, -1, torch::kFloat).to(q.scalar_type());
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, cfg_.n_head * hd});
+    // Causal attention over the cached positions and these (examples/common/attention.h):
+    // the fused kernel reads grouped key/value heads in place where it can; the explicit
+    // path repeats them and takes the softmax in fp32, as transformers' eager attention.
+    examples::AttentionOptions o;
+    o.kernel = cfg_.attention;
+    o.softmax_in_fp32 = true;
+    auto y =
+        examples::causal_attention(q, k, v, o).transpose(1, 2).reshape({B, T, cfg_.n_head * hd});
     return o_proj(y);
   }
 

@@ -107,6 +107,11 @@ def build_model(args):
     import torch.nn.functional as F
 
     d, h = args.d_model, args.n_head
+    # How attention is computed, as train_gpt's --attention: sdpa (F.scaled_dot_product_attention,
+    # is_causal) unless the caller's arguments say math.
+    attention = getattr(args, "attention", "sdpa")
+    if attention not in ("sdpa", "math"):
+        raise SystemExit(f"--attention {attention}: use sdpa or math")
 
     class Attention(nn.Module):
         def __init__(self):
@@ -119,12 +124,15 @@ def build_model(args):
             hd = C // h
             q, k, v = self.qkv(x).split(C, dim=2)
             q, k, v = (t.view(B, T, h, hd).transpose(1, 2) for t in (q, k, v))
-            att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(mask.logical_not(), float("-inf"))
-            att = torch.softmax(att, -1)  # dropout 0: identity
-            y = torch.matmul(att, v).transpose(1, 2).contiguous().view(B, T, C)
-            return self.proj(y)
+            if attention == "sdpa":  # train_gpt's default: the same ATen kernel
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # --attention math: the explicit softmax
+                att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+                mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+                att = att.masked_fill(mask.logical_not(), float("-inf"))
+                att = torch.softmax(att, -1)  # dropout 0: identity
+                y = torch.matmul(att, v)
+            return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
     class Mlp(nn.Module):
         def __init__(self):
@@ -607,6 +615,8 @@ def parse(argv=None):
     a("--clip-grad", type=float, default=1.0)
     a("--seed", type=int, default=1337)
     a("--precision", choices=["fp32", "bf16"], default="fp32")
+    a("--attention", choices=["sdpa", "math"], default="sdpa",
+      help="as train_gpt's --attention: F.scaled_dot_product_attention, or the explicit softmax")
     a("--impl", choices=["fsdp1", "fsdp2", "deepspeed"], default="fsdp1",
       help="the anchor: PyTorch FSDP1, PyTorch FSDP2 (fully_shard) or DeepSpeed ZeRO-3")
     a("--init-from", help="consolidated HDF5 file with the initial weights")

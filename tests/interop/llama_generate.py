@@ -9,9 +9,11 @@ Four directories: fp32 untied, fp32 tied (save_pretrained leaves lm_head.weight 
 untied model saved in bf16 (both sides then compute in fp32 on the same rounded weights)
 and the tied one in shards of at most 100 KB (model.safetensors.index.json).
 
-transformers runs with attn_implementation="eager": its SDPA path sums in another order
-(a fused kernel), which is not what llama_model.h computes; eager is the reference the
-model follows operation by operation.
+Each directory is compared twice, kernel against kernel: generate_llama's default
+--attention sdpa (at::scaled_dot_product_attention) against transformers'
+attn_implementation="sdpa" (the same ATen kernel), and --attention math (the explicit
+softmax in fp32) against attn_implementation="eager", which it follows operation by
+operation.
 
 usage: llama_generate.py --generate-llama BUILD/bin/generate_llama
 (exit 0: all good; 1: a mismatch; 77: skipped, with why)
@@ -60,8 +62,12 @@ def build_model(tied):
     return LlamaForCausalLM(cfg).eval()
 
 
-def run_ours(exe, model_dir, logits_file):
-    cmd = [exe, "--model", model_dir, "--device", "cpu", "--prompt-ids",
+# (generate_llama --attention, transformers' attn_implementation)
+PAIRS = (("sdpa", "sdpa"), ("math", "eager"))
+
+
+def run_ours(exe, model_dir, logits_file, attention):
+    cmd = [exe, "--model", model_dir, "--device", "cpu", "--attention", attention, "--prompt-ids",
            ",".join(str(b) for b in PROMPT), "--max-new-tokens", str(NEW_TOKENS),
            "--dump-logits", logits_file]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -74,22 +80,14 @@ def run_ours(exe, model_dir, logits_file):
     raise SystemExit(f"no 'tokens: ' line in generate_llama's output:\n{r.stdout}")
 
 
-def check(exe, name, model, save_dtype, work, max_shard_size=None):
+def compare(exe, name, model_dir, files, ours_attention, theirs_impl, work):
     import numpy as np
     import torch
     from transformers import LlamaForCausalLM
 
-    model_dir = os.path.join(work, name)
-    if save_dtype is not None:
-        model = model.to(save_dtype)
-    if max_shard_size is None:
-        model.save_pretrained(model_dir)
-    else:
-        model.save_pretrained(model_dir, max_shard_size=max_shard_size)
-    files = sorted(os.listdir(model_dir))
     # transformers' reference: the saved directory loaded back in fp32.
     ref = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                           attn_implementation="eager").eval()
+                                           attn_implementation=theirs_impl).eval()
     ids = torch.tensor([list(PROMPT)], dtype=torch.long)
     with torch.no_grad():
         theirs = ref(ids).logits[0].float().numpy()
@@ -97,8 +95,8 @@ def check(exe, name, model, save_dtype, work, max_shard_size=None):
                            min_new_tokens=NEW_TOKENS, attention_mask=torch.ones_like(ids))
     their_tokens = gen[0, ids.shape[1]:].tolist()
 
-    logits_file = os.path.join(work, name + ".logits")
-    our_tokens = run_ours(exe, model_dir, logits_file)
+    logits_file = os.path.join(work, "logits")
+    our_tokens = run_ours(exe, model_dir, logits_file, ours_attention)
     with open(logits_file + ".json") as f:
         shape = json.load(f)["shape"]
     ours = np.fromfile(logits_file, dtype="<f4").reshape(shape)
@@ -125,6 +123,22 @@ def check(exe, name, model, save_dtype, work, max_shard_size=None):
     return ok
 
 
+def check(exe, name, model, save_dtype, work, max_shard_size=None):
+    model_dir = os.path.join(work, name)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
+    if max_shard_size is None:
+        model.save_pretrained(model_dir)
+    else:
+        model.save_pretrained(model_dir, max_shard_size=max_shard_size)
+    files = sorted(os.listdir(model_dir))
+    ok = True
+    for ours_attention, theirs_impl in PAIRS:
+        ok &= compare(exe, f"{name} ({ours_attention} vs {theirs_impl})", model_dir, files,
+                      ours_attention, theirs_impl, work)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--generate-llama", required=True)
@@ -137,8 +151,8 @@ def main():
     except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
         skip(f"transformers does not import with {sys.executable}: {e}")
     torch.set_num_threads(1)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
-          f"attn_implementation eager")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}; "
+          f"--attention against attn_implementation: {', '.join(a + ' vs ' + b for a, b in PAIRS)}")
     ok = True
     with tempfile.TemporaryDirectory(prefix="fsdp_llama_generate_") as work:
         ok &= check(args.generate_llama, "fp32-untied", build_model(False), None, work)

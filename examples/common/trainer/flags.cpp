@@ -56,6 +56,7 @@ void add_model_flags(cxxopts::Options& o) {
     flag("block-size", "context length in bytes", value<int64_t>("32"));
     flag("dropout", "dropout probability", value<double>("0"));
   }
+  flag("attention", examples::kAttentionHelp, value<std::string>("sdpa"));
 }
 
 void add_training_flags(cxxopts::Options& o) {
@@ -391,6 +392,7 @@ Config read_model(const cxxopts::ParseResult& r) {
   } else {
     cfg.dropout = r["dropout"].as<double>();
   }
+  cfg.attention = examples::parse_attention_flag(r["attention"].as<std::string>());
   const std::string init_from = r["init-from"].as<std::string>();
   if (!init_from.empty()) apply_init_file(init_from, cfg, r);
   return cfg;

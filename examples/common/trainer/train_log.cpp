@@ -71,7 +71,8 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   }
   const Config& cfg = flags.model;
   std::cout << program() << ": " << n_params << " parameters, " << cfg.n_layer
-            << " layers, d_model " << cfg.d_model << ", world size " << world << ", "
+            << " layers, d_model " << cfg.d_model << ", attention "
+            << examples::attention_name(cfg.attention) << ", world size " << world << ", "
             << units.size() << " units\n";
   const torch::Device device = flags.sharding.options.device;
   std::cout << program() << ": device " << device.str() << " (--device " << flags.sharding.device
