@@ -1,4 +1,5 @@
 // Process group: launch environment, rendezvous errors, and the collectives.
+#include "support/counting_allocator.h"
 #include "support/multirank.h"
 
 #include <fsdp/process_group.h>
@@ -326,31 +327,33 @@ TEST(Rendezvous, BadTimeoutValueIsRejected) {
             "FSDP_TIMEOUT_S='soon' is not a positive number of seconds");
 }
 
+void every_collective_at_world_three(const ProcessGroup& pg) {
+  const int r = pg.rank();
+  auto shard = torch::full({2}, static_cast<float>(r + 1));
+  auto full = torch::empty({6});
+  pg.all_gather(full, shard);
+  EXPECT_TRUE(torch::equal(full, torch::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f})));
+
+  auto grads = torch::arange(6, torch::kFloat) * (r + 1);  // sum over ranks: 6 * arange
+  auto mine = torch::empty({2});
+  pg.reduce_scatter_sum(grads, mine);
+  EXPECT_TRUE(torch::equal(mine, torch::tensor({6.f * (2 * r), 6.f * (2 * r + 1)})));
+
+  auto t = torch::tensor({static_cast<double>(r)});
+  pg.all_reduce_sum(t);
+  EXPECT_EQ(t.item<double>(), 3.0);
+  auto m = torch::tensor({static_cast<float>(r)});
+  pg.all_reduce_max(m);
+  EXPECT_EQ(m.item<float>(), 2.f);
+
+  auto b = torch::full({3}, static_cast<float>(r)).to(torch::kBFloat16);
+  pg.broadcast(b, 2);
+  EXPECT_TRUE(torch::equal(b.to(torch::kFloat), torch::full({3}, 2.f)));
+  pg.barrier();
+}
+
 TEST(Collectives, GatherReduceScatterAllReduceBroadcastAtWorldThree) {
-  run_ranks(3, [](const ProcessGroup& pg) {
-    const int r = pg.rank();
-    auto shard = torch::full({2}, static_cast<float>(r + 1));
-    auto full = torch::empty({6});
-    pg.all_gather(full, shard);
-    EXPECT_TRUE(torch::equal(full, torch::tensor({1.f, 1.f, 2.f, 2.f, 3.f, 3.f})));
-
-    auto grads = torch::arange(6, torch::kFloat) * (r + 1);  // sum over ranks: 6 * arange
-    auto mine = torch::empty({2});
-    pg.reduce_scatter_sum(grads, mine);
-    EXPECT_TRUE(torch::equal(mine, torch::tensor({6.f * (2 * r), 6.f * (2 * r + 1)})));
-
-    auto t = torch::tensor({static_cast<double>(r)});
-    pg.all_reduce_sum(t);
-    EXPECT_EQ(t.item<double>(), 3.0);
-    auto m = torch::tensor({static_cast<float>(r)});
-    pg.all_reduce_max(m);
-    EXPECT_EQ(m.item<float>(), 2.f);
-
-    auto b = torch::full({3}, static_cast<float>(r)).to(torch::kBFloat16);
-    pg.broadcast(b, 2);
-    EXPECT_TRUE(torch::equal(b.to(torch::kFloat), torch::full({3}, 2.f)));
-    pg.barrier();
-  });
+  run_ranks(3, every_collective_at_world_three);
 }
 
 // Rank r's integer-valued gradient: small enough that any sum over 4 ranks is exact in
@@ -389,6 +392,52 @@ TEST(Collectives, ReduceScatterIsTheExactSumAtWorldThreeForFp32AndBf16) {
 TEST(Collectives, ReduceScatterIsTheExactSumAtWorldFourWithOneElementPerRank) {
   run_ranks(4, [](const ProcessGroup& pg) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16}) expect_exact_reduce_scatter(pg, 1, dtype);
+  });
+}
+
+// Note [Gloo with CUDA tensors]: CUDA tensors go through host buffers; with
+// FSDP_GLOO_STAGE_THROUGH_HOST=1 CPU tensors take the same path, so these run it without a
+// GPU: every collective, and the exact reduce-scatter of both algorithms, in fp32 and bf16.
+TEST(Collectives, StagedThroughHostBuffersEveryCollectiveGivesTheSameResults) {
+  for (const char* algorithm : {"direct", "allreduce"}) {
+    SCOPED_TRACE(algorithm);
+    run_ranks(
+        3,
+        [](const ProcessGroup& pg) {
+          every_collective_at_world_three(pg);
+          for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+            for (int64_t per_rank : {1, 7, 1001}) expect_exact_reduce_scatter(pg, per_rank, dtype);
+          }
+        },
+        300,
+        {"FSDP_GLOO_STAGE_THROUGH_HOST=1", std::string("FSDP_GLOO_REDUCE_SCATTER=") + algorithm});
+  }
+}
+
+// ... and the staging is real: with FSDP_GLOO_STAGE_THROUGH_HOST=1 (read when a group is
+// made: here by split()), a reduce-scatter allocates a host copy of the whole input
+// besides what the unstaged one allocates (the N-1 received parts).
+TEST(Collectives, StagingThroughHostBuffersCopiesTheWholeInputOnTheHost) {
+  run_ranks(3, [](const ProcessGroup& pg) {
+    auto& counter = CountingCpuAllocator::install();
+    constexpr int64_t kNumel = 3 << 16;
+    auto peak_of_one_reduce_scatter = [&](const ProcessGroup& g) {
+      auto full = integer_grad(g.rank(), kNumel, torch::kFloat);
+      auto mine = torch::empty({kNumel / 3});
+      g.barrier();
+      const int64_t before = counter.live();
+      counter.reset_peak();
+      g.reduce_scatter_sum(full, mine);
+      return counter.peak() - before;
+    };
+    const int64_t unstaged = peak_of_one_reduce_scatter(pg);
+    setenv("FSDP_GLOO_STAGE_THROUGH_HOST", "1", 1);
+    const ProcessGroup staged_group = pg.split({{0, 1, 2}});
+    unsetenv("FSDP_GLOO_STAGE_THROUGH_HOST");
+    const int64_t staged = peak_of_one_reduce_scatter(staged_group);
+    EXPECT_GE(unstaged, 2 * kNumel / 3 * 4) << "the two received parts";
+    EXPECT_GE(staged - unstaged, kNumel * 4)
+        << "rank " << pg.rank() << ": unstaged peak " << unstaged << " bytes, staged " << staged;
   });
 }
 

@@ -33,7 +33,8 @@ struct ProcessGroupOptions {
   /// Seconds to wait for all ranks at rendezvous and for any one collective.
   /// The environment variable FSDP_TIMEOUT_S overrides the default.
   double timeout_s = 300.0;
-  /// "gloo" (CPU), "nccl" (CUDA) or "auto": nccl when LibTorch has CUDA and every rank
+  /// "gloo" (CPU; CUDA tensors too, staged through pinned host buffers, so that ranks may
+  /// share a GPU), "nccl" (CUDA) or "auto": nccl when LibTorch has CUDA and every rank
   /// of this node has a GPU of its own (LOCAL_WORLD_SIZE <= GPUs visible), else gloo.
   /// At world 1 the group is in-process, unless "nccl" is named under a launcher.
   std::string backend = "auto";
@@ -79,7 +80,9 @@ class ProcessGroup {
 ///   "cpu";
 ///   "cuda": cuda:(local_rank % torch::cuda::device_count()), local_rank from
 ///           read_launch_env() (LOCAL_RANK under torchrun and fsdp-run); an error when
-///           LOCAL_WORLD_SIZE exceeds the GPUs (NCCL refuses two ranks on one GPU);
+///           LOCAL_WORLD_SIZE exceeds the GPUs (NCCL refuses two ranks on one GPU), unless
+///           `backend` is "gloo", whose ranks may share a GPU (CUDA tensors staged
+///           through host memory);
 ///   "cuda:N": that GPU;
 ///   "auto" or "": "cuda" when a GPU is visible for each of this node's ranks
 ///           (LOCAL_WORLD_SIZE, 1 when unset, at most torch::cuda::device_count()), else
@@ -88,11 +91,18 @@ class ProcessGroup {
 /// unknown, when no GPU is visible, when GPU N does not exist, or when this library is
 /// built against a LibTorch without CUDA. `what` names the setting in messages (e.g.
 /// "--device": "--device cuda: no CUDA device is visible ...; ... or use --device cpu").
-torch::Device choose_device(const std::string& spec, const std::string& what = "device");
-
+/// `backend`: the process group's (ProcessGroupOptions::backend: auto, gloo or nccl).
+torch::Device choose_device(const std::string& spec, const std::string& what = "device",
+                            const std::string& backend = "auto");
 /// The backend for a process group whose tensors live on `device`: "nccl" for CUDA,
 /// "gloo" otherwise (ProcessGroupOptions::backend).
 std::string backend_for(const torch::Device& device);
+/// `choice` (auto, gloo or nccl) resolved for `device`: auto is backend_for(device), and
+/// nccl with a CPU device is an error naming `what` and the fix. Gloo with a CUDA device
+/// stages the tensors through pinned host buffers (docs/design.md, "Gloo with CUDA
+/// tensors"), so that several ranks can share one GPU.
+std::string backend_for(const torch::Device& device, const std::string& choice,
+                        const std::string& what = "backend");
 
 /// Builds the global process group from the launch environment (see LaunchEnv) and
 /// waits until every rank has arrived. Errors name the missing ranks, a busy port or

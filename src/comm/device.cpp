@@ -43,7 +43,10 @@ int64_t ranks_on_this_machine() {
 
 }  // namespace
 
-torch::Device choose_device(const std::string& spec, const std::string& what) {
+torch::Device choose_device(const std::string& spec, const std::string& what,
+                            const std::string& backend) {
+  TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl", "backend '", backend,
+              "' is unknown; use auto, gloo or nccl");
   if (spec == "cpu") return torch::kCPU;
   if (spec == "auto" || spec.empty()) {
     // The GPUs, when there is one for each of this node's ranks: NCCL refuses two ranks
@@ -51,17 +54,19 @@ torch::Device choose_device(const std::string& spec, const std::string& what) {
     if (!detail::nccl_available() || !torch::cuda::is_available()) return torch::kCPU;
     if (ranks_on_this_machine() > static_cast<int64_t>(torch::cuda::device_count()))
       return torch::kCPU;
-    return choose_device("cuda", what);
+    return choose_device("cuda", what, backend);
   }
   if (spec == "cuda") {
     check_cuda_usable(spec, what);
     const int64_t n = static_cast<int64_t>(torch::cuda::device_count());
     const int64_t ranks = ranks_on_this_machine();
-    TORCH_CHECK(ranks <= n, what, " ", spec, ": ", ranks,
+    // Gloo's ranks may share a GPU (Note [Gloo with CUDA tensors]); NCCL's may not.
+    TORCH_CHECK(ranks <= n || backend == "gloo", what, " ", spec, ": ", ranks,
                 " ranks run on this machine (LOCAL_WORLD_SIZE) but ", n,
                 n == 1 ? " GPU is" : " GPUs are",
                 " visible, and NCCL needs a GPU of its own for each rank; start at most ", n,
-                " ranks per machine (e.g. fsdp-run --nproc ", n, ") or use ", what, " cpu");
+                " ranks per machine (e.g. fsdp-run --nproc ", n, "), use ", what,
+                " cpu, or let ranks share a GPU over Gloo (backend gloo: slower, for tests)");
     const LaunchEnv env = read_launch_env();
     return {torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank % n)};
   }
@@ -83,5 +88,15 @@ torch::Device choose_device(const std::string& spec, const std::string& what) {
 }
 
 std::string backend_for(const torch::Device& device) { return device.is_cuda() ? "nccl" : "gloo"; }
+
+std::string backend_for(const torch::Device& device, const std::string& choice,
+                        const std::string& what) {
+  if (choice == "auto") return backend_for(device);
+  TORCH_CHECK(choice == "gloo" || choice == "nccl", what, " ", choice,
+              " is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or nccl");
+  TORCH_CHECK(choice == "gloo" || device.is_cuda(), what, " nccl needs a GPU, but the device is ",
+              device.str(), "; use ", what, " gloo (or auto) on the CPU");
+  return choice;
+}
 
 }  // namespace fsdp

@@ -150,6 +150,7 @@ void add_sharding_flags(cxxopts::Options& o) {
   flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
        value<std::string>("none"));
   flag("device", examples::kDeviceHelp, value<std::string>("auto"));
+  flag("backend", examples::kBackendHelp, value<std::string>("auto"));
   flag("offload-activations",
        "keep the inputs that --activation-checkpointing saves in host memory (pinned on a GPU) "
        "from forward to backward");
@@ -614,7 +615,12 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.sharded_construction = construction == "sharded";
   s.device = r["device"].as<std::string>();
   s.wrap = r["wrap"].as<std::string>();
-  s.options.device = examples::parse_device_flag(s.device);
+  const std::string backend = r["backend"].as<std::string>();
+  if (backend != "auto" && backend != "gloo" && backend != "nccl")
+    throw UsageError("--backend " + backend +
+                     " is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or nccl");
+  s.options.device = examples::parse_device_flag(s.device, backend);
+  s.backend = examples::parse_backend_flag(s.options.device, backend);
   s.options.prefetch = r.count("no-prefetch") == 0;
   read_pure_bf16(r, s);
   s.options.trace = r["trace"].as<std::string>();

@@ -45,6 +45,7 @@ struct ShardingFlags {
   /// --loss-scale-hysteresis, --min-loss-scale (DeepSpeed's fp16 fields)
   fsdp::LossScalerOptions loss_scaler;
   std::string device;                ///< --device as given: cpu|cuda|cuda:N|auto
+  std::string backend;               ///< --backend resolved for the device: gloo|nccl
   std::string wrap;                  ///< --wrap as given: block|size:N|none
   fsdp::ShardingOptions options;     ///< all the flags say (device included); the group comes later
   bool sharded_construction = true;  ///< --construction sharded (make_sharded) or eager

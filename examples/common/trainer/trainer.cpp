@@ -273,7 +273,8 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
 int run(const Program& prog, int argc, char** argv) {
   std::optional<Flags> flags = parse_flags(prog, argc, argv);
   if (!flags) return 0;  // --help
-  const fsdp::ProcessGroup pg = examples::init_process_group_for(flags->sharding.options.device);
+  const fsdp::ProcessGroup pg =
+      examples::init_process_group_for(flags->sharding.options.device, flags->sharding.backend);
   const std::string deepspeed = apply_deepspeed_config(*flags, pg.size());
   const Flags& f = *flags;
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);

@@ -1,4 +1,6 @@
-// Gloo backend: CPU collectives through c10d::ProcessGroupGloo (see Note [Backend adaptor]).
+// Gloo backend: collectives through c10d::ProcessGroupGloo (see Note [Backend adaptor]), on
+// host memory; CUDA tensors are staged through pinned host buffers (Note [Gloo with CUDA
+// tensors]).
 #include "comm/backend.h"
 #include "comm/route.h"
 
@@ -125,6 +127,23 @@ class GlooReduceScatter : public Work {
 // versions, and an fp32 sum rounds once, at the end.
 bool gloo_reduces(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kInt || t == at::kLong;
+}
+
+// Note [Gloo with CUDA tensors]
+// Gloo's transports move host memory: ProcessGroupGloo's send and recv hand the tensor's
+// data pointer to the socket whatever its device, and its CUDA paths for the collectives
+// differ between LibTorch versions. So this backend never gives Gloo a CUDA tensor: each
+// collective stages its CUDA operands through host buffers (pinned, so the copies are
+// DMA), runs the host collective, and copies the result back in wait(). The device-to-host
+// copy at issue is ordered after the work already issued on the current stream (the copy
+// waits for it), and the copy back at wait() completes before wait() returns, so the
+// engine's streams see the same contract as NCCL's Work::wait(). That lets several ranks
+// share one GPU (ProcessGroupOptions::backend = "gloo" with a CUDA device, which NCCL
+// refuses): everything but NCCL itself runs. FSDP_GLOO_STAGE_THROUGH_HOST=1 stages CPU
+// tensors too (through plain host buffers), so the CPU tests run the staging path.
+bool stage_all_through_host() {
+  const char* v = std::getenv("FSDP_GLOO_STAGE_THROUGH_HOST");
+  return v != nullptr && std::string(v) == "1";
 }
 
 // Note [Gloo connection deadline]
@@ -263,20 +282,83 @@ class GlooBackend : public Backend {
   double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
+    // Note [Gloo with CUDA tensors]
+    const at::Tensor host_shard = to_host(shard);
+    const at::Tensor host_full = host_buffer(full);
     // Gathering moves bytes, so any dtype travels as bytes; the list form (in every
     // LibTorch 2.x) writes into chunks of the flat output.
-    auto in = shard.view(at::kByte);
-    auto out = full.view(at::kByte);
-    std::vector<at::Tensor> inputs{in};
+    std::vector<at::Tensor> inputs{host_shard.view(at::kByte)};
     std::vector<std::vector<at::Tensor>> outputs(1);
-    outputs[0] = out.chunk(init_.size);
-    return std::make_shared<C10dWork>(pg_->allgather(outputs, inputs));
+    outputs[0] = host_full.view(at::kByte).chunk(init_.size);
+    return std::make_shared<C10dWork>(pg_->allgather(outputs, inputs), copy_back(host_full, full));
   }
 
   std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,
                                            const at::Tensor& shard) override {
-    if (rs_algorithm_ == RsAlgorithm::kAllReduce) return all_reduce_then_chunk(full, shard);
-    // Note [Gloo reduce-scatter]
+    // Note [Gloo with CUDA tensors]
+    const at::Tensor host_full = to_host(full);
+    const at::Tensor host_shard = host_buffer(shard);
+    auto work = rs_algorithm_ == RsAlgorithm::kAllReduce
+                    ? all_reduce_then_chunk(host_full, host_shard)
+                    : direct_reduce_scatter(host_full, host_shard);
+    if (host_shard.is_same(shard)) return work;
+    return std::make_shared<ThenWork>(std::move(work), copy_back(host_shard, shard));
+  }
+
+  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) override {
+    // On the host, in a dtype Gloo sums (Note [Gloo with CUDA tensors]).
+    const bool widen = !gloo_reduces(tensor.scalar_type());
+    auto buf = widen ? tensor.to(at::kCPU, at::kFloat) : staged(tensor) ? to_host(tensor) : tensor;
+    std::vector<at::Tensor> ts{buf};
+    c10d::AllreduceOptions o;
+    o.reduceOp = kind == ReduceKind::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    auto work = pg_->allreduce(ts, o);
+    if (buf.is_same(tensor)) return std::make_shared<C10dWork>(work);
+    return std::make_shared<C10dWork>(work, copy_back(buf, tensor));
+  }
+
+  void broadcast(const at::Tensor& tensor, int root) override {
+    const at::Tensor host = to_host(tensor);  // Note [Gloo with CUDA tensors]
+    std::vector<at::Tensor> ts{host.view(at::kByte)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    pg_->broadcast(ts, o)->wait();
+    if (auto back = copy_back(host, tensor)) back();
+  }
+
+  void barrier() override { pg_->barrier()->wait(); }
+
+  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
+    std::string tag;
+    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
+    if (sub.size == 1) return make_single_backend();
+    return std::make_shared<GlooBackend>(sub, tag);
+  }
+
+ private:
+  // Note [Gloo with CUDA tensors]: whether `t` goes through a host buffer, the buffer
+  // (pinned for a CUDA tensor), `t` copied there (after the current stream's work on it),
+  // and the copy of a buffer back into `t`, run by wait() (nothing when `t` is the buffer).
+  bool staged(const at::Tensor& t) const { return t.is_cuda() || stage_all_; }
+  at::Tensor host_buffer(const at::Tensor& t) const {
+    if (!staged(t)) return t;
+    return at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(t.is_cuda()));
+  }
+  at::Tensor to_host(const at::Tensor& t) const {
+    if (!staged(t)) return t;
+    at::NoGradGuard g;
+    return host_buffer(t).copy_(t);
+  }
+  static std::function<void()> copy_back(const at::Tensor& host, const at::Tensor& t) {
+    if (host.is_same(t)) return {};
+    return [host, t]() {
+      at::NoGradGuard g;
+      t.copy_(host);
+    };
+  }
+
+  // Note [Gloo reduce-scatter]
+  std::shared_ptr<Work> direct_reduce_scatter(const at::Tensor& full, const at::Tensor& shard) {
     const int64_t n = shard.numel();
     const int size = init_.size;
     const int me = init_.rank;
@@ -298,36 +380,6 @@ class GlooBackend : public Backend {
                                                shard);
   }
 
-  std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) override {
-    auto buf = gloo_reduces(tensor.scalar_type()) ? tensor : tensor.to(at::kFloat);
-    std::vector<at::Tensor> ts{buf};
-    c10d::AllreduceOptions o;
-    o.reduceOp = kind == ReduceKind::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-    auto work = pg_->allreduce(ts, o);
-    if (buf.is_same(tensor)) return std::make_shared<C10dWork>(work);
-    return std::make_shared<C10dWork>(work, [buf, tensor]() {
-      at::NoGradGuard g;
-      tensor.copy_(buf);
-    });
-  }
-
-  void broadcast(const at::Tensor& tensor, int root) override {
-    std::vector<at::Tensor> ts{tensor.view(at::kByte)};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    pg_->broadcast(ts, o)->wait();
-  }
-
-  void barrier() override { pg_->barrier()->wait(); }
-
-  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
-    std::string tag;
-    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
-    if (sub.size == 1) return make_single_backend();
-    return std::make_shared<GlooBackend>(sub, tag);
-  }
-
- private:
   // The former reduce-scatter (FSDP_GLOO_REDUCE_SCATTER=allreduce): a SUM all-reduce of
   // `full`, then this rank's chunk; 2(N-1)/N of `full` leaves each rank.
   std::shared_ptr<Work> all_reduce_then_chunk(const at::Tensor& full, const at::Tensor& shard) {
@@ -346,6 +398,7 @@ class GlooBackend : public Backend {
   std::string prefix_;
   int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
   RsAlgorithm rs_algorithm_ = reduce_scatter_algorithm();
+  bool stage_all_ = stage_all_through_host();  ///< Note [Gloo with CUDA tensors]
   int64_t rs_calls_ = 0;  ///< reduce-scatters issued; each uses its own send/recv tag
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<ProbeListener> probe_;  ///< Note [Peer probe]
