@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
 # The GPU check, in one command, on a GPU machine that has nothing but its own CUDA torch:
-# builds against the LibTorch of that machine's Python torch and runs the GPU checks
-# (tests/test_cuda.cpp: sharded GPT vs plain LibTorch on the GPU over NCCL, CPU offload
-# with pinned host shards, checkpoint round trip with the CUDA RNG, FusedAdamW's
-# at::_fused_adamw_ step; and every test named *_CUDA, e.g. tests/test_examples.cpp's
-# train_gpt --device cuda at world 1, and 2 where two GPUs are visible), the CPU suites that
-# must still pass there (Parity, FusedAdamW, Offload) and bench_gpu (tokens/s, peak
-# memory, MFU against plain LibTorch; JSON lines), PyTorch FSDP2 beside it, and every
-# memory mode of train_gpt (tests/bench/memory_modes.py). Such machines are borrowed, offline
-# and short-lived, so the run is bounded (FSDP_GPU_CHECK_BUDGET, default 500 s, so that it
-# ends within 9 minutes whatever hangs) and leaves its results in a folder:
+# builds against the LibTorch of that machine's Python torch and runs, ordered by value
+# (what matters most first, so that a run cut short still has it):
+#   large_model        the 1.3B GPT in bf16: this library, plain LibTorch and PyTorch FSDP2
+#                      (fused attention, fused AdamW), three alternating rounds
+#                      (tests/bench/large_model.py over bench_gpu --model large and
+#                      tests/interop/fsdp2_bench.py --large): tokens/s, MFU, peak memory
+#   two_ranks_one_gpu  world 2 on the one GPU over Gloo (CUDA tensors staged through pinned
+#                      host memory) against world 1, FULL_SHARD, SHARD_GRAD_OP, ZeRO-2 and
+#                      cpu offload (tests/bench/two_ranks_one_gpu.py)
+#   test-cuda          tests/test_cuda.cpp and every test named *_CUDA
+#   modes              every memory mode of train_gpt (tests/bench/memory_modes.py)
+#   bench-gpu, fsdp2   the 152M GPT of the earlier runs: bench_gpu --model small against plain
+#                      LibTorch, and FSDP2 on it
+#   test-cpu           the CPU suites that must still pass there (Parity, FusedAdamW, Offload)
+# Such machines are borrowed, offline and short-lived, so the run is bounded
+# (FSDP_GPU_CHECK_BUDGET, default 540 s, so that it ends within 9 minutes whatever hangs)
+# and leaves its results in a folder:
 #
 #   scripts/gpu-check.sh [--bundle DIR] [OUT_DIR] [-- CMAKE_ARGS...]
+#   scripts/gpu-check.sh --rehearse BUILD_DIR [OUT_DIR]
 #                                    (OUT_DIR default: gpu-check-out/ in the current folder)
 #
 # OUT_DIR/results.json  phases (ok, failed, timeout, skipped; seconds), each test's result
-#                       (from ctest --output-junit), bench_gpu's metrics, PyTorch FSDP2's on
-#                       the same GPT and GPU (tests/interop/fsdp2_bench.py) with ours over
-#                       theirs (tokens/s fp32 and bf16, peak memory, MFU), torch, CUDA, GPU
-#                       (nvidia-smi), the bundle's manifest
+#                       (from ctest --output-junit), "metrics" (gpu_mfu: the large model's,
+#                       bf16; ours_over_fsdp2.tokens_per_s_bf16: the median over the rounds),
+#                       large_model (every round, medians and spreads), two_ranks_one_gpu
+#                       (each mode's losses at world 1 and 2), bench_gpu's metrics of the
+#                       152M GPT, FSDP2's with ours over theirs, memory_modes, torch, CUDA,
+#                       GPU (nvidia-smi), the bundle's manifest
+# OUT_DIR/gpu-check-DATE.json  the same file, named for docs/gpu/ (copy it there)
 # OUT_DIR/gpu-check.log this output; OUT_DIR/logs/PHASE.log each phase's full output
+#
+# --rehearse BUILD_DIR: the same phases on this machine's CPU, at small sizes, with the
+# binaries of an existing build (no dependencies built, no configure, no build; the
+# ctest GpuCheck.RehearsedOnTheCpuWithEveryPhase runs it): every phase, its parsing and
+# results.json are exercised where no GPU is. FSDP_GPU_PEAK_TFLOPS defaults to a nominal
+# 0.1 there, so the MFU fields are computed (their values mean nothing on a CPU).
 #
 # What the machine lacks comes from the bundle of scripts/gpu-bundle.sh (the folder this
 # source tree is src/ of, or --bundle DIR): GoogleTest and HDF5 are built from source
@@ -40,18 +57,24 @@
 # many cores cannot shorten; file by file, 16 cores build it in about the time of the
 # slowest file.
 # Other settings: FSDP_JOBS (default: all cores), FSDP_GPU_CHECK_WORK (the build folder,
-# default build-gpu-check/ in this source tree), FSDP_GPU_BENCH_ARGS (bench_gpu's reps and
-# seconds per model-size search, default "10 20"). Exit status 0 when the build and the
-# tests passed (skips allowed).
+# default build-gpu-check/ in this source tree), FSDP_GPU_BENCH_ARGS (bench_gpu's extra
+# arguments for the 152M GPT, default "--reps 10"; e.g. "--search-seconds 20" adds the
+# largest-model search), FSDP_GPU_LARGE_ARGS (large_model.py's, default "--rounds 3 --reps 8").
+# Exit status 0 when the build and the tests passed (skips allowed).
 set -euo pipefail
 SRC="$(cd "$(dirname "$0")/.." && pwd -P)"
 
 BUNDLE="${FSDP_GPU_BUNDLE:-}"
 OUT=""
 EXTRA=()
+REHEARSE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle) [ $# -ge 2 ] || { echo "gpu-check: --bundle needs a folder" >&2; exit 2; }; BUNDLE="$2"; shift 2 ;;
+    --rehearse)
+      [ $# -ge 2 ] || { echo "gpu-check: --rehearse needs the build folder whose binaries it runs" >&2; exit 2; }
+      [ -x "$2/bin/train_gpt" ] || { echo "gpu-check: --rehearse $2: no bin/train_gpt there; build first (./scripts/test.sh)" >&2; exit 2; }
+      REHEARSE="$(cd "$2" && pwd -P)"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option '$1' (expected --bundle DIR or an output folder)" >&2; exit 2 ;;
@@ -61,8 +84,8 @@ done
 fail() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
 say() { echo "[gpu-check] $*"; }
 
-# The bundle: given, or the folder this source tree was unpacked into.
-if [ -z "$BUNDLE" ] && [ -f "$SRC/../manifest.json" ] && [ -d "$SRC/../deps" ]; then BUNDLE="$SRC/.."; fi
+# The bundle: given, or the folder this source tree was unpacked into (not when rehearsing).
+if [ -z "$BUNDLE" ] && [ -z "$REHEARSE" ] && [ -f "$SRC/../manifest.json" ] && [ -d "$SRC/../deps" ]; then BUNDLE="$SRC/.."; fi
 if [ -n "$BUNDLE" ]; then
   [ -d "$BUNDLE/deps" ] || fail "$BUNDLE is not a bundle of scripts/gpu-bundle.sh (no deps/ in it)"
   BUNDLE="$(cd "$BUNDLE" && pwd -P)"
@@ -70,7 +93,7 @@ fi
 
 OUT="$(realpath -m "${OUT:-gpu-check-out}")"
 mkdir -p "$OUT/logs" || fail "cannot make the output folder $OUT"
-rm -f "$OUT"/logs/*.log "$OUT"/results.json "$OUT"/junit-*.xml "$OUT"/bench_gpu.txt "$OUT"/fsdp2.txt "$OUT"/phases.tsv "$OUT"/env.json
+rm -f "$OUT"/logs/*.log "$OUT"/results.json "$OUT"/gpu-check-*.json "$OUT"/junit-*.xml "$OUT"/*.txt "$OUT"/phases.tsv "$OUT"/env.json
 LOG="$OUT/gpu-check.log"
 exec > >(tee "$LOG") 2>&1
 TEE_PID=$!
@@ -78,14 +101,15 @@ TEE_PID=$!
 trap 'exec >&- 2>&-; wait "$TEE_PID" 2>/dev/null || true' EXIT
 
 JOBS="${FSDP_JOBS:-$(nproc)}"
-DEFAULT_BUDGET=500
+DEFAULT_BUDGET=540
 BUDGET="${FSDP_GPU_CHECK_BUDGET:-$DEFAULT_BUDGET}"
 case "$BUDGET" in ''|*[!0-9]*) fail "FSDP_GPU_CHECK_BUDGET='$BUDGET': expected a number of seconds" ;; esac
 WORK="$(realpath -m "${FSDP_GPU_CHECK_WORK:-$SRC/build-gpu-check}")"
 BUILD="$WORK/fsdp"
 DEPS="$WORK/deps"        # build folders of the bundled dependencies
 PREFIX="$WORK/prefix"    # where they are installed
-BENCH_ARGS="${FSDP_GPU_BENCH_ARGS:-10 20}"
+BENCH_ARGS="${FSDP_GPU_BENCH_ARGS:---reps 10}"
+LARGE_ARGS="${FSDP_GPU_LARGE_ARGS:---rounds 3 --reps 8}"
 START=$SECONDS
 STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 DEADLINE=$((START + BUDGET))
@@ -149,11 +173,11 @@ write_results() {
   [ -z "${BUNDLE:-}" ] || manifest="$BUNDLE/manifest.json"
   if [ -n "$writer" ] && timeout 30 "$writer" - "$OUT" "$STARTED" "$((SECONDS - START))" "$BUDGET" "$JOBS" "$BUILT" \
        "$TESTS_OK" "${NVCC:-}" "$NVCC_VERSION" "$manifest" "$BENCH_ARGS" "$(cmake --version 2>/dev/null | head -1)" \
-       "$(c++ --version 2>/dev/null | head -1)" <<'EOF'; then
+       "$(c++ --version 2>/dev/null | head -1)" "${REHEARSE:-}" <<'EOF'; then
 import json, os, platform, re, sys, datetime
 import xml.etree.ElementTree as ET
 (out, started, wall, budget, jobs, built, tests_ok, nvcc, nvcc_version, manifest, bench_args,
- cmake_v, cxx_v) = sys.argv[1:]
+ cmake_v, cxx_v, rehearse) = sys.argv[1:]
 def read(p):
     try:
         with open(p) as f:
@@ -248,7 +272,7 @@ if read(os.path.join(out, "fsdp2.txt")) is not None:
         for name, a, b in (("tokens_per_s_fp32", "gpu_tokens_per_s", "fsdp2_tokens_per_s"),
                            ("tokens_per_s_bf16", "gpu_bf16_tokens_per_s", "fsdp2_bf16_tokens_per_s"),
                            ("peak_memory_fp32", "gpu_peak_memory_bytes", "fsdp2_peak_memory_bytes"),
-                           ("mfu_bf16", "gpu_mfu", "fsdp2_bf16_mfu"))
+                           ("mfu_bf16", "gpu_mfu_152m", "fsdp2_bf16_mfu"))
         if a in ours and b in theirs and theirs[b]}
 # Every memory mode of train_gpt on the GPU (tests/bench/memory_modes.py): one JSON line each.
 modes = None
@@ -260,11 +284,44 @@ if read(os.path.join(out, "memory_modes.txt")) is not None:
                 modes["modes"].append(json.loads(line))
             except ValueError:
                 pass
+def json_lines(name):
+    text = read(os.path.join(out, name))
+    if text is None:
+        return None
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                pass
+    return rows
+# The 1.3B GPT: every round (ours, plain LibTorch, FSDP2) and the summary (tests/bench/large_model.py).
+large = None
+rows = json_lines("large_model.txt")
+if rows is not None:
+    large = {"output": "large_model.txt",
+             "rounds": [x for x in rows if x.get("metric") == "large_model_round"],
+             "summary": next((x for x in rows if x.get("metric") == "large_model"), None),
+             "processes": [x for x in rows if x.get("metric", "").startswith(("gpu_large", "gpu_mfu", "fsdp2_large"))]}
+# Two ranks on one GPU against one rank (tests/bench/two_ranks_one_gpu.py): each mode's losses.
+two = None
+rows = json_lines("two_ranks_one_gpu.txt")
+if rows is not None:
+    two = {"output": "two_ranks_one_gpu.txt", "modes": [x for x in rows if x.get("metric") == "two_ranks_one_gpu"]}
+# The headline figures under the names the issue tracker reads.
+summary = (large or {}).get("summary") or {}
+metrics = {"gpu_mfu": summary.get("gpu_mfu"),
+           "ours_over_fsdp2": {"tokens_per_s_bf16": (summary.get("ours_over_fsdp2") or {}).get("tokens_per_s_bf16")},
+           "ours_over_plain_libtorch": (summary.get("ours_over_plain") or {}).get("median"),
+           "every_pair_ours_at_least_fsdp2": summary.get("every_pair_ours_at_least_fsdp2"),
+           "two_ranks_one_gpu_equal_world1": None if two is None else bool(two["modes"]) and all(m["ok"] for m in two["modes"])}
 configure = read(os.path.join(out, "logs", "configure.log")) or ""
 summary = [l[3:] for l in configure.splitlines() if l.startswith("-- fsdp: LibTorch")]
 osr = dict(l.split("=", 1) for l in (read("/etc/os-release") or "").splitlines() if "=" in l)
 r = {
     "script": "scripts/gpu-check.sh",
+    "mode": ("rehearsal on the CPU with the build in %s" % rehearse) if rehearse else "gpu",
     "started": started,
     "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     "wall_s": int(wall), "budget_s": int(budget),
@@ -276,20 +333,27 @@ r = {
     "build": {"configure": summary[0] if summary else None,
               "hdf5": None if not summary else "HDF5 not found" not in configure},
     "phases": phases,
+    "metrics": metrics,
     "tests": {"cuda": junit("test-cuda"), "cpu": junit("test-cpu")},
+    "large_model": large,
+    "two_ranks_one_gpu": two,
     "bench_gpu": bench,
     "fsdp2": fsdp2,
     "memory_modes": modes,
     "bundle": json.loads(read(manifest)) if manifest and read(manifest) else None,
 }
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(r, f, indent=2)
-    f.write("\n")
+for name in ("results.json", "gpu-check-%s.json" % started[:10]):
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(r, f, indent=2)
+        f.write("\n")
 def line(k):
     t = r["tests"][k]
     return "none run" if not t else ("%d passed, %d failed, %d timed out, %d skipped" % (
         t.get("passed", 0), t.get("failed", 0), t.get("timeout", 0), t.get("skipped", 0)))
 print("[gpu-check] tests: cuda %s; cpu %s" % (line("cuda"), line("cpu")))
+print("[gpu-check] metrics: gpu_mfu %s; ours_over_fsdp2.tokens_per_s_bf16 %s; ours over plain LibTorch %s; two ranks on one GPU equal world 1: %s" % (
+    metrics["gpu_mfu"], metrics["ours_over_fsdp2"]["tokens_per_s_bf16"], metrics["ours_over_plain_libtorch"],
+    metrics["two_ranks_one_gpu_equal_world1"]))
 print("[gpu-check] phases: " + "; ".join("%s %s %d s" % (p["name"], p["status"], p["seconds"]) for p in phases))
 EOF
     say "results: $OUT/results.json (log: $LOG)"
@@ -381,86 +445,97 @@ DEP_FLAGS=()
 [ -z "$ABI" ] || DEP_FLAGS=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$ABI")
 export JOBS
 
-# 2. The bundled dependencies, built into PREFIX (a second run reuses them).
-PROJECT_ARGS=()
-HAVE_HDF5_BUILD=0
-if [ -n "$BUNDLE" ]; then
-  mkdir -p "$DEPS" "$PREFIX"
-  if [ -d "$BUNDLE/deps/googletest" ]; then
-    if [ -f "$PREFIX/.gtest-done" ]; then
-      note_phase googletest ok "built by an earlier run ($PREFIX)"
-      say "googletest: built by an earlier run"
-    else
-      # shellcheck disable=SC2016  # the inner script expands its own arguments
-      run_phase googletest 60 bash -euo pipefail -c '
-        cmake -S "$0" -B "$1" "${@:3}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$2" -DBUILD_GMOCK=OFF \
-          -DINSTALL_GTEST=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON
-        cmake --build "$1" -j"$JOBS"
-        cmake --install "$1"
-        touch "$2/.gtest-done"' \
-        "$BUNDLE/deps/googletest" "$DEPS/googletest" "$PREFIX" "${GEN[@]}" "${OLD_CMAKE[@]}" "${DEP_FLAGS[@]}" || true
-    fi
-  fi
-  H5TAR="$(compgen -G "$BUNDLE/deps/hdf5/hdf5_*.orig.tar.*" | head -1 || true)"
-  if [ -n "$H5TAR" ]; then
-    # shellcheck disable=SC2016  # the inner scripts expand their own arguments
-    if [ -f "$PREFIX/.hdf5-done" ]; then
-      note_phase hdf5 ok "built by an earlier run ($PREFIX)"
-      say "hdf5: built by an earlier run"
-      HAVE_HDF5_BUILD=1
-    elif run_phase hdf5 200 bash -euo pipefail -c '
-        rm -rf "$1/src" "$1/build" && mkdir -p "$1/src" "$1/build"
-        tar -xf "$0" -C "$1/src" --strip-components=1
-        # The C library only, shared (FindHDF5 takes the hdf5-shared target of its CMake
-        # package): no tools, tests, examples, high-level or C++/Fortran/Java parts, no
-        # compression filters (the checkpoints use none). Configured from inside its build
-        # folder: HDF5 1.10 reads what its configure-time test programs write into the
-        # current folder.
-        cd "$1/build"
-        cmake -S "$1/src" -B "$1/build" "${@:3}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$2" \
-          -DBUILD_SHARED_LIBS=ON -DONLY_SHARED_LIBS=ON -DBUILD_STATIC_LIBS=OFF -DBUILD_TESTING=OFF \
-          -DHDF5_BUILD_TOOLS=OFF -DHDF5_BUILD_UTILS=OFF -DHDF5_BUILD_EXAMPLES=OFF -DHDF5_BUILD_HL_LIB=OFF \
-          -DHDF5_BUILD_CPP_LIB=OFF -DHDF5_BUILD_FORTRAN=OFF -DHDF5_BUILD_JAVA=OFF -DHDF5_BUILD_DOC=OFF \
-          -DHDF5_ENABLE_Z_LIB_SUPPORT=OFF -DHDF5_ENABLE_SZIP_SUPPORT=OFF -DHDF5_NO_PACKAGES=ON
-        cmake --build "$1/build" -j"$JOBS"
-        cmake --install "$1/build"
-        touch "$2/.hdf5-done"' \
-        "$H5TAR" "$DEPS/hdf5" "$PREFIX" "${GEN[@]}" "${OLD_CMAKE[@]}"; then
-      HAVE_HDF5_BUILD=1
-    else
-      say "continuing without HDF5: checkpoints are disabled in this build"
-    fi
-  else
-    note_phase hdf5 skipped "the bundle has no HDF5 source (scripts/gpu-bundle.sh left it out; see its manifest.json)"
-    say "hdf5: not in the bundle; the machine's own HDF5 is used if CMake finds one"
-  fi
-  PROJECT_ARGS+=(-DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$PREFIX")
-  [ "$HAVE_HDF5_BUILD" = 0 ] || PROJECT_ARGS+=(-DHDF5_DIR="$PREFIX/share/cmake" -DHDF5_ROOT="$PREFIX")
-  [ ! -d "$BUNDLE/deps/include" ] || PROJECT_ARGS+=(-DCMAKE_CXX_STANDARD_INCLUDE_DIRECTORIES="$BUNDLE/deps/include")
-  [ ! -f "$BUNDLE/deps/gloo/include/gloo/algorithm.h" ] || PROJECT_ARGS+=(-DGLOO_INCLUDE_DIR="$BUNDLE/deps/gloo/include")
+if [ -n "$REHEARSE" ]; then
+  # The rehearsal: this machine's build, on its CPU, at small sizes.
+  BUILD="$REHEARSE"
+  DEVICE=cpu
+  export FSDP_GPU_PEAK_TFLOPS="${FSDP_GPU_PEAK_TFLOPS:-0.1}"
+  for p in googletest hdf5 configure build; do note_phase "$p" skipped "rehearsal: the build in $BUILD"; done
+  say "rehearsal on the CPU with the build in $BUILD (FSDP_GPU_PEAK_TFLOPS=$FSDP_GPU_PEAK_TFLOPS, nominal)"
+  BUILT=1
 else
-  PROJECT_ARGS+=(-DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
-fi
-[ -z "$PY" ] || PROJECT_ARGS+=(-DFSDP_PYTHON="$PY")
-[ "${FSDP_GPU_CHECK_PCH:-0}" = 1 ] || PROJECT_ARGS+=(-DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON -DFSDP_UNITY_BUILD=OFF)
-
-# 3. The project: configure, then only the targets the checks run.
-if run_phase configure 90 cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
-     "${PROJECT_ARGS[@]}" "${CUDA_ARGS[@]}" "${EXTRA[@]}"; then
-  grep -m1 -E '^-- fsdp: LibTorch [0-9]' "$OUT/logs/configure.log" | sed 's/^-- /[gpu-check] /' || true
-  grep -iE 'warning.*(hdf5|gloo)|HDF5 not found' -A2 "$OUT/logs/configure.log" | sed 's/^/    /' || true
-  read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload}"
-  if cmake --build "$BUILD" --target help 2>/dev/null | grep -qw bench_gpu; then
-    TARGETS+=(bench_gpu)
+  DEVICE=cuda
+  # 2. The bundled dependencies, built into PREFIX (a second run reuses them).
+  PROJECT_ARGS=()
+  HAVE_HDF5_BUILD=0
+  if [ -n "$BUNDLE" ]; then
+    mkdir -p "$DEPS" "$PREFIX"
+    if [ -d "$BUNDLE/deps/googletest" ]; then
+      if [ -f "$PREFIX/.gtest-done" ]; then
+        note_phase googletest ok "built by an earlier run ($PREFIX)"
+        say "googletest: built by an earlier run"
+      else
+        # shellcheck disable=SC2016  # the inner script expands its own arguments
+        run_phase googletest 60 bash -euo pipefail -c '
+          cmake -S "$0" -B "$1" "${@:3}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$2" -DBUILD_GMOCK=OFF \
+            -DINSTALL_GTEST=ON -DCMAKE_POSITION_INDEPENDENT_CODE=ON
+          cmake --build "$1" -j"$JOBS"
+          cmake --install "$1"
+          touch "$2/.gtest-done"' \
+          "$BUNDLE/deps/googletest" "$DEPS/googletest" "$PREFIX" "${GEN[@]}" "${OLD_CMAKE[@]}" "${DEP_FLAGS[@]}" || true
+      fi
+    fi
+    H5TAR="$(compgen -G "$BUNDLE/deps/hdf5/hdf5_*.orig.tar.*" | head -1 || true)"
+    if [ -n "$H5TAR" ]; then
+      # shellcheck disable=SC2016  # the inner scripts expand their own arguments
+      if [ -f "$PREFIX/.hdf5-done" ]; then
+        note_phase hdf5 ok "built by an earlier run ($PREFIX)"
+        say "hdf5: built by an earlier run"
+        HAVE_HDF5_BUILD=1
+      elif run_phase hdf5 200 bash -euo pipefail -c '
+          rm -rf "$1/src" "$1/build" && mkdir -p "$1/src" "$1/build"
+          tar -xf "$0" -C "$1/src" --strip-components=1
+          # The C library only, shared (FindHDF5 takes the hdf5-shared target of its CMake
+          # package): no tools, tests, examples, high-level or C++/Fortran/Java parts, no
+          # compression filters (the checkpoints use none). Configured from inside its build
+          # folder: HDF5 1.10 reads what its configure-time test programs write into the
+          # current folder.
+          cd "$1/build"
+          cmake -S "$1/src" -B "$1/build" "${@:3}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$2" \
+            -DBUILD_SHARED_LIBS=ON -DONLY_SHARED_LIBS=ON -DBUILD_STATIC_LIBS=OFF -DBUILD_TESTING=OFF \
+            -DHDF5_BUILD_TOOLS=OFF -DHDF5_BUILD_UTILS=OFF -DHDF5_BUILD_EXAMPLES=OFF -DHDF5_BUILD_HL_LIB=OFF \
+            -DHDF5_BUILD_CPP_LIB=OFF -DHDF5_BUILD_FORTRAN=OFF -DHDF5_BUILD_JAVA=OFF -DHDF5_BUILD_DOC=OFF \
+            -DHDF5_ENABLE_Z_LIB_SUPPORT=OFF -DHDF5_ENABLE_SZIP_SUPPORT=OFF -DHDF5_NO_PACKAGES=ON
+          cmake --build "$1/build" -j"$JOBS"
+          cmake --install "$1/build"
+          touch "$2/.hdf5-done"' \
+          "$H5TAR" "$DEPS/hdf5" "$PREFIX" "${GEN[@]}" "${OLD_CMAKE[@]}"; then
+        HAVE_HDF5_BUILD=1
+      else
+        say "continuing without HDF5: checkpoints are disabled in this build"
+      fi
+    else
+      note_phase hdf5 skipped "the bundle has no HDF5 source (scripts/gpu-bundle.sh left it out; see its manifest.json)"
+      say "hdf5: not in the bundle; the machine's own HDF5 is used if CMake finds one"
+    fi
+    PROJECT_ARGS+=(-DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$PREFIX")
+    [ "$HAVE_HDF5_BUILD" = 0 ] || PROJECT_ARGS+=(-DHDF5_DIR="$PREFIX/share/cmake" -DHDF5_ROOT="$PREFIX")
+    [ ! -d "$BUNDLE/deps/include" ] || PROJECT_ARGS+=(-DCMAKE_CXX_STANDARD_INCLUDE_DIRECTORIES="$BUNDLE/deps/include")
+    [ ! -f "$BUNDLE/deps/gloo/include/gloo/algorithm.h" ] || PROJECT_ARGS+=(-DGLOO_INCLUDE_DIR="$BUNDLE/deps/gloo/include")
   else
-    say "no bench_gpu target (this LibTorch has no CUDA)"
+    PROJECT_ARGS+=(-DCMAKE_PREFIX_PATH="$TORCH_PREFIX")
   fi
-  run_phase build 300 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}" && BUILT=1
+  [ -z "$PY" ] || PROJECT_ARGS+=(-DFSDP_PYTHON="$PY")
+  [ "${FSDP_GPU_CHECK_PCH:-0}" = 1 ] || PROJECT_ARGS+=(-DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON -DFSDP_UNITY_BUILD=OFF)
+
+  # 3. The project: configure, then only the targets the checks run.
+  if run_phase configure 90 cmake -S "$SRC" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
+       "${PROJECT_ARGS[@]}" "${CUDA_ARGS[@]}" "${EXTRA[@]}"; then
+    grep -m1 -E '^-- fsdp: LibTorch [0-9]' "$OUT/logs/configure.log" | sed 's/^-- /[gpu-check] /' || true
+    grep -iE 'warning.*(hdf5|gloo)|HDF5 not found' -A2 "$OUT/logs/configure.log" | sed 's/^/    /' || true
+    read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload train_gpt fsdp-run}"
+    if cmake --build "$BUILD" --target help 2>/dev/null | grep -qw bench_gpu; then
+      TARGETS+=(bench_gpu)
+    else
+      say "no bench_gpu target (this LibTorch has no CUDA)"
+    fi
+    run_phase build 300 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}" && BUILT=1
+  fi
 fi
 
-# 4. The tests and the benchmark: the GPU tests alone on the GPU, bench_gpu, then the CPU
-# subset in parallel. ctest stops its tests at the phase's end (--stop-time), so its JUnit
-# file is still written.
+# 4. The phases, ordered by value (see the top): each records its outcome and keeps its
+# output; a failure does not stop the later ones. ctest stops its tests at the phase's end
+# (--stop-time), so its JUnit file is still written. The rehearsal runs each at a small size.
 ctest_phase() {  # ctest_phase NAME CAP ctest-args...
   local name="$1" limit stop
   limit="$(limit_for "$2")"
@@ -469,40 +544,73 @@ ctest_phase() {  # ctest_phase NAME CAP ctest-args...
   run_phase "$name" "=$limit" ctest --test-dir "$BUILD" --output-on-failure --no-tests=error \
     --output-junit "$OUT/junit-$name.xml" --stop-time "$stop" "$@"
 }
+# keep NAME: the phase's log as OUT/NAME.txt, its JSON lines echoed with a prefix.
+keep() {
+  cp "$OUT/logs/$1.log" "$OUT/$1.txt" 2>/dev/null || true
+  grep '^{' "$OUT/$1.txt" 2>/dev/null | cut -c1-400 | sed "s/^/[gpu-check] $1: /" || true
+}
+if [ -n "$REHEARSE" ]; then
+  LARGE_SIZE=(--rounds 2 --reps 2 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 4)
+  TWO_SIZE=(--steps 3 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 8 --tolerance 1e-5 --only "FULL_SHARD,cpu offload")
+  MODES_SIZE=(--steps 4 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 8 --only "fp32 zero3,bf16 zero2")
+  SMALL_SIZE=(--reps 2 --small-layers 2 --small-d-model 64 --small-heads 4 --small-block-size 32 --small-batch 4)
+  FSDP2_SIZE=(--reps 2 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 4)
+  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-^FusedAdamW\\.}"
+else
+  read -ra LARGE_SIZE <<<"$LARGE_ARGS"
+  TWO_SIZE=()
+  MODES_SIZE=()
+  read -ra SMALL_SIZE <<<"$BENCH_ARGS"
+  FSDP2_SIZE=(--reps 10)
+  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}"
+fi
 if [ "$BUILT" = 1 ]; then
   TESTS_OK=1
-  # The GPU tests: suite Cuda (test_cuda.cpp) and every test named *_CUDA (test_examples'
-  # train_gpt --device cuda runs among them).
-  ctest_phase test-cuda 120 -R '^Cuda\.|_CUDA$' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
-  # The GPU's figures before the CPU suites: the GPU is what such a machine is borrowed for.
-  if [ -x "$BUILD/bin/bench_gpu" ]; then
-    # Line-buffered, so a run stopped at its limit keeps the lines it printed.
-    # shellcheck disable=SC2086
-    run_phase bench-gpu 150 stdbuf -oL "$BUILD/bin/bench_gpu" $BENCH_ARGS || true
-    cp "$OUT/logs/bench-gpu.log" "$OUT/bench_gpu.txt" 2>/dev/null || true
-    grep '^{' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] bench_gpu: /' || true
-    grep -i 'no GPU' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] /' || true
+  # The 1.3B GPT: ours, plain LibTorch and FSDP2, alternating (line-buffered, so a run
+  # stopped at its limit keeps the lines it printed).
+  if [ -x "$BUILD/bin/bench_gpu" ] && [ -n "$PY" ]; then
+    run_phase large_model 200 stdbuf -oL "$PY" "$SRC/tests/bench/large_model.py" \
+      --bench-gpu "$BUILD/bin/bench_gpu" --python "$PY" --device "$DEVICE" "${LARGE_SIZE[@]}" || true
+    keep large_model
+  else
+    note_phase large_model skipped "no bench_gpu (this LibTorch has no CUDA) or no Python with torch"
   fi
-  # PyTorch FSDP2 (fully_shard from this machine's own torch) on the same GPT and GPU.
+  # Two ranks on the one GPU over Gloo against one rank.
   if [ -n "$PY" ]; then
-    run_phase fsdp2 120 stdbuf -oL "$PY" "$SRC/tests/interop/fsdp2_bench.py" --device cuda \
-      --reps "${BENCH_ARGS%% *}" || true
-    cp "$OUT/logs/fsdp2.log" "$OUT/fsdp2.txt" 2>/dev/null || true
-    grep '^{' "$OUT/fsdp2.txt" | sed 's/^/[gpu-check] fsdp2: /' || true
+    run_phase two_ranks_one_gpu 60 stdbuf -oL "$PY" "$SRC/tests/bench/two_ranks_one_gpu.py" \
+      --bin-dir "$BUILD/bin" --device "$DEVICE" "${TWO_SIZE[@]}" || TESTS_OK=0
+    keep two_ranks_one_gpu
+  else
+    note_phase two_ranks_one_gpu skipped "no Python to run tests/bench/two_ranks_one_gpu.py"
   fi
-  # Every memory mode of train_gpt (ZeRO stages, offloads, pure bf16, activation offload)
-  # on this GPU: tokens/s and peak memory against fp32 in the same run.
+  # The GPU tests: suite Cuda (test_cuda.cpp) and every test named *_CUDA (test_examples'
+  # train_gpt --device cuda runs among them); on the CPU they skip, saying why.
+  ctest_phase test-cuda 60 -R '^Cuda\.|_CUDA$' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
+  # Every memory mode of train_gpt (ZeRO stages, offloads, pure bf16, activation offload).
   if [ -n "$PY" ] && [ -x "$BUILD/bin/train_gpt" ]; then
-    run_phase modes 150 stdbuf -oL "$PY" "$SRC/tests/bench/memory_modes.py" \
-      --train-gpt "$BUILD/bin/train_gpt" --device cuda || true
+    run_phase modes 80 stdbuf -oL "$PY" "$SRC/tests/bench/memory_modes.py" \
+      --train-gpt "$BUILD/bin/train_gpt" --device "$DEVICE" "${MODES_SIZE[@]}" || true
     cp "$OUT/logs/modes.log" "$OUT/memory_modes.txt" 2>/dev/null || true
     grep '^|' "$OUT/memory_modes.txt" | sed 's/^/[gpu-check] modes: /' || true
   fi
+  # The 152M GPT of the earlier runs, and FSDP2 on it.
+  if [ -x "$BUILD/bin/bench_gpu" ]; then
+    # shellcheck disable=SC2086
+    run_phase bench-gpu 50 stdbuf -oL "$BUILD/bin/bench_gpu" --device "$DEVICE" --model small \
+      "${SMALL_SIZE[@]}" || true
+    cp "$OUT/logs/bench-gpu.log" "$OUT/bench_gpu.txt" 2>/dev/null || true
+    grep '^{' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] bench_gpu: /' || true
+  fi
+  if [ -n "$PY" ]; then
+    run_phase fsdp2 40 stdbuf -oL "$PY" "$SRC/tests/interop/fsdp2_bench.py" --device "$DEVICE" \
+      "${FSDP2_SIZE[@]}" || true
+    cp "$OUT/logs/fsdp2.log" "$OUT/fsdp2.txt" 2>/dev/null || true
+    grep '^{' "$OUT/fsdp2.txt" | sed 's/^/[gpu-check] fsdp2: /' || true
+  fi
   CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
-  ctest_phase test-cpu 150 -R "${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' \
-    -j"$CPU_J" || TESTS_OK=0
+  ctest_phase test-cpu 60 -R "$CPU_TESTS" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' -j"$CPU_J" || TESTS_OK=0
 else
-  for p in test-cuda bench-gpu fsdp2 modes test-cpu; do note_phase "$p" skipped "the build did not complete"; done
+  for p in large_model two_ranks_one_gpu test-cuda modes bench-gpu fsdp2 test-cpu; do note_phase "$p" skipped "the build did not complete"; done
 fi
 
 # 5. The results, as JSON.

@@ -11,11 +11,19 @@ bench_gpu's ({"metric", "value", "unit", "baseline"}):
   fsdp2_bf16_tokens_per_s   MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
   fsdp2_peak_memory_bytes   peak allocated bytes of an fp32 step (CUDA only), the model
                             alone on the device, as bench_gpu measures its own
-  fsdp2_bf16_mfu            bf16 model FLOPs/s over the GPU's dense bf16 peak (the table
-                            of bench_gpu, or FSDP_GPU_PEAK_TFLOPS); CUDA only
+  fsdp2_bf16_mfu            bf16 model FLOPs/s (6N + 12 L d T per token, as bench_gpu)
+                            over the GPU's dense bf16 peak (the table of bench_gpu, or
+                            FSDP_GPU_PEAK_TFLOPS, which also gives it on the CPU)
 
   fsdp2_bench.py [--device cuda|cpu] [--reps N] [--n-layer L --d-model D --n-head H
-                 --block-size T --batch-size B]
+                 --block-size T --batch-size B] [--attention sdpa|math]
+                 [--large [--fused]]
+
+--large: bf16 only, as bench_gpu --model large measures its 1.3B GPT: the model built on
+the device, --reps steps after 3 warm-up steps (median, min and max), the peak allocated
+bytes of a bf16 step, MFU; metric names fsdp2_large_bf16_tokens_per_s,
+fsdp2_large_bf16_peak_memory_bytes, fsdp2_large_bf16_mfu. --fused: AdamW(fused=True)
+(ATen's fused kernel, which bench_gpu's FusedAdamW also runs).
 
 --device cpu (Gloo) runs the same code without a GPU, so that the ctest
 Interop.Fsdp2BenchRunsOnTheCpu keeps it working where no GPU is.
@@ -30,10 +38,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def peak_bf16_flops(torch):
+def peak_bf16_flops(torch, device):
     env = os.environ.get("FSDP_GPU_PEAK_TFLOPS")
     if env:
         return float(env) * 1e12
+    if device != "cuda":
+        return None
     name = torch.cuda.get_device_name()
     if "H100" in name and "PCIe" in name:
         return 756e12
@@ -46,8 +56,9 @@ def peak_bf16_flops(torch):
     return None
 
 
-def emit(metric, value, unit, baseline):
-    print(json.dumps({"metric": metric, "value": value, "unit": unit, "baseline": baseline}), flush=True)
+def emit(metric, value, unit, baseline, **extra):
+    print(json.dumps({"metric": metric, "value": value, "unit": unit, "baseline": baseline, **extra}),
+          flush=True)
 
 
 def main(argv=None):
@@ -59,6 +70,11 @@ def main(argv=None):
     p.add_argument("--n-head", type=int, default=16)
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--attention", choices=["sdpa", "math"], default="sdpa",
+                   help="F.scaled_dot_product_attention (is_causal), or the explicit softmax")
+    p.add_argument("--large", action="store_true",
+                   help="bf16 only, built on the device, fsdp2_large_* metrics (bench_gpu --model large)")
+    p.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps {args.reps} must be at least 1")
@@ -111,14 +127,19 @@ def main(argv=None):
 
     def make(bf16):
         torch.manual_seed(0)
-        model, Block = build_model(args)
+        if args.large:
+            with torch.device(device):  # initialised on the device: no host copy of 1.3B
+                model, Block = build_model(args)
+        else:
+            model, Block = build_model(args)
         model.to(device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
             MixedPrecisionPolicy()
         for b in model.blocks:
             fully_shard(b, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt_args = {"fused": True} if args.fused else {}
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, **opt_args)
 
     def step(model, opt):
         sync()
@@ -131,6 +152,45 @@ def main(argv=None):
         sync()
         return time.perf_counter() - t0
 
+    where = f"{args.device}, GPT {args.n_layer}x{args.d_model}, batch {args.batch_size}x{args.block_size}, " \
+            f"attention {args.attention}, torch {torch.__version__}"
+
+    def flops_per_token(n_params):
+        return 6.0 * n_params + 12.0 * args.n_layer * args.d_model * args.block_size
+
+    if args.large:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        model, opt = make(True)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"fsdp2 large: built on {args.device} in {time.perf_counter() - t0:.1f} s, "
+              f"{n_params} parameters", flush=True)
+        step(model, opt)  # the optimizer state exists from here on
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            step(model, opt)
+        secs = [step(model, opt) for _ in range(args.reps)]
+        tps = tokens / statistics.median(secs)
+        extra = {"params": n_params, "reps": args.reps, "min": tokens / max(secs),
+                 "max": tokens / min(secs)}
+        print(f"fsdp2 large: {tps:.1f} tokens/s (median of {args.reps} steps; "
+              f"{extra['min']:.1f} to {extra['max']:.1f})", flush=True)
+        emit("fsdp2_large_bf16_tokens_per_s", tps, "tokens/s",
+             "PyTorch FSDP2 bf16" + (", fused AdamW, " if args.fused else ", ") + where, **extra)
+        if args.device == "cuda":
+            emit("fsdp2_large_bf16_peak_memory_bytes", torch.cuda.max_memory_allocated() - base,
+                 "bytes", "PyTorch FSDP2 bf16 step, the model alone on the GPU, " + where)
+        peak = peak_bf16_flops(torch, args.device)
+        if peak:
+            emit("fsdp2_large_bf16_mfu", tps * flops_per_token(n_params) / peak, "fraction",
+                 f"dense bf16 peak of {peak / 1e12:g} TFLOP/s, " + where,
+                 flops_per_token=flops_per_token(n_params), formula="6N + 12 L d T")
+        dist.destroy_process_group()
+        return 0
+
     n_params = None
     results = {}
     for bf16 in (False, True):
@@ -140,8 +200,6 @@ def main(argv=None):
             step(model, opt)
         results[bf16] = tokens / statistics.median(step(model, opt) for _ in range(args.reps))
         del model, opt
-    where = f"{args.device}, GPT {args.n_layer}x{args.d_model}, batch {args.batch_size}x{args.block_size}, " \
-            f"torch {torch.__version__}"
     emit("fsdp2_tokens_per_s", results[False], "tokens/s", "PyTorch FSDP2 fp32, " + where)
     emit("fsdp2_bf16_tokens_per_s", results[True], "tokens/s", "PyTorch FSDP2 bf16, " + where)
 
@@ -155,13 +213,12 @@ def main(argv=None):
             step(model, opt)
         emit("fsdp2_peak_memory_bytes", torch.cuda.max_memory_allocated() - base, "bytes",
              "PyTorch FSDP2 fp32 step, " + where)
-        peak = peak_bf16_flops(torch)
-        if peak:
-            flops_per_token = 6.0 * n_params + 12.0 * args.n_layer * args.d_model * args.block_size
-            emit("fsdp2_bf16_mfu", results[True] * flops_per_token / peak, "fraction",
-                 f"dense bf16 peak of {peak / 1e12:g} TFLOP/s, " + where)
-        else:
-            print("fsdp2_bf16_mfu: unknown GPU peak; set FSDP_GPU_PEAK_TFLOPS", flush=True)
+    peak = peak_bf16_flops(torch, args.device)
+    if peak:
+        emit("fsdp2_bf16_mfu", results[True] * flops_per_token(n_params) / peak, "fraction",
+             f"dense bf16 peak of {peak / 1e12:g} TFLOP/s, " + where)
+    elif args.device == "cuda":
+        print("fsdp2_bf16_mfu: unknown GPU peak; set FSDP_GPU_PEAK_TFLOPS", flush=True)
     dist.destroy_process_group()
     return 0
 
