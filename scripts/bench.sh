@@ -5,7 +5,7 @@
 # are shared and noisy). Takes a few minutes on 2 cores and needs ~3 GB of disk.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BENCHES=(bench_adamw bench_nvme bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state bench_trace)
+BENCHES=(bench_adamw bench_nvme bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state bench_trace bench_attention)
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh
 fsdp_torch_setup
@@ -31,5 +31,6 @@ mkdir -p build/bench/nvme
 run ./build/bin/bench_nvme --dir build/bench/nvme
 for n in 1 2 4; do run ./build/bin/fsdp-run --nproc "$n" -- ./build/bin/bench_model_state; done
 run ./build/bin/fsdp-run --nproc 2 -- ./build/bin/bench_trace
+run ./build/bin/bench_attention
 echo "== summary (this run)"
 tail -n +"$first" "$results" | sed 's/, "machine".*//' | awk -F'"' '{printf "  %-48s %s\n", $4, $7}' | sed 's/: //; s/, $//'
