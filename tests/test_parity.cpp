@@ -16,7 +16,9 @@
 // becomes steps of size ~lr. So the tests use eps = 1e-6, which damps updates of
 // gradients below ~1e-6 (the zero-gradient key bias among them) and leaves every other
 // update as it is. GptGradientsMatchUnshardedGradients checks the one-batch mean
-// gradient directly, with no optimizer in between.
+// gradient directly, with no optimizer in between. The fused attention kernel (the
+// default since 2026-11-27) grows that noise about 1.3x to 3x against the explicit
+// softmax over the same steps; the parameter tolerances below were measured with both.
 #include "support/models.h"
 #include "support/multirank.h"
 
@@ -30,9 +32,13 @@ namespace {
 constexpr int kSteps = 20;
 constexpr int64_t kRows = 12;  // divisible by 1, 2, 3 and 4
 constexpr double kTol = 1e-5;
-// Parameters after 20 AdamW steps: the noise is BLAS-dependent; 1.21e-5 was measured for
-// one GPT weight at 3 ranks on an AMD EPYC with OpenBLAS (under 1e-5 on a Xeon).
-constexpr double kParamTol = 2e-5;
+// Parameters after 20 AdamW steps: bit-identical at 1, 2 and 4 ranks; at 3 the shares'
+// 1/3 rounds differently, and Adam turns that into noise that depends on BLAS and on the
+// attention kernel. Measured for one GPT weight at 3 ranks (blocks.0.mlp.fc.weight): the
+// explicit softmax 1.21e-5 and 1.70e-5 on two AMD EPYC sessions with OpenBLAS (under 1e-5
+// on a Xeon), the fused kernel (at::scaled_dot_product_attention, the default since
+// 2026-11-27) 2.17e-5. A reduction that lost or doubled a share is off by 1e-2 or more.
+constexpr double kParamTol = 5e-5;
 
 torch::optim::AdamWOptions adamw() {
   return torch::optim::AdamWOptions(1e-3).weight_decay(0.1).eps(1e-6);

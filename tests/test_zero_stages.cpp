@@ -75,7 +75,11 @@ void gpt_parity(const ProcessGroup& pg, ShardingStrategy strategy) {
     ref_opt.step();
     ref_opt.zero_grad();
   }
-  expect_params_match(full_state_dict(model), *reference, 1e-4);
+  // The reference means the whole batch at once (not share by share, as test_parity's
+  // does), so the rounding differs at 2 ranks too, and lr 3e-3 makes Adam's noise larger:
+  // measured at 3 ranks 6.87e-5 with the explicit softmax and 1.92e-4 (wte.weight) with
+  // the fused attention kernel, the default (Note [Adam and noise] in test_parity.cpp).
+  expect_params_match(full_state_dict(model), *reference, 5e-4);
 }
 
 class StageAtWorld : public ::testing::TestWithParam<std::tuple<Stage, int>> {};
