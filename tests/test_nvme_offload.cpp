@@ -305,6 +305,61 @@ TEST(NvmeOffload, FullDiskIsRefusedWithBytesNeededAndAvailable) {
                 "one, or shard over more ranks");
 }
 
+// Note [Shared NVMe disk]: two ranks on one disk whose free space holds one rank's
+// optimizer state but not both. Each rank alone would pass its own check (and the second
+// to reserve its file would fail with ENOSPC); checked together, both refuse at once,
+// naming the two ranks, the bytes they need together and the bytes free.
+TEST(NvmeOffload, RanksSharingADiskAreCheckedTogetherNamingTheirBytesAndTheFreeSpace) {
+  std::unique_ptr<TempDir> dir;
+  int64_t per_rank = 0;  // the state of one rank at world 2: 8 bytes per shard element
+  if (!is_rank_process()) {
+    auto one = fully_shard(gpt::GPT(small_gpt_config()), ShardingOptions());
+    for (const auto& f : fsdp::detail::flat_params(one)) {
+      if (!f.requires_grad) continue;
+      per_rank += 2 * ((4 * ((f.shard_numel + 1) / 2) + 4095) / 4096 * 4096);
+    }
+    dir = std::make_unique<TempDir>();
+    // Room for one rank's state and a half: not for two.
+    const int64_t kib = (per_rank + per_rank / 2) / 1024;
+    if (!dir->mount_tmpfs(std::to_string(kib) + "k"))
+      GTEST_SKIP() << "mount -t tmpfs failed (" << std::strerror(errno)
+                   << "): a small shared disk needs root to mount a tmpfs";
+    struct statvfs vfs {};
+    ASSERT_EQ(statvfs(dir->path.c_str(), &vfs), 0);
+    const int64_t avail = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+    ASSERT_GE(avail, per_rank) << "one rank's state must fit";
+    ASSERT_LT(avail, 2 * per_rank) << "two ranks' states must not";
+  }
+  run_ranks(2,
+            [](const ProcessGroup& pg) {
+              const std::string path = std::getenv("FSDP_TEST_SHARED_DISK");
+              auto model = fully_shard(gpt::GPT(small_gpt_config()), nvme_options(pg, path, false));
+              const std::string what = error_of([&] { FusedAdamW opt(model); });
+              EXPECT_EQ(what.rfind("not enough free space in ShardingOptions::offload_optimizer."
+                                   "nvme_path='" +
+                                       path +
+                                       "' on the disk that ranks 0, 1 share (one machine, one file "
+                                       "system): together they need ",
+                                   0),
+                        0u)
+                  << what;
+              EXPECT_NE(what.find(", each rank its optimizer state (exp_avg and exp_avg_sq"),
+                        std::string::npos)
+                  << what;
+              EXPECT_NE(
+                  what.find(") are available there. Free space on that disk, point nvme_path at "
+                            "a larger one (or give each rank a disk of its own), or shard over "
+                            "more ranks"),
+                  std::string::npos)
+                  << what;
+              // Nothing was reserved: the disk is as empty as before.
+              struct statvfs vfs {};
+              ASSERT_EQ(statvfs(path.c_str(), &vfs), 0);
+              EXPECT_EQ(vfs.f_bfree, vfs.f_blocks) << "a rank reserved its file before the check";
+            },
+            300, {"FSDP_TEST_SHARED_DISK=" + (dir ? dir->path : std::string())});
+}
+
 TEST(NvmeOffload, OffloadParamNvmeIsRefused) {
   TempDir dir;
   ShardingOptions o = nvme_options(ProcessGroup(), dir.path, false);

@@ -13,12 +13,21 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 namespace fsdp::detail::offload {
 namespace {
+
+std::string unique_name(const std::string& dir, const char* stem) {
+  static std::atomic<int> counter{0};
+  return dir + "/" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+}  // namespace
 
 std::string human_bytes(int64_t bytes) {
   std::ostringstream os;
@@ -31,12 +40,30 @@ std::string human_bytes(int64_t bytes) {
   return os.str();
 }
 
-std::string unique_name(const std::string& dir, const char* stem) {
-  static std::atomic<int> counter{0};
-  return dir + "/" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+DiskSpace disk_space(const std::string& dir, const std::string& field) {
+  DiskSpace d;
+  struct stat st {};
+  TORCH_CHECK(::stat(dir.c_str(), &st) == 0, field, "='", dir,
+              "': stat failed: ", std::strerror(errno));
+  d.device = static_cast<int64_t>(st.st_dev);
+  std::string machine;
+  if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {};
+    if (std::fgets(buf, sizeof(buf), f) != nullptr) machine = buf;
+    std::fclose(f);
+  }
+  if (machine.empty()) {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    machine = host;
+  }
+  d.machine = static_cast<int64_t>(std::hash<std::string>{}(machine));
+  struct statvfs vfs {};
+  TORCH_CHECK(::statvfs(dir.c_str(), &vfs) == 0, field, "='", dir,
+              "': statvfs failed: ", std::strerror(errno));
+  d.available = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+  return d;
 }
-
-}  // namespace
 
 int64_t io_round_up(int64_t bytes) { return (bytes + kIoAlign - 1) / kIoAlign * kIoAlign; }
 

@@ -18,6 +18,21 @@ namespace fsdp::detail::offload {
 void check_nvme_dir(const std::string& dir, const std::string& field, int64_t bytes = 0,
                     const std::string& need = "");
 
+/// The disk a directory lies on: the machine (its boot id, /proc/sys/kernel/random/boot_id,
+/// hashed; the host name's hash where the file is absent) and the file system (st_dev),
+/// and the bytes free there for this user (statvfs f_bavail). Ranks with equal `machine`
+/// and `device` share the free bytes.
+struct DiskSpace {
+  int64_t machine = 0;
+  int64_t device = 0;
+  int64_t available = 0;
+};
+/// `dir`'s disk; throws naming `field` when statvfs fails.
+DiskSpace disk_space(const std::string& dir, const std::string& field);
+
+/// "1.5 GiB" or "12 MiB".
+std::string human_bytes(int64_t bytes);
+
 /// `bytes` rounded up to a multiple of kIoAlign.
 int64_t io_round_up(int64_t bytes);
 

@@ -76,7 +76,8 @@ FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions def
     for (const auto& p : model.sharded_parameters())
       if (p.requires_grad()) trainable.push_back(p);
     nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, trainable,
-                                                    "ShardingOptions::offload_optimizer.nvme_path");
+                                                    "ShardingOptions::offload_optimizer.nvme_path",
+                                                    &model.sharding_options().process_group);
   }
 }
 
@@ -105,8 +106,8 @@ FusedAdamW::FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOption
   if (nvme.device == OffloadDevice::kNvme) {
     std::vector<torch::Tensor> views;  // the segments: contiguous fp32 ranges of the shards
     for (const auto& s : groups.segments()) views.push_back(s.view);
-    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, views,
-                                                    "ShardingOptions::offload_optimizer.nvme_path");
+    nvme_ = std::make_unique<detail::NvmeAdamState>(
+        nvme, views, "ShardingOptions::offload_optimizer.nvme_path", &groups.process_group());
   }
 }
 

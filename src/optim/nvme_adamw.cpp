@@ -24,6 +24,19 @@
 // serves; O_DIRECT writes invalidate it). A checkpoint load replaces those tensors with
 // in-memory ones; the next step writes them to the file and puts the views back
 // (adopt), so host memory holds the loaded state only between the load and that step.
+//
+// Note [Shared NVMe disk]
+// The ranks of a machine usually share its NVMe disk, and each reserves its own file. Each
+// checking its own bytes against the free space alone let every rank pass and the last
+// to reserve fail (or, with a lucky order, fill the disk). So, given the model's process
+// group, the ranks first exchange (machine, file system, bytes needed, bytes free) with
+// one all-gather: the machine is the boot id's hash (containers and network namespaces of
+// one kernel share it), the file system st_dev. The ranks of each (machine, file system)
+// need the sum of their bytes there; when a disk shared by two or more ranks lacks it,
+// every rank of the job fails with the same message, naming those ranks, the bytes they
+// need together and the bytes free, so no rank is left waiting in a collective. A rank
+// whose directory cannot be used joins the exchange anyway (free bytes -1), then fails
+// with its own error while the others name it.
 #include "nvme_adamw.h"
 
 #include "offload/io_engine.h"
@@ -36,9 +49,60 @@
 #include <cstring>
 
 namespace fsdp::detail {
+namespace {
+
+// Note [Shared NVMe disk]. Collective over `group`.
+void check_shared_free_space(const ProcessGroup& group, const std::string& dir,
+                             const std::string& field, int64_t bytes, const std::string& need) {
+  offload::DiskSpace disk;
+  std::string local_error;
+  try {
+    offload::check_nvme_dir(dir, field);
+    disk = offload::disk_space(dir, field);
+  } catch (const c10::Error& e) {
+    local_error = e.what_without_backtrace();
+    disk.available = -1;
+  }
+  const int n = group.size();
+  auto mine = torch::tensor({disk.machine, disk.device, bytes, disk.available}, torch::kLong);
+  auto all = torch::empty({4 * n}, torch::kLong);
+  group.all_gather(all, mine);
+  TORCH_CHECK(local_error.empty(), local_error);
+  const auto a = all.accessor<int64_t, 1>();
+  for (int r = 0; r < n; ++r) {
+    TORCH_CHECK(a[4 * r + 3] >= 0, field, "='", dir, "': rank ", r,
+                " cannot use its directory (its own error says why); every rank stops before "
+                "reserving its optimizer state");
+  }
+  std::vector<bool> seen(static_cast<size_t>(n), false);
+  for (int r = 0; r < n; ++r) {
+    if (seen[static_cast<size_t>(r)]) continue;
+    std::vector<int> members;
+    int64_t total = 0, available = a[4 * r + 3];
+    for (int q = r; q < n; ++q) {
+      if (a[4 * q] != a[4 * r] || a[4 * q + 1] != a[4 * r + 1]) continue;
+      seen[static_cast<size_t>(q)] = true;
+      members.push_back(q);
+      total += a[4 * q + 2];
+      available = std::min(available, a[4 * q + 3]);
+    }
+    if (members.size() < 2 || total <= available) continue;
+    std::string names;
+    for (size_t i = 0; i < members.size(); ++i)
+      names += (i == 0 ? "" : ", ") + std::to_string(members[i]);
+    TORCH_CHECK(false, "not enough free space in ", field, "='", dir, "' on the disk that ranks ",
+                names, " share (one machine, one file system): together they need ", total,
+                " bytes (", offload::human_bytes(total), "), each rank ", need, ", but only ",
+                available, " bytes (", offload::human_bytes(available),
+                ") are available there. Free space on that disk, point nvme_path at a larger one "
+                "(or give each rank a disk of its own), or shard over more ranks");
+  }
+}
+
+}  // namespace
 
 NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
-                             const std::string& field) {
+                             const std::string& field, const ProcessGroup* group) {
   const std::string buf_field = field.substr(0, field.rfind('.')) + ".buffer_bytes";
   TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
               " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
@@ -59,6 +123,11 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
     bytes += offload::io_round_up(4 * r.numel);
     elements += r.numel;
     regions_.emplace(p.unsafeGetTensorImpl(), r);
+  }
+  if (group != nullptr && group->size() > 1) {
+    check_shared_free_space(*group, config.nvme_path, field, bytes,
+                            "its optimizer state (exp_avg and exp_avg_sq, 8 bytes for each "
+                            "trainable shard element, each tensor aligned to 4096 bytes)");
   }
   offload::check_nvme_dir(config.nvme_path, field, bytes,
                           "the optimizer state of this rank (exp_avg and exp_avg_sq, 8 bytes "

@@ -4,6 +4,7 @@
 // FusedAdamW::offload_state for plain parameters.
 
 #include <fsdp/options.h>
+#include <fsdp/process_group.h>
 
 #include "adamw_kernels.h"
 
@@ -26,9 +27,11 @@ class AlignedBuffer;
 class NvmeAdamState {
  public:
   /// Checks config.nvme_path (`field` names it in errors) and reserves a file there for
-  /// the exp_avg and exp_avg_sq of every parameter in `params`.
+  /// the exp_avg and exp_avg_sq of every parameter in `params`. With `group` (the model's
+  /// process group; collective then), the free space is checked for all its ranks that
+  /// share a disk together (Note [Shared NVMe disk]), then for this rank's own file.
   NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
-                const std::string& field);
+                const std::string& field, const ProcessGroup* group = nullptr);
   ~NvmeAdamState();
 
   /// A new state for `p`: step 0, moments zero, as views of its region of the file.

@@ -13,6 +13,7 @@ namespace fsdp {
 struct ShardParamGroups::State {
   ParamGroupSpec spec;
   OffloadConfig offload_optimizer;
+  ProcessGroup process_group;  ///< the model's
   std::vector<ShardSegment> segments;
   std::map<std::string, size_t> group_by_fqn;
   std::vector<int64_t> numel_total;
@@ -81,6 +82,7 @@ ParamGroupSpec no_decay_groups(double weight_decay, bool embeddings_no_decay,
 ShardParamGroups::ShardParamGroups(const ShardedModel& model, ParamGroupSpec spec)
     : state_(std::make_shared<State>()) {
   state_->offload_optimizer = model.sharding_options().offload_optimizer;
+  state_->process_group = model.sharding_options().process_group;
   TORCH_CHECK(!spec.groups.empty(),
               "ShardParamGroups: the spec has no groups; give at least one GroupOptions");
   TORCH_CHECK(static_cast<bool>(spec.rule),
@@ -207,5 +209,7 @@ std::string ShardParamGroups::describe(double default_lr, double default_weight_
 const OffloadConfig& ShardParamGroups::offload_optimizer() const {
   return state_->offload_optimizer;
 }
+
+const ProcessGroup& ShardParamGroups::process_group() const { return state_->process_group; }
 
 }  // namespace fsdp
