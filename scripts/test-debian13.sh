@@ -11,6 +11,8 @@
 #   test_parity          autograd: gradient accumulator hooks, the post-backward callback
 #   test_grad_accum      the same hooks across micro-batches, no_sync
 #   test_activation_checkpoint  custom autograd Functions, RNG state
+#   test_attention       at::scaled_dot_product_attention (its CPU kernels, enable_gqa,
+#                        dropout_p) against the explicit softmax
 #   test_mixed_precision bf16/fp16 CPU kernels and Gloo's reductions of them
 #   test_memory_comm     the CPU allocator interface (the counting allocator), exact bytes
 #   test_fused_adamw     bit-equality with this LibTorch's torch::optim::AdamW
@@ -29,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B="${FSDP_BUILD_DIR:-build-debian13}"
-BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_mixed_precision test_memory_comm
+BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_attention test_mixed_precision test_memory_comm
           test_fused_adamw test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash
           test_checkpoint_consolidated test_checkpoint_safetensors test_checkpoint_errors
           test_checkpoint_integrity test_safetensors)

@@ -242,4 +242,67 @@ TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
   EXPECT_GE(m.reserved, m.allocated);
 }
 
+// The example GPT's fused attention on the GPU (flash or memory-efficient kernels): its
+// logits within bf16 rounding of the explicit softmax's, and dropout through the kernel
+// (its Philox offset from the CUDA generator) redrawn exactly when activation
+// checkpointing recomputes the block: the same gradients and the same generator state
+// after backward.
+TEST(Cuda, FusedAttentionMatchesTheMathPathAndCheckpointingRedrawsItsDropout_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(dtype);
+    auto cfg = small_gpt_config();
+    cfg.attention = examples::AttentionKernel::kSdpa;
+    torch::manual_seed(51);
+    gpt::GPT fused(cfg);
+    cfg.attention = examples::AttentionKernel::kMath;
+    torch::manual_seed(51);
+    gpt::GPT math(cfg);
+    fused->to(torch::kCUDA, dtype);
+    math->to(torch::kCUDA, dtype);
+    fused->eval();
+    math->eval();
+    torch::NoGradGuard g;
+    auto x = gpt_batch(0, 4, cfg.block_size).narrow(1, 0, cfg.block_size).to(torch::kCUDA);
+    auto a = fused->forward(x).to(torch::kFloat), b = math->forward(x).to(torch::kFloat);
+    const double rel = ((a - b).abs().max() / b.abs().max()).item<double>();
+    EXPECT_LE(rel, dtype == torch::kFloat ? 1e-5 : 2e-2);
+  }
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(dtype);
+    auto cfg = small_gpt_config();
+    cfg.dropout = 0.1;
+    torch::manual_seed(52);
+    gpt::Block block(cfg);
+    block->to(torch::kCUDA, dtype);
+    auto x0 = torch::randn({2, cfg.block_size, cfg.d_model},
+                           torch::TensorOptions().device(torch::kCUDA).dtype(dtype));
+    auto run = [&](bool ckpt) {
+      block->zero_grad();
+      auto x = x0.clone().requires_grad_(true);
+      torch::manual_seed(5);  // seeds the CUDA generator too
+      auto y = ckpt ? checkpoint([&](const torch::Tensor& t) { return block(t); }, x) : block(x);
+      y.to(torch::kFloat).pow(2).sum().backward();
+      std::vector<torch::Tensor> out;
+      for (auto& p : block->parameters()) out.push_back(p.grad().clone());
+      out.push_back(x.grad().clone());
+      out.push_back(torch::rand({4}, torch::TensorOptions().device(torch::kCUDA)));
+      return out;
+    };
+    auto plain = run(false), ckpt = run(true);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    // The fused backward kernels may accumulate in another order from run to run
+    // (atomics), so gradients agree to rounding, not bit for bit; a different mask would
+    // change them by far more (a tenth of the probabilities dropped elsewhere).
+    const double tol = dtype == torch::kFloat ? 1e-4 : 2e-2;
+    for (size_t i = 0; i + 1 < plain.size(); ++i) {
+      const double rel = ((plain[i].to(torch::kFloat) - ckpt[i].to(torch::kFloat)).abs().max() /
+                          plain[i].to(torch::kFloat).abs().max().clamp_min(1e-30))
+                             .item<double>();
+      EXPECT_LE(rel, tol) << "tensor " << i;
+    }
+    EXPECT_TRUE(torch::equal(plain.back(), ckpt.back())) << "the CUDA generator after backward";
+  }
+}
+
 }  // namespace
