@@ -577,7 +577,7 @@ if [ "$BUILT" = 1 ]; then
   fi
   # Two ranks on the one GPU over Gloo against one rank.
   if [ -n "$PY" ]; then
-    run_phase two_ranks_one_gpu 60 stdbuf -oL "$PY" "$SRC/tests/bench/two_ranks_one_gpu.py" \
+    run_phase two_ranks_one_gpu 90 stdbuf -oL "$PY" "$SRC/tests/bench/two_ranks_one_gpu.py" \
       --bin-dir "$BUILD/bin" --device "$DEVICE" "${TWO_SIZE[@]}" || TESTS_OK=0
     keep two_ranks_one_gpu
   else
