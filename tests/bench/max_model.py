@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""The largest GPT each memory mode trains under a memory budget, found by memory, not by
+time: fsdp-estimate predicts the largest size for each mode, then at most three short
+real runs around it, inside a memory cgroup of the budget, confirm it.
+
+  max_model.py --bin-dir build/bin [--budget-mib 6144] [--world 2] [--d-model 1024]
+               [--n-head 16] [--block-size 64] [--steps 2] [--nvme-path DIR]
+               [--only NAME,NAME] [--json-out FILE]
+
+Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). For each:
+  1. LibTorch's own memory: the job's peak for a one-block GPT of width 64 (the runtime,
+     the launcher, the allocator's arenas), measured once, in the same cgroup setup;
+  2. the estimate: the largest --n-layer whose fsdp-estimate per-node total (device and
+     host: on the CPU both are this machine's memory) plus LibTorch's own fits the budget;
+  3. the runs: train_gpt --steps N at that size under the budget (tests/memlimit/
+     construction.sh: a cgroup with memory.limit_in_bytes); if it is killed, a tenth of
+     the blocks fewer, else a tenth more, until the outcome changes; at most three runs.
+It reports, per mode: the parameters reached, the physical bound (the budget less
+LibTorch's own, over the mode's bytes per parameter on this machine: model states per
+node from fsdp-estimate), their ratio, the estimate against the measured peak of the
+largest run that trained, tokens/s and TFLOP/s (6N + 12 L d T per token) there. One JSON
+line per mode and a table. Needs root and a memory controller (exit 77 otherwise).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONSTRUCTION = os.path.join(HERE, "..", "memlimit", "construction.sh")
+NVME = "@NVME@"
+
+# name, train_gpt flags, fsdp-estimate flags (None: the mode cannot run here; the flags
+# then show the refusal).
+MODES = [
+    ("plain (no sharding, fp32)", ["--sharding", "none"], ["--strategy", "none"]),
+    ("ZeRO-3 bf16", ["--precision", "bf16"], ["--precision", "bf16"]),
+    ("offload_optimizer=cpu", ["--precision", "bf16", "--offload-optimizer", "cpu"],
+     ["--precision", "bf16", "--offload-optimizer", "cpu"]),
+    ("+ offload_param=cpu",
+     ["--precision", "bf16", "--offload-optimizer", "cpu", "--offload-param", "cpu"],
+     ["--precision", "bf16", "--offload-optimizer", "cpu", "--offload-param", "cpu"]),
+    ("pure bf16 + offload_optimizer=cpu",
+     ["--precision", "bf16", "--master-dtype", "bf16", "--offload-optimizer", "cpu"],
+     ["--precision", "bf16", "--pure-bf16", "--offload-optimizer", "cpu"]),
+    ("offload_optimizer=nvme",
+     ["--precision", "bf16", "--offload-optimizer", "nvme", "--nvme-path", NVME],
+     ["--precision", "bf16", "--offload-optimizer", "nvme"]),
+    ("+ offload_param=nvme",
+     ["--precision", "bf16", "--offload-optimizer", "nvme", "--offload-param", "nvme",
+      "--nvme-path", NVME], None),
+]
+
+
+def estimate(args, layers, est_flags):
+    cmd = [os.path.join(args.bin_dir, "fsdp-estimate"), "--n-layer", str(layers), "--n-head",
+           str(args.n_head), "--d-model", str(args.d_model), "--block-size", str(args.block_size),
+           "--world-size", str(args.world), "--micro-batch", "1", "--json"] + est_flags
+    r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    node = r["per_node"]
+    return {"params": r["params"], "total": node["device_total_bytes"] + node["host_total_bytes"],
+            "states": node["model_states_device_bytes"] + node["model_states_host_bytes"],
+            "nvme": node.get("nvme_total_bytes", 0)}
+
+
+def run(args, layers, flags, limit_mib, d_model=None, n_head=None):
+    with tempfile.TemporaryDirectory(prefix="fsdp_maxmodel_") as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        nvme = os.path.join(tmp, "nvme") if not args.nvme_path else args.nvme_path
+        os.makedirs(nvme, exist_ok=True)
+        train = [a.replace(NVME, nvme) for a in flags] + [
+            "--n-layer", str(layers), "--d-model", str(d_model or args.d_model), "--n-head",
+            str(n_head or args.n_head), "--block-size", str(args.block_size), "--batch-size",
+            str(args.world), "--steps", str(args.steps), "--warmup-steps", "0", "--lr", "1e-4",
+            "--log-jsonl", log, "--device", "cpu"]
+        cmd = ["bash", CONSTRUCTION, args.bin_dir, str(limit_mib), "sharded", str(args.world)] + train
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        out = p.stdout + p.stderr
+        if p.returncode == 77:
+            print(out)
+            sys.exit(77)
+        m = re.search(r"exit (\d+), job peak (\d+) MiB, OOM kills (\S+)", out)
+        rows = [json.loads(l) for l in open(log)] if os.path.exists(log) else []
+        res = {"layers": layers, "exit": p.returncode, "peak_mib": int(m.group(2)) if m else None,
+               "oom_kills": m.group(3) if m else None, "trained": p.returncode == 0 and len(rows) == args.steps,
+               "tokens_per_s": rows[-1]["tokens_per_s"] if rows else None}
+        if not res["trained"]:
+            res["tail"] = "\n".join(out.strip().splitlines()[-4:])
+            errors = [l for l in out.splitlines() if ": error: " in l]
+            if errors:
+                res["error"] = errors[0][errors[0].index(": error: ") + 9:]
+        params = re.search(r"train_gpt: (\d+) parameters", out)
+        res["params"] = int(params.group(1)) if params else None
+        return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin-dir", required=True)
+    ap.add_argument("--budget-mib", type=int, default=6144)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--n-head", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--max-layers", type=int, default=512)
+    ap.add_argument("--nvme-path", default="", help="a directory for the NVMe modes (default: a temporary one)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--json-out", default="")
+    ap.add_argument("--expect-within", type=float, default=0.0,
+                    help="exit 1 unless every mode that can run trained at some size and the "
+                         "estimate is within this fraction of its measured peak (e.g. 0.15)")
+    args = ap.parse_args()
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = only - {m[0] for m in MODES}
+    if unknown:
+        sys.exit(f"max_model.py: --only {sorted(unknown)} unknown; the modes are {[m[0] for m in MODES]}")
+    base = run(args, 1, [], args.budget_mib, d_model=64, n_head=4)
+    if not base["trained"] or not base["peak_mib"]:
+        sys.exit(f"max_model.py: the baseline run failed under {args.budget_mib} MiB:\n{base.get('tail')}")
+    own = base["peak_mib"]
+    usable = args.budget_mib - own
+    print(f"max model: budget {args.budget_mib} MiB at world {args.world}; LibTorch's own "
+          f"(a one-block GPT of width 64): {own} MiB, so {usable} MiB for the model; GPT "
+          f"d_model {args.d_model}, {args.n_head} heads, T {args.block_size}, batch "
+          f"{args.world}x{args.block_size}, {args.steps} steps per run", flush=True)
+    results = []
+    for name, flags, est_flags in MODES:
+        if only and name not in only:
+            continue
+        if est_flags is None:
+            r = run(args, 1, flags, args.budget_mib)
+            out = {"metric": "max_model", "mode": name, "flags": " ".join(flags),
+                   "refused": r.get("error") or ("trained" if r["trained"] else r.get("tail"))}
+            print(json.dumps(out), flush=True)
+            results.append(out)
+            continue
+        # 2. the estimate: the largest block count that fits (the totals grow with it).
+        budget = args.budget_mib * 1048576 - own * 1048576
+        lo, hi = 0, args.max_layers
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if estimate(args, mid, est_flags)["total"] <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        predicted = lo
+        if predicted < 1:
+            out = {"metric": "max_model", "mode": name, "error": "not even one block fits the estimate"}
+            print(json.dumps(out), flush=True)
+            results.append(out)
+            continue
+        # 3. at most three runs around it.
+        runs, layers = [], predicted
+        first = run(args, layers, flags, args.budget_mib)
+        runs.append(first)
+        # Steps of a tenth of the prediction (at least one block): the estimate's target is
+        # 10% of the measured peak, so three runs bracket a size that estimate allows.
+        step = max(1, predicted // 10) * (1 if first["trained"] else -1)
+        while len(runs) < 3:
+            layers += step
+            if layers < 1:
+                break
+            r = run(args, layers, flags, args.budget_mib)
+            runs.append(r)
+            if r["trained"] != first["trained"]:
+                break
+        trained = [r for r in runs if r["trained"]]
+        best = max(trained, key=lambda r: r["layers"]) if trained else None
+        out = {"metric": "max_model", "mode": name, "flags": " ".join(flags),
+               "predicted_layers": predicted,
+               "runs": [{k: r[k] for k in ("layers", "exit", "peak_mib", "oom_kills", "trained")} for r in runs]}
+        if best:
+            e = estimate(args, best["layers"], est_flags)
+            per_param = e["states"] / e["params"]
+            bound = usable * 1048576 / per_param
+            flops = 6.0 * e["params"] + 12.0 * best["layers"] * args.d_model * args.block_size
+            out.update({"layers": best["layers"], "params": e["params"],
+                        "bytes_per_param_node": round(per_param, 3),
+                        "bound_params": int(bound), "ratio_to_bound": round(e["params"] / bound, 4),
+                        "estimated_peak_mib": round(e["total"] / 1048576 + own, 1),
+                        "measured_peak_mib": best["peak_mib"],
+                        "estimate_error": round((e["total"] / 1048576 + own) / best["peak_mib"] - 1, 4),
+                        "nvme_mib": round(e["nvme"] / 1048576, 1),
+                        "tokens_per_s": best["tokens_per_s"],
+                        "tflops": best["tokens_per_s"] * flops / 1e12 if best["tokens_per_s"] else None})
+        else:
+            out["error"] = "no run trained; the last: " + (runs[-1].get("tail") or "")
+        print(json.dumps(out), flush=True)
+        results.append(out)
+    print(f"\n| mode | parameters reached | physical bound (bytes/param) | ratio | estimate / measured peak (MiB) | tokens/s | TFLOP/s | runs (blocks: trained?) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for o in results:
+        if "refused" in o:
+            print(f"| {o['mode']} | refused: {o['refused']} | | | | | | |")
+        elif "params" in o:
+            runs = ", ".join(f"{r['layers']}: {'yes' if r['trained'] else 'killed' if r['exit'] == 137 else 'exit %d' % r['exit']}" for r in o["runs"])
+            print(f"| {o['mode']} | {o['params'] / 1e6:.1f}M ({o['layers']} blocks) | "
+                  f"{o['bound_params'] / 1e6:.1f}M ({o['bytes_per_param_node']}) | {o['ratio_to_bound']:.3f} | "
+                  f"{o['estimated_peak_mib']:.0f} / {o['measured_peak_mib']} ({o['estimate_error']:+.1%}) | "
+                  f"{o['tokens_per_s']:.0f} | {o['tflops']:.4f} | {runs} |")
+        else:
+            print(f"| {o['mode']} | {o.get('error')} | | | | | | |")
+    failed = []
+    if args.expect_within > 0:
+        for o in results:
+            if "refused" in o:
+                continue
+            if "params" not in o:
+                failed.append(f"{o['mode']}: {o.get('error')}")
+            elif abs(o["estimate_error"]) > args.expect_within:
+                failed.append(f"{o['mode']}: the estimate is {o['estimate_error']:+.1%} off the measured peak")
+        for f in failed:
+            print("max_model.py: FAIL " + f)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"budget_mib": args.budget_mib, "world": args.world, "libtorch_own_mib": own,
+                       "modes": results}, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
