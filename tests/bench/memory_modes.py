@@ -94,6 +94,10 @@ def main():
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--only", default="", help="comma-separated mode names (default: all)")
+    ap.add_argument("--expect-learning", action="store_true",
+                    help="exit 1 unless every mode's last loss is below 0.98 of its first (a "
+                         "mode whose updates do not reach the gathered parameters stays flat: "
+                         "ZeRO-1/2 on a GPU before the fused AdamW's version-counter fix)")
     ap.add_argument("--expect-parity", action="store_true",
                     help="exit 1 unless the modes of one precision (bf16 with fp32 masters; "
                          "pure bf16) give bit-identical losses, as they do on the CPU")
@@ -133,7 +137,8 @@ def main():
         out = {"metric": "memory_mode", "mode": name, "flags": " ".join(flags),
                "tokens_per_s": round(r["tokens_per_s"], 1), "peak_allocated_mib": r["peak_mib"],
                "unit": unit, "model_states_mib": states and round(states, 1),
-               "first_loss": r["first_loss"], "last_loss": r["last_loss"]}
+               "first_loss": r["first_loss"], "last_loss": r["last_loss"],
+               "learned": r["last_loss"] < 0.98 * r["first_loss"]}
         if base:
             if base["peak_mib"] and r["peak_mib"]:
                 out["vs_fp32_peak"] = round(r["peak_mib"] / base["peak_mib"], 4)
@@ -150,6 +155,12 @@ def main():
               f"{o['model_states_mib']} | {o.get('vs_fp32_peak', '')} | "
               f"{o.get('vs_fp32_tokens_per_s', '')} | {o['first_loss']:.4f} → "
               f"{o['last_loss']:.4f} |")
+    if args.expect_learning:
+        for o in table:
+            if not o["learned"]:
+                failed += 1
+                print(f"memory modes: {o['mode']} did not learn: loss {o['first_loss']:.4f} -> "
+                      f"{o['last_loss']:.4f} (must fall below 0.98 of the first)", flush=True)
     if args.expect_parity:
         for precision, runs in losses_by_precision.items():
             first_name, first = runs[0]
