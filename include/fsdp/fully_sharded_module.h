@@ -1,5 +1,6 @@
 #pragma once
 // Wrap points and fully_shard.
+// Implemented in src/engine.
 //
 // LibTorch modules have no forward hooks (docs/design.md, "LibTorch facts"), so a unit cannot
 // attach itself to a module from the outside. The model calls a submodule *through* a wrap point,
@@ -7,7 +8,6 @@
 // auto-wrap policy turns into a unit gathers its parameters before the call and frees them after;
 // any other wrap point is a plain pass-through.
 
-#include <fsdp/activation_checkpoint.h>
 #include <fsdp/options.h>
 #include <fsdp/stats.h>
 
@@ -23,7 +23,6 @@
 #include <vector>
 
 namespace fsdp {
-class FusedAdamW;
 struct EngineAccess;
 namespace detail {
 /// The engine's state of one wrap point (its unit, its model, its casts), defined inside

@@ -1,8 +1,6 @@
 // The model view (src/internal/sharded_model.h): what the engine lends about a sharded
 // model to checkpoints, the optimizer and the training helpers, and the ShardedModel
 // queries that read the same tables.
-#include <fsdp/fused_adamw.h>
-
 #include "engine_access.h"
 #include "internal/sharded_model.h"
 
@@ -108,17 +106,15 @@ torch::Tensor gather_flat(const ShardedModel& model, size_t index,
       full.options());
 }
 
-int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer) {
-  int n = 0;
+std::vector<CopyOutTarget> copy_out_targets(const ShardedModel& model) {
+  std::vector<CopyOutTarget> out;
   for (auto& u : model_runtime(model).units()) {
     for (auto& f : u->flats()) {
-      auto [out, version] = f->copy_out_target();
-      if (!out.defined()) continue;
-      optimizer.set_copy_out(f->shard(), out, version);
-      ++n;
+      auto [copy, version] = f->copy_out_target();
+      if (copy.defined()) out.push_back({f->shard(), copy, version});
     }
   }
-  return n;
+  return out;
 }
 
 void account_checkpoint_staging(const ShardedModel& model, int64_t delta) {

@@ -1,5 +1,7 @@
 // The public handles' side of the engine: the calls a wrap point makes into it, the
 // ShardedModel verbs, shard_sequential, clean names and NoSyncScope.
+#include <fsdp/activation_checkpoint.h>
+
 #include "engine_access.h"
 
 namespace fsdp {

@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -54,13 +55,20 @@ std::vector<LocalShard> local_shards(const ShardedModel& model);
 /// rank's shard of it or of any state laid out like it (e.g. Adam's exp_avg). Counted
 /// in MemoryStats::checkpoint_buffers while the returned tensor lives.
 torch::Tensor gather_flat(const ShardedModel& model, size_t index, const torch::Tensor& shard_like);
-/// Lets `optimizer` write each updated trainable shard, in param_dtype, in its update
-/// pass (FusedAdamW::set_copy_out); the next gathers send that copy instead of
-/// casting the shard, as long as the shard has not changed since. Only for 16-bit
-/// param_dtype with shards on the CPU (CPU training or cpu_offload). Returns how many
-/// flat parameters were attached.
-int attach_copy_out(const ShardedModel& model, FusedAdamW& optimizer);
-/// Gathers that used an optimizer's copy (attach_copy_out) instead of a cast.
+/// A trainable shard an optimizer may write in param_dtype in its update pass
+/// (FusedAdamW::set_copy_out): the shard, the copy the next gathers send instead of
+/// casting the shard, and the cell where the writer records the shard's version right
+/// after writing the copy (the gathers use the copy only while the versions agree).
+struct CopyOutTarget {
+  torch::Tensor shard;
+  torch::Tensor copy;
+  std::shared_ptr<std::atomic<int64_t>> version;
+};
+/// The model's copy-out targets: one per trainable flat parameter, only for 16-bit
+/// param_dtype with shards on the CPU (CPU training or cpu_offload); none otherwise. The
+/// optimizer registers them itself, so the engine knows no optimizer.
+std::vector<CopyOutTarget> copy_out_targets(const ShardedModel& model);
+/// Gathers that used an optimizer's copy (copy_out_targets) instead of a cast.
 int64_t copy_out_gathers(const ShardedModel& model);
 /// Adds `delta` bytes (negative: releases) to MemoryStats::checkpoint_staging.
 void account_checkpoint_staging(const ShardedModel& model, int64_t delta);

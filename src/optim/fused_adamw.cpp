@@ -69,7 +69,7 @@ FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOpt
 
 FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)) {
-  detail::attach_copy_out(model, *this);
+  for (const auto& t : detail::copy_out_targets(model)) set_copy_out(t.shard, t.copy, t.version);
   const OffloadConfig& nvme = model.sharding_options().offload_optimizer;
   if (nvme.device == OffloadDevice::kNvme) {
     std::vector<torch::Tensor> trainable;  // frozen shards never get a gradient
