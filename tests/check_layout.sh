@@ -178,6 +178,43 @@ for file in "${FILES[@]}"; do
   fi
 done
 
+# Rule 6.
+declare -A OWNER
+for h in include/fsdp/*.h; do
+  o="$(sed -n 's@^// Implemented in \([a-z_/]*\)\.$@\1@p' "$h" | head -1)"
+  if [ -z "$o" ]; then
+    impl="$(find src checkpoint wrap_policies -name "$(basename "$h" .h).cpp" | head -1)"
+    [ -z "$impl" ] || o="${FOLDER[$impl]:-}"
+  fi
+  [ -z "$o" ] || OWNER[$h]="$o"
+done
+declare -A HANDLE
+for h in "${!OWNER[@]}"; do
+  grep -q '^// A public handle: every folder may use it\.$' "$h" && HANDLE[$h]=1
+done
+for e in "${EDGES[@]}"; do
+  from="${e%%	*}" to="${e#*	}"
+  theirs="${OWNER[$to]:-}"
+  [ -n "$theirs" ] && [ -z "${HANDLE[$to]:-}" ] || continue
+  if [[ "$from" == include/* ]]; then
+    own="${OWNER[$from]:-}"
+    [ -n "$own" ] || continue  # a header of declarations (or fsdp.h, which includes all)
+    as="$from (as part of $own, which implements it)"
+  else
+    own="${FOLDER[$from]:-}"
+    [ -n "$own" ] && [ "$own" != 'examples/*' ] && [ "$own" != examples/common ] && [ "$own" != src/tools ] || continue
+    as="$from ($own)"
+  fi
+  [ "$own" != "$theirs" ] || continue
+  if [ "$to" = include/fsdp/fully_sharded_module.h ]; then
+    [ -n "${FACADE_OK[$own]:-}" ] || bad "$as includes the public module header, implemented in $theirs: $own sits below the engine's facade"
+    continue
+  fi
+  if [[ "${MAY[$own]}" != *" $theirs "* ]]; then
+    bad "$as includes $to, implemented in $theirs, but $own may include only$(sed 's/ \(.*\) $/ \1/; s/ \([^ ]\)/, \1/g; s/^,//' <<<"${MAY[$own]}")"
+  fi
+done
+
 [ "$CHECKED" -gt 50 ] || { echo "check_layout: found only $CHECKED includes under $ROOT: wrong root?" >&2; exit 1; }
 if [ "$BAD" -gt 0 ]; then
   echo "check_layout: $BAD violation(s) of the layering in $DOC (of $CHECKED includes checked)" >&2

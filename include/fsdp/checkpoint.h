@@ -1,5 +1,6 @@
 #pragma once
 // HDF5 checkpoints (docs/design.md, "Contracts").
+// Implemented in checkpoint.
 //
 // Sharded: a directory per checkpoint, one HDF5 file per rank (rank_00000.h5, ...),
 // written by all ranks at once. Each file describes itself (format version, world size,

@@ -1,5 +1,6 @@
 #pragma once
 // The process group: who this process is, and the collectives the engine uses.
+// A public handle: every folder may use it.
 
 #include <torch/torch.h>
 

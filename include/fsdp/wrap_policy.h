@@ -1,5 +1,6 @@
 #pragma once
 // Auto-wrap policies: which wrap points (FullyShardedModule<M>) become sharded units.
+// Implemented in wrap_policies.
 // A wrap point the policy rejects merges its parameters into the nearest enclosing unit.
 
 #include <torch/nn/module.h>
