@@ -37,7 +37,8 @@ TEST(ActivationCheckpoint, GptBlockWithDropoutGivesBitwiseEqualGradients) {
     block->zero_grad();
     auto x = x0.clone().requires_grad_(true);
     torch::manual_seed(5);  // the same dropout masks in both runs
-    auto y = ckpt ? checkpoint([&](const torch::Tensor& t) { return block(t); }, x) : block(x);
+    auto y = ckpt ? activation_checkpoint([&](const torch::Tensor& t) { return block(t); }, x)
+                  : block(x);
     y.pow(2).sum().backward();
     auto g = grads_of(*block);
     g.push_back(x.grad().clone());
@@ -53,7 +54,8 @@ TEST(ActivationCheckpoint, MlpGivesBitwiseEqualGradients) {
   auto x = torch::randn({6, 16});
   auto run = [&](bool ckpt) {
     mlp->zero_grad();
-    auto y = ckpt ? checkpoint([&](const torch::Tensor& t) { return mlp(t); }, x) : mlp(x);
+    auto y =
+        ckpt ? activation_checkpoint([&](const torch::Tensor& t) { return mlp(t); }, x) : mlp(x);
     y.pow(2).mean().backward();
     return grads_of(*mlp);
   };
@@ -74,7 +76,7 @@ TEST(ActivationCheckpoint, SeveralInputsAndOutputsSomeWithoutGradAndCapturedNonT
     lin->zero_grad();
     auto a = a0.clone().requires_grad_(true);
     auto b = b0.clone();  // does not require grad
-    auto out = ckpt ? checkpoint(region, {a, b}) : region({a, b});
+    auto out = ckpt ? activation_checkpoint(region, {a, b}) : region({a, b});
     EXPECT_FALSE(out[2].requires_grad());
     (out[0].sum() + out[1].pow(2).sum()).backward();
     EXPECT_FALSE(b.grad().defined());
@@ -95,9 +97,9 @@ TEST(ActivationCheckpoint, NestedRegionsGiveEqualGradients) {
     auto x = x0.clone().requires_grad_(true);
     auto inner = [&](const torch::Tensor& t) { return torch::relu(l2(t)); };
     auto outer = [&](const torch::Tensor& t) {
-      return ckpt ? checkpoint(inner, l1(t)) : inner(l1(t));
+      return ckpt ? activation_checkpoint(inner, l1(t)) : inner(l1(t));
     };
-    auto y = ckpt ? checkpoint(outer, x) : outer(x);
+    auto y = ckpt ? activation_checkpoint(outer, x) : outer(x);
     y.sum().backward();
     auto g = grads_of(*l1);
     for (auto& t : grads_of(*l2)) g.push_back(t);
@@ -106,6 +108,32 @@ TEST(ActivationCheckpoint, NestedRegionsGiveEqualGradients) {
   };
   expect_same(run(false), run(true));
 }
+
+// The names before the rename (CHANGELOG.md) still compile and do the same, for one
+// release, with a deprecation warning (silenced here).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(ActivationCheckpoint, TheDeprecatedNamesStillWork) {
+  torch::manual_seed(76);
+  torch::nn::Linear lin(4, 4);
+  auto x = torch::randn({2, 4});
+  auto grads = [&](bool old) {
+    lin->zero_grad();
+    fsdp::CheckpointOptions o;
+    auto f = [&](const torch::Tensor& t) { return lin(t).tanh(); };
+    auto y = old ? fsdp::checkpoint(f, x, o) : fsdp::activation_checkpoint(f, x);
+    fsdp::CheckpointFn many = [&](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{lin(in[0]).sin()};
+    };
+    auto z = old ? fsdp::checkpoint(many, {x})[0] : fsdp::activation_checkpoint(many, {x})[0];
+    (y.sum() + z.sum()).backward();
+    return lin->weight.grad().clone();
+  };
+  const int64_t before = activation_recomputes();
+  EXPECT_TRUE(torch::equal(grads(true), grads(false)));
+  EXPECT_EQ(activation_recomputes() - before, 4);  // each call recomputed once
+}
+#pragma GCC diagnostic pop
 
 TEST(ActivationCheckpoint, RetainGraphRecomputesForASecondBackward) {
   torch::manual_seed(75);
@@ -116,7 +144,7 @@ TEST(ActivationCheckpoint, RetainGraphRecomputesForASecondBackward) {
   plain.backward();
   auto expected = lin->weight.grad().clone();
   lin->zero_grad();
-  auto y = checkpoint([&](const torch::Tensor& t) { return lin(t).tanh(); }, x).sum();
+  auto y = activation_checkpoint([&](const torch::Tensor& t) { return lin(t).tanh(); }, x).sum();
   y.backward({}, /*retain_graph=*/true);
   y.backward();
   EXPECT_TRUE(torch::equal(lin->weight.grad(), expected));
@@ -125,7 +153,7 @@ TEST(ActivationCheckpoint, RetainGraphRecomputesForASecondBackward) {
 TEST(ActivationCheckpoint, DoubleBackwardIsAClearError) {
   torch::nn::Linear lin(4, 4);
   auto x = torch::randn({2, 4}, torch::requires_grad());
-  auto y = checkpoint([&](const torch::Tensor& t) { return lin(t).pow(2); }, x).sum();
+  auto y = activation_checkpoint([&](const torch::Tensor& t) { return lin(t).pow(2); }, x).sum();
   try {
     torch::autograd::grad({y}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true);
     FAIL() << "no error";
@@ -133,9 +161,10 @@ TEST(ActivationCheckpoint, DoubleBackwardIsAClearError) {
     std::string what = e.what_without_backtrace();
     EXPECT_NE(
         what.find(
-            "checkpoint: double backward (create_graph=true) through a checkpointed region is "
+            "activation_checkpoint: double backward (create_graph=true) through a checkpointed "
+            "region is "
             "not supported, because its graph is rebuilt inside backward. Run that region "
-            "without fsdp::checkpoint, or take the gradient without create_graph."),
+            "without fsdp::activation_checkpoint, or take the gradient without create_graph."),
         std::string::npos)
         << what;
   }
@@ -381,7 +410,8 @@ TEST(ShardedCheckpoint, APolicyPickingAForwardOfTwoInputsIsAnErrorNamingIt) {
               "Tensor -> "
               "Tensor; activation checkpointing here recomputes a forward of one tensor to one "
               "tensor. Leave "
-              "it out of the policy (e.g. predicate_policy), or call fsdp::checkpoint inside its "
+              "it out of the policy (e.g. predicate_policy), or call fsdp::activation_checkpoint "
+              "inside its "
               "forward.");
   }
   torch::NoGradGuard no_grad;  // nothing is checkpointed without grad: the forward runs
@@ -452,11 +482,12 @@ TEST(ActivationOffload, RetainGraphBringsTheInputsBackForASecondBackward) {
   torch::manual_seed(1);
   auto lin = torch::nn::Linear(8, 8);
   auto x = torch::randn({4, 8}, torch::requires_grad());
-  CheckpointOptions co;
+  ActivationCheckpointOptions co;
   co.offload_inputs = true;
   MemoryCounter counter;
   co.host_counter = &counter;
-  auto y = checkpoint([&](const torch::Tensor& t) { return torch::tanh(lin(t)); }, x, co);
+  auto y =
+      activation_checkpoint([&](const torch::Tensor& t) { return torch::tanh(lin(t)); }, x, co);
   EXPECT_EQ(counter.current, 4 * 8 * 4);
   y.sum().backward({}, /*retain_graph=*/true);
   auto g1 = x.grad().clone();

@@ -190,7 +190,8 @@ TEST(Attention, DropoutThroughTheKernelIsRedrawnExactlyByActivationCheckpointing
       auto x = x0.clone().requires_grad_(true);
       torch::manual_seed(5);
       auto y =
-          ckpt ? fsdp::checkpoint([&](const torch::Tensor& t) { return block(t); }, x) : block(x);
+          ckpt ? fsdp::activation_checkpoint([&](const torch::Tensor& t) { return block(t); }, x)
+               : block(x);
       y.pow(2).sum().backward();
       std::vector<torch::Tensor> g;
       for (auto& p : block->parameters()) g.push_back(p.grad().clone());

@@ -281,7 +281,8 @@ TEST(Cuda, FusedAttentionMatchesTheMathPathAndCheckpointingRedrawsItsDropout_CUD
       block->zero_grad();
       auto x = x0.clone().requires_grad_(true);
       torch::manual_seed(5);  // seeds the CUDA generator too
-      auto y = ckpt ? checkpoint([&](const torch::Tensor& t) { return block(t); }, x) : block(x);
+      auto y = ckpt ? activation_checkpoint([&](const torch::Tensor& t) { return block(t); }, x)
+                    : block(x);
       y.to(torch::kFloat).pow(2).sum().backward();
       std::vector<torch::Tensor> out;
       for (auto& p : block->parameters()) out.push_back(p.grad().clone());

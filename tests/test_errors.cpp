@@ -51,8 +51,9 @@ INSTANTIATE_TEST_SUITE_P(
                     clip_grad_norm_(m, 0.0);
                   },
                   "clip_grad_norm_: max_norm=0 must be positive"},
-        ErrorCase{"CheckpointEmptyFunction", [] { checkpoint(CheckpointFn(), {torch::ones({1})}); },
-                  "checkpoint: the function is empty"},
+        ErrorCase{"CheckpointEmptyFunction",
+                  [] { activation_checkpoint(ActivationCheckpointFn(), {torch::ones({1})}); },
+                  "activation_checkpoint: the function is empty"},
         ErrorCase{
             "ModuleTypePolicyWithoutNames", [] { module_type_policy(std::vector<std::string>{}); },
             "module_type_policy: no type names given; list module classes such as \"BlockImpl\""},

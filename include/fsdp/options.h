@@ -101,7 +101,7 @@ struct ShardingOptions {
   WrapPolicy checkpoint_policy = nullptr;
   /// Activation offload: the inputs that checkpoint_policy's regions save for backward
   /// live in host memory (pinned on CUDA) instead of on `device`, and come back when
-  /// their backward starts (CheckpointOptions::offload_inputs). Needs checkpoint_policy.
+  /// their backward starts (ActivationCheckpointOptions::offload_inputs). Needs checkpoint_policy.
   bool offload_activations = false;
   /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
   bool sync_module_states = true;

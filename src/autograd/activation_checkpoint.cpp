@@ -23,11 +23,11 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct FnCapsule : torch::CustomClassHolder {
-  FnCapsule(CheckpointFn f, std::string name, CheckpointOptions o)
+  FnCapsule(ActivationCheckpointFn f, std::string name, ActivationCheckpointOptions o)
       : fn(std::move(f)), region(std::move(name)), options(o) {}
-  CheckpointFn fn;
+  ActivationCheckpointFn fn;
   std::string region;  ///< for the recompute span (Note [Per-unit trace]); may be ""
-  CheckpointOptions options;
+  ActivationCheckpointOptions options;
 };
 
 /// RNG states of the devices a region uses: the CPU generator, and the CUDA generator
@@ -64,7 +64,7 @@ struct RngCapsule : torch::CustomClassHolder {
 };
 
 // Note [Activation offload]
-// With CheckpointOptions::offload_inputs a region saves host copies of its inputs instead
+// With ActivationCheckpointOptions::offload_inputs a region saves host copies of its inputs instead
 // of the inputs (pinned and non-blocking from a GPU), so the device copies go once the
 // forward moves on. Regions that offload in one forward form a chain, newest last; when a
 // region's backward starts it takes its inputs back (already copied if the region after
@@ -177,9 +177,10 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
-                "checkpoint: double backward (create_graph=true) through a checkpointed region is "
+                "activation_checkpoint: double backward (create_graph=true) through a checkpointed "
+                "region is "
                 "not supported, because its graph is rebuilt inside backward. Run that region "
-                "without fsdp::checkpoint, or take the gradient without create_graph.");
+                "without fsdp::activation_checkpoint, or take the gradient without create_graph.");
     auto fn = c10::static_intrusive_pointer_cast<FnCapsule>(ctx->saved_data["fn"].toCapsule());
     auto rng = c10::static_intrusive_pointer_cast<RngCapsule>(ctx->saved_data["rng"].toCapsule());
     variable_list saved;
@@ -237,10 +238,10 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
 }  // namespace
 
-std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
-                                      const std::vector<torch::Tensor>& inputs,
-                                      const CheckpointOptions& options) {
-  TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
+std::vector<torch::Tensor> activation_checkpoint(const ActivationCheckpointFn& fn,
+                                                 const std::vector<torch::Tensor>& inputs,
+                                                 const ActivationCheckpointOptions& options) {
+  TORCH_CHECK(fn != nullptr, "activation_checkpoint: the function is empty");
   if (!at::GradMode::is_enabled()) return fn(inputs);  // nothing would be saved anyway
   auto anchor = at::empty({0});
   anchor.set_requires_grad(true);
@@ -250,17 +251,18 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
       at::TensorList(inputs));
 }
 
-std::vector<torch::Tensor> checkpoint(const CheckpointFn& fn,
-                                      const std::vector<torch::Tensor>& inputs) {
-  return checkpoint(fn, inputs, CheckpointOptions{});
+std::vector<torch::Tensor> activation_checkpoint(const ActivationCheckpointFn& fn,
+                                                 const std::vector<torch::Tensor>& inputs) {
+  return activation_checkpoint(fn, inputs, ActivationCheckpointOptions{});
 }
 
 int64_t activation_recomputes() { return recomputes.load(std::memory_order_relaxed); }
 
-torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
-                         const torch::Tensor& input, const CheckpointOptions& options) {
-  TORCH_CHECK(fn != nullptr, "checkpoint: the function is empty");
-  return checkpoint(
+torch::Tensor activation_checkpoint(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                                    const torch::Tensor& input,
+                                    const ActivationCheckpointOptions& options) {
+  TORCH_CHECK(fn != nullptr, "activation_checkpoint: the function is empty");
+  return activation_checkpoint(
       [fn](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{fn(in[0])}; },
       std::vector<torch::Tensor>{input}, options)[0];
 }

@@ -61,7 +61,7 @@ std::optional<torch::Dtype> WrapPointImpl::before_forward() {
               "ShardingOptions::checkpoint_policy picked wrap point '", state_->fqn,
               "', whose forward is not Tensor -> Tensor; activation checkpointing here recomputes "
               "a forward of one tensor to one tensor. Leave it out of the policy (e.g. "
-              "predicate_policy), or call fsdp::checkpoint inside its forward.");
+              "predicate_policy), or call fsdp::activation_checkpoint inside its forward.");
   if (is_unit()) pre_forward(*this);
   return state_->cast_inputs;
 }
@@ -179,13 +179,13 @@ torch::Tensor WrapPointImpl::run_tensor_forward(
   if (checkpointed() && torch::GradMode::is_enabled()) {
     detail::trace::RegionName region(is_unit() ? EngineAccess::unit(*this)->trace_name()
                                                : state_->fqn);
-    CheckpointOptions co;
+    ActivationCheckpointOptions co;
     detail::Runtime& rt = EngineAccess::runtime(*this);
     if (rt.options().offload_activations) {
       co.offload_inputs = true;
       co.host_counter = &rt.acct().mem.offloaded_activations;
     }
-    out = fsdp::checkpoint(fn, x, co);
+    out = fsdp::activation_checkpoint(fn, x, co);
   } else {
     out = fn(x);
   }

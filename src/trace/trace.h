@@ -56,7 +56,7 @@ void span(std::string name, const char* category, Track track, int64_t begin_ns,
 /// Writes the file now (all spans so far). Errors go to stderr: tracing never fails a run.
 void flush();
 
-/// Names the checkpointed region (a wrap point's FQN) that fsdp::checkpoint calls on
+/// Names the checkpointed region (a wrap point's FQN) that fsdp::activation_checkpoint calls on
 /// this thread inside its scope, for the region's "recompute" span in backward.
 class RegionName {
  public:
