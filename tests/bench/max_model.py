@@ -9,7 +9,8 @@ real runs around it, inside a memory cgroup of the budget, confirm it.
 
 Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). For each:
   1. LibTorch's own memory: the job's peak for a one-block GPT of width 64 (the runtime,
-     the launcher, the allocator's arenas), measured once, in the same cgroup setup;
+     the launcher, the allocator's arenas), the smaller of two runs in the same cgroup
+     setup (the first to read the libraries' pages is charged for them);
   2. the estimate: the largest --n-layer whose fsdp-estimate per-node total (device and
      host: on the CPU both are this machine's memory) plus LibTorch's own fits the budget;
   3. the runs: train_gpt --steps N at that size under the budget (tests/memlimit/
@@ -119,10 +120,15 @@ def main():
     unknown = only - {m[0] for m in MODES}
     if unknown:
         sys.exit(f"max_model.py: --only {sorted(unknown)} unknown; the modes are {[m[0] for m in MODES]}")
-    base = run(args, 1, [], args.budget_mib, d_model=64, n_head=4)
-    if not base["trained"] or not base["peak_mib"]:
-        sys.exit(f"max_model.py: the baseline run failed under {args.budget_mib} MiB:\n{base.get('tail')}")
-    own = base["peak_mib"]
+    # Twice, and the smaller: the cgroup charges a job for the library pages it is the
+    # first to read, and the later runs find them cached (charged elsewhere) as the
+    # second baseline run does.
+    own = None
+    for _ in range(2):
+        base = run(args, 1, [], args.budget_mib, d_model=64, n_head=4)
+        if not base["trained"] or not base["peak_mib"]:
+            sys.exit(f"max_model.py: the baseline run failed under {args.budget_mib} MiB:\n{base.get('tail')}")
+        own = base["peak_mib"] if own is None else min(own, base["peak_mib"])
     usable = args.budget_mib - own
     print(f"max model: budget {args.budget_mib} MiB at world {args.world}; LibTorch's own "
           f"(a one-block GPT of width 64): {own} MiB, so {usable} MiB for the model; GPT "
