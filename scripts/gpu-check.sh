@@ -426,7 +426,7 @@ if [ -n "$NVCC" ] && [ -x "$NVCC" ]; then
   if [ -n "$TORCH_CUDA" ] && [ "${NVCC_VERSION%%.*}" != "${TORCH_CUDA%%.*}" ]; then
     say "warning: nvcc is CUDA $NVCC_VERSION but torch is built with CUDA $TORCH_CUDA; the headers may not match its libraries"
   fi
-elif [ -n "$TORCH_CUDA" ]; then
+elif [ -n "$TORCH_CUDA" ] && [ -z "$REHEARSE" ]; then  # the rehearsal builds nothing
   fail "torch is built with CUDA $TORCH_CUDA but there is no nvcc (tried CUDACXX, /usr/local/cuda/bin/nvcc, PATH): install the CUDA toolkit $TORCH_CUDA or set CUDACXX to its nvcc"
 fi
 if command -v nvidia-smi >/dev/null; then
