@@ -205,6 +205,25 @@ TEST(Attention, DropoutThroughTheKernelIsRedrawnExactlyByActivationCheckpointing
   }
 }
 
+// Shapes no caller should pass are refused, naming them, in both kernels.
+TEST(Attention, HeadsThatDoNotGroupAndMoreQueriesThanKeysAreRefused) {
+  for (auto kernel : {AttentionKernel::kSdpa, AttentionKernel::kMath}) {
+    SCOPED_TRACE(examples::attention_name(kernel));
+    auto q = torch::randn({1, 4, 6, 8});
+    auto expect_error = [&](const torch::Tensor& k, const std::string& message) {
+      try {
+        attend(kernel, q, k, k);
+        ADD_FAILURE() << "accepted: " << message;
+      } catch (const c10::Error& e) {
+        EXPECT_EQ(e.what_without_backtrace(), message);
+      }
+    };
+    expect_error(torch::randn({1, 3, 6, 8}),
+                 "causal_attention: 3 key/value heads do not divide 4 query heads");
+    expect_error(torch::randn({1, 4, 5, 8}), "causal_attention: 5 key positions for 6 queries");
+  }
+}
+
 TEST(Attention, AnUnknownKernelIsRefusedNamingTheValueAndTheChoices) {
   EXPECT_EQ(examples::parse_attention_kernel("sdpa"), AttentionKernel::kSdpa);
   EXPECT_EQ(examples::parse_attention_kernel("math"), AttentionKernel::kMath);

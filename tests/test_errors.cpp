@@ -51,6 +51,14 @@ INSTANTIATE_TEST_SUITE_P(
                     clip_grad_norm_(m, 0.0);
                   },
                   "clip_grad_norm_: max_norm=0 must be positive"},
+        ErrorCase{"ChooseDeviceUnknownBackend", [] { choose_device("cpu", "--device", "mpi"); },
+                  "backend 'mpi' is unknown; use auto, gloo or nccl"},
+        ErrorCase{"BackendForUnknownChoice", [] { backend_for(torch::kCPU, "mpi", "--backend"); },
+                  "--backend mpi is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or "
+                  "nccl"},
+        ErrorCase{"BackendForNcclOnTheCpu", [] { backend_for(torch::kCPU, "nccl", "--backend"); },
+                  "--backend nccl needs a GPU, but the device is cpu; use --backend gloo (or "
+                  "auto) on the CPU"},
         ErrorCase{"CheckpointEmptyFunction",
                   [] { activation_checkpoint(ActivationCheckpointFn(), {torch::ones({1})}); },
                   "activation_checkpoint: the function is empty"},

@@ -663,6 +663,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--config", "/etc/os-release"},
                  "train_gpt: error: --config /etc/os-release: not valid JSON ("},
         BadInput{{"--dropout", "1"}, "train_gpt: error: --dropout must be in [0, 1)"},
+        BadInput{{"--backend", "mpi"},
+                 "train_gpt: error: --backend mpi is unknown; use auto (nccl on a GPU, gloo on "
+                 "the CPU), gloo or nccl"},
+        BadInput{{"--device", "cpu", "--backend", "nccl"},
+                 "train_gpt: error: --backend nccl needs a GPU, but the device is cpu; use "
+                 "--backend gloo (or auto) on the CPU"},
         BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
         BadInput{{"--clip-grad", "-1"},
                  "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},

@@ -93,10 +93,7 @@ void check_nvme_dir(const std::string& dir, const std::string& field, int64_t by
   ::close(fd);
   ::unlink(probe.c_str());
   if (bytes <= 0) return;
-  struct statvfs vfs {};
-  TORCH_CHECK(::statvfs(dir.c_str(), &vfs) == 0, field, "='", dir,
-              "': statvfs failed: ", std::strerror(errno));
-  const int64_t avail = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
+  const int64_t avail = disk_space(dir, field).available;
   TORCH_CHECK(bytes <= avail, "not enough free space in ", field, "='", dir, "': ", need, " needs ",
               bytes, " bytes (", human_bytes(bytes), ") but only ", avail, " bytes (",
               human_bytes(avail),
