@@ -1,7 +1,8 @@
-// Checkpoints of an NVMe-offloaded run (Note [NVMe optimizer state]) are ordinary
-// checkpoints: saved at world 2 with the optimizer state in files, they load at world 1
-// without offload, and a checkpoint saved without offload loads into NVMe state at
-// world 2; either way training goes on exactly as from the in-memory run's checkpoint.
+// Checkpoints of an NVMe-offloaded run (Note [NVMe optimizer state], Note [NVMe
+// parameters]) are ordinary checkpoints: saved at world 2 with the optimizer state (and
+// the parameters) in files, they load at world 1 without offload, and a checkpoint saved
+// without offload loads into files at world 2; either way training goes on exactly as
+// from the in-memory run's checkpoint.
 #include <fsdp/fused_adamw.h>
 
 #include "support/checkpoint_helpers.h"
@@ -22,6 +23,15 @@ ShardingOptions with_nvme(const ProcessGroup& pg, const std::string& dir) {
   o.offload_optimizer.device = OffloadDevice::kNvme;
   o.offload_optimizer.nvme_path = dir;
   o.offload_optimizer.buffer_bytes = 24 * 1024;  // several chunks per shard
+  return o;
+}
+
+// Note [NVMe parameters]: the masters, gradients and 16-bit copies in files too.
+ShardingOptions with_nvme_params(const ProcessGroup& pg, const std::string& dir) {
+  ShardingOptions o = with_nvme(pg, dir);
+  o.offload_param.device = OffloadDevice::kNvme;
+  o.offload_param.nvme_path = dir;
+  o.offload_optimizer.buffer_bytes = 3 * 18 * 2048;  // the smallest: several chunks per shard
   return o;
 }
 
@@ -91,6 +101,35 @@ TEST(NvmeCheckpoint, SavedWithoutOffloadLoadsIntoNvmeStateAtWorld2) {
     const auto into_nvme = resume(ckpt, with_nvme(pg, state_dir));
     const auto into_mem = resume(ckpt, options_for(pg));
     expect_same(into_nvme, into_mem);
+  });
+  std::filesystem::remove_all(ckpt);
+  std::filesystem::remove_all(state_dir);
+}
+
+// Parameters in files (offload_param = nvme) save from the files and load into them:
+// at world 2 into world 1 in memory, and from memory into files at world 2, training on
+// exactly as the in-memory run's checkpoint does.
+TEST(NvmeCheckpoint, ParametersInFilesSaveAtWorld2AndLoadAtWorld1InMemory) {
+  const std::string nvme_ckpt = scratch_dir("nvme-params"), mem_ckpt = scratch_dir("mem"),
+                    state_dir = scratch_dir("state");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    train_and_save(with_nvme_params(pg, state_dir), nvme_ckpt);
+    train_and_save(options_for(pg), mem_ckpt);
+  });
+  expect_same(resume(nvme_ckpt, options_for(ProcessGroup())),
+              resume(mem_ckpt, options_for(ProcessGroup())));
+  std::filesystem::remove_all(nvme_ckpt);
+  std::filesystem::remove_all(mem_ckpt);
+  std::filesystem::remove_all(state_dir);
+}
+
+TEST(NvmeCheckpoint, SavedInMemoryLoadsIntoParameterFilesAtWorld2) {
+  const std::string ckpt = scratch_dir("plain"), state_dir = scratch_dir("state");
+  if (!is_rank_process()) train_and_save(options_for(ProcessGroup()), ckpt);
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    const auto into_files = resume(ckpt, with_nvme_params(pg, state_dir));
+    const auto into_mem = resume(ckpt, options_for(pg));
+    expect_same(into_files, into_mem);
   });
   std::filesystem::remove_all(ckpt);
   std::filesystem::remove_all(state_dir);

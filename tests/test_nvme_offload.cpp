@@ -360,17 +360,6 @@ TEST(NvmeOffload, RanksSharingADiskAreCheckedTogetherNamingTheirBytesAndTheFreeS
             300, {"FSDP_TEST_SHARED_DISK=" + (dir ? dir->path : std::string())});
 }
 
-TEST(NvmeOffload, OffloadParamNvmeIsRefused) {
-  TempDir dir;
-  ShardingOptions o = nvme_options(ProcessGroup(), dir.path, false);
-  o.offload_param.device = OffloadDevice::kNvme;
-  o.offload_param.nvme_path = dir.path;
-  EXPECT_EQ(error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); }),
-            "ShardingOptions::offload_param.device=nvme is not supported: the fp32 master "
-            "shards stay in host memory here and only the optimizer state goes to files. Use "
-            "offload_param.device=cpu (or none) with offload_optimizer.device=nvme");
-}
-
 TEST(NvmeOffload, TooSmallBufferIsRefused) {
   TempDir dir;
   ShardingOptions o = nvme_options(ProcessGroup(), dir.path, false);

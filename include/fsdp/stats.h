@@ -41,6 +41,10 @@ struct MemoryStats {
   /// background (save_sharded_checkpoint_async), then kept for the next one to copy into
   /// (SaveOptions::keep_staging) until release_checkpoint_staging().
   MemoryCounter checkpoint_staging;
+  /// offload_param = nvme: this rank's parameter files (masters, gradients and the
+  /// optimizer's param_dtype copies), on disk and not in memory; sharded_params and
+  /// grad_shards are 0 then (Note [NVMe parameters] in src/engine/flat_param.cpp).
+  MemoryCounter nvme_params;
 };
 
 /// Bytes moved by collectives. A collective is counted by the size of its full
@@ -63,6 +67,11 @@ struct CommStats {
   /// not in total_bytes(). An explicit copy even when the device is the CPU.
   int64_t offload_to_device_bytes = 0;
   int64_t offload_to_host_bytes = 0;
+  /// offload_param = nvme: bytes the engine read from and wrote to its parameter files
+  /// (gathers' inputs, gradient shards; the optimizer's own streaming is not counted
+  /// here). Rounded up to 4096-byte blocks. Not in total_bytes().
+  int64_t nvme_read_bytes = 0;
+  int64_t nvme_write_bytes = 0;
 
   /// Bytes moved by collectives.
   int64_t total_bytes() const {

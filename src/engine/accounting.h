@@ -46,6 +46,11 @@ struct Accounting {
     count(Collective::kAllGather, bytes);
     for (CommStats* s : {&comm.step, &comm.total}) s->reshard_group_all_gather_bytes += bytes;
   }
+  /// offload_param = nvme: a transfer between a parameter file and host memory.
+  void count_nvme(bool read, int64_t bytes) {
+    for (CommStats* s : {&comm.step, &comm.total})
+      (read ? s->nvme_read_bytes : s->nvme_write_bytes) += bytes;
+  }
   /// cpu_offload: a copy between the host shards and the device.
   void count_offload(bool to_device, int64_t bytes) {
     for (CommStats* s : {&comm.step, &comm.total})

@@ -88,6 +88,12 @@ void CommContext::finish_oldest() {
   if (cfg.world_size > 1) g.div_(static_cast<double>(cfg.world_size));
   if (cfg.master_dtype != at::kFloat) g = g.to(cfg.master_dtype);  // pure bf16
   const at::Tensor& shard = flat.shard();
+  if (flat.in_file()) {  // Note [NVMe parameters]: to the file, through a host buffer
+    acct_->count_offload(/*to_device=*/false, static_cast<int64_t>(g.nbytes()));
+    flat.store_grad(g);
+    flat.count_grad();
+    return;
+  }
   if (transfers_) {
     // The fp32 gradient shard goes back to the host on the transfer stream (an explicit
     // copy on a CPU device). A first gradient becomes the gradient shard as it is; one

@@ -1,11 +1,14 @@
 #include "flat_param.h"
 
 #include "comm/collective_trace.h"
+#include "offload/io_engine.h"
+#include "offload/state_file.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
+#include <cstring>
 
 namespace fsdp::detail {
 namespace {
@@ -68,7 +71,21 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
     if (a < b) shard_.narrow(0, a - lo, b - a).copy_(v.narrow(0, a - s.offset, b - a));
     s.param.set_data(at::empty({0}, s.param.options()));
   }
-  if (cfg_.offload) {
+  if (!cfg_.nvme_path.empty()) {
+    // Note [NVMe parameters]: master, gradient and (16-bit compute) the optimizer's copy,
+    // each region aligned for O_DIRECT.
+    const int64_t region = offload::io_round_up(bytes_of(shard_numel_, cfg_.master_dtype));
+    grad_offset_ = region;
+    copy_offset_ = region + (trainable_ ? region : 0);
+    const bool copy = trainable_ && cfg_.param_dtype != cfg_.master_dtype;
+    const int64_t bytes =
+        copy_offset_ + (copy ? offload::io_round_up(bytes_of(shard_numel_, cfg_.param_dtype)) : 0);
+    file_ = std::make_unique<offload::StateFile>(
+        cfg_.nvme_path, bytes, "ShardingOptions::offload_param.nvme_path", "parameters");
+    write_file(shard_.to(at::kCPU).contiguous(), 0);
+    shard_ = file_->view(0, {shard_numel_}, cfg_.master_dtype);
+    Accounting::alloc(cfg_.acct->mem.nvme_params, file_->bytes());
+  } else if (cfg_.offload) {
     // Host memory, pinned when the device is a GPU so copies can run asynchronously.
     at::Tensor host =
         at::empty({shard_numel_}, master.device(at::kCPU).pinned_memory(cfg_.device.is_cuda()));
@@ -76,7 +93,8 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
     shard_ = host;
   }
   shard_.set_requires_grad(trainable_);
-  Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
+  if (!file_)
+    Accounting::alloc(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
 
   // Point every original parameter at its view of the full buffer, then free the
   // buffer: the originals' own storage goes with the old data.
@@ -104,7 +122,11 @@ void FlatParam::set_names(const std::string& prefix, const std::string& label) {
 
 FlatParam::~FlatParam() {
   release();
-  Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
+  if (file_) {
+    Accounting::release(cfg_.acct->mem.nvme_params, file_->bytes());
+  } else {
+    Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
+  }
   Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_);
   if (device_params_.defined())
     Accounting::release(cfg_.acct->mem.device_param_shards,
@@ -127,6 +149,12 @@ std::shared_ptr<Work> FlatParam::gather() {
   if (fresh) {
     input = lowp_;
     ++copy_out_gathers_;
+  }
+  if (file_) {
+    // Note [NVMe parameters]: the gather's input is read from the file (the optimizer's
+    // copy while fresh, else the master), never through the mapping.
+    input = fresh ? read_file(copy_offset_, shard_numel_, cfg_.param_dtype)
+                  : read_file(0, shard_numel_, cfg_.master_dtype);
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
@@ -181,7 +209,8 @@ std::shared_ptr<Work> FlatParam::gather() {
 
 void FlatParam::count_grad(bool grow) {
   const at::Tensor& g = shard_.grad();
-  const int64_t now = g.defined() ? static_cast<int64_t>(g.nbytes()) : 0;
+  // A gradient in the file (Note [NVMe parameters]) holds no memory.
+  const int64_t now = g.defined() && !file_ ? static_cast<int64_t>(g.nbytes()) : 0;
   if (now < counted_grad_bytes_) {
     Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_ - now);
   } else if (now > counted_grad_bytes_ && grow) {
@@ -238,7 +267,10 @@ std::shared_ptr<Work> FlatParam::gather_slices() {
 
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
   if (!trainable_ || cfg_.param_dtype == cfg_.master_dtype || !shard_.is_cpu()) return {};
-  if (!lowp_.defined()) {
+  if (!lowp_.defined() && file_) {
+    lowp_ = file_->view(copy_offset_, {shard_numel_}, cfg_.param_dtype);  // Note [NVMe parameters]
+    lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
+  } else if (!lowp_.defined()) {
     // Pinned on a GPU build's offload, like the shard: it is the source of the gathers' copies.
     lowp_ = at::empty({shard_numel_}, shard_.options()
                                           .dtype(cfg_.param_dtype)
@@ -247,6 +279,81 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
     lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
   }
   return {lowp_, lowp_version_};
+}
+
+// Note [NVMe parameters]
+// ZeRO-Infinity's offload_param with "device": "nvme" (ShardingOptions::offload_param,
+// with offload_optimizer on NVMe too, under kFullShard or kHybridShard). Each flat
+// parameter keeps its fp32 master shard, the shard's gradient and, when it computes in
+// 16 bits, the optimizer's param_dtype copy of the shard in one file of its own under
+// offload_param.nvme_path: regions aligned to 4096 bytes, reserved with fallocate when the
+// flat parameter is built (after one collective check that the ranks sharing a disk fit
+// together, Note [Shared NVMe disk]), unlinked at once. The tensors the rest of LibTorch
+// sees (the shard, a leaf the optimizer steps; its .grad(); the copy) are views of a
+// shared mapping of the file, so checkpoints, clipping and state dicts read and write
+// them as ordinary tensors, through the page cache.
+//
+// Training moves the bytes with the file's descriptor instead (O_DIRECT where the file
+// system allows it), so the page cache does not fill with the model:
+// - a gather reads the copy (or, after a load, the master, cast) into an aligned host
+//   buffer, which becomes the all-gather's input like an offloaded shard's copy; gathers
+//   are issued when the runtime prefetches, so the read is done ahead of compute;
+// - a reduced gradient shard is written to the file (added to what is there under
+//   gradient accumulation, through one aligned buffer of the shard's size);
+// - FusedAdamW streams masters and gradients with the moments through its three slots
+//   (Note [NVMe optimizer state]) and writes the masters and the copy back in the same pass.
+// The kernel's page cache keeps the mapping and those transfers coherent: an O_DIRECT read
+// writes dirty mapped pages back first, an O_DIRECT write invalidates them. The arithmetic
+// is the in-memory engine's, on the same bits in the same order: training equals
+// offload_param = cpu bit for bit.
+//
+// Host memory per rank is then the buffers and what computes, not the model: the gathered
+// units (at most max_gathered_units + 1 full flat parameters in param_dtype), their flat
+// gradients awaiting reduction (comm_buffers), one shard-sized read or gradient buffer per
+// flat parameter in flight (offload_buffers), FusedAdamW's buffer_bytes, and the
+// activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
+// files (docs/design.md, "Bigger than memory").
+int64_t FlatParam::file_bytes() const { return file_ ? file_->bytes() : 0; }
+
+at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
+  const int64_t bytes = bytes_of(numel, dtype);
+  auto buf = std::make_shared<offload::AlignedBuffer>(bytes);
+  if (bytes > 0)
+    offload::transfer_sync(offload::IoOp::kRead, file_->fd(), buf->data(), buf->bytes(), offset,
+                           file_->path());
+  Accounting* acct = cfg_.acct;
+  Accounting::alloc(acct->mem.offload_buffers, buf->bytes());
+  acct->count_nvme(/*read=*/true, buf->bytes());
+  return at::from_blob(
+      buf->data(), {numel},
+      [buf, acct](void*) { Accounting::release(acct->mem.offload_buffers, buf->bytes()); },
+      at::TensorOptions(dtype));
+}
+
+void FlatParam::write_file(const at::Tensor& src, int64_t offset) const {
+  const auto bytes = static_cast<int64_t>(src.nbytes());
+  if (bytes == 0) return;
+  offload::AlignedBuffer buf(bytes);
+  std::memcpy(buf.data(), src.data_ptr(), static_cast<size_t>(bytes));
+  std::memset(buf.data() + bytes, 0, static_cast<size_t>(buf.bytes() - bytes));
+  offload::transfer_sync(offload::IoOp::kWrite, file_->fd(), buf.data(), buf.bytes(), offset,
+                         file_->path());
+  cfg_.acct->count_nvme(/*read=*/false, buf.bytes());
+}
+
+void FlatParam::store_grad(const at::Tensor& grad) {
+  TORCH_INTERNAL_ASSERT(file_ && grad.numel() == shard_numel_);
+  at::NoGradGuard no_grad;
+  const bool first = !shard_.grad().defined();
+  at::Tensor host = first ? grad.to(at::kCPU).contiguous()
+                          : read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
+  if (!first) host.add_(grad.to(at::kCPU));  // as CommContext adds in memory
+  write_file(host, grad_offset_);
+  if (first) {
+    shard_.mutable_grad() = file_->view(grad_offset_, {shard_numel_}, cfg_.master_dtype);
+  } else {
+    shard_.mutable_grad().unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {

@@ -7,6 +7,10 @@
 #include "comm/backend.h"
 #include "transfers.h"
 
+namespace fsdp::detail::offload {
+class StateFile;
+}
+
 #include <torch/torch.h>
 
 #include <atomic>
@@ -50,6 +54,9 @@ struct FlatConfig {
   /// (offload_optimizer without offload_param; Note [Offload granularity]).
   bool keep_device_params = false;
   std::shared_ptr<Transfers> transfers;  ///< host <-> device copies (with offload)
+  /// offload_param = nvme: the directory of this rank's parameter files (Note [NVMe
+  /// parameters]); empty: the shards live in memory.
+  std::string nvme_path;
   Accounting* acct = nullptr;
   std::string label;  ///< what its collectives are for ("unit 'blocks.0'")
 };
@@ -130,6 +137,16 @@ class FlatParam {
   /// Gathers that used the optimizer's copy instead of casting the shard.
   int64_t copy_out_gathers() const { return copy_out_gathers_; }
 
+  /// Note [NVMe parameters]: the shard, its gradient and its param_dtype copy are views of
+  /// a file of this flat parameter.
+  bool in_file() const { return file_ != nullptr; }
+  /// Bytes of that file (0 without one).
+  int64_t file_bytes() const;
+  /// With in_file(): sets (no gradient yet) or adds `grad` (the reduced gradient shard in
+  /// master_dtype, on the device) to the gradient in the file, through an aligned host
+  /// buffer, as CommContext would in memory; the shard's .grad() is the file's view.
+  void store_grad(const at::Tensor& grad);
+
   /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
   at::Tensor gather_fp32() const { return gather_like(shard_); }
   /// `shard_like` (shard_numel fp32 elements: the shard or state laid out like it)
@@ -139,6 +156,11 @@ class FlatParam {
  private:
   /// Frees the post-forward slice, if any.
   void drop_slice();
+  /// With in_file(): `numel` elements of `dtype` read from byte `offset` of the file into
+  /// a new aligned host tensor (O_DIRECT where the file has it).
+  at::Tensor read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const;
+  /// With in_file(): writes `src` (contiguous, on the host) at byte `offset` of the file.
+  void write_file(const at::Tensor& src, int64_t offset) const;
   /// gather() out of the post-forward slices, over the reshard group.
   std::shared_ptr<Work> gather_slices();
   /// Whether the full buffer currently has its storage (always, when aliased).
@@ -163,6 +185,9 @@ class FlatParam {
       -1;  ///< the shard's version device_params_ was copied at  ///< the shard's version when the
            ///< full buffer was last gathered
   int64_t counted_grad_bytes_ = 0;  ///< this shard's gradient as MemoryStats::grad_shards counts it
+  std::unique_ptr<offload::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
+  int64_t grad_offset_ = 0;                   ///< of the gradient in file_, bytes
+  int64_t copy_offset_ = 0;                   ///< of the param_dtype copy in file_, bytes
   std::vector<GradAccumulator> grad_accs_;
 };
 

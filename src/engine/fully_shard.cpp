@@ -134,17 +134,26 @@ void validate_offload(const ShardingOptions& o) {
   TORCH_CHECK(!o.cpu_offload || (opt != OffloadDevice::kNvme && par != OffloadDevice::kNvme),
               "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
               "offload_optimizer or offload_param; use one or the other");
-  // Note [NVMe optimizer state]: only the optimizer state goes to files; the fp32 master
-  // shards stay in host memory, so offload_param cannot be nvme.
-  TORCH_CHECK(par != OffloadDevice::kNvme,
-              "ShardingOptions::offload_param.device=nvme is not supported: the fp32 master "
-              "shards stay in host memory here and only the optimizer state goes to files. Use "
-              "offload_param.device=cpu (or none) with offload_optimizer.device=nvme");
-  // The directory's existence and writability now, before anything is built; its free
-  // space when FusedAdamW reserves its file (it knows the bytes then).
+  // Note [NVMe parameters]: the masters go to files beside the optimizer's state, which
+  // streams them with its moments.
+  TORCH_CHECK(par != OffloadDevice::kNvme || opt == OffloadDevice::kNvme,
+              "ShardingOptions::offload_param.device=nvme needs offload_optimizer.device=nvme "
+              "too (got ",
+              fsdp::to_string(opt),
+              "): the optimizer steps the fp32 masters where they are, streaming them from the "
+              "files with its moments. Set offload_optimizer.device=nvme, or "
+              "offload_param.device=cpu");
+  TORCH_CHECK(par != OffloadDevice::kNvme || o.mixed_precision.master_dtype == at::kFloat,
+              "ShardingOptions::offload_param.device=nvme keeps fp32 masters in files; "
+              "MixedPrecision::master_dtype=BFloat16 (pure bf16) has none. Use master_dtype=Float, "
+              "or offload_param.device=cpu");
+  // The directories' existence and writability now, before anything is built; the free
+  // space when the files are reserved (the bytes are known then).
   if (opt == OffloadDevice::kNvme)
     offload::check_nvme_dir(o.offload_optimizer.nvme_path,
                             "ShardingOptions::offload_optimizer.nvme_path");
+  if (par == OffloadDevice::kNvme)
+    offload::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
 }
 
 void validate(const ShardingOptions& o) {
@@ -233,7 +242,12 @@ std::string gib(double bytes) {
 void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int64_t built_bytes) {
   const bool host_shards =
       o.cpu_offload || o.offload_optimizer.device != OffloadDevice::kNone || o.device.is_cpu();
-  if (!o.check_host_memory || !host_shards) return;
+  // Note [NVMe parameters]: nothing per element stays in host memory.
+  if (!o.check_host_memory || !host_shards || o.offload_param.device == OffloadDevice::kNvme)
+    return;
+  // Note [NVMe optimizer state]: Adam's moments are in files, the shard and gradient not.
+  const bool nvme_state = o.offload_optimizer.device == OffloadDevice::kNvme;
+  const double per_element = nvme_state ? 8.0 : 16.0;
   int64_t numel = 0;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& p : root.parameters()) {
@@ -245,7 +259,7 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int6
     group = o.hybrid_group_size;
   int local = 1;
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
-  const double per_rank = 16.0 * static_cast<double>((numel + group - 1) / group);
+  const double per_rank = per_element * static_cast<double>((numel + group - 1) / group);
   const double need = std::max(0.0, per_rank - static_cast<double>(built_bytes)) * local;
   const int64_t avail = host_available_bytes();
   if (avail < 0) return;
@@ -255,20 +269,22 @@ void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int6
                             gib(4.0 * static_cast<double>(numel)) +
                             " of fp32 parameters per rank before sharding); fsdp::make_sharded "
                             "constructs it already sharded.";
-  TORCH_CHECK(need <= static_cast<double>(avail), "fully_shard: not enough host memory. ", numel,
-              " parameters sharded over ", group, " ranks need ", gib(per_rank),
-              " per rank in host RAM (fp32 shard, "
-              "gradient and Adam state: 16 bytes per element)",
-              built_bytes > 0 ? ", of which make_sharded built " +
-                                    gib(static_cast<double>(built_bytes)) + " already"
-                              : std::string(),
-              local > 1 ? ", times " + std::to_string(local) + " ranks on this node = " + gib(need)
-                        : std::string(),
-              ", but only ", gib(static_cast<double>(avail)),
-              " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller "
-              "model, or set "
-              "ShardingOptions::check_host_memory = false to try anyway.",
-              eager);
+  TORCH_CHECK(
+      need <= static_cast<double>(avail), "fully_shard: not enough host memory. ", numel,
+      " parameters sharded over ", group, " ranks need ", gib(per_rank), " per rank in host RAM (",
+      nvme_state ? "fp32 shard and gradient, the Adam state being in files: 8"
+                 : "fp32 shard, gradient and Adam state: 16",
+      " bytes per element)",
+      built_bytes > 0
+          ? ", of which make_sharded built " + gib(static_cast<double>(built_bytes)) + " already"
+          : std::string(),
+      local > 1 ? ", times " + std::to_string(local) + " ranks on this node = " + gib(need)
+                : std::string(),
+      ", but only ", gib(static_cast<double>(avail)),
+      " is available (MemAvailable). Use more nodes or fewer ranks per node, a smaller "
+      "model, or set "
+      "ShardingOptions::check_host_memory = false to try anyway.",
+      eager);
 }
 
 // Points `wp` at its unit `u` of `rt` (and, for the root, at `rt`), with the casts of
@@ -352,6 +368,8 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.keep_device_params = cfg.offload && !options.cpu_offload && !persistent &&
                            options.offload_param.device == OffloadDevice::kNone;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
+  if (options.offload_param.device == OffloadDevice::kNvme)
+    cfg.nvme_path = options.offload_param.nvme_path;  // Note [NVMe parameters]
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);
   cfg.replicate_group = make_single_backend();
@@ -424,6 +442,47 @@ std::vector<std::unique_ptr<FlatParam>> make_flats(
     out.push_back(std::make_unique<FlatParam>(std::move(slots.frozen), false, cfg, bcast));
   }
   return out;
+}
+
+// Note [NVMe parameters]: the bytes this rank's parameter files will take, for the flat
+// parameters still to build (make_sharded reserved the others' already).
+int64_t param_file_bytes(const std::vector<WrapNode*>& nodes, const FlatConfig& cfg) {
+  const int64_t g = cfg.shard_group->size();
+  auto shard = [g](int64_t n) { return (n + g - 1) / g; };
+  int64_t bytes = 0;
+  for (const WrapNode* n : nodes) {
+    if (n->built) continue;
+    int64_t trainable = 0, frozen = 0;
+    std::set<const c10::TensorImpl*> seen;
+    for (const auto& [name, p] : n->params) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second)
+        (p.requires_grad() ? trainable : frozen) += p.numel();
+    }
+    const int64_t compute =
+        n->keep_fp32 ? 4 : static_cast<int64_t>(c10::elementSize(cfg.param_dtype));
+    if (trainable > 0) {
+      bytes += 2 * offload::io_round_up(4 * shard(trainable));
+      if (compute < 4) bytes += offload::io_round_up(compute * shard(trainable));
+    }
+    if (frozen > 0) bytes += offload::io_round_up(4 * shard(frozen));
+  }
+  return bytes;
+}
+
+// Note [Shared NVMe disk], for the parameter files: collective.
+void check_param_file_space(const std::vector<WrapNode*>& nodes, const ShardingOptions& options,
+                            const FlatConfig& cfg) {
+  if (options.offload_param.device != OffloadDevice::kNvme) return;
+  const int64_t bytes = param_file_bytes(nodes, cfg);
+  const std::string field = "ShardingOptions::offload_param.nvme_path";
+  const std::string files =
+      "parameter files (the fp32 master shards and their gradients, 8 bytes for each "
+      "trainable shard element, 4 for a frozen one, and the 16-bit copies the gathers read; "
+      "each region aligned to 4096 bytes)";
+  if (options.process_group.size() > 1)
+    offload::check_shared_free_space(options.process_group, options.offload_param.nvme_path, field,
+                                     bytes, "its " + files, "its parameter files");
+  offload::check_nvme_dir(options.offload_param.nvme_path, field, bytes, "this rank's " + files);
 }
 
 std::string unit_label(const std::string& fqn) {
@@ -528,6 +587,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   check_tied_in_one_unit(nodes);
   auto rt = runtime_for_units(nodes, options);
   check_host_memory(*root, options, rt->acct().mem.sharded_params.current);
+  check_param_file_space(nodes, options, rt->flat_config());
   cast_buffers(*root, options.mixed_precision);
 
   // Build them: each unit's flat parameters, and the wrap points' links.

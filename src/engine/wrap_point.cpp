@@ -100,9 +100,9 @@ MemoryStats ShardedModel::memory_stats() const {
 
 void ShardedModel::reset_peak_memory() {
   auto& m = runtime_of(*this).acct().mem;
-  for (MemoryCounter* c :
-       {&m.sharded_params, &m.grad_shards, &m.gathered_params, &m.post_forward_params,
-        &m.comm_buffers, &m.checkpoint_buffers, &m.offload_buffers, &m.checkpoint_staging}) {
+  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params,
+                           &m.post_forward_params, &m.comm_buffers, &m.checkpoint_buffers,
+                           &m.offload_buffers, &m.checkpoint_staging, &m.nvme_params}) {
     c->peak = c->current;
   }
 }

@@ -11,13 +11,17 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <vector>
 
 namespace fsdp::detail::offload {
 namespace {
@@ -27,7 +31,77 @@ std::string unique_name(const std::string& dir, const char* stem) {
   return dir + "/" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
+// The mappings of the live StateFiles, by start address (find_file).
+struct Registry {
+  std::mutex mu;
+  std::map<uintptr_t, std::pair<uintptr_t, const StateFile*>> spans;  // start -> (end, file)
+};
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: files may outlive static teardown
+  return *r;
+}
+
 }  // namespace
+
+FileSpan find_file(const void* p, int64_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.spans.upper_bound(a);
+  if (it == r.spans.begin()) return {};
+  --it;
+  if (a + static_cast<uintptr_t>(bytes) > it->second.first) return {};
+  return FileSpan{it->second.second, static_cast<int64_t>(a - it->first)};
+}
+
+void check_shared_free_space(const ProcessGroup& group, const std::string& dir,
+                             const std::string& field, int64_t bytes, const std::string& need,
+                             const std::string& what) {
+  DiskSpace disk;
+  std::string local_error;
+  try {
+    check_nvme_dir(dir, field);
+    disk = disk_space(dir, field);
+  } catch (const c10::Error& e) {
+    local_error = e.what_without_backtrace();
+    disk.available = -1;
+  }
+  const int n = group.size();
+  auto mine = at::tensor({disk.machine, disk.device, bytes, disk.available}, at::kLong);
+  auto all = at::empty({4 * n}, at::kLong);
+  group.all_gather(all, mine);
+  TORCH_CHECK(local_error.empty(), local_error);
+  const auto a = all.accessor<int64_t, 1>();
+  for (int r = 0; r < n; ++r) {
+    TORCH_CHECK(a[4 * r + 3] >= 0, field, "='", dir, "': rank ", r,
+                " cannot use its directory (its own error says why); every rank stops before "
+                "reserving ",
+                what);
+  }
+  std::vector<bool> seen(static_cast<size_t>(n), false);
+  for (int r = 0; r < n; ++r) {
+    if (seen[static_cast<size_t>(r)]) continue;
+    std::vector<int> members;
+    int64_t total = 0, available = a[4 * r + 3];
+    for (int q = r; q < n; ++q) {
+      if (a[4 * q] != a[4 * r] || a[4 * q + 1] != a[4 * r + 1]) continue;
+      seen[static_cast<size_t>(q)] = true;
+      members.push_back(q);
+      total += a[4 * q + 2];
+      available = std::min(available, a[4 * q + 3]);
+    }
+    if (members.size() < 2 || total <= available) continue;
+    std::string names;
+    for (size_t i = 0; i < members.size(); ++i)
+      names += (i == 0 ? "" : ", ") + std::to_string(members[i]);
+    TORCH_CHECK(false, "not enough free space in ", field, "='", dir, "' on the disk that ranks ",
+                names, " share (one machine, one file system): together they need ", total,
+                " bytes (", human_bytes(total), "), each rank ", need, ", but only ", available,
+                " bytes (", human_bytes(available),
+                ") are available there. Free space on that disk, point nvme_path at a larger one "
+                "(or give each rank a disk of its own), or shard over more ranks");
+  }
+}
 
 std::string human_bytes(int64_t bytes) {
   std::ostringstream os;
@@ -111,8 +185,10 @@ AlignedBuffer::AlignedBuffer(int64_t bytes) : bytes_(io_round_up(bytes)) {
 
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 
-StateFile::StateFile(const std::string& dir, int64_t bytes, const std::string& field)
-    : path_(unique_name(dir, "fsdp-optim-state")), bytes_(io_round_up(bytes)) {
+StateFile::StateFile(const std::string& dir, int64_t bytes, const std::string& field,
+                     const std::string& what)
+    : path_(unique_name(dir, what == "parameters" ? "fsdp-params" : "fsdp-optim-state")),
+      bytes_(io_round_up(bytes)) {
   fd_ = ::open(path_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_DIRECT, 0600);
   direct_ = fd_ >= 0;
   if (fd_ < 0 && errno == EINVAL)  // the file system has no O_DIRECT
@@ -127,7 +203,7 @@ StateFile::StateFile(const std::string& dir, int64_t bytes, const std::string& f
     const int err = errno;
     ::close(fd_);
     TORCH_CHECK(false, field, "='", dir, "': reserving ", bytes_, " bytes (", human_bytes(bytes_),
-                ") for optimizer state failed: ", std::strerror(err),
+                ") for ", what, " failed: ", std::strerror(err),
                 err == ENOSPC ? ". Free space on that disk (other ranks of this node share it), "
                                 "point nvme_path at a larger one, or shard over more ranks"
                               : "");
@@ -141,22 +217,32 @@ StateFile::StateFile(const std::string& dir, int64_t bytes, const std::string& f
   }
   const auto len = static_cast<size_t>(bytes_);
   map_ = std::shared_ptr<void>(m, [len](void* p) { ::munmap(p, len); });
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  const auto a = reinterpret_cast<uintptr_t>(m);
+  reg.spans[a] = {a + len, this};
 }
 
 StateFile::~StateFile() {
+  if (map_) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.spans.erase(reinterpret_cast<uintptr_t>(map_.get()));
+  }
   if (fd_ >= 0) ::close(fd_);
 }
 
-at::Tensor StateFile::view(int64_t offset, at::IntArrayRef sizes) const {
+at::Tensor StateFile::view(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype) const {
   TORCH_INTERNAL_ASSERT(offset % kIoAlign == 0, "unaligned state view");
   int64_t n = 1;
   for (auto s : sizes) n *= s;
-  TORCH_INTERNAL_ASSERT(offset + n * 4 <= bytes_, "state view past the end of its file");
-  if (n == 0) return at::empty(sizes, at::kFloat);
+  const auto esize = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_INTERNAL_ASSERT(offset + n * esize <= bytes_, "state view past the end of its file");
+  if (n == 0) return at::empty(sizes, dtype);
   auto keep = map_;
   return at::from_blob(
       static_cast<char*>(map_.get()) + offset, sizes, [keep](void*) mutable { keep.reset(); },
-      at::TensorOptions(at::kFloat));
+      at::TensorOptions(dtype));
 }
 
 }  // namespace fsdp::detail::offload

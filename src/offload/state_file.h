@@ -3,6 +3,8 @@
 // the checks of OffloadConfig::nvme_path made before training, one file per optimizer
 // and rank read and written with O_DIRECT, and aligned host buffers for its transfers.
 
+#include <fsdp/process_group.h>
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -29,6 +31,15 @@ struct DiskSpace {
 };
 /// `dir`'s disk; throws naming `field` when statvfs fails.
 DiskSpace disk_space(const std::string& dir, const std::string& field);
+
+/// Note [Shared NVMe disk] (src/optim/nvme_adamw.cpp). Collective over `group`: the ranks
+/// exchange their disk and the `bytes` each needs under `dir`; every rank throws the same
+/// message when ranks sharing a disk need more together than it has free, and when a
+/// rank cannot use its directory. `need` says what each rank's bytes are for, `what`
+/// what every rank stops before reserving ("its optimizer state").
+void check_shared_free_space(const ProcessGroup& group, const std::string& dir,
+                             const std::string& field, int64_t bytes, const std::string& need,
+                             const std::string& what);
 
 /// "1.5 GiB" or "12 MiB".
 std::string human_bytes(int64_t bytes);
@@ -57,7 +68,9 @@ class AlignedBuffer {
 /// behind, even after a crash; the space returns when the file and its views are gone.
 class StateFile {
  public:
-  StateFile(const std::string& dir, int64_t bytes, const std::string& field);
+  /// `what` names the contents in its name and errors ("optimizer state", "parameters").
+  StateFile(const std::string& dir, int64_t bytes, const std::string& field,
+            const std::string& what = "optimizer state");
   ~StateFile();
   StateFile(const StateFile&) = delete;
   StateFile& operator=(const StateFile&) = delete;
@@ -70,10 +83,10 @@ class StateFile {
   int64_t bytes() const { return bytes_; }
   /// Where byte `offset` of the file is mapped (views there start at this address).
   const void* address(int64_t offset) const { return static_cast<char*>(map_.get()) + offset; }
-  /// A float tensor of `sizes` over the file from `offset` (a multiple of kIoAlign), by a
-  /// shared mapping: reading it reads the file (through the page cache, which O_DIRECT
+  /// A tensor of `sizes` and `dtype` over the file from `offset` (a multiple of kIoAlign),
+  /// by a shared mapping: reading it reads the file (through the page cache, which O_DIRECT
   /// transfers keep coherent), and it stays valid after this object is gone.
-  at::Tensor view(int64_t offset, at::IntArrayRef sizes) const;
+  at::Tensor view(int64_t offset, at::IntArrayRef sizes, at::ScalarType dtype = at::kFloat) const;
 
  private:
   int fd_ = -1;
@@ -82,5 +95,15 @@ class StateFile {
   int64_t bytes_ = 0;
   std::shared_ptr<void> map_;  ///< the whole file, mapped; unmapped with its last view
 };
+
+/// Where host memory lies in a live StateFile's mapping: a tensor there is a view of the
+/// file, and a transfer can move its bytes with the file's own descriptor instead of
+/// touching the mapping (Note [NVMe parameters], src/engine/flat_param.cpp).
+struct FileSpan {
+  const StateFile* file = nullptr;  ///< null: not in any live file
+  int64_t offset = 0;               ///< of `p` in the file
+};
+/// The file holding all `bytes` from `p`, if one does (files register while they live).
+FileSpan find_file(const void* p, int64_t bytes);
 
 }  // namespace fsdp::detail::offload

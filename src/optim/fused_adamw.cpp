@@ -86,7 +86,8 @@ FusedAdamW::~FusedAdamW() = default;
 std::string FusedAdamW::state_offload_info() const {
   if (!nvme_) return "";
   return std::string(nvme_->io_engine_name()) + (nvme_->direct_io() ? ", O_DIRECT" : ", buffered") +
-         ", chunks of " + std::to_string(nvme_->chunk_elements()) + " elements";
+         ", chunks of " + std::to_string(nvme_->chunk_elements()) + " elements" +
+         (nvme_->streams_params() ? ", with the parameters" : "");
 }
 
 void FusedAdamW::offload_state(const OffloadConfig& config) {

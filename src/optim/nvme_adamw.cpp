@@ -49,65 +49,30 @@
 #include <cstring>
 
 namespace fsdp::detail {
-namespace {
-
-// Note [Shared NVMe disk]. Collective over `group`.
-void check_shared_free_space(const ProcessGroup& group, const std::string& dir,
-                             const std::string& field, int64_t bytes, const std::string& need) {
-  offload::DiskSpace disk;
-  std::string local_error;
-  try {
-    offload::check_nvme_dir(dir, field);
-    disk = offload::disk_space(dir, field);
-  } catch (const c10::Error& e) {
-    local_error = e.what_without_backtrace();
-    disk.available = -1;
-  }
-  const int n = group.size();
-  auto mine = torch::tensor({disk.machine, disk.device, bytes, disk.available}, torch::kLong);
-  auto all = torch::empty({4 * n}, torch::kLong);
-  group.all_gather(all, mine);
-  TORCH_CHECK(local_error.empty(), local_error);
-  const auto a = all.accessor<int64_t, 1>();
-  for (int r = 0; r < n; ++r) {
-    TORCH_CHECK(a[4 * r + 3] >= 0, field, "='", dir, "': rank ", r,
-                " cannot use its directory (its own error says why); every rank stops before "
-                "reserving its optimizer state");
-  }
-  std::vector<bool> seen(static_cast<size_t>(n), false);
-  for (int r = 0; r < n; ++r) {
-    if (seen[static_cast<size_t>(r)]) continue;
-    std::vector<int> members;
-    int64_t total = 0, available = a[4 * r + 3];
-    for (int q = r; q < n; ++q) {
-      if (a[4 * q] != a[4 * r] || a[4 * q + 1] != a[4 * r + 1]) continue;
-      seen[static_cast<size_t>(q)] = true;
-      members.push_back(q);
-      total += a[4 * q + 2];
-      available = std::min(available, a[4 * q + 3]);
-    }
-    if (members.size() < 2 || total <= available) continue;
-    std::string names;
-    for (size_t i = 0; i < members.size(); ++i)
-      names += (i == 0 ? "" : ", ") + std::to_string(members[i]);
-    TORCH_CHECK(false, "not enough free space in ", field, "='", dir, "' on the disk that ranks ",
-                names, " share (one machine, one file system): together they need ", total,
-                " bytes (", offload::human_bytes(total), "), each rank ", need, ", but only ",
-                available, " bytes (", offload::human_bytes(available),
-                ") are available there. Free space on that disk, point nvme_path at a larger one "
-                "(or give each rank a disk of its own), or shard over more ranks");
-  }
-}
-
-}  // namespace
 
 NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
                              const std::string& field, const ProcessGroup* group) {
   const std::string buf_field = field.substr(0, field.rfind('.')) + ".buffer_bytes";
-  TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
-              " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
-              "through it, at least 1024 elements each (24576 bytes); use 64 MiB (the default)");
-  chunk_ = config.buffer_bytes / 24 / 1024 * 1024;
+  // Note [NVMe parameters]: shards that are views of the engine's parameter files stream
+  // through the same slots (master, gradient and the param_dtype copy beside the moments).
+  for (const auto& p : params) {
+    if (p.defined() && p.numel() > 0 &&
+        offload::find_file(p.data_ptr(), 4 * p.numel()).file != nullptr)
+      stream_params_ = true;
+  }
+  if (stream_params_) {
+    TORCH_CHECK(config.buffer_bytes >= 3 * kParamSlotBytes * 2048, buf_field, "=",
+                config.buffer_bytes,
+                " is too small: with offload_param=nvme the optimizer streams three chunks of "
+                "the masters, gradients, exp_avg, exp_avg_sq and 16-bit copies through it, at "
+                "least 2048 elements each (110592 bytes); use 64 MiB (the default)");
+    chunk_ = config.buffer_bytes / (3 * kParamSlotBytes) / 2048 * 2048;
+  } else {
+    TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
+                " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
+                "through it, at least 1024 elements each (24576 bytes); use 64 MiB (the default)");
+    chunk_ = config.buffer_bytes / 24 / 1024 * 1024;
+  }
   int64_t bytes = 0, elements = 0;
   for (const auto& p : params) {
     if (regions_.count(p.unsafeGetTensorImpl())) continue;
@@ -125,9 +90,11 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
     regions_.emplace(p.unsafeGetTensorImpl(), r);
   }
   if (group != nullptr && group->size() > 1) {
-    check_shared_free_space(*group, config.nvme_path, field, bytes,
-                            "its optimizer state (exp_avg and exp_avg_sq, 8 bytes for each "
-                            "trainable shard element, each tensor aligned to 4096 bytes)");
+    offload::check_shared_free_space(*group, config.nvme_path, field, bytes,
+                                     "its optimizer state (exp_avg and exp_avg_sq, 8 bytes for "
+                                     "each trainable shard element, each tensor aligned to 4096 "
+                                     "bytes)",
+                                     "its optimizer state");
   }
   offload::check_nvme_dir(config.nvme_path, field, bytes,
                           "the optimizer state of this rank (exp_avg and exp_avg_sq, 8 bytes "
@@ -136,7 +103,7 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
                               " trainable shard elements, each tensor aligned to 4096 bytes)");
   file_ = std::make_unique<offload::StateFile>(config.nvme_path, bytes, field);
   io_ = offload::make_io_engine(16);
-  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * 2 * 4 * chunk_);
+  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * slot_floats() * 4);
 }
 
 NvmeAdamState::~NvmeAdamState() = default;
@@ -214,39 +181,77 @@ void NvmeAdamState::queue(const torch::Tensor& p, torch::Tensor g, const AdamWCo
   jobs_.push_back(Job{p, std::move(g), &region(p), c, out, kind, std::move(written)});
 }
 
+int64_t NvmeAdamState::slot_floats() const {
+  // m, v; with streamed parameters also p, g and the 16-bit copy (half a float each).
+  return stream_params_ ? chunk_ * kParamSlotBytes / 4 : 2 * chunk_;
+}
+
 void NvmeAdamState::run(KernelIsa isa) {
+  // Where each job's parameter, gradient and 16-bit copy live: in a parameter file
+  // (streamed through the slots, Note [NVMe parameters]) or in memory (used in place).
+  struct Places {
+    offload::FileSpan p, g, out;
+  };
+  std::vector<Places> places(jobs_.size());
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    const Job& j = jobs_[i];
+    const int64_t n = j.region->numel;
+    if (!stream_params_ || n == 0) continue;
+    auto in_file = [&](const void* ptr, int64_t bytes) {
+      offload::FileSpan f = offload::find_file(ptr, bytes);
+      return f.offset % offload::kIoAlign == 0 ? f : offload::FileSpan{};
+    };
+    places[i].p = in_file(j.p.data_ptr(), 4 * n);
+    places[i].g = in_file(j.g.data_ptr(), 4 * n);
+    if (j.out != nullptr) places[i].out = in_file(j.out, 2 * n);
+  }
   struct Chunk {
     const Job* job;
+    const Places* at;
     int64_t begin, n;
   };
   std::vector<Chunk> chunks;
-  for (const Job& j : jobs_) {
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    const Job& j = jobs_[i];
     for (int64_t b = 0; b < j.region->numel; b += chunk_)
-      chunks.push_back(Chunk{&j, b, std::min(chunk_, j.region->numel - b)});
+      chunks.push_back(Chunk{&j, &places[i], b, std::min(chunk_, j.region->numel - b)});
   }
+  constexpr int kStreams = 5;  // m, v, p, g, out
   struct Tickets {
-    int64_t m = -1, v = -1;
+    int64_t id[kStreams] = {-1, -1, -1, -1, -1};
   };
   const size_t k_end = chunks.size();
   std::vector<Tickets> reads(k_end), writes(k_end);
+  // Slot k % 3: m, v, then (streamed parameters) p, g and the 16-bit copy.
   auto slot = [&](size_t k) {
-    return reinterpret_cast<float*>(buffers_->data()) + (k % 3) * 2 * chunk_;
+    return reinterpret_cast<float*>(buffers_->data()) + (k % 3) * slot_floats();
   };
   auto issue = [&](offload::IoOp op, size_t k) {
     const Chunk& ch = chunks[k];
     const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
     float* m = slot(k);
     Tickets t;
-    t.m = io_->submit(op, file_->fd(), m, bytes, ch.job->region->m + at, &file_->path());
-    t.v = io_->submit(op, file_->fd(), m + chunk_, bytes, ch.job->region->v + at, &file_->path());
+    t.id[0] = io_->submit(op, file_->fd(), m, bytes, ch.job->region->m + at, &file_->path());
+    t.id[1] =
+        io_->submit(op, file_->fd(), m + chunk_, bytes, ch.job->region->v + at, &file_->path());
     io_bytes_ += 2 * bytes;
+    const Places& pl = *ch.at;
+    auto stream = [&](int which, const offload::FileSpan& f, void* buf, int64_t b, int64_t off) {
+      t.id[which] = io_->submit(op, f.file->fd(), buf, b, f.offset + off, &f.file->path());
+      io_bytes_ += b;
+    };
+    if (pl.p.file) stream(2, pl.p, m + 2 * chunk_, bytes, at);
+    // The gradient is only read; the 16-bit copy only written.
+    if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, m + 3 * chunk_, bytes, at);
+    if (pl.out.file && op == offload::IoOp::kWrite)
+      stream(4, pl.out, m + 4 * chunk_, offload::io_round_up(2 * ch.n), 2 * ch.begin);
     return t;
   };
   auto wait = [&](Tickets& t) {
-    for (int64_t* id : {&t.m, &t.v}) {
-      if (*id < 0) continue;
-      const int64_t ticket = *id;
-      *id = -1;
+    for (int64_t& id : t.id) {
+      if (id < 0) continue;
+      const int64_t ticket = id;
+      id = -1;
       io_->wait(ticket);
     }
   };
@@ -260,13 +265,18 @@ void NvmeAdamState::run(KernelIsa isa) {
       wait(reads[k]);
       const Chunk& ch = chunks[k];
       const Job& j = *ch.job;
-      float* pp = j.p.data_ptr<float>() + ch.begin;
-      const float* gp = j.g.data_ptr<float>() + ch.begin;
       float* mp = slot(k);
       float* vp = mp + chunk_;
-      uint16_t* out = j.out ? j.out + ch.begin : nullptr;
+      float* pp = ch.at->p.file ? mp + 2 * chunk_ : j.p.data_ptr<float>() + ch.begin;
+      const float* gp = ch.at->g.file ? mp + 3 * chunk_ : j.g.data_ptr<float>() + ch.begin;
+      uint16_t* out = nullptr;
+      if (ch.at->out.file) {
+        out = reinterpret_cast<uint16_t*>(mp + 4 * chunk_);
+      } else if (j.out != nullptr) {
+        out = j.out + ch.begin;
+      }
       // Over the intra-op threads (parallel_range.h: at::parallel_for would run on one).
-      for_each_range(torch::from_blob(pp, {ch.n}, torch::kFloat), [&](int64_t b, int64_t e) {
+      for_each_range(torch::from_blob(mp, {ch.n}, torch::kFloat), [&](int64_t b, int64_t e) {
         adamw_update(isa, j.c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
                      j.kind);
       });

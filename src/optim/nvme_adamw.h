@@ -54,6 +54,9 @@ class NvmeAdamState {
   bool direct_io() const;
   /// Bytes read and written by run() so far.
   int64_t io_bytes() const { return io_bytes_; }
+  /// Whether the parameters are views of parameter files, streamed with the moments
+  /// (offload_param = nvme; Note [NVMe parameters]).
+  bool streams_params() const { return stream_params_; }
 
  private:
   struct Region {
@@ -77,7 +80,13 @@ class NvmeAdamState {
   std::unique_ptr<offload::IoEngine> io_;
   std::unique_ptr<offload::AlignedBuffer> buffers_;  ///< 3 slots of (m, v) chunks
   std::unordered_map<const void*, Region> regions_;  ///< by parameter TensorImpl
+  /// Bytes per element of a slot when parameters stream too: m, v, p, g (fp32), the copy.
+  static constexpr int64_t kParamSlotBytes = 18;
+  /// Floats in one of the three slots.
+  int64_t slot_floats() const;
+
   std::vector<Job> jobs_;
+  bool stream_params_ = false;
   int64_t chunk_ = 0;
   int64_t io_bytes_ = 0;
 };
