@@ -31,7 +31,8 @@ ShardingOptions with_nvme_params(const ProcessGroup& pg, const std::string& dir)
   ShardingOptions o = with_nvme(pg, dir);
   o.offload_param.device = OffloadDevice::kNvme;
   o.offload_param.nvme_path = dir;
-  o.offload_optimizer.buffer_bytes = 3 * 18 * 2048;  // the smallest: several chunks per shard
+  o.offload_optimizer.buffer_bytes =
+      3 * (18 * 2048 + 6 * 4096);  // the smallest: several chunks per shard
   return o;
 }
 

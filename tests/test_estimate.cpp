@@ -566,14 +566,18 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   EXPECT_EQ(est.term("nvme_buffers").host_bytes, 1000);
   EXPECT_EQ(est.nvme_total(), 66 * 8);
   EXPECT_EQ(est.model_states_nvme(), 66 * 8);
-  // And the parameters too: the fp32 masters in files, a second buffer.
+  // And the parameters too (Note [NVMe parameters]): the fp32 masters, their gradients and
+  // the bf16 copies the gathers read in files; nothing per element in host memory, which
+  // holds the transit buffers and the optimizer's one buffer (it streams the masters).
   in.offload_param = OffloadDevice::kNvme;
   est = estimate_memory(in);
   EXPECT_EQ(est.term("parameters").nvme_bytes, 66 * 4);
-  EXPECT_EQ(est.term("gradients").host_bytes, 66 * 4);
-  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 2000);
-  EXPECT_EQ(est.nvme_total(), 66 * 12);
-  EXPECT_EQ(est.host_total(), 66 * 4 + 2 * 25 * 4 + 2000);
+  EXPECT_EQ(est.term("gradients").nvme_bytes, 66 * 4);
+  EXPECT_EQ(est.term("gradients").host_bytes, 0);
+  EXPECT_EQ(est.term("param_copies").nvme_bytes, 66 * 2);
+  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 1000);
+  EXPECT_EQ(est.nvme_total(), 66 * 18);
+  EXPECT_EQ(est.host_total(), 2 * 25 * 4 + 1000);
   EXPECT_EQ(est.construction[1].nvme_bytes, 66 * 4);  // make_sharded writes the masters there
 }
 

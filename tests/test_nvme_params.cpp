@@ -4,6 +4,7 @@
 // accumulation, HYBRID_SHARD, both I/O engines); host memory does not grow with the
 // model (exact counts); the files hold exactly what the note says; bad settings and a
 // shared disk too small for all its ranks are refused before anything is reserved.
+#include <fsdp/clip_grad.h>
 #include <fsdp/fused_adamw.h>
 
 #include "support/models.h"
@@ -83,7 +84,8 @@ ShardingOptions options(const ProcessGroup& pg, const std::string& dir, bool bf1
   o.auto_wrap_policy = module_type_policy<gpt::Block>();
   o.offload_optimizer.device = OffloadDevice::kNvme;
   o.offload_optimizer.nvme_path = dir;
-  o.offload_optimizer.buffer_bytes = 3 * 18 * 2048;  // the smallest: several chunks per shard
+  o.offload_optimizer.buffer_bytes =
+      3 * (18 * 2048 + 6 * 4096);  // the smallest: several chunks per shard
   if (files) {
     o.offload_param.device = OffloadDevice::kNvme;
     o.offload_param.nvme_path = dir;
@@ -109,8 +111,8 @@ int64_t expected_file_bytes(const ShardedModel& model) {
 }
 
 // Steps 0..steps-1 of both models on the same rows; step 1 in two micro-batches (the
-// second gradient is added to the first in the file). Equal losses at every step, and
-// equal parameters and optimizer state after.
+// second gradient is added to the first in the file); gradients clipped. Equal losses
+// and norms at every step, and equal parameters after.
 template <class Model>
 void train_side_by_side(const ProcessGroup& pg, Model& mem, Model& files, int64_t steps) {
   const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
@@ -129,6 +131,8 @@ void train_side_by_side(const ProcessGroup& pg, Model& mem, Model& files, int64_
       lm.backward();
       lf.backward();
     }
+    // Clipped every step (the norm is far above 1e-3): read and scaled in the files.
+    EXPECT_EQ(clip_grad_norm_(mem, 1e-3), clip_grad_norm_(files, 1e-3)) << "step " << s;
     opt_mem.step();
     opt_files.step();
     opt_mem.zero_grad();
@@ -323,4 +327,49 @@ TEST(NvmeParams, RanksSharingADiskAreCheckedTogetherBeforeReserving) {
               EXPECT_EQ(vfs.f_bfree, vfs.f_blocks) << "a rank reserved its files before the check";
             },
             300, {"FSDP_TEST_SHARED_DISK=" + (dir ? dir->path : std::string())});
+}
+
+// Parameter groups (train_gpt's no-decay recipe) step segments of the shards: ranges that
+// start and end inside pages shared with their neighbours. Their whole pages stream by
+// O_DIRECT and the partial ones through the mapping (Note [NVMe parameters]); training
+// still equals memory bit for bit.
+TEST(NvmeParams, ParameterGroupsStreamSegmentsOfTheShardsExactly) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    TempDir dir;
+    torch::manual_seed(0);
+    auto mem = fully_shard(gpt::GPT(small_gpt_config()), options(pg, dir.path, true, false));
+    torch::manual_seed(0);
+    auto files = fully_shard(gpt::GPT(small_gpt_config()), options(pg, dir.path, true, true));
+    const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+    ShardParamGroups gm(mem, no_decay_groups(0.1)), gf(files, no_decay_groups(0.1));
+    FusedAdamW opt_mem(gm, adamw), opt_files(gf, adamw);
+    ASSERT_NE(opt_files.state_offload_info().find("with the parameters"), std::string::npos);
+    for (int64_t s = 0; s < 4; ++s) {
+      auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
+      torch::Tensor lm = gpt::loss_on(mem, rows), lf = gpt::loss_on(files, rows);
+      EXPECT_EQ(lm.item<double>(), lf.item<double>()) << "step " << s;
+      lm.backward();
+      lf.backward();
+      opt_mem.step();
+      opt_files.step();
+      opt_mem.zero_grad();
+      opt_files.zero_grad();
+    }
+    auto a = full_state_dict(mem), b = full_state_dict(files);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+  });
+}
+
+TEST(NvmeParams, TooSmallBufferIsRefusedNamingTheLeast) {
+  TempDir dir;
+  ShardingOptions o = options(ProcessGroup(), dir.path, false, true);
+  o.offload_optimizer.buffer_bytes = 64 * 1024;
+  auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
+  EXPECT_EQ(error_of([&] { FusedAdamW opt(model); }),
+            "ShardingOptions::offload_optimizer.buffer_bytes=65536 is too small: with "
+            "offload_param=nvme the optimizer streams three chunks of the masters, gradients, "
+            "exp_avg, exp_avg_sq and 16-bit copies through it, at least 2048 elements each "
+            "(184320 bytes); use 64 MiB (the default)");
 }

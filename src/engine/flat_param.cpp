@@ -356,6 +356,19 @@ void FlatParam::store_grad(const at::Tensor& grad) {
   }
 }
 
+void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& fn) {
+  at::Tensor g = shard_.grad();
+  if (!file_) {
+    fn(g);
+    return;
+  }
+  at::Tensor host = read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
+  fn(host);
+  if (!write) return;
+  write_file(host, grad_offset_);
+  g.unsafeGetTensorImpl()->bump_version();
+}
+
 at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   TORCH_CHECK(shard_like.numel() == shard_numel_, "gather: expected a tensor of ", shard_numel_,
               " elements laid out like the shard, got ", shard_like.numel());

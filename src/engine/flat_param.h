@@ -146,6 +146,9 @@ class FlatParam {
   /// master_dtype, on the device) to the gradient in the file, through an aligned host
   /// buffer, as CommContext would in memory; the shard's .grad() is the file's view.
   void store_grad(const at::Tensor& grad);
+  /// Calls `fn` with the gradient shard (defined): in memory itself; in the file read into
+  /// a host buffer, written back after `fn` when `write`.
+  void visit_grad(bool write, const std::function<void(at::Tensor&)>& fn);
 
   /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
   at::Tensor gather_fp32() const { return gather_like(shard_); }

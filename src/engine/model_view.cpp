@@ -142,6 +142,15 @@ std::vector<torch::Tensor> grad_shards(const ShardedModel& model) {
   return model_runtime(model).grad_shards();
 }
 
+void visit_grad_shards(const ShardedModel& model, bool write,
+                       const std::function<void(torch::Tensor&)>& fn) {
+  for (auto& u : model_runtime(model).units()) {
+    for (auto& f : u->flats()) {
+      if (f->trainable() && f->shard().grad().defined()) f->visit_grad(write, fn);
+    }
+  }
+}
+
 void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max) {
   model_runtime(model)
       .flat_config()

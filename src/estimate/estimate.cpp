@@ -410,7 +410,8 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   // (MemoryStats::sharded_params), its gradient (grad_shards) and AdamW's exp_avg and
   // exp_avg_sq, which torch::optim::AdamW and FusedAdamW build shaped like the shard.
   // offload_optimizer moves all three off the device (the AdamW state to files with nvme,
-  // the masters and gradients to the host); offload_param nvme puts the masters in files.
+  // the masters and gradients to the host); offload_param nvme puts the masters, their
+  // gradients and the optimizer's param_dtype copies in files (Note [NVMe parameters]).
   const int64_t shard_elems = sum(l.shard);
   const OffloadDevice host_side = off.any() ? OffloadDevice::kCpu : OffloadDevice::kNone;
   const OffloadDevice masters = off.param == OffloadDevice::kNvme ? off.param : host_side;
@@ -420,7 +421,13 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   est.terms.push_back(
       model_state("parameters", "parameters (" + mdt + " shards)", master * shard_elems, masters));
   est.terms.push_back(
-      model_state("gradients", "gradients (" + mdt + " shards)", master * shard_elems, host_side));
+      model_state("gradients", "gradients (" + mdt + " shards)", master * shard_elems, masters));
+  if (off.param == OffloadDevice::kNvme && elem < master) {
+    est.terms.push_back(model_state("param_copies",
+                                    std::string("param_dtype copies of the shards (") +
+                                        to_string(in.precision) + ", for the gathers)",
+                                    elem * shard_elems, OffloadDevice::kNvme));
+  }
   est.terms.push_back(
       model_state("optimizer_state",
                   "optimizer state (AdamW m, v" + std::string(in.pure_bf16 ? ", bf16" : "") + ")",
@@ -469,8 +476,9 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
                          offload_device_bytes(in, l, elem), offload_host_bytes(l), 0});
   }
   // NVMe: OffloadConfig::buffer_bytes of host memory per offload that reads and writes files.
-  const int nvme_configs =
-      (off.optimizer == OffloadDevice::kNvme ? 1 : 0) + (off.param == OffloadDevice::kNvme ? 1 : 0);
+  // One buffer: with offload_param nvme the optimizer streams the masters through its own
+  // (the engine's reads are shard-sized, in offload_buffers).
+  const int nvme_configs = off.optimizer == OffloadDevice::kNvme ? 1 : 0;
   if (nvme_configs > 0) {
     est.terms.push_back({"nvme_buffers", "NVMe chunks in flight", "bound", 0,
                          nvme_configs * in.nvme_buffer_bytes, 0});

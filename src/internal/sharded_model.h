@@ -86,6 +86,11 @@ void set_save_hook(std::function<void(const std::string&, const std::string&)> h
 // The training helpers' calls (src/train).
 /// The gradient shards the trainable flat parameters hold (those defined), in unit order.
 std::vector<torch::Tensor> grad_shards(const ShardedModel& model);
+/// Calls `fn` with each gradient shard of grad_shards(), in that order: in memory as it is;
+/// in a parameter file (Note [NVMe parameters]) read into a host buffer by O_DIRECT, and
+/// written back after `fn` when `write`. One shard in memory at a time.
+void visit_grad_shards(const ShardedModel& model, bool write,
+                       const std::function<void(torch::Tensor&)>& fn);
 /// Collective over the shard group: sums `tensor` (or takes the maximum) in place.
 void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max);
 /// Gathers every unit's full parameters in unit order; without `keep`, each is freed

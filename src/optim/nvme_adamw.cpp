@@ -61,12 +61,13 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
       stream_params_ = true;
   }
   if (stream_params_) {
-    TORCH_CHECK(config.buffer_bytes >= 3 * kParamSlotBytes * 2048, buf_field, "=",
-                config.buffer_bytes,
+    constexpr int64_t kLeast = 3 * (kParamSlotBytes * 2048 + kParamSlotExtra);
+    TORCH_CHECK(config.buffer_bytes >= kLeast, buf_field, "=", config.buffer_bytes,
                 " is too small: with offload_param=nvme the optimizer streams three chunks of "
                 "the masters, gradients, exp_avg, exp_avg_sq and 16-bit copies through it, at "
-                "least 2048 elements each (110592 bytes); use 64 MiB (the default)");
-    chunk_ = config.buffer_bytes / (3 * kParamSlotBytes) / 2048 * 2048;
+                "least 2048 elements each (",
+                kLeast, " bytes); use 64 MiB (the default)");
+    chunk_ = (config.buffer_bytes / 3 - kParamSlotExtra) / kParamSlotBytes / 2048 * 2048;
   } else {
     TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
                 " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
@@ -103,7 +104,7 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
                               " trainable shard elements, each tensor aligned to 4096 bytes)");
   file_ = std::make_unique<offload::StateFile>(config.nvme_path, bytes, field);
   io_ = offload::make_io_engine(16);
-  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * slot_floats() * 4);
+  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * slot_bytes());
 }
 
 NvmeAdamState::~NvmeAdamState() = default;
@@ -181,9 +182,49 @@ void NvmeAdamState::queue(const torch::Tensor& p, torch::Tensor g, const AdamWCo
   jobs_.push_back(Job{p, std::move(g), &region(p), c, out, kind, std::move(written)});
 }
 
-int64_t NvmeAdamState::slot_floats() const {
-  // m, v; with streamed parameters also p, g and the 16-bit copy (half a float each).
-  return stream_params_ ? chunk_ * kParamSlotBytes / 4 : 2 * chunk_;
+int64_t NvmeAdamState::slot_bytes() const {
+  // m, v; with streamed parameters also p, g and the 16-bit copy, each with two pages of
+  // room for a range that starts and ends inside pages.
+  return stream_params_ ? kParamSlotBytes * chunk_ + kParamSlotExtra : 8 * chunk_;
+}
+
+// Note [NVMe parameters]: bytes [s, e) of a parameter file between it and a slot. A
+// tensor that is a whole region of the file (a shard, its gradient, its copy) moves by
+// O_DIRECT alone, rounded up to whole pages (the region's own padding). A part of one (a
+// parameter group's segment) shares its first and last pages with its neighbours, which
+// the same step may be updating: its whole pages go by O_DIRECT and the partial pages at
+// either end through the file's mapping (the page cache keeps both coherent), so no
+// transfer carries a neighbour's stale bytes. `buf` is page-aligned; byte s lands at
+// buf + s % kIoAlign. Returns the O_DIRECT ticket, or -1.
+int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s,
+                            int64_t e, char* buf) {
+  constexpr int64_t A = offload::kIoAlign;
+  const std::string* what = &f.file->path();
+  const int fd = f.file->fd();
+  if (whole) {
+    const int64_t bytes = offload::io_round_up(e - s);
+    io_bytes_ += bytes;
+    return io_->submit(op, fd, buf, bytes, f.offset + s, what);
+  }
+  s += f.offset;
+  e += f.offset;
+  char* data = buf + s % A;  // byte s
+  int64_t as = (s + A - 1) / A * A, ae = e / A * A;
+  if (as >= ae) as = ae = e;  // no whole page: all through the mapping
+  char* map = static_cast<char*>(const_cast<void*>(f.file->address(0)));
+  auto copy = [&](int64_t from, int64_t to) {
+    if (to <= from) return;
+    if (op == offload::IoOp::kRead) {
+      std::memcpy(data + (from - s), map + from, static_cast<size_t>(to - from));
+    } else {
+      std::memcpy(map + from, data + (from - s), static_cast<size_t>(to - from));
+    }
+  };
+  copy(s, std::min(as, e));
+  copy(std::max(ae, as), e);
+  if (as >= ae) return -1;
+  io_bytes_ += ae - as;
+  return io_->submit(op, fd, data + (as - s), ae - as, as, what);
 }
 
 void NvmeAdamState::run(KernelIsa isa) {
@@ -191,19 +232,22 @@ void NvmeAdamState::run(KernelIsa isa) {
   // (streamed through the slots, Note [NVMe parameters]) or in memory (used in place).
   struct Places {
     offload::FileSpan p, g, out;
+    bool whole = false;  ///< p is a whole shard: its gradient and copy are whole regions too
   };
   std::vector<Places> places(jobs_.size());
   for (size_t i = 0; i < jobs_.size(); ++i) {
     const Job& j = jobs_[i];
     const int64_t n = j.region->numel;
     if (!stream_params_ || n == 0) continue;
-    auto in_file = [&](const void* ptr, int64_t bytes) {
-      offload::FileSpan f = offload::find_file(ptr, bytes);
-      return f.offset % offload::kIoAlign == 0 ? f : offload::FileSpan{};
+    Places& pl = places[i];
+    pl.p = offload::find_file(j.p.data_ptr(), 4 * n);
+    pl.g = offload::find_file(j.g.data_ptr(), 4 * n);
+    if (j.out != nullptr) pl.out = offload::find_file(j.out, 2 * n);
+    auto aligned = [](const offload::FileSpan& f) {
+      return f.file == nullptr || f.offset % offload::kIoAlign == 0;
     };
-    places[i].p = in_file(j.p.data_ptr(), 4 * n);
-    places[i].g = in_file(j.g.data_ptr(), 4 * n);
-    if (j.out != nullptr) places[i].out = in_file(j.out, 2 * n);
+    pl.whole = j.p.storage_offset() == 0 && j.p.nbytes() == j.p.storage().nbytes() &&
+               aligned(pl.p) && aligned(pl.g) && aligned(pl.out);
   }
   struct Chunk {
     const Job* job;
@@ -222,29 +266,38 @@ void NvmeAdamState::run(KernelIsa isa) {
   };
   const size_t k_end = chunks.size();
   std::vector<Tickets> reads(k_end), writes(k_end);
-  // Slot k % 3: m, v, then (streamed parameters) p, g and the 16-bit copy.
-  auto slot = [&](size_t k) {
-    return reinterpret_cast<float*>(buffers_->data()) + (k % 3) * slot_floats();
+  // Slot k % 3, page-aligned streams: m, v, then (streamed parameters) p, g and the
+  // 16-bit copy, each with two pages of room (move()).
+  const int64_t room = 2 * offload::kIoAlign;
+  auto stream_at = [&](size_t k, int which) {
+    char* base = buffers_->data() + static_cast<int64_t>(k % 3) * slot_bytes();
+    const int64_t offsets[kStreams] = {0, 4 * chunk_, 8 * chunk_, 12 * chunk_ + room,
+                                       16 * chunk_ + 2 * room};
+    return base + offsets[which];
+  };
+  // Where a streamed chunk's first element lies in its slot.
+  auto data_at = [&](size_t k, int which, const offload::FileSpan& f, int64_t begin, int esize,
+                     bool whole) {
+    return stream_at(k, which) + (whole ? 0 : (f.offset + esize * begin) % offload::kIoAlign);
   };
   auto issue = [&](offload::IoOp op, size_t k) {
     const Chunk& ch = chunks[k];
     const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
-    float* m = slot(k);
     Tickets t;
-    t.id[0] = io_->submit(op, file_->fd(), m, bytes, ch.job->region->m + at, &file_->path());
-    t.id[1] =
-        io_->submit(op, file_->fd(), m + chunk_, bytes, ch.job->region->v + at, &file_->path());
+    t.id[0] = io_->submit(op, file_->fd(), stream_at(k, 0), bytes, ch.job->region->m + at,
+                          &file_->path());
+    t.id[1] = io_->submit(op, file_->fd(), stream_at(k, 1), bytes, ch.job->region->v + at,
+                          &file_->path());
     io_bytes_ += 2 * bytes;
     const Places& pl = *ch.at;
-    auto stream = [&](int which, const offload::FileSpan& f, void* buf, int64_t b, int64_t off) {
-      t.id[which] = io_->submit(op, f.file->fd(), buf, b, f.offset + off, &f.file->path());
-      io_bytes_ += b;
+    auto stream = [&](int which, const offload::FileSpan& f, int esize) {
+      const int64_t s = esize * ch.begin, e = s + esize * ch.n;
+      t.id[which] = move(op, f, pl.whole, s, e, stream_at(k, which));
     };
-    if (pl.p.file) stream(2, pl.p, m + 2 * chunk_, bytes, at);
+    if (pl.p.file) stream(2, pl.p, 4);
     // The gradient is only read; the 16-bit copy only written.
-    if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, m + 3 * chunk_, bytes, at);
-    if (pl.out.file && op == offload::IoOp::kWrite)
-      stream(4, pl.out, m + 4 * chunk_, offload::io_round_up(2 * ch.n), 2 * ch.begin);
+    if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, 4);
+    if (pl.out.file && op == offload::IoOp::kWrite) stream(4, pl.out, 2);
     return t;
   };
   auto wait = [&](Tickets& t) {
@@ -265,13 +318,17 @@ void NvmeAdamState::run(KernelIsa isa) {
       wait(reads[k]);
       const Chunk& ch = chunks[k];
       const Job& j = *ch.job;
-      float* mp = slot(k);
-      float* vp = mp + chunk_;
-      float* pp = ch.at->p.file ? mp + 2 * chunk_ : j.p.data_ptr<float>() + ch.begin;
-      const float* gp = ch.at->g.file ? mp + 3 * chunk_ : j.g.data_ptr<float>() + ch.begin;
+      const Places& pl = *ch.at;
+      auto* mp = reinterpret_cast<float*>(stream_at(k, 0));
+      auto* vp = reinterpret_cast<float*>(stream_at(k, 1));
+      float* pp = pl.p.file ? reinterpret_cast<float*>(data_at(k, 2, pl.p, ch.begin, 4, pl.whole))
+                            : j.p.data_ptr<float>() + ch.begin;
+      const float* gp =
+          pl.g.file ? reinterpret_cast<const float*>(data_at(k, 3, pl.g, ch.begin, 4, pl.whole))
+                    : j.g.data_ptr<float>() + ch.begin;
       uint16_t* out = nullptr;
-      if (ch.at->out.file) {
-        out = reinterpret_cast<uint16_t*>(mp + 4 * chunk_);
+      if (pl.out.file) {
+        out = reinterpret_cast<uint16_t*>(data_at(k, 4, pl.out, ch.begin, 2, pl.whole));
       } else if (j.out != nullptr) {
         out = j.out + ch.begin;
       }

@@ -22,6 +22,8 @@ namespace offload {
 class IoEngine;
 class StateFile;
 class AlignedBuffer;
+struct FileSpan;
+enum class IoOp;
 }  // namespace offload
 
 class NvmeAdamState {
@@ -80,10 +82,16 @@ class NvmeAdamState {
   std::unique_ptr<offload::IoEngine> io_;
   std::unique_ptr<offload::AlignedBuffer> buffers_;  ///< 3 slots of (m, v) chunks
   std::unordered_map<const void*, Region> regions_;  ///< by parameter TensorImpl
-  /// Bytes per element of a slot when parameters stream too: m, v, p, g (fp32), the copy.
+  /// Bytes per element of a slot when parameters stream too: m, v, p, g (fp32), the copy;
+  /// and the slot's pages of room for ranges that start inside a page (move()).
   static constexpr int64_t kParamSlotBytes = 18;
-  /// Floats in one of the three slots.
-  int64_t slot_floats() const;
+  static constexpr int64_t kParamSlotExtra = 6 * 4096;
+  /// Bytes of one of the three slots.
+  int64_t slot_bytes() const;
+  /// Moves bytes [s, e) of the tensor at `f` between its file and `buf` (Note [NVMe
+  /// parameters]); the O_DIRECT ticket or -1.
+  int64_t move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s, int64_t e,
+               char* buf);
 
   std::vector<Job> jobs_;
   bool stream_params_ = false;

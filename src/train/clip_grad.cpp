@@ -15,26 +15,26 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
               " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads = detail::grad_shards(model);
   // Each shard group holds the model once (padding is zero), and replicas across
   // groups hold the same values, so reducing over the shard group gives the global norm.
   auto local = at::zeros(
       {1}, at::TensorOptions().dtype(at::kDouble).device(model.sharding_options().device));
-  for (const auto& g : grads) {
+  // Gradients in parameter files are read by O_DIRECT, one shard at a time (Note [NVMe
+  // parameters]), not through the page cache.
+  detail::visit_grad_shards(model, /*write=*/false, [&](at::Tensor& g) {
     if (inf) {
       local = at::maximum(local, g.abs().max().to(local.device(), at::kDouble).reshape({1}));
     } else {
       // With offload the gradient shards are on the host, the collective on the device.
       local += g.to(at::kDouble).pow(2).sum().to(local.device());
     }
-  }
+  });
   detail::shard_group_all_reduce(model, local, /*max=*/inf);
   const double total = inf ? local.item<double>() : std::sqrt(local.item<double>());
   // As torch::nn::utils::clip_grad_norm_: scale by min(1, max_norm / (total + 1e-6)).
   const double coef = std::min(1.0, max_norm / (total + 1e-6));
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
+  if (coef < 1.0)
+    detail::visit_grad_shards(model, /*write=*/true, [&](at::Tensor& g) { g.mul_(coef); });
   return total;
 }
 

@@ -18,11 +18,14 @@ Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). 
      the blocks fewer, else a tenth more, until the outcome changes; at most three runs.
 It reports, per mode: the parameters reached, the physical bound (the budget less
 LibTorch's own, over the mode's bytes per parameter on this machine: model states per
-node from fsdp-estimate), their ratio, the estimate against the measured peak of the
+node from fsdp-estimate; for + offload_param=nvme, whose model states are all in files,
+the free space of its disk, an ext4 file system of --disk-mib on a loop device, over their
+bytes per parameter: a model whose files do not fit is refused there), their ratio, the estimate against the measured peak of the
 largest run that trained, tokens/s and TFLOP/s (6N + 12 L d T per token) there. One JSON
 line per mode and a table. Needs root and a memory controller (exit 77 otherwise).
 """
 import argparse
+import atexit
 import json
 import os
 import re
@@ -52,8 +55,45 @@ MODES = [
      ["--precision", "bf16", "--offload-optimizer", "nvme"]),
     ("+ offload_param=nvme",
      ["--precision", "bf16", "--offload-optimizer", "nvme", "--offload-param", "nvme",
-      "--nvme-path", NVME], None),
+      "--nvme-path", NVME],
+     ["--precision", "bf16", "--offload-optimizer", "nvme", "--offload-param", "nvme"]),
 ]
+
+
+def disk_bound(flags):
+    """Whether the mode's model states all leave memory (offload_param=nvme): its bound is
+    the disk, not the budget (Note [NVMe parameters])."""
+    return "--offload-param" in flags and flags[flags.index("--offload-param") + 1] == "nvme"
+
+
+class Disk:
+    """A file system of `mib` MiB (ext4 in a file under /var/tmp, mounted through a loop
+    device) for the disk-bound mode's files: its free space is the disk budget, and a model
+    whose files do not fit is refused by the free-space check before training."""
+
+    def __init__(self, mib):
+        self.dir = tempfile.mkdtemp(prefix="fsdp_maxmodel_disk_", dir="/var/tmp")
+        self.image = self.dir + ".img"
+        self.mounted = False
+        subprocess.run(["truncate", "-s", f"{mib}M", self.image], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", self.image], check=True,
+                       capture_output=True)
+        r = subprocess.run(["mount", "-o", "loop", self.image, self.dir], capture_output=True, text=True)
+        if r.returncode != 0:
+            self.close()
+            raise RuntimeError(f"mount -o loop failed: {r.stderr.strip()}")
+        self.mounted = True
+        st = os.statvfs(self.dir)
+        self.available = st.f_bavail * st.f_frsize
+
+    def close(self):
+        if self.mounted:
+            subprocess.run(["umount", self.dir], check=False)
+            self.mounted = False
+        if os.path.isdir(self.dir):
+            os.rmdir(self.dir)
+        if os.path.exists(self.image):
+            os.unlink(self.image)
 
 
 def estimate(args, layers, est_flags):
@@ -71,6 +111,8 @@ def run(args, layers, flags, limit_mib, d_model=None, n_head=None):
     with tempfile.TemporaryDirectory(prefix="fsdp_maxmodel_") as tmp:
         log = os.path.join(tmp, "log.jsonl")
         nvme = os.path.join(tmp, "nvme") if not args.nvme_path else args.nvme_path
+        if disk_bound(flags) and args.disk is not None:
+            nvme = args.disk.dir
         os.makedirs(nvme, exist_ok=True)
         train = [a.replace(NVME, nvme) for a in flags] + [
             "--n-layer", str(layers), "--d-model", str(d_model or args.d_model), "--n-head",
@@ -109,6 +151,9 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--nvme-path", default="", help="a directory for the NVMe modes (default: a temporary one)")
+    ap.add_argument("--disk-mib", type=int, default=8192,
+                    help="the disk of the mode whose model states all go to files (offload_param=nvme): "
+                         "an ext4 file system of this size on a loop device")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--only", default="")
     ap.add_argument("--json-out", default="")
@@ -116,6 +161,10 @@ def main():
                     help="exit 1 unless every mode that can run trained at some size and the "
                          "estimate is within this fraction of its measured peak (e.g. 0.15)")
     args = ap.parse_args()
+    args.disk = None
+    atexit.register(lambda: args.disk.close() if args.disk is not None else None)
+    if args.disk_mib < 64:
+        ap.error(f"--disk-mib {args.disk_mib} is too small; give the disk-bound mode at least 64 MiB")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     unknown = only - {m[0] for m in MODES}
     if unknown:
@@ -145,12 +194,31 @@ def main():
             print(json.dumps(out), flush=True)
             results.append(out)
             continue
-        # 2. the estimate: the largest block count that fits (the totals grow with it).
+        # The disk-bound mode gets its disk (Disk) for its runs.
+        if args.disk is not None:
+            args.disk.close()
+            args.disk = None
+        disk = 0
+        if disk_bound(flags):
+            try:
+                args.disk = Disk(args.disk_mib)
+            except (RuntimeError, subprocess.CalledProcessError) as e:
+                out = {"metric": "max_model", "mode": name, "error": f"no disk of {args.disk_mib} MiB: {e}"}
+                print(json.dumps(out), flush=True)
+                results.append(out)
+                continue
+            disk = args.disk.available
+        # 2. the estimate: the largest block count that fits (the totals grow with it), in
+        # memory and, for the disk-bound mode, on its disk.
         budget = args.budget_mib * 1048576 - own * 1048576
+
+        def fits(e):
+            return e["total"] <= budget and (not disk or e["nvme"] <= disk)
+
         lo, hi = 0, args.max_layers
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if estimate(args, mid, est_flags)["total"] <= budget:
+            if fits(estimate(args, mid, est_flags)):
                 lo = mid
             else:
                 hi = mid - 1
@@ -184,6 +252,9 @@ def main():
             e = estimate(args, best["layers"], est_flags)
             per_param = e["states"] / e["params"]
             bound = usable * 1048576 / per_param
+            if disk:  # the model states are on the disk: its free space over their bytes
+                per_param = e["nvme"] / e["params"]
+                bound = disk / per_param
             flops = 6.0 * e["params"] + 12.0 * best["layers"] * args.d_model * args.block_size
             out.update({"layers": best["layers"], "params": e["params"],
                         "bytes_per_param_node": round(per_param, 3),
@@ -192,12 +263,15 @@ def main():
                         "measured_peak_mib": best["peak_mib"],
                         "estimate_error": round((e["total"] / 1048576 + own) / best["peak_mib"] - 1, 4),
                         "nvme_mib": round(e["nvme"] / 1048576, 1),
+                        "bound_by": f"disk ({disk / 1048576:.0f} MiB free)" if disk else "memory",
                         "tokens_per_s": best["tokens_per_s"],
                         "tflops": best["tokens_per_s"] * flops / 1e12 if best["tokens_per_s"] else None})
         else:
             out["error"] = "no run trained; the last: " + (runs[-1].get("tail") or "")
         print(json.dumps(out), flush=True)
         results.append(out)
+    if args.disk is not None:
+        args.disk.close()
     print(f"\n| mode | parameters reached | physical bound (bytes/param) | ratio | estimate / measured peak (MiB) | tokens/s | TFLOP/s | runs (blocks: trained?) |")
     print("|---|---|---|---|---|---|---|---|")
     for o in results:
@@ -206,7 +280,7 @@ def main():
         elif "params" in o:
             runs = ", ".join(f"{r['layers']}: {'yes' if r['trained'] else 'killed' if r['exit'] == 137 else 'exit %d' % r['exit']}" for r in o["runs"])
             print(f"| {o['mode']} | {o['params'] / 1e6:.1f}M ({o['layers']} blocks) | "
-                  f"{o['bound_params'] / 1e6:.1f}M ({o['bytes_per_param_node']}) | {o['ratio_to_bound']:.3f} | "
+                  f"{o['bound_params'] / 1e6:.1f}M ({o['bytes_per_param_node']}, {o['bound_by']}) | {o['ratio_to_bound']:.3f} | "
                   f"{o['estimated_peak_mib']:.0f} / {o['measured_peak_mib']} ({o['estimate_error']:+.1%}) | "
                   f"{o['tokens_per_s']:.0f} | {o['tflops']:.4f} | {runs} |")
         else:
