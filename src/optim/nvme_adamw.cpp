@@ -1,10 +1,11 @@
 // FusedAdamW's optimizer state in files (see nvme_adamw.h).
 //
 // Note [NVMe optimizer state]
-// ZeRO-Infinity's offload_optimizer with "device": "nvme". The fp32 shards and their
-// gradients stay in host memory, as with offload_optimizer = cpu (the engine cannot tell
-// the two apart); only Adam's exp_avg and exp_avg_sq (8 bytes per trainable shard
-// element) live in one file per optimizer and rank under OffloadConfig::nvme_path,
+// ZeRO-Infinity's offload_optimizer with "device": "nvme". Unless offload_param is nvme
+// too (Note [NVMe parameters] in src/engine/flat_param.cpp: then masters, gradients and
+// copies are streamed through the same slots), the fp32 shards and their gradients stay
+// in host memory, as with offload_optimizer = cpu; Adam's exp_avg and exp_avg_sq (8 bytes per
+// trainable shard element) live in one file per optimizer and rank under OffloadConfig::nvme_path,
 // reserved with fallocate when the optimizer is built, so a full disk fails then and not
 // mid-training. Each tensor has its own region, aligned to 4096 bytes, for O_DIRECT.
 //

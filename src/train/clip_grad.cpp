@@ -19,8 +19,8 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
   // groups hold the same values, so reducing over the shard group gives the global norm.
   auto local = at::zeros(
       {1}, at::TensorOptions().dtype(at::kDouble).device(model.sharding_options().device));
-  // Gradients in parameter files are read by O_DIRECT, one shard at a time (Note [NVMe
-  // parameters]), not through the page cache.
+  // Note [NVMe parameters]: gradients in parameter files are read by O_DIRECT, one shard
+  // at a time, not through the page cache.
   detail::visit_grad_shards(model, /*write=*/false, [&](at::Tensor& g) {
     if (inf) {
       local = at::maximum(local, g.abs().max().to(local.device(), at::kDouble).reshape({1}));

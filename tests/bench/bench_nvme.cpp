@@ -5,8 +5,18 @@
 // effective state throughput is the bytes it reads and writes (exp_avg and exp_avg_sq: 16 per
 // parameter) over the step's time. Without fio the ratio is skipped, with the reason.
 //
+// Then the parameters in files too (Note [NVMe parameters]): a GPT of about --params
+// parameters (width 512, bf16, one rank) with offload_optimizer and offload_param on NVMe
+// trains 3 steps; per step, the bytes the process read from and wrote to the disk
+// (/proc/self/io: what reached the block layer) in forward + backward (the gathers' reads,
+// the gradients' writes) and in the optimizer step (masters, gradients, moments, copies),
+// and the optimizer step's disk rate against the same fio figure.
+//
 //   bench_nvme [--dir DIR (default /tmp)] [--params N (default 32M)] [--buffer-mib M (64)]
+#include <fsdp/fsdp.h>
 #include <fsdp/fused_adamw.h>
+
+#include "../../examples/gpt/gpt_model.h"
 
 #include <ATen/Parallel.h>
 
@@ -54,6 +64,73 @@ double fio_bw(const std::string& json, const char* dir) {
   const size_t bw = json.find("\"bw_bytes\" : ", at);
   if (bw == std::string::npos) return -1;
   return std::atof(json.c_str() + bw + 13);
+}
+
+// This process's bytes read from and written to storage (/proc/self/io), or -1s.
+std::pair<double, double> disk_io() {
+  std::FILE* f = std::fopen("/proc/self/io", "r");
+  if (f == nullptr) return {-1, -1};
+  char key[64];
+  long long v = 0;
+  double rd = -1, wr = -1;
+  while (std::fscanf(f, "%63s %lld", key, &v) == 2) {
+    if (!std::strcmp(key, "read_bytes:")) rd = static_cast<double>(v);
+    if (!std::strcmp(key, "write_bytes:")) wr = static_cast<double>(v);
+  }
+  std::fclose(f);
+  return {rd, wr};
+}
+
+struct ParamRun {
+  double params = 0, fb_s = 0, opt_s = 0;
+  std::pair<double, double> fb_io, opt_io;  // bytes read, written per step
+  std::string info;
+};
+
+// Note [NVMe parameters]: a GPT with everything in files, 3 steps after one untimed.
+ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes) {
+  gpt::Config c;
+  c.d_model = 512;
+  c.n_head = 8;
+  c.block_size = 128;
+  c.n_layer = std::max<int64_t>(1, params / (12 * 512 * 512));
+  fsdp::ShardingOptions o;
+  o.auto_wrap_policy = fsdp::module_type_policy<gpt::Block>();
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  o.mixed_precision.reduce_dtype = torch::kBFloat16;
+  o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kNvme;
+  o.offload_optimizer.nvme_path = o.offload_param.nvme_path = dir;
+  o.offload_optimizer.buffer_bytes = buffer_bytes;
+  torch::manual_seed(0);
+  auto model = fsdp::fully_shard(gpt::GPT(c), o);
+  fsdp::FusedAdamW opt(model, torch::optim::AdamWOptions(1e-4));
+  ParamRun r;
+  for (const auto& p : model.sharded_parameters()) r.params += static_cast<double>(p.numel());
+  r.info = opt.state_offload_info();
+  auto batch = torch::randint(0, 256, {4, c.block_size + 1});
+  const int steps = 3;
+  for (int s = 0; s <= steps; ++s) {
+    auto io0 = disk_io();
+    double t0 = now_s();
+    {
+      torch::AutoGradMode grad(true);
+      gpt::loss_on(model, batch).backward();
+    }
+    auto io1 = disk_io();
+    double t1 = now_s();
+    opt.step();
+    opt.zero_grad();
+    auto io2 = disk_io();
+    double t2 = now_s();
+    if (s == 0) continue;  // the first step writes the copies and the state the first time
+    r.fb_s += (t1 - t0) / steps;
+    r.opt_s += (t2 - t1) / steps;
+    r.fb_io.first += (io1.first - io0.first) / steps;
+    r.fb_io.second += (io1.second - io0.second) / steps;
+    r.opt_io.first += (io2.first - io1.first) / steps;
+    r.opt_io.second += (io2.second - io1.second) / steps;
+  }
+  return r;
 }
 
 }  // namespace
@@ -122,6 +199,21 @@ int main(int argc, char** argv) {
   std::printf("%-34s %10.1f %12s\n", "FusedAdamW, state in memory", tm * 1e3, "-");
   std::printf("%-34s %10.1f %12.3f\n", "FusedAdamW, state in files", tn * 1e3, ours / 1e9);
 
+  const ParamRun pr = param_run(dir, n, cfg.buffer_bytes);
+  std::printf(
+      "\nparameters in files too: GPT of %.1fM parameters (width 512, bf16, one rank; %s)\n"
+      "%-34s %10s %12s %12s %12s\n",
+      pr.params / 1e6, pr.info.c_str(), "per step", "s", "disk read MB", "written MB", "disk GB/s");
+  const double fb_rate = (pr.fb_io.first + pr.fb_io.second) / pr.fb_s;
+  const double opt_rate = (pr.opt_io.first + pr.opt_io.second) / pr.opt_s;
+  std::printf("%-34s %10.3f %12.1f %12.1f %12.3f\n", "forward + backward (gathers, grads)", pr.fb_s,
+              pr.fb_io.first / 1e6, pr.fb_io.second / 1e6, fb_rate / 1e9);
+  std::printf("%-34s %10.3f %12.1f %12.1f %12.3f\n", "optimizer step (all five streams)", pr.opt_s,
+              pr.opt_io.first / 1e6, pr.opt_io.second / 1e6, opt_rate / 1e9);
+  std::printf("bytes per parameter and step: forward + backward %.2f, optimizer %.2f\n",
+              (pr.fb_io.first + pr.fb_io.second) / pr.params,
+              (pr.opt_io.first + pr.opt_io.second) / pr.params);
+
   int status = 0;
   run("command -v fio >/dev/null 2>&1", &status);
   if (status != 0) {
@@ -152,5 +244,8 @@ int main(int argc, char** argv) {
   metric("nvme_state_io_fraction", ours / disk, "fraction (target >= 0.8)",
          "fio: a sequential O_DIRECT reader and writer at once, same block size, depth and "
          "directory, same run");
+  metric("nvme_param_step_io_fraction", opt_rate / disk, "fraction (target >= 0.8)",
+         "the optimizer step with the parameters in files: disk bytes (/proc/self/io) over its "
+         "time, against the same fio reader and writer");
   return 0;
 }
