@@ -159,10 +159,11 @@ void parity(const ProcessGroup& pg, bool bf16, const char* io, bool hybrid) {
       o->hybrid_group_size = 1;  // shard over one rank, replicate over the others
     }
   }
+  // Four blocks: beyond the two units prefetch gathers, a third reads ahead.
   torch::manual_seed(0);
-  auto mem = fully_shard(gpt::GPT(small_gpt_config()), mem_opts);
+  auto mem = fully_shard(gpt::GPT(gpt_config(4)), mem_opts);
   torch::manual_seed(0);
-  auto files = fully_shard(gpt::GPT(small_gpt_config()), file_opts);
+  auto files = fully_shard(gpt::GPT(gpt_config(4)), file_opts);
   train_side_by_side(pg, mem, files, 4);
   const MemoryStats m = files.memory_stats();
   EXPECT_EQ(m.sharded_params.peak, 0);
@@ -171,6 +172,8 @@ void parity(const ProcessGroup& pg, bool bf16, const char* io, bool hybrid) {
   const CommStats c = files.comm_stats().total;
   EXPECT_GT(c.nvme_read_bytes, 0);
   EXPECT_GT(c.nvme_write_bytes, 0);
+  // Gathers found their inputs read ahead (queued while the unit before computed).
+  EXPECT_GT(c.nvme_reads_ahead, 0);
   EXPECT_EQ(mem.comm_stats().total.nvme_read_bytes, 0);
   unsetenv("FSDP_NVME_IO");
 }
@@ -192,8 +195,9 @@ TEST(NvmeParams, HybridShardTrainsBitIdentically) {
 }
 
 // The bound of Note [NVMe parameters]: with the parameters in files, every host counter
-// peaks at the same bytes for 2 and 8 blocks of the same width (what computes, not the
-// model), while with the parameters in memory the shards grow with the blocks.
+// peaks at the same bytes for 3 and 9 blocks of the same width (what computes, not the
+// model; from 3 blocks on, one reads ahead while two are gathered), while with the
+// parameters in memory the shards grow with the blocks.
 TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
   auto peaks = [](int64_t layers, bool files) {
     TempDir dir;
@@ -217,7 +221,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
                                 m.gathered_params.peak, m.comm_buffers.peak,
                                 m.offload_buffers.peak, m.nvme_params.current};
   };
-  const auto small = peaks(2, true), large = peaks(8, true);
+  const auto small = peaks(3, true), large = peaks(9, true);
   const char* names[] = {"sharded_params", "grad_shards", "gathered_params", "comm_buffers",
                          "offload_buffers"};
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(small[i], large[i]) << names[i];
@@ -226,7 +230,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
   EXPECT_GT(small[2], 0);
   EXPECT_GT(large[5], 2 * small[5]) << "the files grow with the model instead";
   // In memory, the same models' shards grow: the test can tell the two apart.
-  const auto small_mem = peaks(2, false), large_mem = peaks(8, false);
+  const auto small_mem = peaks(3, false), large_mem = peaks(9, false);
   EXPECT_GT(large_mem[0], 2 * small_mem[0]);
   EXPECT_EQ(small_mem[5], 0);
 }

@@ -72,6 +72,9 @@ struct CommStats {
   /// here). Rounded up to 4096-byte blocks. Not in total_bytes().
   int64_t nvme_read_bytes = 0;
   int64_t nvme_write_bytes = 0;
+  /// offload_param = nvme: gathers whose input was read ahead (queued when the unit before
+  /// was prefetched, so the read ran beside compute) rather than when they were issued.
+  int64_t nvme_reads_ahead = 0;
 
   /// Bytes moved by collectives.
   int64_t total_bytes() const {

@@ -121,6 +121,11 @@ void FlatParam::set_names(const std::string& prefix, const std::string& label) {
 }
 
 FlatParam::~FlatParam() {
+  try {
+    drop_read();
+  } catch (const std::exception&) {
+    // A failed read leaves nothing in flight.
+  }
   release();
   if (file_) {
     Accounting::release(cfg_.acct->mem.nvme_params, file_->bytes());
@@ -153,8 +158,7 @@ std::shared_ptr<Work> FlatParam::gather() {
   if (file_) {
     // Note [NVMe parameters]: the gather's input is read from the file (the optimizer's
     // copy while fresh, else the master), never through the mapping.
-    input = fresh ? read_file(copy_offset_, shard_numel_, cfg_.param_dtype)
-                  : read_file(0, shard_numel_, cfg_.master_dtype);
+    input = take_read(fresh);
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
@@ -296,8 +300,10 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 // Training moves the bytes with the file's descriptor instead (O_DIRECT where the file
 // system allows it), so the page cache does not fill with the model:
 // - a gather reads the copy (or, after a load, the master, cast) into an aligned host
-//   buffer, which becomes the all-gather's input like an offloaded shard's copy; gathers
-//   are issued when the runtime prefetches, so the read is done ahead of compute;
+//   buffer, which becomes the all-gather's input like an offloaded shard's copy. The
+//   read is queued one unit ahead of the gathers: when the runtime prefetches unit i+1,
+//   unit i+2 queues its reads (read_ahead), which run beside unit i's compute; the gather
+//   waits for them (and reads anew if the shard or its copy changed since);
 // - a reduced gradient shard is written to the file (added to what is there under
 //   gradient accumulation, through one aligned buffer of the shard's size);
 // - FusedAdamW streams masters and gradients with the moments through its three slots
@@ -310,10 +316,58 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 // Host memory per rank is then the buffers and what computes, not the model: the gathered
 // units (at most max_gathered_units + 1 full flat parameters in param_dtype), their flat
 // gradients awaiting reduction (comm_buffers), one shard-sized read or gradient buffer per
-// flat parameter in flight (offload_buffers), FusedAdamW's buffer_bytes, and the
-// activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
+// flat parameter in flight and one unit's read ahead (offload_buffers), FusedAdamW's buffer_bytes,
+// and the activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
 // files (docs/design.md, "Bigger than memory").
 int64_t FlatParam::file_bytes() const { return file_ ? file_->bytes() : 0; }
+
+void FlatParam::read_ahead() {
+  if (!file_ || ahead_.ticket >= 0 || full_allocated() || slice_.defined() || shard_numel_ == 0)
+    return;
+  const bool fresh = lowp_.defined() && lowp_version_->load() == shard_._version();
+  const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
+  const int64_t bytes = bytes_of(shard_numel_, dtype);
+  ahead_.buf = std::make_shared<offload::AlignedBuffer>(bytes);
+  ahead_.fresh = fresh;
+  ahead_.version = shard_._version();
+  ahead_.ticket =
+      cfg_.nvme_io->submit(offload::IoOp::kRead, file_->fd(), ahead_.buf->data(),
+                           ahead_.buf->bytes(), fresh ? copy_offset_ : 0, &file_->path());
+  Accounting::alloc(cfg_.acct->mem.offload_buffers, ahead_.buf->bytes());
+}
+
+void FlatParam::drop_read() {
+  if (ahead_.ticket < 0) return;
+  const int64_t ticket = ahead_.ticket;
+  ahead_.ticket = -1;
+  Accounting::release(cfg_.acct->mem.offload_buffers, ahead_.buf->bytes());
+  std::shared_ptr<offload::AlignedBuffer> buf = std::move(ahead_.buf);
+  cfg_.nvme_io->wait(ticket);  // before the buffer goes
+}
+
+at::Tensor FlatParam::take_read(bool fresh) {
+  const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
+  if (ahead_.ticket >= 0 && ahead_.fresh == fresh && ahead_.version == shard_._version()) {
+    const int64_t ticket = ahead_.ticket;
+    ahead_.ticket = -1;
+    std::shared_ptr<offload::AlignedBuffer> buf = std::move(ahead_.buf);
+    try {
+      cfg_.nvme_io->wait(ticket);
+    } catch (...) {
+      Accounting::release(cfg_.acct->mem.offload_buffers, buf->bytes());
+      throw;
+    }
+    Accounting* acct = cfg_.acct;
+    acct->count_nvme(/*read=*/true, buf->bytes());
+    for (CommStats* c : {&acct->comm.step, &acct->comm.total}) ++c->nvme_reads_ahead;
+    return at::from_blob(
+        buf->data(), {shard_numel_},
+        [buf, acct](void*) { Accounting::release(acct->mem.offload_buffers, buf->bytes()); },
+        at::TensorOptions(dtype));
+  }
+  drop_read();  // read before the shard or its copy changed: not what is current
+  return read_file(fresh ? copy_offset_ : 0, shard_numel_, dtype);
+}
 
 at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
   const int64_t bytes = bytes_of(numel, dtype);

@@ -9,7 +9,9 @@
 
 namespace fsdp::detail::offload {
 class StateFile;
-}
+class IoEngine;
+class AlignedBuffer;
+}  // namespace fsdp::detail::offload
 
 #include <torch/torch.h>
 
@@ -57,6 +59,9 @@ struct FlatConfig {
   /// offload_param = nvme: the directory of this rank's parameter files (Note [NVMe
   /// parameters]); empty: the shards live in memory.
   std::string nvme_path;
+  /// With nvme_path: the engine's queue for read-ahead (Note [NVMe parameters]); main
+  /// thread only.
+  std::shared_ptr<offload::IoEngine> nvme_io;
   Accounting* acct = nullptr;
   std::string label;  ///< what its collectives are for ("unit 'blocks.0'")
 };
@@ -142,6 +147,10 @@ class FlatParam {
   bool in_file() const { return file_ != nullptr; }
   /// Bytes of that file (0 without one).
   int64_t file_bytes() const;
+  /// With in_file() and while sharded: queues the read of the next gather's input (the
+  /// copy, or the master when the copy is stale), which gather() then waits for instead
+  /// of reading. No-op otherwise, or when one is queued.
+  void read_ahead();
   /// With in_file(): sets (no gradient yet) or adds `grad` (the reduced gradient shard in
   /// master_dtype, on the device) to the gradient in the file, through an aligned host
   /// buffer, as CommContext would in memory; the shard's .grad() is the file's view.
@@ -162,6 +171,11 @@ class FlatParam {
   /// With in_file(): `numel` elements of `dtype` read from byte `offset` of the file into
   /// a new aligned host tensor (O_DIRECT where the file has it).
   at::Tensor read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const;
+  /// gather()'s input with in_file(): the read-ahead's buffer when it read what is current
+  /// (`fresh`: the copy), else a read now.
+  at::Tensor take_read(bool fresh);
+  /// Waits for a queued read-ahead and drops it.
+  void drop_read();
   /// With in_file(): writes `src` (contiguous, on the host) at byte `offset` of the file.
   void write_file(const at::Tensor& src, int64_t offset) const;
   /// gather() out of the post-forward slices, over the reshard group.
@@ -191,6 +205,13 @@ class FlatParam {
   std::unique_ptr<offload::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
   int64_t grad_offset_ = 0;                   ///< of the gradient in file_, bytes
   int64_t copy_offset_ = 0;                   ///< of the param_dtype copy in file_, bytes
+  /// A gather's input read ahead (read_ahead()), until gather() takes it.
+  struct ReadAhead {
+    int64_t ticket = -1;  ///< the queued read; -1: none
+    std::shared_ptr<offload::AlignedBuffer> buf;
+    bool fresh = false;    ///< of the copy (else the master)
+    int64_t version = -1;  ///< the shard's version when queued
+  } ahead_;
   std::vector<GradAccumulator> grad_accs_;
 };
 

@@ -1,6 +1,7 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
 // and points each wrap point at its unit.
 #include "engine_access.h"
+#include "offload/io_engine.h"
 #include "offload/state_file.h"
 
 #include <cstdlib>
@@ -368,8 +369,10 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.keep_device_params = cfg.offload && !options.cpu_offload && !persistent &&
                            options.offload_param.device == OffloadDevice::kNone;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
-  if (options.offload_param.device == OffloadDevice::kNvme)
-    cfg.nvme_path = options.offload_param.nvme_path;  // Note [NVMe parameters]
+  if (options.offload_param.device == OffloadDevice::kNvme) {  // Note [NVMe parameters]
+    cfg.nvme_path = options.offload_param.nvme_path;
+    cfg.nvme_io = offload::make_io_engine(16);
+  }
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);
   cfg.replicate_group = make_single_backend();

@@ -180,6 +180,25 @@ Unit* Runtime::neighbour(const Unit& u, int step) const {
 // Explicit lists (set_prefetch) replace this for their unit: each unit listed is gathered
 // when the unit starts, whatever the bound, options_.prefetch or the recorded order say.
 void Runtime::prefetch_from(const Unit& u, int direction) {
+  prefetch_gathers(u, direction);
+  if (flat_config().nvme_path.empty() || !options_.prefetch || (direction > 0 && !order_frozen_))
+    return;
+  // Note [NVMe parameters]: the first unit after those gathering reads its inputs from
+  // the files now, beside the compute, so that its gather finds them read.
+  const bool from_end = u.is_root() && direction < 0;
+  const long last = static_cast<long>(forward_order_.size()) - 1;
+  for (int k = 1;; ++k) {
+    Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
+                          : neighbour(u, direction * k);
+    if (next == nullptr) return;
+    if (next->is_root() || next->grads_reduced) continue;
+    if (next->state() != ShardedState::kSharded) continue;
+    next->read_ahead();
+    return;
+  }
+}
+
+void Runtime::prefetch_gathers(const Unit& u, int direction) {
   const auto& lists = explicit_prefetch_[direction > 0 ? 0 : 1];
   if (auto it = lists.find(&u); it != lists.end()) {
     for (Unit* next : it->second) {

@@ -101,6 +101,8 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
 
  private:
   void prefetch_from(const Unit& u, int direction);
+  /// prefetch_from()'s gathers.
+  void prefetch_gathers(const Unit& u, int direction);
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
   /// kZero2 and kZero1: full parameters persist between steps (Note [Persistent parameters]).

@@ -55,6 +55,11 @@ void Unit::start_gather() {
   state_ = ShardedState::kGathering;
 }
 
+void Unit::read_ahead() {
+  if (state_ != ShardedState::kSharded) return;
+  for (auto& f : flats_) f->read_ahead();
+}
+
 int64_t Unit::numel() const {
   int64_t n = 0;
   for (const auto& f : flats_) n += f->padded_numel();

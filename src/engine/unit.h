@@ -57,6 +57,9 @@ class Unit {
 
   /// Issues the all-gather (idempotent: no-op unless sharded).
   void start_gather();
+  /// While sharded, queues the reads of the next gather's inputs from parameter files
+  /// (Note [NVMe parameters]; no-op without them).
+  void read_ahead();
   /// Ensures the full parameters are in place (waits for a prefetch if one is in flight).
   void unshard();
   /// Frees the full parameters (waits for an in-flight gather first). Idempotent. With
