@@ -1048,3 +1048,51 @@ TEST(TrainLlama, WorldTwoAndAResumedRunGiveTheSameLosses) {
 }
 
 }  // namespace
+
+// The one-file program (examples/minimal/minimal_gpt.cpp): at most 200 lines including
+// only <fsdp/...>, LibTorch and the standard library; at 2 ranks it learns, and a run
+// stopped at step 10 and resumed from its checkpoint ends with the straight run's loss.
+TEST(MinimalGpt, TrainsAtTwoRanksAndResumesWhereItStopped) {
+  const std::string src = std::string(FSDP_SOURCE_DIR) + "/examples/minimal/minimal_gpt.cpp";
+  std::ifstream in(src);
+  ASSERT_TRUE(in) << src;
+  int lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    if (line.rfind("#include", 0) != 0) continue;
+    const bool ok = line.find("<fsdp/") != std::string::npos ||
+                    line.find("<torch/") != std::string::npos ||
+                    (line.find('<') != std::string::npos && line.find('/') == std::string::npos);
+    EXPECT_TRUE(ok) << "includes more than <fsdp/...>, LibTorch and std: " << line;
+  }
+  EXPECT_LE(lines, 200);
+  auto run = [&](const std::string& ckpt, int steps) {
+    auto r = run_command({bin("fsdp-run"), "--nproc", "2", "--", bin("minimal_gpt"), "--device",
+                          "cpu", "--steps", std::to_string(steps), "--ckpt", ckpt});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  auto loss_at = [](const std::string& out, int step) {
+    const std::string key = "step " + std::to_string(step) + " loss ";
+    const size_t at = out.find(key);
+    return at == std::string::npos
+               ? std::string()
+               : out.substr(at + key.size(), out.find('\n', at) - at - key.size());
+  };
+  // Directories beside temp_path's files (a checkpoint directory must not exist yet).
+  auto dir_path = [](const std::string& stem) {
+    const std::string file = temp_path(stem);
+    std::remove(file.c_str());
+    return file + ".ckpt";
+  };
+  const std::string straight = dir_path("mg_straight"), resumed = dir_path("mg_resumed");
+  const std::string a = run(straight, 20);
+  const std::string first = run(resumed, 10);
+  const std::string second = run(resumed, 20);
+  EXPECT_NE(second.find("resumed from " + resumed + " at step 10"), std::string::npos) << second;
+  EXPECT_NE(first.find("saved "), std::string::npos) << first;
+  ASSERT_FALSE(loss_at(a, 19).empty()) << a;
+  EXPECT_EQ(loss_at(a, 19), loss_at(second, 19)) << a << second;
+  EXPECT_LT(std::stod(loss_at(a, 19)), std::stod(loss_at(a, 0)) - 1.0) << a;
+  std::filesystem::remove_all(straight);
+  std::filesystem::remove_all(resumed);
+}
