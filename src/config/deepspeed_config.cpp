@@ -146,9 +146,13 @@ class ConfigReader {
 
   void batch(const json& j);
   void precision(const json& j);
+  bool fp16_section(const json& f);
+  bool bf16_section(const json& f, const std::string& b);
   void optimizer(const json& o);
   void scheduler(const json& s);
   void zero(const json& z);
+  void zero_offload(const json& z);
+  void zero_tuning(const json& z, int stage);
   void offload(const json& o, const std::string& path, OffloadConfig& c, bool param);
   void prefetch(const json& z, int stage);
 
@@ -225,103 +229,110 @@ void ConfigReader::batch(const json& j) {
 
 // ---- fp16 and bf16 ----------------------------------------------------------------------
 
+// The fp16 section (and its loss scaler); whether fp16 is enabled.
+bool ConfigReader::fp16_section(const json& f) {
+  bool fp16 = false;
+  check_keys(
+      f, "fp16",
+      {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+       "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"});
+  if (f.contains("enabled")) {
+    fp16 = boolean("fp16.enabled", f["enabled"], p_.precision == "fp16");
+    note("fp16.enabled", f["enabled"], true,
+         fp16 ? "precision fp16: MixedPrecision param_dtype and reduce_dtype kHalf over fp32 "
+                "masters, with the loss scaler (fsdp::LossScaler)"
+              : "fp16 off",
+         is_auto(f["enabled"]) ? (fp16 ? "true" : "false") : "");
+  }
+  const std::string off = fp16 ? "" : "; fp16 is not enabled, so it has no effect";
+  LossScalerOptions& ls = out_.loss_scaler;
+  if (f.contains("loss_scale")) {
+    ls.loss_scale = number("fp16.loss_scale", f["loss_scale"]);
+    note("fp16.loss_scale", f["loss_scale"], fp16,
+         (ls.loss_scale == 0 ? std::string("LossScalerOptions::loss_scale = 0 (dynamic)")
+                             : "LossScalerOptions::loss_scale (static)") +
+             off);
+  }
+  if (f.contains("initial_scale_power")) {
+    ls.initial_scale_power =
+        static_cast<int>(integer("fp16.initial_scale_power", f["initial_scale_power"]));
+    TORCH_CHECK(ls.initial_scale_power <= 60, "ds_config: fp16.initial_scale_power ",
+                ls.initial_scale_power, " must be at most 60 (the default is 16)");
+    note("fp16.initial_scale_power", f["initial_scale_power"], fp16,
+         "LossScalerOptions::initial_scale_power" + off);
+  }
+  if (f.contains("loss_scale_window")) {
+    ls.loss_scale_window =
+        static_cast<int>(integer("fp16.loss_scale_window", f["loss_scale_window"], {}, 1));
+    note("fp16.loss_scale_window", f["loss_scale_window"], fp16,
+         "LossScalerOptions::loss_scale_window" + off);
+  }
+  if (f.contains("hysteresis")) {
+    ls.hysteresis = static_cast<int>(integer("fp16.hysteresis", f["hysteresis"], {}, 1));
+    note("fp16.hysteresis", f["hysteresis"], fp16, "LossScalerOptions::hysteresis" + off);
+  }
+  if (f.contains("min_loss_scale")) {
+    ls.min_loss_scale = number("fp16.min_loss_scale", f["min_loss_scale"]);
+    TORCH_CHECK(ls.min_loss_scale > 0, "ds_config: fp16.min_loss_scale must be > 0");
+    note("fp16.min_loss_scale", f["min_loss_scale"], fp16,
+         "LossScalerOptions::min_loss_scale" + off);
+  }
+  if (f.contains("consecutive_hysteresis"))
+    default_only("fp16.consecutive_hysteresis", f["consecutive_hysteresis"], false,
+                 "the hysteresis refills only after a clean loss_scale_window");
+  if (f.contains("fp16_master_weights_and_grads"))
+    default_only("fp16.fp16_master_weights_and_grads", f["fp16_master_weights_and_grads"], false,
+                 "master weights and their gradients are fp32 here");
+  if (f.contains("auto_cast")) {
+    boolean("fp16.auto_cast", f["auto_cast"]);
+    note("fp16.auto_cast", f["auto_cast"], false,
+         "each unit casts its floating inputs to param_dtype either way "
+         "(MixedPrecision::cast_forward_inputs)");
+  }
+  return fp16;
+}
+
+// The bf16 (or bfloat16, its old name: `b`) section; whether bf16 is enabled.
+bool ConfigReader::bf16_section(const json& f, const std::string& b) {
+  bool bf16 = false;
+  check_keys(f, b,
+             {"enabled", "immediate_grad_update", "check_grad_overflow",
+              "bf16_master_weights_and_grads", "bf16_optimizer_states"});
+  if (f.contains("enabled")) {
+    bf16 = boolean(b + ".enabled", f["enabled"], p_.precision == "bf16");
+    note(b + ".enabled", f["enabled"], true,
+         bf16 ? "precision bf16: MixedPrecision param_dtype and reduce_dtype kBFloat16 over fp32 "
+                "masters"
+              : "bf16 off",
+         is_auto(f["enabled"]) ? (bf16 ? "true" : "false") : "");
+  }
+  if (f.contains("immediate_grad_update")) {
+    boolean(b + ".immediate_grad_update", f["immediate_grad_update"]);
+    note(b + ".immediate_grad_update", f["immediate_grad_update"], false,
+         "gradients are reduce-scattered into fp32 shards as each unit's backward ends");
+  }
+  if (f.contains("check_grad_overflow")) {
+    boolean(b + ".check_grad_overflow", f["check_grad_overflow"]);
+    note(b + ".check_grad_overflow", f["check_grad_overflow"], false,
+         "bf16 runs without a loss scaler here, so no step is skipped for inf or nan");
+  }
+  if (f.contains("bf16_master_weights_and_grads"))
+    default_only(b + ".bf16_master_weights_and_grads", f["bf16_master_weights_and_grads"], false,
+                 "master weights and their gradients are fp32 here");
+  if (f.contains("bf16_optimizer_states"))
+    default_only(b + ".bf16_optimizer_states", f["bf16_optimizer_states"], false,
+                 "optimizer state is fp32 here");
+  return bf16;
+}
+
 void ConfigReader::precision(const json& j) {
   TORCH_CHECK(!(j.contains("bf16") && j.contains("bfloat16")),
               "ds_config: both bf16 and bfloat16 are given; bfloat16 is the old name of bf16, "
               "keep one");
   bool fp16 = false, bf16 = false;
-  if (j.contains("fp16")) {
-    const json& f = j["fp16"];
-    check_keys(
-        f, "fp16",
-        {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-         "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"});
-    if (f.contains("enabled")) {
-      fp16 = boolean("fp16.enabled", f["enabled"], p_.precision == "fp16");
-      note("fp16.enabled", f["enabled"], true,
-           fp16 ? "precision fp16: MixedPrecision param_dtype and reduce_dtype kHalf over fp32 "
-                  "masters, with the loss scaler (fsdp::LossScaler)"
-                : "fp16 off",
-           is_auto(f["enabled"]) ? (fp16 ? "true" : "false") : "");
-    }
-    const std::string off = fp16 ? "" : "; fp16 is not enabled, so it has no effect";
-    LossScalerOptions& ls = out_.loss_scaler;
-    if (f.contains("loss_scale")) {
-      ls.loss_scale = number("fp16.loss_scale", f["loss_scale"]);
-      note("fp16.loss_scale", f["loss_scale"], fp16,
-           (ls.loss_scale == 0 ? std::string("LossScalerOptions::loss_scale = 0 (dynamic)")
-                               : "LossScalerOptions::loss_scale (static)") +
-               off);
-    }
-    if (f.contains("initial_scale_power")) {
-      ls.initial_scale_power =
-          static_cast<int>(integer("fp16.initial_scale_power", f["initial_scale_power"]));
-      TORCH_CHECK(ls.initial_scale_power <= 60, "ds_config: fp16.initial_scale_power ",
-                  ls.initial_scale_power, " must be at most 60 (the default is 16)");
-      note("fp16.initial_scale_power", f["initial_scale_power"], fp16,
-           "LossScalerOptions::initial_scale_power" + off);
-    }
-    if (f.contains("loss_scale_window")) {
-      ls.loss_scale_window =
-          static_cast<int>(integer("fp16.loss_scale_window", f["loss_scale_window"], {}, 1));
-      note("fp16.loss_scale_window", f["loss_scale_window"], fp16,
-           "LossScalerOptions::loss_scale_window" + off);
-    }
-    if (f.contains("hysteresis")) {
-      ls.hysteresis = static_cast<int>(integer("fp16.hysteresis", f["hysteresis"], {}, 1));
-      note("fp16.hysteresis", f["hysteresis"], fp16, "LossScalerOptions::hysteresis" + off);
-    }
-    if (f.contains("min_loss_scale")) {
-      ls.min_loss_scale = number("fp16.min_loss_scale", f["min_loss_scale"]);
-      TORCH_CHECK(ls.min_loss_scale > 0, "ds_config: fp16.min_loss_scale must be > 0");
-      note("fp16.min_loss_scale", f["min_loss_scale"], fp16,
-           "LossScalerOptions::min_loss_scale" + off);
-    }
-    if (f.contains("consecutive_hysteresis"))
-      default_only("fp16.consecutive_hysteresis", f["consecutive_hysteresis"], false,
-                   "the hysteresis refills only after a clean loss_scale_window");
-    if (f.contains("fp16_master_weights_and_grads"))
-      default_only("fp16.fp16_master_weights_and_grads", f["fp16_master_weights_and_grads"], false,
-                   "master weights and their gradients are fp32 here");
-    if (f.contains("auto_cast")) {
-      boolean("fp16.auto_cast", f["auto_cast"]);
-      note("fp16.auto_cast", f["auto_cast"], false,
-           "each unit casts its floating inputs to param_dtype either way "
-           "(MixedPrecision::cast_forward_inputs)");
-    }
-  }
+  if (j.contains("fp16")) fp16 = fp16_section(j["fp16"]);
   const char* bkey = j.contains("bf16") ? "bf16" : "bfloat16";
-  if (j.contains(bkey)) {
-    const std::string b = bkey;
-    const json& f = j[bkey];
-    check_keys(f, b,
-               {"enabled", "immediate_grad_update", "check_grad_overflow",
-                "bf16_master_weights_and_grads", "bf16_optimizer_states"});
-    if (f.contains("enabled")) {
-      bf16 = boolean(b + ".enabled", f["enabled"], p_.precision == "bf16");
-      note(b + ".enabled", f["enabled"], true,
-           bf16 ? "precision bf16: MixedPrecision param_dtype and reduce_dtype kBFloat16 over fp32 "
-                  "masters"
-                : "bf16 off",
-           is_auto(f["enabled"]) ? (bf16 ? "true" : "false") : "");
-    }
-    if (f.contains("immediate_grad_update")) {
-      boolean(b + ".immediate_grad_update", f["immediate_grad_update"]);
-      note(b + ".immediate_grad_update", f["immediate_grad_update"], false,
-           "gradients are reduce-scattered into fp32 shards as each unit's backward ends");
-    }
-    if (f.contains("check_grad_overflow")) {
-      boolean(b + ".check_grad_overflow", f["check_grad_overflow"]);
-      note(b + ".check_grad_overflow", f["check_grad_overflow"], false,
-           "bf16 runs without a loss scaler here, so no step is skipped for inf or nan");
-    }
-    if (f.contains("bf16_master_weights_and_grads"))
-      default_only(b + ".bf16_master_weights_and_grads", f["bf16_master_weights_and_grads"], false,
-                   "master weights and their gradients are fp32 here");
-    if (f.contains("bf16_optimizer_states"))
-      default_only(b + ".bf16_optimizer_states", f["bf16_optimizer_states"], false,
-                   "optimizer state is fp32 here");
-  }
+  if (j.contains(bkey)) bf16 = bf16_section(j[bkey], bkey);
   TORCH_CHECK(!(fp16 && bf16),
               "ds_config: bfloat16 and fp16 modes cannot be simultaneously enabled");
   MixedPrecision& mp = out_.sharding.mixed_precision;
@@ -625,6 +636,14 @@ void ConfigReader::zero(const json& z_in) {
   if (z.contains("stage"))
     note("zero_optimization.stage", z["stage"], true,
          std::string("ShardingOptions::strategy = ") + ds_strategy_name(so.strategy));
+  zero_offload(z);
+  zero_tuning(z, stage);
+  prefetch(z, stage);
+}
+
+// zero_optimization's offload sections and the deprecated switches for them.
+void ConfigReader::zero_offload(const json& z) {
+  ShardingOptions& so = out_.sharding;
   TORCH_CHECK(!(z.contains("cpu_offload") && z.contains("offload_optimizer")),
               "ds_config: zero_optimization has both cpu_offload (deprecated) and "
               "offload_optimizer; keep offload_optimizer");
@@ -658,6 +677,10 @@ void ConfigReader::zero(const json& z_in) {
          "deprecated, and DeepSpeed does not carry it over either; use the offload sections' "
          "pin_memory");
   }
+}
+
+// zero_optimization's tuning keys: what the engine does always (noted), persistence.
+void ConfigReader::zero_tuning(const json& z, int stage) {
   auto flag = [&](const char* key, const std::string& why) {
     if (!z.contains(key)) return;
     boolean(std::string("zero_optimization.") + key, z[key]);
@@ -709,7 +732,6 @@ void ConfigReader::zero(const json& z_in) {
          "checkpoints are sharded; a consolidated file of the full weights is written by "
          "fsdp::export_consolidated / fsdp-consolidate (train_gpt --consolidate-to)");
   }
-  prefetch(z, stage);
 }
 
 void ConfigReader::prefetch(const json& z, int stage) {

@@ -392,20 +392,11 @@ const char* to_string(OffloadDevice d) {
   return "unknown";
 }
 
-MemoryEstimate estimate_memory(const EstimateInput& in) {
-  validate(in);
-  const int group = shard_group_size(in);
-  const int64_t elem = precision_bytes(in.precision);
-  const Layout l = layout_of(in, group);
-
-  const Offload off = offload_of(in);
-  MemoryEstimate est;
-  est.shard_group_size = group;
-  est.gpus_per_node = in.gpus_per_node == 0 ? in.world_size : in.gpus_per_node;
-  est.nodes = in.world_size / est.gpus_per_node;
-  est.total_params = sum(in.unit_params);
-  est.largest_unit_params = *std::max_element(in.unit_params.begin(), in.unit_params.end());
-
+// The model-state terms of estimate_memory: masters, gradients, AdamW's moments, and the
+// copies of the shards the gathers read (on the device with offload_optimizer alone, in
+// files with offload_param nvme).
+void add_model_states(MemoryEstimate& est, const EstimateInput& in, const Layout& l,
+                      const Offload& off, int64_t elem) {
   // Model state per rank, fp32 whatever the precision: the master shard
   // (MemoryStats::sharded_params), its gradient (grad_shards) and AdamW's exp_avg and
   // exp_avg_sq, which torch::optim::AdamW and FusedAdamW build shaped like the shard.
@@ -440,6 +431,23 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
                     std::string("parameter shards on device (") + to_string(in.precision) + ")",
                     elem * shard_elems, OffloadDevice::kNone));
   }
+}
+
+MemoryEstimate estimate_memory(const EstimateInput& in) {
+  validate(in);
+  const int group = shard_group_size(in);
+  const int64_t elem = precision_bytes(in.precision);
+  const Layout l = layout_of(in, group);
+
+  const Offload off = offload_of(in);
+  MemoryEstimate est;
+  est.shard_group_size = group;
+  est.gpus_per_node = in.gpus_per_node == 0 ? in.world_size : in.gpus_per_node;
+  est.nodes = in.world_size / est.gpus_per_node;
+  est.total_params = sum(in.unit_params);
+  est.largest_unit_params = *std::max_element(in.unit_params.begin(), in.unit_params.end());
+
+  add_model_states(est, in, l, off, elem);
 
   // ZeRO-1/2: every unit's full parameters persist between steps: exact, not a bound.
   est.terms.push_back({"gathered_units",
@@ -492,7 +500,12 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   if (in.offload_activations) act_label += ", inputs offloaded";
   est.terms.push_back({"activations", act_label, "rough", activation_bytes(in, elem),
                        offloaded_activation_bytes(in, elem), 0});
-  // Construction peaks (per rank; docs/design.md, "Sharded construction").
+  // Construction peaks (per rank; docs/design.md, "Sharded construction"): make_sharded
+  // writes the fp32 masters where the parameters term keeps them.
+  const int64_t shard_elems = sum(l.shard);
+  const OffloadDevice masters = off.param == OffloadDevice::kNvme ? off.param
+                                : off.any()                       ? OffloadDevice::kCpu
+                                                                  : OffloadDevice::kNone;
   int64_t largest_other = 0;
   for (size_t i = 1; i < in.unit_params.size(); ++i) {
     largest_other = std::max(largest_other, in.unit_params[i]);

@@ -228,13 +228,7 @@ int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool w
   return io_->submit(op, fd, data + (as - s), ae - as, as, what);
 }
 
-void NvmeAdamState::run(KernelIsa isa) {
-  // Where each job's parameter, gradient and 16-bit copy live: in a parameter file
-  // (streamed through the slots, Note [NVMe parameters]) or in memory (used in place).
-  struct Places {
-    offload::FileSpan p, g, out;
-    bool whole = false;  ///< p is a whole shard: its gradient and copy are whole regions too
-  };
+std::vector<NvmeAdamState::Places> NvmeAdamState::place_jobs() const {
   std::vector<Places> places(jobs_.size());
   for (size_t i = 0; i < jobs_.size(); ++i) {
     const Job& j = jobs_[i];
@@ -250,95 +244,96 @@ void NvmeAdamState::run(KernelIsa isa) {
     pl.whole = j.p.storage_offset() == 0 && j.p.nbytes() == j.p.storage().nbytes() &&
                aligned(pl.p) && aligned(pl.g) && aligned(pl.out);
   }
-  struct Chunk {
-    const Job* job;
-    const Places* at;
-    int64_t begin, n;
+  return places;
+}
+
+char* NvmeAdamState::stream_at(size_t k, int which) const {
+  // Slot k % 3, page-aligned streams: m, v, then (streamed parameters) p, g and the
+  // 16-bit copy, each with two pages of room (move()).
+  const int64_t room = 2 * offload::kIoAlign;
+  const int64_t offsets[kStreams] = {0, 4 * chunk_, 8 * chunk_, 12 * chunk_ + room,
+                                     16 * chunk_ + 2 * room};
+  return buffers_->data() + static_cast<int64_t>(k % 3) * slot_bytes() + offsets[which];
+}
+
+char* NvmeAdamState::data_at(size_t k, int which, const offload::FileSpan& f, int64_t begin,
+                             int esize, bool whole) const {
+  return stream_at(k, which) + (whole ? 0 : (f.offset + esize * begin) % offload::kIoAlign);
+}
+
+NvmeAdamState::Tickets NvmeAdamState::issue(offload::IoOp op, const Chunk& ch, size_t k) {
+  const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
+  Tickets t;
+  t.id[0] =
+      io_->submit(op, file_->fd(), stream_at(k, 0), bytes, ch.job->region->m + at, &file_->path());
+  t.id[1] =
+      io_->submit(op, file_->fd(), stream_at(k, 1), bytes, ch.job->region->v + at, &file_->path());
+  io_bytes_ += 2 * bytes;
+  const Places& pl = *ch.at;
+  auto stream = [&](int which, const offload::FileSpan& f, int esize) {
+    const int64_t s = esize * ch.begin, e = s + esize * ch.n;
+    t.id[which] = move(op, f, pl.whole, s, e, stream_at(k, which));
   };
+  if (pl.p.file) stream(2, pl.p, 4);
+  // The gradient is only read; the 16-bit copy only written.
+  if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, 4);
+  if (pl.out.file && op == offload::IoOp::kWrite) stream(4, pl.out, 2);
+  return t;
+}
+
+void NvmeAdamState::wait(Tickets& t) {
+  for (int64_t& id : t.id) {
+    if (id < 0) continue;
+    const int64_t ticket = id;
+    id = -1;
+    io_->wait(ticket);
+  }
+}
+
+void NvmeAdamState::step_chunk(const Chunk& ch, size_t k, KernelIsa isa) {
+  const Job& j = *ch.job;
+  const Places& pl = *ch.at;
+  auto* mp = reinterpret_cast<float*>(stream_at(k, 0));
+  auto* vp = reinterpret_cast<float*>(stream_at(k, 1));
+  float* pp = pl.p.file ? reinterpret_cast<float*>(data_at(k, 2, pl.p, ch.begin, 4, pl.whole))
+                        : j.p.data_ptr<float>() + ch.begin;
+  const float* gp = pl.g.file
+                        ? reinterpret_cast<const float*>(data_at(k, 3, pl.g, ch.begin, 4, pl.whole))
+                        : j.g.data_ptr<float>() + ch.begin;
+  uint16_t* out = nullptr;
+  if (pl.out.file) {
+    out = reinterpret_cast<uint16_t*>(data_at(k, 4, pl.out, ch.begin, 2, pl.whole));
+  } else if (j.out != nullptr) {
+    out = j.out + ch.begin;
+  }
+  // Over the intra-op threads (parallel_range.h: at::parallel_for would run on one).
+  for_each_range(torch::from_blob(mp, {ch.n}, torch::kFloat), [&](int64_t b, int64_t e) {
+    adamw_update(isa, j.c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr, j.kind);
+  });
+}
+
+void NvmeAdamState::run(KernelIsa isa) {
+  // Where each job's parameter, gradient and 16-bit copy live: in a parameter file
+  // (streamed through the slots, Note [NVMe parameters]) or in memory (used in place).
+  const std::vector<Places> places = place_jobs();
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < jobs_.size(); ++i) {
     const Job& j = jobs_[i];
     for (int64_t b = 0; b < j.region->numel; b += chunk_)
       chunks.push_back(Chunk{&j, &places[i], b, std::min(chunk_, j.region->numel - b)});
   }
-  constexpr int kStreams = 5;  // m, v, p, g, out
-  struct Tickets {
-    int64_t id[kStreams] = {-1, -1, -1, -1, -1};
-  };
   const size_t k_end = chunks.size();
   std::vector<Tickets> reads(k_end), writes(k_end);
-  // Slot k % 3, page-aligned streams: m, v, then (streamed parameters) p, g and the
-  // 16-bit copy, each with two pages of room (move()).
-  const int64_t room = 2 * offload::kIoAlign;
-  auto stream_at = [&](size_t k, int which) {
-    char* base = buffers_->data() + static_cast<int64_t>(k % 3) * slot_bytes();
-    const int64_t offsets[kStreams] = {0, 4 * chunk_, 8 * chunk_, 12 * chunk_ + room,
-                                       16 * chunk_ + 2 * room};
-    return base + offsets[which];
-  };
-  // Where a streamed chunk's first element lies in its slot.
-  auto data_at = [&](size_t k, int which, const offload::FileSpan& f, int64_t begin, int esize,
-                     bool whole) {
-    return stream_at(k, which) + (whole ? 0 : (f.offset + esize * begin) % offload::kIoAlign);
-  };
-  auto issue = [&](offload::IoOp op, size_t k) {
-    const Chunk& ch = chunks[k];
-    const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
-    Tickets t;
-    t.id[0] = io_->submit(op, file_->fd(), stream_at(k, 0), bytes, ch.job->region->m + at,
-                          &file_->path());
-    t.id[1] = io_->submit(op, file_->fd(), stream_at(k, 1), bytes, ch.job->region->v + at,
-                          &file_->path());
-    io_bytes_ += 2 * bytes;
-    const Places& pl = *ch.at;
-    auto stream = [&](int which, const offload::FileSpan& f, int esize) {
-      const int64_t s = esize * ch.begin, e = s + esize * ch.n;
-      t.id[which] = move(op, f, pl.whole, s, e, stream_at(k, which));
-    };
-    if (pl.p.file) stream(2, pl.p, 4);
-    // The gradient is only read; the 16-bit copy only written.
-    if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, 4);
-    if (pl.out.file && op == offload::IoOp::kWrite) stream(4, pl.out, 2);
-    return t;
-  };
-  auto wait = [&](Tickets& t) {
-    for (int64_t& id : t.id) {
-      if (id < 0) continue;
-      const int64_t ticket = id;
-      id = -1;
-      io_->wait(ticket);
-    }
-  };
   try {
-    if (k_end > 0) reads[0] = issue(offload::IoOp::kRead, 0);
+    if (k_end > 0) reads[0] = issue(offload::IoOp::kRead, chunks[0], 0);
     for (size_t k = 0; k < k_end; ++k) {
       if (k + 1 < k_end) {
         if (k >= 2) wait(writes[k - 2]);  // slot (k + 1) % 3 held chunk k - 2
-        reads[k + 1] = issue(offload::IoOp::kRead, k + 1);
+        reads[k + 1] = issue(offload::IoOp::kRead, chunks[k + 1], k + 1);
       }
       wait(reads[k]);
-      const Chunk& ch = chunks[k];
-      const Job& j = *ch.job;
-      const Places& pl = *ch.at;
-      auto* mp = reinterpret_cast<float*>(stream_at(k, 0));
-      auto* vp = reinterpret_cast<float*>(stream_at(k, 1));
-      float* pp = pl.p.file ? reinterpret_cast<float*>(data_at(k, 2, pl.p, ch.begin, 4, pl.whole))
-                            : j.p.data_ptr<float>() + ch.begin;
-      const float* gp =
-          pl.g.file ? reinterpret_cast<const float*>(data_at(k, 3, pl.g, ch.begin, 4, pl.whole))
-                    : j.g.data_ptr<float>() + ch.begin;
-      uint16_t* out = nullptr;
-      if (pl.out.file) {
-        out = reinterpret_cast<uint16_t*>(data_at(k, 4, pl.out, ch.begin, 2, pl.whole));
-      } else if (j.out != nullptr) {
-        out = j.out + ch.begin;
-      }
-      // Over the intra-op threads (parallel_range.h: at::parallel_for would run on one).
-      for_each_range(torch::from_blob(mp, {ch.n}, torch::kFloat), [&](int64_t b, int64_t e) {
-        adamw_update(isa, j.c, pp + b, gp + b, mp + b, vp + b, e - b, out ? out + b : nullptr,
-                     j.kind);
-      });
-      writes[k] = issue(offload::IoOp::kWrite, k);
+      step_chunk(chunks[k], k, isa);
+      writes[k] = issue(offload::IoOp::kWrite, chunks[k], k);
     }
     for (auto& w : writes) wait(w);
   } catch (...) {

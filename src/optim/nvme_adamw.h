@@ -7,6 +7,8 @@
 #include <fsdp/process_group.h>
 
 #include "adamw_kernels.h"
+#include "offload/io_engine.h"
+#include "offload/state_file.h"
 
 #include <torch/torch.h>
 
@@ -17,14 +19,6 @@
 #include <vector>
 
 namespace fsdp::detail {
-
-namespace offload {
-class IoEngine;
-class StateFile;
-class AlignedBuffer;
-struct FileSpan;
-enum class IoOp;
-}  // namespace offload
 
 class NvmeAdamState {
  public:
@@ -88,6 +82,31 @@ class NvmeAdamState {
   static constexpr int64_t kParamSlotExtra = 6 * 4096;
   /// Bytes of one of the three slots.
   int64_t slot_bytes() const;
+  /// Where a job's parameter, gradient and 16-bit copy live: in a parameter file
+  /// (streamed) or in memory (null file).
+  struct Places {
+    offload::FileSpan p, g, out;
+    bool whole = false;  ///< p is a whole shard: its gradient and copy are whole regions too
+  };
+  struct Chunk {
+    const Job* job;
+    const Places* at;
+    int64_t begin, n;
+  };
+  static constexpr int kStreams = 5;  ///< m, v, p, g, out
+  struct Tickets {
+    int64_t id[kStreams] = {-1, -1, -1, -1, -1};
+  };
+  std::vector<Places> place_jobs() const;
+  /// Stream `which` of slot k % 3 (page-aligned), and where chunk data starts in it.
+  char* stream_at(size_t k, int which) const;
+  char* data_at(size_t k, int which, const offload::FileSpan& f, int64_t begin, int esize,
+                bool whole) const;
+  /// Queues chunk `ch`'s transfers in slot k % 3.
+  Tickets issue(offload::IoOp op, const Chunk& ch, size_t k);
+  void wait(Tickets& t);
+  /// The kernel over chunk `ch` in slot k % 3.
+  void step_chunk(const Chunk& ch, size_t k, KernelIsa isa);
   /// Moves bytes [s, e) of the tensor at `f` between its file and `buf` (Note [NVMe
   /// parameters]); the O_DIRECT ticket or -1.
   int64_t move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s, int64_t e,
