@@ -1,6 +1,6 @@
 #pragma once
 // DeepSpeed's ds_config.json, taken as it is: read into this library's options, each key
-// applied or accepted with the reason it has no effect here (README, "DeepSpeed configs").
+// applied or accepted with the reason it has no effect here (docs/guide/deepspeed.md).
 //
 //   fsdp::DeepSpeedProgramValues program;  // what "auto" means: the program's own values
 //   program.world_size = pg.size();

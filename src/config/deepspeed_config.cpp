@@ -1,5 +1,5 @@
 // A DeepSpeed ds_config.json read into options: every key applied, or accepted with the
-// reason it has no effect here, or refused naming it (README, "DeepSpeed configs"). The
+// reason it has no effect here, or refused naming it (docs/guide/deepspeed.md). The
 // defaults, the batch rule and its messages are deepspeed/runtime/config.py's (0.19.8).
 #include <fsdp/deepspeed_config.h>
 
