@@ -307,30 +307,42 @@ TEST(NvmeParams, RanksSharingADiskAreCheckedTogetherBeforeReserving) {
     ASSERT_GE(avail, per_rank) << "one rank's files must fit";
     ASSERT_LT(avail, 2 * per_rank) << "two ranks' files must not";
   }
-  run_ranks(2,
-            [](const ProcessGroup& pg) {
-              const std::string path = std::getenv("FSDP_TEST_SHARED_DISK");
-              ShardingOptions o = options(pg, path, false, true);
-              o.auto_wrap_policy = never_wrap_policy();
-              const std::string what =
-                  error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); });
-              EXPECT_EQ(what.rfind("not enough free space in ShardingOptions::offload_param."
-                                   "nvme_path='" +
-                                       path +
-                                       "' on the disk that ranks 0, 1 share (one machine, one file "
-                                       "system): together they need ",
-                                   0),
-                        0u)
-                  << what;
-              EXPECT_NE(what.find(", each rank its parameter files (the fp32 master shards and "
-                                  "their gradients, 8 bytes for each trainable shard element"),
-                        std::string::npos)
-                  << what;
-              struct statvfs vfs {};
-              ASSERT_EQ(statvfs(path.c_str(), &vfs), 0);
-              EXPECT_EQ(vfs.f_bfree, vfs.f_blocks) << "a rank reserved its files before the check";
-            },
-            300, {"FSDP_TEST_SHARED_DISK=" + (dir ? dir->path : std::string())});
+  run_ranks(
+      2,
+      [](const ProcessGroup& pg) {
+        const std::string path = std::getenv("FSDP_TEST_SHARED_DISK");
+        ShardingOptions o = options(pg, path, false, true);
+        o.auto_wrap_policy = never_wrap_policy();
+        const std::string what = error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); });
+        EXPECT_EQ(what.rfind("not enough free space in ShardingOptions::offload_param."
+                             "nvme_path='" +
+                                 path +
+                                 "' on the disk that ranks 0, 1 share (one machine, one file "
+                                 "system): together they need ",
+                             0),
+                  0u)
+            << what;
+        EXPECT_NE(what.find(", each rank its parameter files for the model (the fp32 master "
+                            "shards and their gradients, 8 bytes for each trainable shard "
+                            "element"),
+                  std::string::npos)
+            << what;
+        struct statvfs vfs {};
+        ASSERT_EQ(statvfs(path.c_str(), &vfs), 0);
+        EXPECT_EQ(vfs.f_bfree, vfs.f_blocks) << "a rank reserved its files before the check";
+        // Built sharded (make_sharded), each unit is checked as it is built: the
+        // unit that no longer fits for both ranks is refused the same way on both,
+        // not by ENOSPC on one.
+        o.auto_wrap_policy = module_type_policy<gpt::Block>();
+        const std::string built = error_of([&] { make_sharded<gpt::GPT>(o, small_gpt_config()); });
+        EXPECT_EQ(built.rfind("not enough free space in ShardingOptions::offload_param."
+                              "nvme_path='" +
+                                  path + "' on the disk that ranks 0, 1 share",
+                              0),
+                  0u)
+            << built;
+      },
+      300, {"FSDP_TEST_SHARED_DISK=" + (dir ? dir->path : std::string())});
 }
 
 // Parameter groups (train_gpt's no-decay recipe) step segments of the shards: ranges that

@@ -447,41 +447,39 @@ std::vector<std::unique_ptr<FlatParam>> make_flats(
   return out;
 }
 
-// Note [NVMe parameters]: the bytes this rank's parameter files will take, for the flat
-// parameters still to build (make_sharded reserved the others' already).
-int64_t param_file_bytes(const std::vector<WrapNode*>& nodes, const FlatConfig& cfg) {
+// Note [NVMe parameters]: the bytes this rank's parameter files take for a unit of
+// `params` (its trainable and its frozen flat parameter).
+int64_t unit_file_bytes(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                        bool keep_fp32, const FlatConfig& cfg) {
   const int64_t g = cfg.shard_group->size();
   auto shard = [g](int64_t n) { return (n + g - 1) / g; };
-  int64_t bytes = 0;
-  for (const WrapNode* n : nodes) {
-    if (n->built) continue;
-    int64_t trainable = 0, frozen = 0;
-    std::set<const c10::TensorImpl*> seen;
-    for (const auto& [name, p] : n->params) {
-      if (seen.insert(p.unsafeGetTensorImpl()).second)
-        (p.requires_grad() ? trainable : frozen) += p.numel();
-    }
-    const int64_t compute =
-        n->keep_fp32 ? 4 : static_cast<int64_t>(c10::elementSize(cfg.param_dtype));
-    if (trainable > 0) {
-      bytes += 2 * offload::io_round_up(4 * shard(trainable));
-      if (compute < 4) bytes += offload::io_round_up(compute * shard(trainable));
-    }
-    if (frozen > 0) bytes += offload::io_round_up(4 * shard(frozen));
+  int64_t trainable = 0, frozen = 0, bytes = 0;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& [name, p] : params) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second)
+      (p.requires_grad() ? trainable : frozen) += p.numel();
   }
+  const int64_t compute = keep_fp32 ? 4 : static_cast<int64_t>(c10::elementSize(cfg.param_dtype));
+  if (trainable > 0) {
+    bytes += 2 * offload::io_round_up(4 * shard(trainable));
+    if (compute < 4) bytes += offload::io_round_up(compute * shard(trainable));
+  }
+  if (frozen > 0) bytes += offload::io_round_up(4 * shard(frozen));
   return bytes;
 }
 
-// Note [Shared NVMe disk], for the parameter files: collective.
-void check_param_file_space(const std::vector<WrapNode*>& nodes, const ShardingOptions& options,
-                            const FlatConfig& cfg) {
+// Note [Shared NVMe disk], for the parameter files that `bytes` are (`what`: of which
+// units): collective. fully_shard checks the units still to build at once; make_sharded
+// each unit as it builds it (the model's size is unknown until then).
+void check_param_file_space(int64_t bytes, const ShardingOptions& options,
+                            const std::string& what) {
   if (options.offload_param.device != OffloadDevice::kNvme) return;
-  const int64_t bytes = param_file_bytes(nodes, cfg);
   const std::string field = "ShardingOptions::offload_param.nvme_path";
   const std::string files =
-      "parameter files (the fp32 master shards and their gradients, 8 bytes for each "
-      "trainable shard element, 4 for a frozen one, and the 16-bit copies the gathers read; "
-      "each region aligned to 4096 bytes)";
+      "parameter files " + what +
+      " (the fp32 master shards and their gradients, 8 bytes for each trainable shard element, "
+      "4 for a frozen one, and the 16-bit copies the gathers read; each region aligned to 4096 "
+      "bytes)";
   if (options.process_group.size() > 1)
     offload::check_shared_free_space(options.process_group, options.offload_param.nvme_path, field,
                                      bytes, "its " + files, "its parameter files");
@@ -590,7 +588,13 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
   check_tied_in_one_unit(nodes);
   auto rt = runtime_for_units(nodes, options);
   check_host_memory(*root, options, rt->acct().mem.sharded_params.current);
-  check_param_file_space(nodes, options, rt->flat_config());
+  if (options.offload_param.device == OffloadDevice::kNvme) {
+    int64_t bytes = 0;
+    for (const WrapNode* n : nodes) {
+      if (!n->built) bytes += unit_file_bytes(n->params, n->keep_fp32, rt->flat_config());
+    }
+    check_param_file_space(bytes, options, "for the model");
+  }
   cast_buffers(*root, options.mixed_precision);
 
   // Build them: each unit's flat parameters, and the wrap points' links.
@@ -620,6 +624,9 @@ void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope) {
   FlatConfig cfg = rt.flat_config();
   cfg.label = "unit #" + std::to_string(scope.units_built) + " of make_sharded";
   if (keep_fp32) cfg.param_dtype = at::kFloat;
+  check_param_file_space(unit_file_bytes(params, keep_fp32, cfg), o,
+                         "for the unit it builds now (make_sharded; the disk already holds the "
+                         "units built before)");
   auto& st = EngineAccess::state(wp);
   st.built_flats = make_flats(params, cfg, scope.broadcast);
   st.built_keep_fp32 = keep_fp32;
