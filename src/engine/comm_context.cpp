@@ -36,6 +36,47 @@ void CommContext::wait_gathers(const Unit& unit) {
   }
 }
 
+// Note [Collectives in one place]
+// The engine's collectives are issued here, as FSDP2 keeps them in _fsdp_collectives.py:
+// the all-gather of each flat parameter (its input prepared by FlatParam::gather_input,
+// which keeps storage and casting), the reduce-scatter and all-reduce of its gradient.
+// (Exports gather through FlatParam::gather_like, outside training.)
+std::shared_ptr<Work> CommContext::all_gather(FlatParam& flat) {
+  FlatParam::GatherInput in = flat.gather_input();
+  if (in.done) return std::make_shared<DoneWork>();
+  const FlatConfig& cfg = flat.config();
+  at::NoGradGuard no_grad;
+  CollectiveLabel label(flat.label());
+  std::shared_ptr<Work> work;
+  std::function<void()> join;
+  if (in.from_slice) {  // Note [Post-forward slices]
+    acct_->count_reshard_group_gather(flat.full_bytes());
+    work = cfg.reshard_group->all_gather(flat.full(), in.input);
+  } else {
+    if (cfg.shard_group->size() > 1) acct_->count(Collective::kAllGather, flat.full_bytes());
+    auto issue = [&]() { work = cfg.shard_group->all_gather(flat.full(), in.input); };
+    if (in.staging.defined() && cfg.offload) {
+      join = cfg.transfers->on_stream(issue, in.staging);
+    } else if (in.copied.defined()) {
+      join = cfg.transfers->on_stream(issue, in.copied);
+    } else {
+      issue();
+    }
+  }
+  if (in.counter == nullptr) {
+    if (!join) return work;
+    return std::make_shared<ThenWork>(work, [join]() { join(); });
+  }
+  // The input is freed with this function object, once the work has run it.
+  MemoryCounter* counter = in.counter;
+  const int64_t bytes = in.held_bytes;
+  at::Tensor held = in.input;
+  return std::make_shared<ThenWork>(work, [counter, join, bytes, held]() {
+    if (join) join();
+    Accounting::release(*counter, bytes);
+  });
+}
+
 void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
   if (grad.defined()) {
     // An earlier reduction of this flat parameter adds into the same gradient shard

@@ -47,6 +47,11 @@ class CommContext {
   /// Waits for `unit`'s gathers in flight, if any.
   void wait_gathers(const Unit& unit);
 
+  /// Issues the all-gather of `flat`'s full parameters (its input from
+  /// FlatParam::gather_input) into its full buffer; the work holds the input until it
+  /// completes (Note [Collectives in one place]).
+  std::shared_ptr<Work> all_gather(FlatParam& flat);
+
   // Reductions.
   /// Issues the reduce-scatter (sum) of `grad` (GradBuffer::take_for_reduction(), may be
   /// undefined: nothing to reduce) into `flat`'s gradient shard, then finishes the

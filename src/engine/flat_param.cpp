@@ -138,15 +138,27 @@ FlatParam::~FlatParam() {
                         bytes_of(shard_numel_, cfg_.param_dtype));
 }
 
-std::shared_ptr<Work> FlatParam::gather() {
-  if (alias_) return std::make_shared<DoneWork>();
+FlatParam::GatherInput FlatParam::gather_input() {
+  GatherInput in;
+  if (alias_) {
+    in.done = true;
+    return in;
+  }
   if (!full_allocated()) {
     alloc_storage(full_, static_cast<size_t>(full_bytes()));
     Accounting::alloc(cfg_.acct->mem.gathered_params, full_bytes());
   }
   at::NoGradGuard no_grad;
   gathered_version_ = shard_._version();
-  if (slice_.defined()) return gather_slices();
+  if (slice_.defined()) {
+    // Note [Post-forward slices]: the slice goes once the gather has run.
+    in.input = std::move(slice_);
+    slice_ = at::Tensor();
+    in.from_slice = true;
+    in.counter = &cfg_.acct->mem.post_forward_params;
+    in.held_bytes = bytes_of(in.input.numel(), cfg_.param_dtype);
+    return in;
+  }
   at::Tensor input = shard_.detach();
   // The optimizer's param_dtype copy, written in its update pass, saves the cast while
   // the shard has not changed since (its version counter says so).
@@ -162,10 +174,9 @@ std::shared_ptr<Work> FlatParam::gather() {
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
-  // host is the device; Note [Offload transfers]). The work returned keeps it alive.
+  // host is the device; Note [Offload transfers]). The collective's work keeps it alive.
   MemoryCounter* counter =
       cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
-  at::Tensor staging, copied;
   if (cfg_.offload && cfg_.keep_device_params) {
     // Note [Offload granularity]: the device copy stays; it is copied again only once
     // the host shard changed (an optimizer step on the host, a checkpoint load).
@@ -175,40 +186,24 @@ std::shared_ptr<Work> FlatParam::gather() {
       device_params_ = cfg_.transfers->to_device(input, cfg_.param_dtype);
       device_params_version_ = shard_._version();
       cfg_.acct->count_offload(/*to_device=*/true, bytes);
-      copied = device_params_;
+      in.copied = device_params_;
     }
     input = device_params_;
   } else if (cfg_.offload) {
-    staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
+    in.staging = cfg_.transfers->to_device(input, cfg_.param_dtype);
     cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
-    input = staging;
+    input = in.staging;
   } else if (cfg_.param_dtype != cfg_.master_dtype && !fresh) {
-    staging = input.to(cfg_.param_dtype);
-    input = staging;
+    in.staging = input.to(cfg_.param_dtype);
+    input = in.staging;
   }
-  if (staging.defined()) Accounting::alloc(*counter, bytes_of(shard_numel_, cfg_.param_dtype));
-  if (cfg_.shard_group->size() > 1) cfg_.acct->count(Collective::kAllGather, full_bytes());
-  std::shared_ptr<Work> work;
-  CollectiveLabel label(this->label());
-  auto issue = [&]() { work = cfg_.shard_group->all_gather(full_, input); };
-  std::function<void()> join;
-  if (staging.defined() && cfg_.offload) {
-    join = cfg_.transfers->on_stream(issue, staging);
-  } else if (copied.defined()) {
-    join = cfg_.transfers->on_stream(issue, copied);
-  } else {
-    issue();
+  if (in.staging.defined()) {
+    in.counter = counter;
+    in.held_bytes = bytes_of(shard_numel_, cfg_.param_dtype);
+    Accounting::alloc(*counter, in.held_bytes);
   }
-  if (!staging.defined()) {
-    if (!join) return work;
-    return std::make_shared<ThenWork>(work, [join]() { join(); });
-  }
-  const int64_t staged_bytes = bytes_of(shard_numel_, cfg_.param_dtype);
-  // `staging` is freed with this function object, once the work has run it.
-  return std::make_shared<ThenWork>(work, [counter, join, staged_bytes, staging]() {
-    if (join) join();
-    Accounting::release(*counter, staged_bytes);
-  });
+  in.input = input;
+  return in;
 }
 
 void FlatParam::count_grad(bool grow) {
@@ -253,20 +248,6 @@ void FlatParam::drop_slice() {
   Accounting::release(cfg_.acct->mem.post_forward_params,
                       bytes_of(slice_.numel(), cfg_.param_dtype));
   slice_ = at::Tensor();
-}
-
-std::shared_ptr<Work> FlatParam::gather_slices() {
-  // Note [Post-forward slices]: the full buffer's storage is already restored.
-  at::Tensor slice = std::move(slice_);
-  slice_ = at::Tensor();
-  cfg_.acct->count_reshard_group_gather(full_bytes());
-  CollectiveLabel label(this->label());
-  std::shared_ptr<Work> work = cfg_.reshard_group->all_gather(full_, slice);
-  Accounting* acct = cfg_.acct;
-  const int64_t bytes = bytes_of(slice.numel(), cfg_.param_dtype);
-  // The slice is freed with this function object, once the gather has run.
-  return std::make_shared<ThenWork>(
-      work, [acct, bytes, slice]() { Accounting::release(acct->mem.post_forward_params, bytes); });
 }
 
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {

@@ -95,12 +95,25 @@ class FlatParam {
     return padded_ * static_cast<int64_t>(c10::elementSize(cfg_.param_dtype));
   }
 
-  /// Restores the full buffer's storage and issues the all-gather into it. The returned
-  /// work holds the gather's staging buffer (the shard cast to param_dtype, or copied to
-  /// the device with offload) until it completes. With a post-forward slice (release
-  /// with keep_slice), gathers the slices of the reshard group instead, and drops the
-  /// slice once done.
-  std::shared_ptr<Work> gather();
+  /// What an all-gather of this flat parameter sends (CommContext::all_gather issues it).
+  struct GatherInput {
+    bool done = false;        ///< nothing to gather (aliased: the buffer is the shard)
+    at::Tensor input;         ///< this rank's part, in param_dtype on the device
+    bool from_slice = false;  ///< the post-forward slice: gather over the reshard group
+    /// A cast or offload copy made for this gather (input is it); with offload, the
+    /// collective waits for its transfer stream.
+    at::Tensor staging;
+    /// keep_device_params: the device copy refreshed now (its transfer stream joins).
+    at::Tensor copied;
+    MemoryCounter* counter = nullptr;  ///< where `held_bytes` of input are counted until done
+    int64_t held_bytes = 0;
+  };
+  /// Restores the full buffer's storage and prepares the gather's input: the shard cast
+  /// to param_dtype, copied to the device with offload, read from its file with NVMe
+  /// parameters, or the optimizer's copy; or, with a post-forward slice (release with
+  /// keep_slice), the slice, which the gather then drops. Storage and casting only: the
+  /// collective is CommContext's.
+  GatherInput gather_input();
   /// Frees the full buffer's storage; the parameter views stay, the bytes go. With
   /// `keep_slice` and a reshard group (Note [Post-forward slices]), first keeps this
   /// rank's 1/k slice of the full buffer for backward's gather; otherwise drops any slice.
@@ -108,7 +121,7 @@ class FlatParam {
   /// Whether a post-forward slice is held.
   bool has_slice() const { return slice_.defined(); }
   /// Whether the full buffer holds parameters gathered before the shard last changed (an
-  /// optimizer step, a checkpoint load): its version counter moved since gather().
+  /// optimizer step, a checkpoint load): its version counter moved since gather_input().
   /// Persistent strategies (kZero2, kZero1) gather such a unit again (Note [Persistent
   /// parameters]). False while sharded, and when aliased (the buffer is the shard).
   bool stale() const {
@@ -148,7 +161,7 @@ class FlatParam {
   /// Bytes of that file (0 without one).
   int64_t file_bytes() const;
   /// With in_file() and while sharded: queues the read of the next gather's input (the
-  /// copy, or the master when the copy is stale), which gather() then waits for instead
+  /// copy, or the master when the copy is stale), which gather_input() then waits for instead
   /// of reading. No-op otherwise, or when one is queued.
   void read_ahead();
   /// With in_file(): sets (no gradient yet) or adds `grad` (the reduced gradient shard in
@@ -171,15 +184,13 @@ class FlatParam {
   /// With in_file(): `numel` elements of `dtype` read from byte `offset` of the file into
   /// a new aligned host tensor (O_DIRECT where the file has it).
   at::Tensor read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const;
-  /// gather()'s input with in_file(): the read-ahead's buffer when it read what is current
+  /// gather_input()'s input with in_file(): the read-ahead's buffer when it read what is current
   /// (`fresh`: the copy), else a read now.
   at::Tensor take_read(bool fresh);
   /// Waits for a queued read-ahead and drops it.
   void drop_read();
   /// With in_file(): writes `src` (contiguous, on the host) at byte `offset` of the file.
   void write_file(const at::Tensor& src, int64_t offset) const;
-  /// gather() out of the post-forward slices, over the reshard group.
-  std::shared_ptr<Work> gather_slices();
   /// Whether the full buffer currently has its storage (always, when aliased).
   bool full_allocated() const { return alias_ || full_.storage().nbytes() != 0; }
 
@@ -205,7 +216,7 @@ class FlatParam {
   std::unique_ptr<offload::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
   int64_t grad_offset_ = 0;                   ///< of the gradient in file_, bytes
   int64_t copy_offset_ = 0;                   ///< of the param_dtype copy in file_, bytes
-  /// A gather's input read ahead (read_ahead()), until gather() takes it.
+  /// A gather's input read ahead (read_ahead()), until gather_input() takes it.
   struct ReadAhead {
     int64_t ticket = -1;  ///< the queued read; -1: none
     std::shared_ptr<offload::AlignedBuffer> buf;

@@ -50,7 +50,7 @@ int64_t Unit::full_bytes() const {
 void Unit::start_gather() {
   if (state_ != ShardedState::kSharded) return;
   std::vector<std::shared_ptr<Work>> works;
-  for (auto& f : flats_) works.push_back(f->gather());
+  for (auto& f : flats_) works.push_back(comm().all_gather(*f));
   comm().add_gathers(*this, std::move(works));
   state_ = ShardedState::kGathering;
 }
