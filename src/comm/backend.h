@@ -132,5 +132,32 @@ std::vector<int> find_group(const std::vector<std::vector<int>>& groups, int wor
 BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<int>>& groups,
                        const std::string& prefix, int count, std::string& sub_prefix);
 
+/// What the Gloo and NCCL backends share (`Derived` is the backend, `Group` its c10d
+/// process group): where this rank stands, the store prefix its splits extend, the group,
+/// and the calls that are the same for both. `Derived(init, prefix)` builds a subgroup.
+template <class Derived, class Group>
+class C10dBackend : public Backend {
+ public:
+  C10dBackend(const BackendInit& init, std::string prefix)
+      : init_(init), prefix_(std::move(prefix)) {}
+
+  int rank() const override { return init_.rank; }
+  int size() const override { return init_.size; }
+  double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
+  void barrier() override { pg_->barrier()->wait(); }
+  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
+    std::string tag;
+    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
+    if (sub.size == 1) return make_single_backend();
+    return std::make_shared<Derived>(sub, tag);
+  }
+
+ protected:
+  BackendInit init_;
+  std::string prefix_;
+  int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
+  c10::intrusive_ptr<Group> pg_;
+};
+
 }  // namespace detail
 }  // namespace fsdp

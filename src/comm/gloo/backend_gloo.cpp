@@ -207,10 +207,9 @@ std::string peers_and_addresses(c10d::Store& store, const BackendInit& init) {
   return s.str();
 }
 
-class GlooBackend : public Backend {
+class GlooBackend : public C10dBackend<GlooBackend, c10d::ProcessGroupGloo> {
  public:
-  GlooBackend(const BackendInit& init, std::string prefix)
-      : init_(init), prefix_(std::move(prefix)) {
+  GlooBackend(const BackendInit& init, std::string prefix) : C10dBackend(init, std::move(prefix)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(init.timeout);
     std::string bound;       // which address the ranks' sockets use, and why (for errors)
     std::string advertised;  // the address alone, for the peers' errors
@@ -276,10 +275,7 @@ class GlooBackend : public Backend {
     return [peers = peers_]() { return probe_peers(peers, std::chrono::milliseconds(500)); };
   }
 
-  int rank() const override { return init_.rank; }
-  int size() const override { return init_.size; }
   std::string name() const override { return "gloo"; }
-  double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
     // Note [Gloo with CUDA tensors]
@@ -324,15 +320,6 @@ class GlooBackend : public Backend {
     o.rootRank = root;
     pg_->broadcast(ts, o)->wait();
     if (auto back = copy_back(host, tensor)) back();
-  }
-
-  void barrier() override { pg_->barrier()->wait(); }
-
-  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
-    std::string tag;
-    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
-    if (sub.size == 1) return make_single_backend();
-    return std::make_shared<GlooBackend>(sub, tag);
   }
 
  private:
@@ -394,13 +381,9 @@ class GlooBackend : public Backend {
     });
   }
 
-  BackendInit init_;
-  std::string prefix_;
-  int split_count_ = 0;  ///< splits made so far; keeps store keys of each split apart
   RsAlgorithm rs_algorithm_ = reduce_scatter_algorithm();
   bool stage_all_ = stage_all_through_host();  ///< Note [Gloo with CUDA tensors]
   int64_t rs_calls_ = 0;  ///< reduce-scatters issued; each uses its own send/recv tag
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<ProbeListener> probe_;  ///< Note [Peer probe]
   std::vector<ProbePeer> peers_;          ///< this group's other ranks, to probe
 };

@@ -20,10 +20,9 @@ class NcclWork : public Work {
   c10::intrusive_ptr<c10d::Work> work_;
 };
 
-class NcclBackend : public Backend {
+class NcclBackend : public C10dBackend<NcclBackend, c10d::ProcessGroupNCCL> {
  public:
-  NcclBackend(const BackendInit& init, std::string prefix)
-      : init_(init), prefix_(std::move(prefix)) {
+  NcclBackend(const BackendInit& init, std::string prefix) : C10dBackend(init, std::move(prefix)) {
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(init.device_index));
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = init.timeout;
@@ -31,10 +30,7 @@ class NcclBackend : public Backend {
     pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, init.rank, init.size, opts);
   }
 
-  int rank() const override { return init_.rank; }
-  int size() const override { return init_.size; }
   std::string name() const override { return "nccl"; }
-  double timeout_s() const override { return std::chrono::duration<double>(init_.timeout).count(); }
 
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
     at::Tensor out = full;
@@ -64,21 +60,6 @@ class NcclBackend : public Backend {
     o.rootRank = root;
     pg_->broadcast(ts, o)->wait();
   }
-
-  void barrier() override { pg_->barrier()->wait(); }
-
-  std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
-    std::string tag;
-    BackendInit sub = split_init(init_, groups, prefix_, split_count_++, tag);
-    if (sub.size == 1) return make_single_backend();
-    return std::make_shared<NcclBackend>(sub, tag);
-  }
-
- private:
-  BackendInit init_;
-  std::string prefix_;
-  int split_count_ = 0;
-  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
 };
 
 }  // namespace
