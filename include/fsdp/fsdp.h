@@ -15,4 +15,5 @@
 #include <fsdp/stats.h>
 #include <fsdp/trace.h>
 #include <fsdp/version.h>
+#include <fsdp/warmup_schedule.h>
 #include <fsdp/wrap_policy.h>

@@ -1,6 +1,6 @@
 // DeepSpeed's WarmupLR and WarmupDecayLR, as deepspeed/runtime/lr_schedules.py computes
 // them (the tests compare with values that file's classes printed).
-#include <fsdp/deepspeed_config.h>
+#include <fsdp/warmup_schedule.h>
 
 #include <algorithm>
 #include <cmath>
