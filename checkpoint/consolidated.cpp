@@ -4,7 +4,7 @@
 #include "agree.h"
 #include "name_match.h"
 #include "optim_state.h"
-#include "safetensors.h"
+#include "safetensors/safetensors.h"
 #include "tensor_io.h"
 #include "trace/trace.h"
 

@@ -22,7 +22,7 @@
 // The flat parameter is split into shard_group_size chunks of shard_numel elements;
 // rank r < shard_group_size writes chunk r (replicas of HYBRID/NO_SHARD write nothing).
 
-#include "h5.h"
+#include "h5/h5.h"
 
 #include "internal/offline.h"
 

@@ -2,7 +2,7 @@
 // built on this start fast and keep about one parameter in memory (see layout.h).
 #include "layout.h"
 #include "publish.h"
-#include "safetensors.h"
+#include "safetensors/safetensors.h"
 
 #include <c10/util/Exception.h>
 

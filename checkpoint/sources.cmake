@@ -2,6 +2,6 @@
 # errors) but not the rest of LibTorch. One list for the library (CMakeLists.txt) and
 # the fuzz targets (tests/fuzz/CMakeLists.txt), as absolute paths.
 set(FSDP_CKPT_CORE_SOURCES
-    h5.cpp h5_convert.cpp h5_geometry.cpp h5_checksums.cpp h5_dataset.cpp
-    layout.cpp offline.cpp inspect.cpp safetensors.cpp publish.cpp reshard_plan.cpp)
+    h5/h5.cpp h5/h5_convert.cpp h5/h5_geometry.cpp h5/h5_checksums.cpp h5/h5_dataset.cpp
+    safetensors/safetensors.cpp layout.cpp offline.cpp inspect.cpp publish.cpp reshard_plan.cpp)
 list(TRANSFORM FSDP_CKPT_CORE_SOURCES PREPEND ${CMAKE_CURRENT_LIST_DIR}/)

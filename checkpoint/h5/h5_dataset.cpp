@@ -1,6 +1,6 @@
 // Checkpoint datasets (see h5.h): written contiguous with block checksums, read by
 // element ranges that verify every block they touch.
-#include "crc32c.h"
+#include "../crc32c.h"
 #include "h5_detail.h"
 
 #include <c10/util/Exception.h>

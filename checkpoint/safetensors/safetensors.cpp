@@ -15,7 +15,7 @@
 // data}, "weight_map": {name: file}}, as transformers writes and reads it.
 #include "safetensors.h"
 
-#include "publish.h"
+#include "../publish.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

@@ -1,5 +1,5 @@
 // Block checksums of checkpoint datasets (see h5_detail.h).
-#include "crc32c.h"
+#include "../crc32c.h"
 #include "h5_detail.h"
 
 #include <c10/util/Exception.h>
