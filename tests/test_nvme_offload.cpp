@@ -6,6 +6,7 @@
 
 #include "support/models.h"
 #include "support/multirank.h"
+#include "support/temp_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -33,28 +34,6 @@ std::string error_of(const std::function<void()>& fn) {
   }
   return "<no error>";
 }
-
-// A fresh, empty directory; removed (with what a test mounted on it) by the destructor.
-struct TempDir {
-  std::string path;
-  bool mounted = false;
-  TempDir() {
-    std::string t = "/tmp/fsdp_nvme_XXXXXX";
-    EXPECT_NE(mkdtemp(t.data()), nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    if (mounted) umount(path.c_str());
-    rmdir(path.c_str());
-  }
-  // A tmpfs of `size` ("64k") with `extra` options; false (errno set) when mount fails.
-  bool mount_tmpfs(const std::string& size, const std::string& extra = "") {
-    const std::string data = "size=" + size;
-    mounted =
-        mount("tmpfs", path.c_str(), "tmpfs", extra == "ro" ? MS_RDONLY : 0, data.c_str()) == 0;
-    return mounted;
-  }
-};
 
 ShardingOptions nvme_options(const ProcessGroup& pg, const std::string& dir, bool bf16) {
   ShardingOptions o;

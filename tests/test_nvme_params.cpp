@@ -9,6 +9,7 @@
 
 #include "support/models.h"
 #include "support/multirank.h"
+#include "support/temp_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include "../src/internal/sharded_model.h"  // shard sizes for the expected bytes
 
 using namespace fsdp;
@@ -35,26 +37,6 @@ std::string error_of(const std::function<void()>& fn) {
   }
   return "<no error>";
 }
-
-// A fresh directory on the disk that holds /tmp (a real file system: O_DIRECT), or a
-// tmpfs mounted on it; removed by the destructor.
-struct TempDir {
-  std::string path;
-  bool mounted = false;
-  TempDir() {
-    std::string t = "/tmp/fsdp_nvme_params_XXXXXX";
-    EXPECT_NE(mkdtemp(t.data()), nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    if (mounted) umount(path.c_str());
-    rmdir(path.c_str());
-  }
-  bool mount_tmpfs(const std::string& size) {
-    mounted = mount("tmpfs", path.c_str(), "tmpfs", 0, ("size=" + size).c_str()) == 0;
-    return mounted;
-  }
-};
 
 int64_t round_up(int64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 
@@ -114,9 +96,8 @@ int64_t expected_file_bytes(const ShardedModel& model) {
 // second gradient is added to the first in the file); gradients clipped. Equal losses
 // and norms at every step, and equal parameters after.
 template <class Model>
-void train_side_by_side(const ProcessGroup& pg, Model& mem, Model& files, int64_t steps) {
-  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
-  FusedAdamW opt_mem(mem, adamw), opt_files(files, adamw);
+void train_side_by_side(const ProcessGroup& pg, Model& mem, Model& files, FusedAdamW& opt_mem,
+                        FusedAdamW& opt_files, int64_t steps) {
   EXPECT_NE(opt_files.state_offload_info().find("with the parameters"), std::string::npos)
       << opt_files.state_offload_info();
   EXPECT_EQ(opt_mem.state_offload_info().find("with the parameters"), std::string::npos);
@@ -164,7 +145,9 @@ void parity(const ProcessGroup& pg, bool bf16, const char* io, bool hybrid) {
   auto mem = fully_shard(gpt::GPT(gpt_config(4)), mem_opts);
   torch::manual_seed(0);
   auto files = fully_shard(gpt::GPT(gpt_config(4)), file_opts);
-  train_side_by_side(pg, mem, files, 4);
+  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+  FusedAdamW opt_mem(mem, adamw), opt_files(files, adamw);
+  train_side_by_side(pg, mem, files, opt_mem, opt_files, 4);
   const MemoryStats m = files.memory_stats();
   EXPECT_EQ(m.sharded_params.peak, 0);
   EXPECT_EQ(m.grad_shards.peak, 0);
@@ -195,9 +178,9 @@ TEST(NvmeParams, HybridShardTrainsBitIdentically) {
 }
 
 // The bound of Note [NVMe parameters]: with the parameters in files, every host counter
-// peaks at the same bytes for 3 and 9 blocks of the same width (what computes, not the
-// model; from 3 blocks on, one reads ahead while two are gathered), while with the
-// parameters in memory the shards grow with the blocks.
+// peaks at the same bytes for 4 and 12 blocks of the same width (what computes, not the
+// model; from 4 blocks on, a gradient is written while one unit reads ahead and two are
+// gathered), while with the parameters in memory the shards grow with the blocks.
 TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
   auto peaks = [](int64_t layers, bool files) {
     TempDir dir;
@@ -221,7 +204,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
                                 m.gathered_params.peak, m.comm_buffers.peak,
                                 m.offload_buffers.peak, m.nvme_params.current};
   };
-  const auto small = peaks(3, true), large = peaks(9, true);
+  const auto small = peaks(4, true), large = peaks(12, true);
   const char* names[] = {"sharded_params", "grad_shards", "gathered_params", "comm_buffers",
                          "offload_buffers"};
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(small[i], large[i]) << names[i];
@@ -230,7 +213,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
   EXPECT_GT(small[2], 0);
   EXPECT_GT(large[5], 2 * small[5]) << "the files grow with the model instead";
   // In memory, the same models' shards grow: the test can tell the two apart.
-  const auto small_mem = peaks(3, false), large_mem = peaks(9, false);
+  const auto small_mem = peaks(4, false), large_mem = peaks(12, false);
   EXPECT_GT(large_mem[0], 2 * small_mem[0]);
   EXPECT_EQ(small_mem[5], 0);
 }
@@ -359,22 +342,7 @@ TEST(NvmeParams, ParameterGroupsStreamSegmentsOfTheShardsExactly) {
     const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
     ShardParamGroups gm(mem, no_decay_groups(0.1)), gf(files, no_decay_groups(0.1));
     FusedAdamW opt_mem(gm, adamw), opt_files(gf, adamw);
-    ASSERT_NE(opt_files.state_offload_info().find("with the parameters"), std::string::npos);
-    for (int64_t s = 0; s < 4; ++s) {
-      auto rows = my_rows(gpt_batch(s, 8, small_gpt_config().block_size), pg);
-      torch::Tensor lm = gpt::loss_on(mem, rows), lf = gpt::loss_on(files, rows);
-      EXPECT_EQ(lm.item<double>(), lf.item<double>()) << "step " << s;
-      lm.backward();
-      lf.backward();
-      opt_mem.step();
-      opt_files.step();
-      opt_mem.zero_grad();
-      opt_files.zero_grad();
-    }
-    auto a = full_state_dict(mem), b = full_state_dict(files);
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+    train_side_by_side(pg, mem, files, opt_mem, opt_files, 4);
   });
 }
 
@@ -388,4 +356,34 @@ TEST(NvmeParams, TooSmallBufferIsRefusedNamingTheLeast) {
             "offload_param=nvme the optimizer streams three chunks of the masters, gradients, "
             "exp_avg, exp_avg_sq and 16-bit copies through it, at least 2048 elements each "
             "(184320 bytes); use 64 MiB (the default)");
+}
+
+// fully_shard's host-memory check counts what each mode keeps in RAM: with the optimizer
+// state in files, 8 bytes per element (shard and gradient); a model that needs 8 bytes per
+// element beyond what is available is refused with that count in the message.
+struct HugeImpl : torch::nn::Module {
+  explicit HugeImpl(int64_t n) { register_parameter("w", torch::empty({n})); }
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(Huge);
+
+TEST(NvmeParams, HostMemoryCheckCountsEightBytesWithTheStateInFiles) {
+  int64_t avail = -1;
+  std::ifstream in("/proc/meminfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("MemAvailable:", 0) == 0) avail = std::stoll(line.substr(13)) * 1024;
+  }
+  ASSERT_GT(avail, 0);
+  const int64_t n = avail / 6;  // 8 bytes each: 4/3 of what is available
+  TempDir dir;
+  const std::string msg =
+      error_of([&] { fully_shard(Huge(n), options(ProcessGroup(), dir.path, false, false)); });
+  EXPECT_NE(msg.find("fully_shard: not enough host memory. " + std::to_string(n) +
+                     " parameters sharded over 1 ranks need"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find(" per rank in host RAM (fp32 shard and gradient, the Adam state being in "
+                     "files: 8 bytes per element)"),
+            std::string::npos)
+      << msg;
 }

@@ -74,15 +74,15 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   if (!cfg_.nvme_path.empty()) {
     // Note [NVMe parameters]: master, gradient and (16-bit compute) the optimizer's copy,
     // each region aligned for O_DIRECT.
-    const int64_t region = offload::io_round_up(bytes_of(shard_numel_, cfg_.master_dtype));
-    grad_offset_ = region;
-    copy_offset_ = region + (trainable_ ? region : 0);
-    const bool copy = trainable_ && cfg_.param_dtype != cfg_.master_dtype;
-    const int64_t bytes =
-        copy_offset_ + (copy ? offload::io_round_up(bytes_of(shard_numel_, cfg_.param_dtype)) : 0);
+    const FileLayout layout =
+        file_layout(shard_numel_, trainable_, cfg_.master_dtype, cfg_.param_dtype);
+    grad_offset_ = layout.grad;
+    copy_offset_ = layout.copy;
     file_ = std::make_unique<offload::StateFile>(
-        cfg_.nvme_path, bytes, "ShardingOptions::offload_param.nvme_path", "parameters");
-    write_file(shard_.to(at::kCPU).contiguous(), 0);
+        cfg_.nvme_path, layout.bytes, "ShardingOptions::offload_param.nvme_path", "parameters");
+    at::Tensor host = host_buffer(shard_numel_, cfg_.master_dtype);
+    host.copy_(shard_);
+    write_file(host, 0);
     shard_ = file_->view(0, {shard_numel_}, cfg_.master_dtype);
     Accounting::alloc(cfg_.acct->mem.nvme_params, file_->bytes());
   } else if (cfg_.offload) {
@@ -300,89 +300,95 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 // flat parameter in flight and one unit's read ahead (offload_buffers), FusedAdamW's buffer_bytes,
 // and the activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
 // files (docs/design.md, "Bigger than memory").
-int64_t FlatParam::file_bytes() const { return file_ ? file_->bytes() : 0; }
-
 void FlatParam::read_ahead() {
   if (!file_ || ahead_.ticket >= 0 || full_allocated() || slice_.defined() || shard_numel_ == 0)
     return;
   const bool fresh = lowp_.defined() && lowp_version_->load() == shard_._version();
   const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
-  const int64_t bytes = bytes_of(shard_numel_, dtype);
-  ahead_.buf = std::make_shared<offload::AlignedBuffer>(bytes);
+  ahead_.buf = host_buffer(shard_numel_, dtype);
   ahead_.fresh = fresh;
   ahead_.version = shard_._version();
   ahead_.ticket =
-      cfg_.nvme_io->submit(offload::IoOp::kRead, file_->fd(), ahead_.buf->data(),
-                           ahead_.buf->bytes(), fresh ? copy_offset_ : 0, &file_->path());
-  Accounting::alloc(cfg_.acct->mem.offload_buffers, ahead_.buf->bytes());
+      cfg_.nvme_io->submit(offload::IoOp::kRead, file_->fd(), ahead_.buf.data_ptr(),
+                           offload::io_round_up(static_cast<int64_t>(ahead_.buf.nbytes())),
+                           fresh ? copy_offset_ : 0, &file_->path());
 }
 
 void FlatParam::drop_read() {
   if (ahead_.ticket < 0) return;
   const int64_t ticket = ahead_.ticket;
   ahead_.ticket = -1;
-  Accounting::release(cfg_.acct->mem.offload_buffers, ahead_.buf->bytes());
-  std::shared_ptr<offload::AlignedBuffer> buf = std::move(ahead_.buf);
-  cfg_.nvme_io->wait(ticket);  // before the buffer goes
+  at::Tensor buf = std::move(ahead_.buf);  // freed only once the read is over
+  cfg_.nvme_io->wait(ticket);
 }
 
 at::Tensor FlatParam::take_read(bool fresh) {
   const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
   if (ahead_.ticket >= 0 && ahead_.fresh == fresh && ahead_.version == shard_._version()) {
-    const int64_t ticket = ahead_.ticket;
-    ahead_.ticket = -1;
-    std::shared_ptr<offload::AlignedBuffer> buf = std::move(ahead_.buf);
-    try {
-      cfg_.nvme_io->wait(ticket);
-    } catch (...) {
-      Accounting::release(cfg_.acct->mem.offload_buffers, buf->bytes());
-      throw;
-    }
-    Accounting* acct = cfg_.acct;
-    acct->count_nvme(/*read=*/true, buf->bytes());
-    for (CommStats* c : {&acct->comm.step, &acct->comm.total}) ++c->nvme_reads_ahead;
-    return at::from_blob(
-        buf->data(), {shard_numel_},
-        [buf, acct](void*) { Accounting::release(acct->mem.offload_buffers, buf->bytes()); },
-        at::TensorOptions(dtype));
+    at::Tensor buf = ahead_.buf;
+    drop_read();  // waits for the read
+    cfg_.acct->count_nvme(/*read=*/true, offload::io_round_up(static_cast<int64_t>(buf.nbytes())));
+    for (CommStats* c : {&cfg_.acct->comm.step, &cfg_.acct->comm.total}) ++c->nvme_reads_ahead;
+    return buf;
   }
   drop_read();  // read before the shard or its copy changed: not what is current
   return read_file(fresh ? copy_offset_ : 0, shard_numel_, dtype);
 }
 
-at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
+FlatParam::FileLayout FlatParam::file_layout(int64_t shard_numel, bool trainable,
+                                             at::ScalarType master_dtype,
+                                             at::ScalarType param_dtype) {
+  FileLayout l;
+  const int64_t region = offload::io_round_up(bytes_of(shard_numel, master_dtype));
+  l.grad = region;
+  l.copy = region + (trainable ? region : 0);
+  const bool copy = trainable && param_dtype != master_dtype;
+  l.bytes = l.copy + (copy ? offload::io_round_up(bytes_of(shard_numel, param_dtype)) : 0);
+  return l;
+}
+
+at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
   const int64_t bytes = bytes_of(numel, dtype);
   auto buf = std::make_shared<offload::AlignedBuffer>(bytes);
-  if (bytes > 0)
-    offload::transfer_sync(offload::IoOp::kRead, file_->fd(), buf->data(), buf->bytes(), offset,
-                           file_->path());
+  if (buf->bytes() > bytes)
+    std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));
   Accounting* acct = cfg_.acct;
   Accounting::alloc(acct->mem.offload_buffers, buf->bytes());
-  acct->count_nvme(/*read=*/true, buf->bytes());
   return at::from_blob(
       buf->data(), {numel},
       [buf, acct](void*) { Accounting::release(acct->mem.offload_buffers, buf->bytes()); },
       at::TensorOptions(dtype));
 }
 
-void FlatParam::write_file(const at::Tensor& src, int64_t offset) const {
-  const auto bytes = static_cast<int64_t>(src.nbytes());
+at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
+  at::Tensor host = host_buffer(numel, dtype);
+  const int64_t bytes = offload::io_round_up(static_cast<int64_t>(host.nbytes()));
+  if (bytes > 0)
+    offload::transfer_sync(offload::IoOp::kRead, file_->fd(), host.data_ptr(), bytes, offset,
+                           file_->path());
+  cfg_.acct->count_nvme(/*read=*/true, bytes);
+  return host;
+}
+
+void FlatParam::write_file(const at::Tensor& host, int64_t offset) const {
+  const int64_t bytes = offload::io_round_up(static_cast<int64_t>(host.nbytes()));
   if (bytes == 0) return;
-  offload::AlignedBuffer buf(bytes);
-  std::memcpy(buf.data(), src.data_ptr(), static_cast<size_t>(bytes));
-  std::memset(buf.data() + bytes, 0, static_cast<size_t>(buf.bytes() - bytes));
-  offload::transfer_sync(offload::IoOp::kWrite, file_->fd(), buf.data(), buf.bytes(), offset,
+  offload::transfer_sync(offload::IoOp::kWrite, file_->fd(), host.data_ptr(), bytes, offset,
                          file_->path());
-  cfg_.acct->count_nvme(/*read=*/false, buf.bytes());
+  cfg_.acct->count_nvme(/*read=*/false, bytes);
 }
 
 void FlatParam::store_grad(const at::Tensor& grad) {
   TORCH_INTERNAL_ASSERT(file_ && grad.numel() == shard_numel_);
   at::NoGradGuard no_grad;
   const bool first = !shard_.grad().defined();
-  at::Tensor host = first ? grad.to(at::kCPU).contiguous()
+  at::Tensor host = first ? host_buffer(shard_numel_, cfg_.master_dtype)
                           : read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
-  if (!first) host.add_(grad.to(at::kCPU));  // as CommContext adds in memory
+  if (first) {
+    host.copy_(grad);  // the gradient as it is, as CommContext keeps it in memory
+  } else {
+    host.add_(grad.to(at::kCPU));  // as CommContext adds in memory
+  }
   write_file(host, grad_offset_);
   if (first) {
     shard_.mutable_grad() = file_->view(grad_offset_, {shard_numel_}, cfg_.master_dtype);

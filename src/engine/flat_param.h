@@ -10,7 +10,6 @@
 namespace fsdp::detail::offload {
 class StateFile;
 class IoEngine;
-class AlignedBuffer;
 }  // namespace fsdp::detail::offload
 
 #include <torch/torch.h>
@@ -158,8 +157,14 @@ class FlatParam {
   /// Note [NVMe parameters]: the shard, its gradient and its param_dtype copy are views of
   /// a file of this flat parameter.
   bool in_file() const { return file_ != nullptr; }
-  /// Bytes of that file (0 without one).
-  int64_t file_bytes() const;
+  /// Where a file of a flat parameter keeps its parts (byte offsets; the master at 0) and
+  /// its size: each region padded to 4096 bytes; a gradient for a trainable one, and a
+  /// param_dtype copy when it computes in another dtype than its master's.
+  struct FileLayout {
+    int64_t grad = 0, copy = 0, bytes = 0;
+  };
+  static FileLayout file_layout(int64_t shard_numel, bool trainable, at::ScalarType master_dtype,
+                                at::ScalarType param_dtype);
   /// With in_file() and while sharded: queues the read of the next gather's input (the
   /// copy, or the master when the copy is stale), which gather_input() then waits for instead
   /// of reading. No-op otherwise, or when one is queued.
@@ -181,16 +186,19 @@ class FlatParam {
  private:
   /// Frees the post-forward slice, if any.
   void drop_slice();
-  /// With in_file(): `numel` elements of `dtype` read from byte `offset` of the file into
-  /// a new aligned host tensor (O_DIRECT where the file has it).
+  /// A host tensor of `numel` `dtype` elements over a new page-aligned buffer of whole
+  /// pages (the tail zeroed), counted in offload_buffers while it lives: what the file's
+  /// O_DIRECT transfers move.
+  at::Tensor host_buffer(int64_t numel, at::ScalarType dtype) const;
+  /// With in_file(): a host_buffer() read from byte `offset` of the file.
   at::Tensor read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const;
   /// gather_input()'s input with in_file(): the read-ahead's buffer when it read what is current
   /// (`fresh`: the copy), else a read now.
   at::Tensor take_read(bool fresh);
   /// Waits for a queued read-ahead and drops it.
   void drop_read();
-  /// With in_file(): writes `src` (contiguous, on the host) at byte `offset` of the file.
-  void write_file(const at::Tensor& src, int64_t offset) const;
+  /// With in_file(): writes a host_buffer() tensor (its whole pages) at byte `offset`.
+  void write_file(const at::Tensor& host, int64_t offset) const;
   /// Whether the full buffer currently has its storage (always, when aliased).
   bool full_allocated() const { return alias_ || full_.storage().nbytes() != 0; }
 
@@ -218,8 +226,8 @@ class FlatParam {
   int64_t copy_offset_ = 0;                   ///< of the param_dtype copy in file_, bytes
   /// A gather's input read ahead (read_ahead()), until gather_input() takes it.
   struct ReadAhead {
-    int64_t ticket = -1;  ///< the queued read; -1: none
-    std::shared_ptr<offload::AlignedBuffer> buf;
+    int64_t ticket = -1;   ///< the queued read; -1: none
+    at::Tensor buf;        ///< a host_buffer() the read fills
     bool fresh = false;    ///< of the copy (else the master)
     int64_t version = -1;  ///< the shard's version when queued
   } ahead_;

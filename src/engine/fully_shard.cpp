@@ -452,19 +452,19 @@ std::vector<std::unique_ptr<FlatParam>> make_flats(
 int64_t unit_file_bytes(const std::vector<std::pair<std::string, at::Tensor>>& params,
                         bool keep_fp32, const FlatConfig& cfg) {
   const int64_t g = cfg.shard_group->size();
-  auto shard = [g](int64_t n) { return (n + g - 1) / g; };
-  int64_t trainable = 0, frozen = 0, bytes = 0;
+  int64_t trainable = 0, frozen = 0;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& [name, p] : params) {
     if (seen.insert(p.unsafeGetTensorImpl()).second)
       (p.requires_grad() ? trainable : frozen) += p.numel();
   }
-  const int64_t compute = keep_fp32 ? 4 : static_cast<int64_t>(c10::elementSize(cfg.param_dtype));
-  if (trainable > 0) {
-    bytes += 2 * offload::io_round_up(4 * shard(trainable));
-    if (compute < 4) bytes += offload::io_round_up(compute * shard(trainable));
+  const at::ScalarType compute = keep_fp32 ? at::kFloat : cfg.param_dtype;
+  int64_t bytes = 0;
+  for (const auto& [n, is_trainable] : {std::pair{trainable, true}, std::pair{frozen, false}}) {
+    if (n > 0)
+      bytes +=
+          FlatParam::file_layout((n + g - 1) / g, is_trainable, cfg.master_dtype, compute).bytes;
   }
-  if (frozen > 0) bytes += offload::io_round_up(4 * shard(frozen));
   return bytes;
 }
 

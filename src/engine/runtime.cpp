@@ -185,17 +185,22 @@ void Runtime::prefetch_from(const Unit& u, int direction) {
     return;
   // Note [NVMe parameters]: the first unit after those gathering reads its inputs from
   // the files now, beside the compute, so that its gather finds them read.
-  const bool from_end = u.is_root() && direction < 0;
-  const long last = static_cast<long>(forward_order_.size()) - 1;
   for (int k = 1;; ++k) {
-    Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
-                          : neighbour(u, direction * k);
+    Unit* next = prefetch_candidate(u, direction, k);
     if (next == nullptr) return;
-    if (next->is_root() || next->grads_reduced) continue;
-    if (next->state() != ShardedState::kSharded) continue;
+    if (next->is_root() || next->state() != ShardedState::kSharded || next->grads_reduced) continue;
     next->read_ahead();
     return;
   }
+}
+
+Unit* Runtime::prefetch_candidate(const Unit& u, int direction, int k) const {
+  // From the root, backward prefetch starts at the last unit in forward order.
+  if (u.is_root() && direction < 0) {
+    const long i = static_cast<long>(forward_order_.size()) - k;
+    return i >= 0 ? forward_order_[static_cast<size_t>(i)] : nullptr;
+  }
+  return neighbour(u, direction * k);
 }
 
 void Runtime::prefetch_gathers(const Unit& u, int direction) {
@@ -207,15 +212,12 @@ void Runtime::prefetch_gathers(const Unit& u, int direction) {
     return;
   }
   if (!options_.prefetch || (direction > 0 && !order_frozen_)) return;
-  const bool from_end = u.is_root() && direction < 0;
   // Persistent strategies hold every unit anyway: no bound (Note [Persistent parameters]).
   const int bound = persistent() ? std::numeric_limits<int>::max() : options_.max_gathered_units;
   const int64_t max_live = persistent() ? 0 : options_.max_live_numel;
   const int64_t bucket = options_.prefetch_bucket_numel;
   for (int k = 1; gathered_non_root() < bound; ++k) {
-    const long last = static_cast<long>(forward_order_.size()) - 1;
-    Unit* next = from_end ? (last - (k - 1) >= 0 ? forward_order_[last - (k - 1)] : nullptr)
-                          : neighbour(u, direction * k);
+    Unit* next = prefetch_candidate(u, direction, k);
     if (next == nullptr) return;
     if (next->is_root() || next->state() != ShardedState::kSharded || next->grads_reduced) continue;
     // The element bounds (DeepSpeed's stage3_max_live_parameters and

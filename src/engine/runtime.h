@@ -103,6 +103,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void prefetch_from(const Unit& u, int direction);
   /// prefetch_from()'s gathers.
   void prefetch_gathers(const Unit& u, int direction);
+  /// The k-th unit (k >= 1) after `u` in prefetch order for `direction` (+1 forward, -1
+  /// backward), or null past the end.
+  Unit* prefetch_candidate(const Unit& u, int direction, int k) const;
   Unit* neighbour(const Unit& u, int step) const;
   bool reshard_after_forward(const Unit& u) const;
   /// kZero2 and kZero1: full parameters persist between steps (Note [Persistent parameters]).
