@@ -83,6 +83,11 @@ class StateFile {
   int64_t bytes() const { return bytes_; }
   /// Where byte `offset` of the file is mapped (views there start at this address).
   const void* address(int64_t offset) const { return static_cast<char*>(map_.get()) + offset; }
+  /// Byte `offset` in a second shared mapping of the file, for a few bytes at a time (the
+  /// pages that an O_DIRECT transfer shares with its neighbours): the same page-cache
+  /// pages as the views, but advised MADV_RANDOM, so a fault reads its own page and not
+  /// the device's read-ahead window around it (megabytes: read_ahead_kb).
+  char* page_access(int64_t offset) const { return static_cast<char*>(pages_.get()) + offset; }
   /// A tensor of `sizes` and `dtype` over the file from `offset` (a multiple of kIoAlign),
   /// by a shared mapping: reading it reads the file (through the page cache, which O_DIRECT
   /// transfers keep coherent), and it stays valid after this object is gone.
@@ -94,6 +99,7 @@ class StateFile {
   std::string path_;
   int64_t bytes_ = 0;
   std::shared_ptr<void> map_;  ///< the whole file, mapped; unmapped with its last view
+  std::shared_ptr<void> pages_;  ///< the whole file again, MADV_RANDOM (page_access)
 };
 
 /// Where host memory lies in a live StateFile's mapping: a tensor there is a view of the

@@ -194,7 +194,8 @@ int64_t NvmeAdamState::slot_bytes() const {
 // O_DIRECT alone, rounded up to whole pages (the region's own padding). A part of one (a
 // parameter group's segment) shares its first and last pages with its neighbours, which
 // the same step may be updating: its whole pages go by O_DIRECT and the partial pages at
-// either end through the file's mapping (the page cache keeps both coherent), so no
+// either end through the file's page mapping (StateFile::page_access, which reads only the
+// pages it touches; the page cache keeps both coherent), so no
 // transfer carries a neighbour's stale bytes. `buf` is page-aligned; byte s lands at
 // buf + s % kIoAlign. Returns the O_DIRECT ticket, or -1.
 int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s,
@@ -212,7 +213,7 @@ int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool w
   char* data = buf + s % A;  // byte s
   int64_t as = (s + A - 1) / A * A, ae = e / A * A;
   if (as >= ae) as = ae = e;  // no whole page: all through the mapping
-  char* map = static_cast<char*>(const_cast<void*>(f.file->address(0)));
+  char* map = f.file->page_access(0);
   auto copy = [&](int64_t from, int64_t to) {
     if (to <= from) return;
     if (op == offload::IoOp::kRead) {

@@ -15,7 +15,8 @@ Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). 
      host: on the CPU both are this machine's memory) plus LibTorch's own fits the budget;
   3. the runs: train_gpt --steps N at that size under the budget (tests/memlimit/
      construction.sh: a cgroup with memory.limit_in_bytes); if it is killed, a tenth of
-     the blocks fewer, else a tenth more, until the outcome changes; at most three runs.
+     the blocks fewer, else a tenth more, until the outcome changes, then halfway between
+     the two outcomes; at most three runs.
 It reports, per mode: the parameters reached, the physical bound (the budget less
 LibTorch's own, over the mode's bytes per parameter on this machine: model states per
 node from fsdp-estimate; for + offload_param=nvme, whose model states are all in files,
@@ -78,10 +79,21 @@ class Disk:
         subprocess.run(["truncate", "-s", f"{mib}M", self.image], check=True)
         subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", self.image], check=True,
                        capture_output=True)
-        r = subprocess.run(["mount", "-o", "loop", self.image, self.dir], capture_output=True, text=True)
+        # The loop device reads and writes its image with O_DIRECT (--direct-io=on), as a
+        # disk would: a buffered loop device keeps the image's pages in the page cache and
+        # charges them to the cgroup of the job whose O_DIRECT I/O it serves (Linux 5.13+),
+        # which a real disk does not.
+        self.loop = None
+        r = subprocess.run(["losetup", "--direct-io=on", "--find", "--show", self.image],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             self.close()
-            raise RuntimeError(f"mount -o loop failed: {r.stderr.strip()}")
+            raise RuntimeError(f"losetup --direct-io=on failed: {r.stderr.strip()}")
+        self.loop = r.stdout.strip()
+        r = subprocess.run(["mount", self.loop, self.dir], capture_output=True, text=True)
+        if r.returncode != 0:
+            self.close()
+            raise RuntimeError(f"mount {self.loop} failed: {r.stderr.strip()}")
         self.mounted = True
         st = os.statvfs(self.dir)
         self.available = st.f_bavail * st.f_frsize
@@ -90,6 +102,9 @@ class Disk:
         if self.mounted:
             subprocess.run(["umount", self.dir], check=False)
             self.mounted = False
+        if self.loop:
+            subprocess.run(["losetup", "--detach", self.loop], check=False)
+            self.loop = None
         if os.path.isdir(self.dir):
             os.rmdir(self.dir)
         if os.path.exists(self.image):
@@ -228,21 +243,26 @@ def main():
             print(json.dumps(out), flush=True)
             results.append(out)
             continue
-        # 3. at most three runs around it.
-        runs, layers = [], predicted
-        first = run(args, layers, flags, args.budget_mib)
-        runs.append(first)
-        # Steps of a tenth of the prediction (at least one block): the estimate's target is
-        # 10% of the measured peak, so three runs bracket a size that estimate allows.
-        step = max(1, predicted // 10) * (1 if first["trained"] else -1)
+        # 3. at most three runs around it. Steps of a tenth of the prediction (at least one
+        # block): the estimate's target is 10% of the measured peak, so the first two runs
+        # bracket the edge when the estimate holds. The third halves the bracket when the two
+        # outcomes differ by more than a block, else takes one more step.
+        runs = [run(args, predicted, flags, args.budget_mib)]
+        step = max(1, predicted // 10) * (1 if runs[0]["trained"] else -1)
+        layers = predicted
         while len(runs) < 3:
-            layers += step
+            ok = [r["layers"] for r in runs if r["trained"]]
+            killed = [r["layers"] for r in runs if not r["trained"]]
+            if ok and killed:
+                lo, hi = max(ok), min(killed)
+                if hi - lo <= 1:
+                    break
+                layers = (lo + hi) // 2
+            else:
+                layers += step
             if layers < 1:
                 break
-            r = run(args, layers, flags, args.budget_mib)
-            runs.append(r)
-            if r["trained"] != first["trained"]:
-                break
+            runs.append(run(args, layers, flags, args.budget_mib))
         trained = [r for r in runs if r["trained"]]
         best = max(trained, key=lambda r: r["layers"]) if trained else None
         out = {"metric": "max_model", "mode": name, "flags": " ".join(flags),
