@@ -180,7 +180,7 @@ done
 
 # Rule 6.
 declare -A OWNER
-for h in include/fsdp/*.h; do
+for h in include/fsdp/*.h include/fsdp/tools/*.h; do
   o="$(sed -n 's@^// Implemented in \([a-z_/]*\)\.$@\1@p' "$h" | head -1)"
   if [ -z "$o" ]; then
     impl="$(find src checkpoint wrap_policies -name "$(basename "$h" .h).cpp" | head -1)"

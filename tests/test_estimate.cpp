@@ -3,7 +3,7 @@
 // gathered-unit and buffer terms must bound the counters' peaks. Then the CLI: its
 // table, its JSON (equal to the library's figures) and its bad-input errors.
 #include <fsdp/checkpoint_format.h>
-#include <fsdp/estimate.h>
+#include <fsdp/tools/estimate.h>
 #include <fsdp/version.h>
 
 #include "support/models.h"

@@ -1,6 +1,6 @@
 // Memory estimator (see include/fsdp/estimate.h). Every rule below mirrors a place in
 // the engine; the comments name it, so that a change there shows what to change here.
-#include <fsdp/estimate.h>
+#include <fsdp/tools/estimate.h>
 
 #include <algorithm>
 #include <functional>

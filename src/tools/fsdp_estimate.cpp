@@ -10,7 +10,7 @@
 //                 [--precision fp32|bf16|fp16] [--offload-optimizer none|cpu|nvme]
 //                 [--offload-param none|cpu|nvme] [--cpu-offload] [--activation-checkpointing]
 //                 [--micro-batch B] [--max-gathered-units K] [--deepspeed-table] [--json]
-#include <fsdp/estimate.h>
+#include <fsdp/tools/estimate.h>
 #include <fsdp/version.h>
 
 #include "gpt_units.h"
