@@ -24,7 +24,7 @@
 
 #include "h5/h5.h"
 
-#include "internal/offline.h"
+#include "offline.h"
 
 #include <functional>
 

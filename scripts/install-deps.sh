@@ -30,7 +30,7 @@ COMMON=(
   debian-archive-keyring            # verifies Debian's gloo headers (scripts/lib/python-env.sh)
   fortunes                          # the demo's English text (quotations; BSD licence)
   iproute2                          # the two-host test's network namespaces (tests/multihost)
-  liburing-dev                      # the NVMe offload's io_uring (src/offload; else a thread pool)
+  liburing-dev                      # the NVMe offload's io_uring (src/nvme; else a thread pool)
   fio                               # bench_nvme's baseline: the disk's own O_DIRECT throughput
 )
 DEBIAN_TORCH_PKGS=(

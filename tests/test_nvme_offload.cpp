@@ -22,7 +22,7 @@
 #include <fstream>
 #include "../src/internal/optim_key.h"      // the state map's key
 #include "../src/internal/sharded_model.h"  // shard sizes for the expected bytes
-#include "../src/offload/state_file.h"       // StateFile::page_access
+#include "../src/nvme/state_file.h"         // StateFile::page_access
 
 using namespace fsdp;
 using namespace fsdp::testing;
@@ -355,7 +355,7 @@ TEST(NvmeOffload, TooSmallBufferIsRefused) {
 
 // Pages of a StateFile in the page cache, of `bytes` from its start (mincore on the
 // file's pages: their residency, whichever mapping faulted them in).
-int64_t cached_pages(const fsdp::detail::offload::StateFile& f) {
+int64_t cached_pages(const fsdp::detail::nvme::StateFile& f) {
   const int64_t n = f.bytes() / 4096;
   std::vector<unsigned char> v(static_cast<size_t>(n));
   EXPECT_EQ(mincore(f.page_access(0), static_cast<size_t>(f.bytes()), v.data()), 0);
@@ -370,9 +370,9 @@ int64_t cached_pages(const fsdp::detail::offload::StateFile& f) {
 TEST(NvmeOffload, PageAccessReadsOnlyThePagesItTouches) {
   TempDir dir;
   constexpr int64_t kBytes = 16 << 20, kPage = 4096;
-  fsdp::detail::offload::StateFile f(dir.path, kBytes, "test", "parameters");
+  fsdp::detail::nvme::StateFile f(dir.path, kBytes, "test", "parameters");
   // Written by O_DIRECT (real blocks on the disk, nothing cached), a distinct byte per page.
-  fsdp::detail::offload::AlignedBuffer buf(kBytes);
+  fsdp::detail::nvme::AlignedBuffer buf(kBytes);
   for (int64_t p = 0; p < kBytes / kPage; ++p)
     std::memset(buf.data() + p * kPage, static_cast<int>(p % 251) + 1, kPage);
   ASSERT_EQ(pwrite(f.fd(), buf.data(), kBytes, 0), kBytes);
@@ -385,7 +385,7 @@ TEST(NvmeOffload, PageAccessReadsOnlyThePagesItTouches) {
   f.page_access(b)[0] = 42;
   EXPECT_EQ(cached_pages(f), 2) << "a write through page_access read more than its page";
   // The O_DIRECT descriptor sees the write (the kernel writes the dirty page back first).
-  fsdp::detail::offload::AlignedBuffer page(kPage);
+  fsdp::detail::nvme::AlignedBuffer page(kPage);
   ASSERT_EQ(pread(f.fd(), page.data(), kPage, b / kPage * kPage), kPage);
   EXPECT_EQ(page.data()[b % kPage], 42);
   EXPECT_EQ(page.data()[0], static_cast<char>(3000 % 251 + 1));

@@ -1,8 +1,8 @@
 #include "flat_param.h"
 
 #include "comm/collective_trace.h"
-#include "offload/io_engine.h"
-#include "offload/state_file.h"
+#include "nvme/io_engine.h"
+#include "nvme/state_file.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
@@ -78,7 +78,7 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
         file_layout(shard_numel_, trainable_, cfg_.master_dtype, cfg_.param_dtype);
     grad_offset_ = layout.grad;
     copy_offset_ = layout.copy;
-    file_ = std::make_unique<offload::StateFile>(
+    file_ = std::make_unique<nvme::StateFile>(
         cfg_.nvme_path, layout.bytes, "ShardingOptions::offload_param.nvme_path", "parameters");
     at::Tensor host = host_buffer(shard_numel_, cfg_.master_dtype);
     host.copy_(shard_);
@@ -308,10 +308,9 @@ void FlatParam::read_ahead() {
   ahead_.buf = host_buffer(shard_numel_, dtype);
   ahead_.fresh = fresh;
   ahead_.version = shard_._version();
-  ahead_.ticket =
-      cfg_.nvme_io->submit(offload::IoOp::kRead, file_->fd(), ahead_.buf.data_ptr(),
-                           offload::io_round_up(static_cast<int64_t>(ahead_.buf.nbytes())),
-                           fresh ? copy_offset_ : 0, &file_->path());
+  ahead_.ticket = cfg_.nvme_io->submit(nvme::IoOp::kRead, file_->fd(), ahead_.buf.data_ptr(),
+                                       nvme::io_round_up(static_cast<int64_t>(ahead_.buf.nbytes())),
+                                       fresh ? copy_offset_ : 0, &file_->path());
 }
 
 void FlatParam::drop_read() {
@@ -327,7 +326,7 @@ at::Tensor FlatParam::take_read(bool fresh) {
   if (ahead_.ticket >= 0 && ahead_.fresh == fresh && ahead_.version == shard_._version()) {
     at::Tensor buf = ahead_.buf;
     drop_read();  // waits for the read
-    cfg_.acct->count_nvme(/*read=*/true, offload::io_round_up(static_cast<int64_t>(buf.nbytes())));
+    cfg_.acct->count_nvme(/*read=*/true, nvme::io_round_up(static_cast<int64_t>(buf.nbytes())));
     for (CommStats* c : {&cfg_.acct->comm.step, &cfg_.acct->comm.total}) ++c->nvme_reads_ahead;
     return buf;
   }
@@ -339,17 +338,17 @@ FlatParam::FileLayout FlatParam::file_layout(int64_t shard_numel, bool trainable
                                              at::ScalarType master_dtype,
                                              at::ScalarType param_dtype) {
   FileLayout l;
-  const int64_t region = offload::io_round_up(bytes_of(shard_numel, master_dtype));
+  const int64_t region = nvme::io_round_up(bytes_of(shard_numel, master_dtype));
   l.grad = region;
   l.copy = region + (trainable ? region : 0);
   const bool copy = trainable && param_dtype != master_dtype;
-  l.bytes = l.copy + (copy ? offload::io_round_up(bytes_of(shard_numel, param_dtype)) : 0);
+  l.bytes = l.copy + (copy ? nvme::io_round_up(bytes_of(shard_numel, param_dtype)) : 0);
   return l;
 }
 
 at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
   const int64_t bytes = bytes_of(numel, dtype);
-  auto buf = std::make_shared<offload::AlignedBuffer>(bytes);
+  auto buf = std::make_shared<nvme::AlignedBuffer>(bytes);
   if (buf->bytes() > bytes)
     std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));
   Accounting* acct = cfg_.acct;
@@ -362,19 +361,19 @@ at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
 
 at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
   at::Tensor host = host_buffer(numel, dtype);
-  const int64_t bytes = offload::io_round_up(static_cast<int64_t>(host.nbytes()));
+  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
   if (bytes > 0)
-    offload::transfer_sync(offload::IoOp::kRead, file_->fd(), host.data_ptr(), bytes, offset,
-                           file_->path());
+    nvme::transfer_sync(nvme::IoOp::kRead, file_->fd(), host.data_ptr(), bytes, offset,
+                        file_->path());
   cfg_.acct->count_nvme(/*read=*/true, bytes);
   return host;
 }
 
 void FlatParam::write_file(const at::Tensor& host, int64_t offset) const {
-  const int64_t bytes = offload::io_round_up(static_cast<int64_t>(host.nbytes()));
+  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
   if (bytes == 0) return;
-  offload::transfer_sync(offload::IoOp::kWrite, file_->fd(), host.data_ptr(), bytes, offset,
-                         file_->path());
+  nvme::transfer_sync(nvme::IoOp::kWrite, file_->fd(), host.data_ptr(), bytes, offset,
+                      file_->path());
   cfg_.acct->count_nvme(/*read=*/false, bytes);
 }
 

@@ -7,10 +7,10 @@
 #include "comm/backend.h"
 #include "transfers.h"
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 class StateFile;
 class IoEngine;
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme
 
 #include <torch/torch.h>
 
@@ -60,7 +60,7 @@ struct FlatConfig {
   std::string nvme_path;
   /// With nvme_path: the engine's queue for read-ahead (Note [NVMe parameters]); main
   /// thread only.
-  std::shared_ptr<offload::IoEngine> nvme_io;
+  std::shared_ptr<nvme::IoEngine> nvme_io;
   Accounting* acct = nullptr;
   std::string label;  ///< what its collectives are for ("unit 'blocks.0'")
 };
@@ -221,9 +221,9 @@ class FlatParam {
       -1;  ///< the shard's version device_params_ was copied at  ///< the shard's version when the
            ///< full buffer was last gathered
   int64_t counted_grad_bytes_ = 0;  ///< this shard's gradient as MemoryStats::grad_shards counts it
-  std::unique_ptr<offload::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
-  int64_t grad_offset_ = 0;                   ///< of the gradient in file_, bytes
-  int64_t copy_offset_ = 0;                   ///< of the param_dtype copy in file_, bytes
+  std::unique_ptr<nvme::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
+  int64_t grad_offset_ = 0;                ///< of the gradient in file_, bytes
+  int64_t copy_offset_ = 0;                ///< of the param_dtype copy in file_, bytes
   /// A gather's input read ahead (read_ahead()), until gather_input() takes it.
   struct ReadAhead {
     int64_t ticket = -1;   ///< the queued read; -1: none

@@ -1,8 +1,8 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
 // and points each wrap point at its unit.
 #include "engine_access.h"
-#include "offload/io_engine.h"
-#include "offload/state_file.h"
+#include "nvme/io_engine.h"
+#include "nvme/state_file.h"
 
 #include <cstdlib>
 #if defined(__GLIBC__)
@@ -151,10 +151,10 @@ void validate_offload(const ShardingOptions& o) {
   // The directories' existence and writability now, before anything is built; the free
   // space when the files are reserved (the bytes are known then).
   if (opt == OffloadDevice::kNvme)
-    offload::check_nvme_dir(o.offload_optimizer.nvme_path,
-                            "ShardingOptions::offload_optimizer.nvme_path");
+    nvme::check_nvme_dir(o.offload_optimizer.nvme_path,
+                         "ShardingOptions::offload_optimizer.nvme_path");
   if (par == OffloadDevice::kNvme)
-    offload::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
+    nvme::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
 }
 
 void validate(const ShardingOptions& o) {
@@ -371,7 +371,7 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   if (options.offload_param.device == OffloadDevice::kNvme) {  // Note [NVMe parameters]
     cfg.nvme_path = options.offload_param.nvme_path;
-    cfg.nvme_io = offload::make_io_engine(16);
+    cfg.nvme_io = nvme::make_io_engine(16);
   }
   cfg.acct = &rt.acct();
   cfg.shard_group = GroupAccess::backend(world);
@@ -481,9 +481,9 @@ void check_param_file_space(int64_t bytes, const ShardingOptions& options,
       "4 for a frozen one, and the 16-bit copies the gathers read; each region aligned to 4096 "
       "bytes)";
   if (options.process_group.size() > 1)
-    offload::check_shared_free_space(options.process_group, options.offload_param.nvme_path, field,
-                                     bytes, "its " + files, "its parameter files");
-  offload::check_nvme_dir(options.offload_param.nvme_path, field, bytes, "this rank's " + files);
+    nvme::check_shared_free_space(options.process_group, options.offload_param.nvme_path, field,
+                                  bytes, "its " + files, "its parameter files");
+  nvme::check_nvme_dir(options.offload_param.nvme_path, field, bytes, "this rank's " + files);
 }
 
 std::string unit_label(const std::string& fqn) {

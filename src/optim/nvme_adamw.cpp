@@ -40,8 +40,8 @@
 // with its own error while the others name it.
 #include "nvme_adamw.h"
 
-#include "offload/io_engine.h"
-#include "offload/state_file.h"
+#include "nvme/io_engine.h"
+#include "nvme/state_file.h"
 #include "parallel_range.h"
 
 #include <ATen/Parallel.h>
@@ -58,7 +58,7 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
   // through the same slots (master, gradient and the param_dtype copy beside the moments).
   for (const auto& p : params) {
     if (p.defined() && p.numel() > 0 &&
-        offload::find_file(p.data_ptr(), 4 * p.numel()).file != nullptr)
+        nvme::find_file(p.data_ptr(), 4 * p.numel()).file != nullptr)
       stream_params_ = true;
   }
   if (stream_params_) {
@@ -85,27 +85,27 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
     Region r;
     r.numel = p.numel();
     r.m = bytes;
-    bytes += offload::io_round_up(4 * r.numel);
+    bytes += nvme::io_round_up(4 * r.numel);
     r.v = bytes;
-    bytes += offload::io_round_up(4 * r.numel);
+    bytes += nvme::io_round_up(4 * r.numel);
     elements += r.numel;
     regions_.emplace(p.unsafeGetTensorImpl(), r);
   }
   if (group != nullptr && group->size() > 1) {
-    offload::check_shared_free_space(*group, config.nvme_path, field, bytes,
-                                     "its optimizer state (exp_avg and exp_avg_sq, 8 bytes for "
-                                     "each trainable shard element, each tensor aligned to 4096 "
-                                     "bytes)",
-                                     "its optimizer state");
+    nvme::check_shared_free_space(*group, config.nvme_path, field, bytes,
+                                  "its optimizer state (exp_avg and exp_avg_sq, 8 bytes for "
+                                  "each trainable shard element, each tensor aligned to 4096 "
+                                  "bytes)",
+                                  "its optimizer state");
   }
-  offload::check_nvme_dir(config.nvme_path, field, bytes,
-                          "the optimizer state of this rank (exp_avg and exp_avg_sq, 8 bytes "
-                          "for each of its " +
-                              std::to_string(elements) +
-                              " trainable shard elements, each tensor aligned to 4096 bytes)");
-  file_ = std::make_unique<offload::StateFile>(config.nvme_path, bytes, field);
-  io_ = offload::make_io_engine(16);
-  buffers_ = std::make_unique<offload::AlignedBuffer>(3 * slot_bytes());
+  nvme::check_nvme_dir(config.nvme_path, field, bytes,
+                       "the optimizer state of this rank (exp_avg and exp_avg_sq, 8 bytes "
+                       "for each of its " +
+                           std::to_string(elements) +
+                           " trainable shard elements, each tensor aligned to 4096 bytes)");
+  file_ = std::make_unique<nvme::StateFile>(config.nvme_path, bytes, field);
+  io_ = nvme::make_io_engine(16);
+  buffers_ = std::make_unique<nvme::AlignedBuffer>(3 * slot_bytes());
 }
 
 NvmeAdamState::~NvmeAdamState() = default;
@@ -126,11 +126,11 @@ void NvmeAdamState::write_through(const float* src, int64_t numel, int64_t offse
   char* buf = buffers_->data();
   for (int64_t b = 0; b < numel; b += chunk_) {
     const int64_t n = std::min(chunk_, numel - b);
-    const int64_t bytes = offload::io_round_up(4 * n);
+    const int64_t bytes = nvme::io_round_up(4 * n);
     std::memcpy(buf, src + b, 4 * n);
     std::memset(buf + 4 * n, 0, bytes - 4 * n);
-    io_->wait(io_->submit(offload::IoOp::kWrite, file_->fd(), buf, bytes, offset + 4 * b,
-                          &file_->path()));
+    io_->wait(
+        io_->submit(nvme::IoOp::kWrite, file_->fd(), buf, bytes, offset + 4 * b, &file_->path()));
   }
 }
 
@@ -198,13 +198,13 @@ int64_t NvmeAdamState::slot_bytes() const {
 // pages it touches; the page cache keeps both coherent), so no
 // transfer carries a neighbour's stale bytes. `buf` is page-aligned; byte s lands at
 // buf + s % kIoAlign. Returns the O_DIRECT ticket, or -1.
-int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s,
+int64_t NvmeAdamState::move(nvme::IoOp op, const nvme::FileSpan& f, bool whole, int64_t s,
                             int64_t e, char* buf) {
-  constexpr int64_t A = offload::kIoAlign;
+  constexpr int64_t A = nvme::kIoAlign;
   const std::string* what = &f.file->path();
   const int fd = f.file->fd();
   if (whole) {
-    const int64_t bytes = offload::io_round_up(e - s);
+    const int64_t bytes = nvme::io_round_up(e - s);
     io_bytes_ += bytes;
     return io_->submit(op, fd, buf, bytes, f.offset + s, what);
   }
@@ -216,7 +216,7 @@ int64_t NvmeAdamState::move(offload::IoOp op, const offload::FileSpan& f, bool w
   char* map = f.file->page_access(0);
   auto copy = [&](int64_t from, int64_t to) {
     if (to <= from) return;
-    if (op == offload::IoOp::kRead) {
+    if (op == nvme::IoOp::kRead) {
       std::memcpy(data + (from - s), map + from, static_cast<size_t>(to - from));
     } else {
       std::memcpy(map + from, data + (from - s), static_cast<size_t>(to - from));
@@ -236,11 +236,11 @@ std::vector<NvmeAdamState::Places> NvmeAdamState::place_jobs() const {
     const int64_t n = j.region->numel;
     if (!stream_params_ || n == 0) continue;
     Places& pl = places[i];
-    pl.p = offload::find_file(j.p.data_ptr(), 4 * n);
-    pl.g = offload::find_file(j.g.data_ptr(), 4 * n);
-    if (j.out != nullptr) pl.out = offload::find_file(j.out, 2 * n);
-    auto aligned = [](const offload::FileSpan& f) {
-      return f.file == nullptr || f.offset % offload::kIoAlign == 0;
+    pl.p = nvme::find_file(j.p.data_ptr(), 4 * n);
+    pl.g = nvme::find_file(j.g.data_ptr(), 4 * n);
+    if (j.out != nullptr) pl.out = nvme::find_file(j.out, 2 * n);
+    auto aligned = [](const nvme::FileSpan& f) {
+      return f.file == nullptr || f.offset % nvme::kIoAlign == 0;
     };
     pl.whole = j.p.storage_offset() == 0 && j.p.nbytes() == j.p.storage().nbytes() &&
                aligned(pl.p) && aligned(pl.g) && aligned(pl.out);
@@ -251,19 +251,19 @@ std::vector<NvmeAdamState::Places> NvmeAdamState::place_jobs() const {
 char* NvmeAdamState::stream_at(size_t k, int which) const {
   // Slot k % 3, page-aligned streams: m, v, then (streamed parameters) p, g and the
   // 16-bit copy, each with two pages of room (move()).
-  const int64_t room = 2 * offload::kIoAlign;
+  const int64_t room = 2 * nvme::kIoAlign;
   const int64_t offsets[kStreams] = {0, 4 * chunk_, 8 * chunk_, 12 * chunk_ + room,
                                      16 * chunk_ + 2 * room};
   return buffers_->data() + static_cast<int64_t>(k % 3) * slot_bytes() + offsets[which];
 }
 
-char* NvmeAdamState::data_at(size_t k, int which, const offload::FileSpan& f, int64_t begin,
-                             int esize, bool whole) const {
-  return stream_at(k, which) + (whole ? 0 : (f.offset + esize * begin) % offload::kIoAlign);
+char* NvmeAdamState::data_at(size_t k, int which, const nvme::FileSpan& f, int64_t begin, int esize,
+                             bool whole) const {
+  return stream_at(k, which) + (whole ? 0 : (f.offset + esize * begin) % nvme::kIoAlign);
 }
 
-NvmeAdamState::Tickets NvmeAdamState::issue(offload::IoOp op, const Chunk& ch, size_t k) {
-  const int64_t bytes = offload::io_round_up(4 * ch.n), at = 4 * ch.begin;
+NvmeAdamState::Tickets NvmeAdamState::issue(nvme::IoOp op, const Chunk& ch, size_t k) {
+  const int64_t bytes = nvme::io_round_up(4 * ch.n), at = 4 * ch.begin;
   Tickets t;
   t.id[0] =
       io_->submit(op, file_->fd(), stream_at(k, 0), bytes, ch.job->region->m + at, &file_->path());
@@ -271,14 +271,14 @@ NvmeAdamState::Tickets NvmeAdamState::issue(offload::IoOp op, const Chunk& ch, s
       io_->submit(op, file_->fd(), stream_at(k, 1), bytes, ch.job->region->v + at, &file_->path());
   io_bytes_ += 2 * bytes;
   const Places& pl = *ch.at;
-  auto stream = [&](int which, const offload::FileSpan& f, int esize) {
+  auto stream = [&](int which, const nvme::FileSpan& f, int esize) {
     const int64_t s = esize * ch.begin, e = s + esize * ch.n;
     t.id[which] = move(op, f, pl.whole, s, e, stream_at(k, which));
   };
   if (pl.p.file) stream(2, pl.p, 4);
   // The gradient is only read; the 16-bit copy only written.
-  if (pl.g.file && op == offload::IoOp::kRead) stream(3, pl.g, 4);
-  if (pl.out.file && op == offload::IoOp::kWrite) stream(4, pl.out, 2);
+  if (pl.g.file && op == nvme::IoOp::kRead) stream(3, pl.g, 4);
+  if (pl.out.file && op == nvme::IoOp::kWrite) stream(4, pl.out, 2);
   return t;
 }
 
@@ -326,15 +326,15 @@ void NvmeAdamState::run(KernelIsa isa) {
   const size_t k_end = chunks.size();
   std::vector<Tickets> reads(k_end), writes(k_end);
   try {
-    if (k_end > 0) reads[0] = issue(offload::IoOp::kRead, chunks[0], 0);
+    if (k_end > 0) reads[0] = issue(nvme::IoOp::kRead, chunks[0], 0);
     for (size_t k = 0; k < k_end; ++k) {
       if (k + 1 < k_end) {
         if (k >= 2) wait(writes[k - 2]);  // slot (k + 1) % 3 held chunk k - 2
-        reads[k + 1] = issue(offload::IoOp::kRead, chunks[k + 1], k + 1);
+        reads[k + 1] = issue(nvme::IoOp::kRead, chunks[k + 1], k + 1);
       }
       wait(reads[k]);
       step_chunk(chunks[k], k, isa);
-      writes[k] = issue(offload::IoOp::kWrite, chunks[k], k);
+      writes[k] = issue(nvme::IoOp::kWrite, chunks[k], k);
     }
     for (auto& w : writes) wait(w);
   } catch (...) {

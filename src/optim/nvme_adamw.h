@@ -7,8 +7,8 @@
 #include <fsdp/process_group.h>
 
 #include "adamw_kernels.h"
-#include "offload/io_engine.h"
-#include "offload/state_file.h"
+#include "nvme/io_engine.h"
+#include "nvme/state_file.h"
 
 #include <torch/torch.h>
 
@@ -72,9 +72,9 @@ class NvmeAdamState {
   /// Writes `numel` floats of `src` to the file at `offset` (through the I/O buffers).
   void write_through(const float* src, int64_t numel, int64_t offset);
 
-  std::unique_ptr<offload::StateFile> file_;
-  std::unique_ptr<offload::IoEngine> io_;
-  std::unique_ptr<offload::AlignedBuffer> buffers_;  ///< 3 slots of (m, v) chunks
+  std::unique_ptr<nvme::StateFile> file_;
+  std::unique_ptr<nvme::IoEngine> io_;
+  std::unique_ptr<nvme::AlignedBuffer> buffers_;     ///< 3 slots of (m, v) chunks
   std::unordered_map<const void*, Region> regions_;  ///< by parameter TensorImpl
   /// Bytes per element of a slot when parameters stream too: m, v, p, g (fp32), the copy;
   /// and the slot's pages of room for ranges that start inside a page (move()).
@@ -85,7 +85,7 @@ class NvmeAdamState {
   /// Where a job's parameter, gradient and 16-bit copy live: in a parameter file
   /// (streamed) or in memory (null file).
   struct Places {
-    offload::FileSpan p, g, out;
+    nvme::FileSpan p, g, out;
     bool whole = false;  ///< p is a whole shard: its gradient and copy are whole regions too
   };
   struct Chunk {
@@ -100,17 +100,16 @@ class NvmeAdamState {
   std::vector<Places> place_jobs() const;
   /// Stream `which` of slot k % 3 (page-aligned), and where chunk data starts in it.
   char* stream_at(size_t k, int which) const;
-  char* data_at(size_t k, int which, const offload::FileSpan& f, int64_t begin, int esize,
+  char* data_at(size_t k, int which, const nvme::FileSpan& f, int64_t begin, int esize,
                 bool whole) const;
   /// Queues chunk `ch`'s transfers in slot k % 3.
-  Tickets issue(offload::IoOp op, const Chunk& ch, size_t k);
+  Tickets issue(nvme::IoOp op, const Chunk& ch, size_t k);
   void wait(Tickets& t);
   /// The kernel over chunk `ch` in slot k % 3.
   void step_chunk(const Chunk& ch, size_t k, KernelIsa isa);
   /// Moves bytes [s, e) of the tensor at `f` between its file and `buf` (Note [NVMe
   /// parameters]); the O_DIRECT ticket or -1.
-  int64_t move(offload::IoOp op, const offload::FileSpan& f, bool whole, int64_t s, int64_t e,
-               char* buf);
+  int64_t move(nvme::IoOp op, const nvme::FileSpan& f, bool whole, int64_t s, int64_t e, char* buf);
 
   std::vector<Job> jobs_;
   bool stream_params_ = false;

@@ -2,8 +2,8 @@
 // --verify reads every dataset and checks its checksums): the input is a consolidated
 // .h5 file.
 #include "fuzz_support.h"
-#include "internal/offline.h"
 #include "layout.h"
+#include "offline.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = fuzz::scratch() + "/model.h5";

@@ -3,8 +3,8 @@
 // the offline consolidation and the resharding loader do, and the checksums verified
 // (fsdp-inspect --verify's path).
 #include "fuzz_support.h"
-#include "internal/offline.h"
 #include "layout.h"
+#include "offline.h"
 
 #include <vector>
 

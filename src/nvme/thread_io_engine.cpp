@@ -15,7 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 
 void transfer_sync(IoOp op, int fd, void* buf, int64_t bytes, int64_t offset,
                    const std::string& what) {
@@ -131,4 +131,4 @@ std::unique_ptr<IoEngine> make_io_engine(unsigned depth) {
   return make_thread_engine(4);
 }
 
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme

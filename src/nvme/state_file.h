@@ -11,7 +11,7 @@
 #include <memory>
 #include <string>
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 
 /// Throws, naming `dir` and the fix, unless `dir` is an existing directory in which this
 /// process can create files and (when `bytes` > 0) whose file system has `bytes` free for
@@ -98,7 +98,7 @@ class StateFile {
   bool direct_ = false;
   std::string path_;
   int64_t bytes_ = 0;
-  std::shared_ptr<void> map_;  ///< the whole file, mapped; unmapped with its last view
+  std::shared_ptr<void> map_;    ///< the whole file, mapped; unmapped with its last view
   std::shared_ptr<void> pages_;  ///< the whole file again, MADV_RANDOM (page_access)
 };
 
@@ -112,4 +112,4 @@ struct FileSpan {
 /// The file holding all `bytes` from `p`, if one does (files register while they live).
 FileSpan find_file(const void* p, int64_t bytes);
 
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme

@@ -23,7 +23,7 @@
 #include <sstream>
 #include <vector>
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 namespace {
 
 std::string unique_name(const std::string& dir, const char* stem) {
@@ -256,4 +256,4 @@ at::Tensor StateFile::view(int64_t offset, at::IntArrayRef sizes, at::ScalarType
       at::TensorOptions(dtype));
 }
 
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <unordered_map>
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 namespace {
 
 class UringEngine final : public IoEngine {
@@ -122,4 +122,4 @@ std::unique_ptr<IoEngine> make_uring_engine(unsigned depth, std::string* why) {
   return e;
 }
 
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme

@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-namespace fsdp::detail::offload {
+namespace fsdp::detail::nvme {
 
 /// Alignment of O_DIRECT buffers, file offsets and lengths, bytes (a page; covers the
 /// logical block size of every NVMe and SATA disk).
@@ -44,4 +44,4 @@ std::unique_ptr<IoEngine> make_io_engine(unsigned depth);
 void transfer_sync(IoOp op, int fd, void* buf, int64_t bytes, int64_t offset,
                    const std::string& what);
 
-}  // namespace fsdp::detail::offload
+}  // namespace fsdp::detail::nvme
