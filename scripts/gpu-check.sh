@@ -14,6 +14,10 @@
 #   bench-gpu, fsdp2   the 152M GPT of the earlier runs: bench_gpu --model small against plain
 #                      LibTorch, and FSDP2 on it
 #   test-cpu           the CPU suites that must still pass there (Parity, FusedAdamW, Offload)
+#   max_model          the largest GPT (d_model 2048) that plain LibTorch and offload_param=cpu
+#                      train on this GPU and its host, one run each at fsdp-estimate's
+#                      prediction (tests/bench/max_model.py --device cuda); last, in the time
+#                      the budget has left
 # Such machines are borrowed, offline and short-lived, so the run is bounded
 # (FSDP_GPU_CHECK_BUDGET, default 540 s, so that it ends within 9 minutes whatever hangs)
 # and leaves its results in a folder:
@@ -309,6 +313,11 @@ two = None
 rows = json_lines("two_ranks_one_gpu.txt")
 if rows is not None:
     two = {"output": "two_ranks_one_gpu.txt", "modes": [x for x in rows if x.get("metric") == "two_ranks_one_gpu"]}
+# The largest model per mode (tests/bench/max_model.py): plain LibTorch and offload.
+maxm = None
+rows = json_lines("max_model.txt")
+if rows is not None:
+    maxm = {"output": "max_model.txt", "modes": [x for x in rows if x.get("metric") == "max_model"]}
 # The headline figures under the names the issue tracker reads.
 summary = (large or {}).get("summary") or {}
 metrics = {"gpu_mfu": summary.get("gpu_mfu"),
@@ -340,6 +349,7 @@ r = {
     "bench_gpu": bench,
     "fsdp2": fsdp2,
     "memory_modes": modes,
+    "max_model": maxm,
     "bundle": json.loads(read(manifest)) if manifest and read(manifest) else None,
 }
 for name in ("results.json", "gpu-check-%s.json" % started[:10]):
@@ -556,6 +566,8 @@ if [ -n "$REHEARSE" ]; then
   SMALL_SIZE=(--reps 2 --small-layers 2 --small-d-model 64 --small-heads 4 --small-block-size 32 --small-batch 4)
   FSDP2_SIZE=(--reps 2 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 4)
   CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-^FusedAdamW\\.}"
+  # As on the GPU but without a cgroup on the CPU: device and host are one memory here.
+  MAX_SIZE=(--no-cgroup --budget-mib 3072 --world 2 --d-model 64 --n-head 4 --block-size 32 --max-layers 4)
 else
   read -ra LARGE_SIZE <<<"$LARGE_ARGS"
   TWO_SIZE=()
@@ -563,6 +575,7 @@ else
   read -ra SMALL_SIZE <<<"$BENCH_ARGS"
   FSDP2_SIZE=(--reps 10)
   CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}"
+  MAX_SIZE=(--world 1 --d-model 2048 --n-head 16 --block-size 256)
 fi
 if [ "$BUILT" = 1 ]; then
   TESTS_OK=1
@@ -609,8 +622,18 @@ if [ "$BUILT" = 1 ]; then
   fi
   CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
   ctest_phase test-cpu 60 -R "$CPU_TESTS" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' -j"$CPU_J" || TESTS_OK=0
+  # The largest model, by memory: plain LibTorch against everything offloaded to the host
+  # (issue: bigger than memory, >= 4x on a GPU), one run each at the estimate's size.
+  if [ -n "$PY" ] && [ -x "$BUILD/bin/train_gpt" ] && [ -x "$BUILD/bin/fsdp-estimate" ]; then
+    run_phase max_model 120 stdbuf -oL "$PY" "$SRC/tests/bench/max_model.py" --bin-dir "$BUILD/bin" \
+      --device "$DEVICE" --runs 1 --timeout 100 --only "plain (no sharding, fp32)|+ offload_param=cpu" \
+      "${MAX_SIZE[@]}" || true
+    keep max_model
+  else
+    note_phase max_model skipped "no Python, train_gpt or fsdp-estimate"
+  fi
 else
-  for p in large_model two_ranks_one_gpu test-cuda modes bench-gpu fsdp2 test-cpu; do note_phase "$p" skipped "the build did not complete"; done
+  for p in large_model two_ranks_one_gpu test-cuda modes bench-gpu fsdp2 test-cpu max_model; do note_phase "$p" skipped "the build did not complete"; done
 fi
 
 # 5. The results, as JSON.

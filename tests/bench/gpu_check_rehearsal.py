@@ -6,7 +6,8 @@ with the binaries of this build, so that the one call a borrowed GPU gets has ru
   gpu_check_rehearsal.py --build BUILD_DIR [--out DIR]
 
 Fails (exit 1) unless results.json says: the rehearsal mode; the phases large_model,
-two_ranks_one_gpu, test-cuda, modes, bench-gpu, fsdp2 and test-cpu in that order, each ok;
+two_ranks_one_gpu, test-cuda, modes, bench-gpu, fsdp2, test-cpu and max_model in that order,
+each ok;
 metrics.gpu_mfu and metrics.ours_over_fsdp2.tokens_per_s_bf16 positive numbers; two ranks
 equal to one in every mode run; every large-model round with ours, plain LibTorch and
 FSDP2; and gpu-check-DATE.json beside it with the same content.
@@ -20,7 +21,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "..", "scripts", "gpu-check.sh")
-PHASES = ["large_model", "two_ranks_one_gpu", "test-cuda", "modes", "bench-gpu", "fsdp2", "test-cpu"]
+PHASES = ["large_model", "two_ranks_one_gpu", "test-cuda", "modes", "bench-gpu", "fsdp2", "test-cpu",
+          "max_model"]
 
 
 def main():
@@ -59,6 +61,10 @@ def main():
     rounds = (r.get("large_model") or {}).get("rounds") or []
     if len(rounds) != 2 or any(not all(x.get(k, 0) > 0 for k in ("ours", "plain", "fsdp2")) for x in rounds):
         problems.append(f"large_model rounds {rounds!r}: expected 2, each with ours, plain and fsdp2 tokens/s")
+    maxm = [x for x in ((r.get("max_model") or {}).get("modes") or []) if x.get("params", 0) > 0]
+    if len(maxm) != 2:
+        problems.append(f"max_model modes {(r.get('max_model') or {}).get('modes')!r}: expected plain and "
+                        "offload_param=cpu, each with the parameters it trained")
     dated = os.path.join(out, f"gpu-check-{r.get('started', '')[:10]}.json")
     try:
         with open(dated) as f:

@@ -4,8 +4,12 @@ time: fsdp-estimate predicts the largest size for each mode, then at most three 
 real runs around it, inside a memory cgroup of the budget, confirm it.
 
   max_model.py --bin-dir build/bin [--budget-mib 6144] [--world 2] [--d-model 1024]
-               [--n-head 16] [--block-size 64] [--steps 2] [--nvme-path DIR]
-               [--only NAME,NAME] [--json-out FILE]
+               [--n-head 16] [--block-size 64] [--steps 2] [--nvme-path DIR] [--runs 3]
+               [--only NAME,NAME | --only "NAME|NAME"] [--json-out FILE]
+  max_model.py --bin-dir build/bin --device cuda [--gpu-mib N] [--budget-mib HOST] ...
+               (the GPU and its host: no cgroup, device and host budgets apart; a run
+               too large ends with CUDA's out-of-memory error; --no-cgroup rehearses it on
+               the CPU; scripts/gpu-check.sh's phase max_model)
 
 Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). For each:
   1. LibTorch's own memory: the job's peak for a one-block GPT of width 64 (the runtime,
@@ -30,6 +34,7 @@ import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,6 +124,9 @@ def estimate(args, layers, est_flags):
     node = r["per_node"]
     return {"params": r["params"], "total": node["device_total_bytes"] + node["host_total_bytes"],
             "states": node["model_states_device_bytes"] + node["model_states_host_bytes"],
+            "device": node["device_total_bytes"], "host": node["host_total_bytes"],
+            "device_states": node["model_states_device_bytes"],
+            "host_states": node["model_states_host_bytes"],
             "nvme": node.get("nvme_total_bytes", 0)}
 
 
@@ -133,7 +141,9 @@ def run(args, layers, flags, limit_mib, d_model=None, n_head=None):
             "--n-layer", str(layers), "--d-model", str(d_model or args.d_model), "--n-head",
             str(n_head or args.n_head), "--block-size", str(args.block_size), "--batch-size",
             str(args.world), "--steps", str(args.steps), "--warmup-steps", "0", "--lr", "1e-4",
-            "--log-jsonl", log, "--device", "cpu"]
+            "--log-jsonl", log, "--device", args.device]
+        if args.split:
+            return run_split(args, layers, train, log)
         cmd = ["bash", CONSTRUCTION, args.bin_dir, str(limit_mib), "sharded", str(args.world)] + train
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         out = p.stdout + p.stderr
@@ -145,20 +155,202 @@ def run(args, layers, flags, limit_mib, d_model=None, n_head=None):
         res = {"layers": layers, "exit": p.returncode, "peak_mib": int(m.group(2)) if m else None,
                "oom_kills": m.group(3) if m else None, "trained": p.returncode == 0 and len(rows) == args.steps,
                "tokens_per_s": rows[-1]["tokens_per_s"] if rows else None}
-        if not res["trained"]:
-            res["tail"] = "\n".join(out.strip().splitlines()[-4:])
-            errors = [l for l in out.splitlines() if ": error: " in l]
-            if errors:
-                res["error"] = errors[0][errors[0].index(": error: ") + 9:]
-        params = re.search(r"train_gpt: (\d+) parameters", out)
-        res["params"] = int(params.group(1)) if params else None
-        return res
+        return finish(res, out)
+
+
+def finish(res, out):
+    """The error or the tail of a run that did not train, and the parameters it built."""
+    if not res["trained"]:
+        res["tail"] = "\n".join(out.strip().splitlines()[-4:])
+        errors = [l for l in out.splitlines() if ": error: " in l]
+        if errors:
+            res["error"] = errors[0][errors[0].index(": error: ") + 9:]
+    params = re.search(r"train_gpt: (\d+) parameters", out)
+    res["params"] = int(params.group(1)) if params else None
+    return res
+
+
+def run_split(args, layers, train, log):
+    """A run without a memory cgroup (--device cuda, or --no-cgroup): the device (the GPU,
+    whose memory is the limit that ends a run too large, with CUDA's out-of-memory error)
+    and the host apart. The peak is rank 0's device memory (the caching allocator's
+    reserved bytes) times the ranks, plus every rank's peak RSS (fsdp-run --peak-rss-json)."""
+    rss = log + ".rss"
+    cmd = [os.path.join(args.bin_dir, "fsdp-run"), "--nproc", str(args.world), "--peak-rss-json",
+           rss, "--", os.path.join(args.bin_dir, "train_gpt"), "--construction", "sharded"] + train
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = 124
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    rows = [json.loads(l) for l in open(log)] if os.path.exists(log) else []
+    host = [int(x) // 1024 for x in re.findall(r"\d+", open(rss).read())] if os.path.exists(rss) else []
+    dev = re.search(r"peak GPU memory of rank 0: (\d+) MiB allocated, (\d+) MiB reserved", out)
+    device_mib = int(dev.group(2)) * args.world if dev else 0
+    res = {"layers": layers, "exit": rc, "trained": rc == 0 and len(rows) == args.steps,
+           "oom_kills": "cuda" if "out of memory" in out.lower() else "0",
+           "device_peak_mib": device_mib, "host_peak_mib": sum(host),
+           "peak_mib": device_mib + sum(host) if host else None,
+           "tokens_per_s": rows[-1]["tokens_per_s"] if rows else None}
+    return finish(res, out)
+
+
+def search(args, predicted, flags):
+    """At most --runs real runs around the predicted block count. Steps of a tenth of the
+    prediction (at least one block): the estimate's target is 10% of the measured peak, so
+    the first two runs bracket the edge when the estimate holds. The third halves the
+    bracket when the two outcomes differ by more than a block, else takes one more step."""
+    runs = [run(args, predicted, flags, args.budget_mib)]
+    step = max(1, predicted // 10) * (1 if runs[0]["trained"] else -1)
+    layers = predicted
+    while len(runs) < args.runs:
+        ok = [r["layers"] for r in runs if r["trained"]]
+        killed = [r["layers"] for r in runs if not r["trained"]]
+        if ok and killed:
+            lo, hi = max(ok), min(killed)
+            if hi - lo <= 1:
+                break
+            layers = (lo + hi) // 2
+        else:
+            layers += step
+        if layers < 1:
+            break
+        runs.append(run(args, layers, flags, args.budget_mib))
+    return runs
+
+
+def largest(args, fits):
+    """The largest block count whose estimate fits (the totals grow with the blocks)."""
+    lo, hi = 0, args.max_layers
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def main_split(args, only):
+    """Device and host budgets apart, no cgroup: --device cuda (the GPU phase), or its
+    rehearsal on the CPU (--no-cgroup, where device and host are one memory)."""
+    cuda = args.device == "cuda"
+    host_mib = args.budget_mib or int(mem_available_mib() * 0.9)
+    dev_mib = (args.gpu_mib or gpu_total_mib() - 1024) if cuda else 0
+    base = run(args, 1, [], host_mib, d_model=64, n_head=4)
+    if not base["trained"]:
+        sys.exit(f"max_model.py: the baseline run failed:\n{base.get('tail')}")
+    own = base["host_peak_mib"] if cuda else base["peak_mib"]
+    print(f"max model ({args.device}, no cgroup): " +
+          (f"device {dev_mib} MiB per rank, host {host_mib} MiB less LibTorch's own {own} MiB"
+           if cuda else f"budget {host_mib} MiB less LibTorch's own {own} MiB (not enforced)") +
+          f"; world {args.world}; GPT d_model {args.d_model}, {args.n_head} heads, T "
+          f"{args.block_size}, {args.steps} steps per run, at most {args.runs} runs per mode", flush=True)
+    host_bytes = (host_mib - own) * 1048576
+    dev_bytes = dev_mib * 1048576 * args.world
+    results = []
+    for name, flags, est_flags in MODES:
+        if (only and name not in only) or est_flags is None:
+            continue
+        nvme_dir = args.nvme_path or tempfile.gettempdir()
+        disk = shutil.disk_usage(nvme_dir).free if "--nvme-path" in flags else 0
+
+        def fits(layers):
+            e = estimate(args, layers, est_flags)
+            if disk and e["nvme"] > disk:
+                return False
+            if cuda:
+                return e["device"] <= dev_bytes and e["host"] <= host_bytes
+            return e["total"] <= host_bytes
+
+        predicted = largest(args, fits)
+        out = {"metric": "max_model", "device": args.device, "mode": name, "flags": " ".join(flags),
+               "predicted_layers": predicted}
+        if predicted < 1:
+            out["error"] = "not even one block fits the estimate"
+            print(json.dumps(out), flush=True)
+            results.append(out)
+            continue
+        runs = search(args, predicted, flags)
+        out["runs"] = [{k: r.get(k) for k in ("layers", "exit", "trained", "device_peak_mib",
+                                              "host_peak_mib", "oom_kills")} for r in runs]
+        trained = [r for r in runs if r["trained"]]
+        if not trained:
+            out["error"] = "no run trained; the last: " + (runs[-1].get("tail") or "")
+            print(json.dumps(out), flush=True)
+            results.append(out)
+            continue
+        best = max(trained, key=lambda r: r["layers"])
+        e = estimate(args, best["layers"], est_flags)
+        p = e["params"]
+        bounds = []  # what each memory holds of the model states, over its bytes per parameter
+        if cuda and e["device_states"]:
+            bounds.append(("device", dev_bytes / (e["device_states"] / p)))
+        if cuda and e["host_states"]:
+            bounds.append(("host", host_bytes / (e["host_states"] / p)))
+        if not cuda:
+            bounds.append(("memory", host_bytes / (e["states"] / p)))
+        if disk and e["nvme"]:
+            bounds.append(("disk", disk / (e["nvme"] / p)))
+        by, bound = min(bounds, key=lambda b: b[1])
+        est_mib = e["total"] / 1048576 + own
+        flops = 6.0 * p + 12.0 * best["layers"] * args.d_model * args.block_size
+        out.update({"layers": best["layers"], "params": p, "bound_by": by, "bound_params": int(bound),
+                    "ratio_to_bound": round(p / bound, 4),
+                    "estimated_device_mib": round(e["device"] / 1048576, 1),
+                    "measured_device_mib": best["device_peak_mib"],
+                    "estimated_peak_mib": round(est_mib, 1), "measured_peak_mib": best["peak_mib"],
+                    "estimate_error": round(est_mib / best["peak_mib"] - 1, 4) if best["peak_mib"] else None,
+                    "tokens_per_s": best["tokens_per_s"],
+                    "tflops": best["tokens_per_s"] * flops / 1e12 if best["tokens_per_s"] else None})
+        print(json.dumps(out), flush=True)
+        results.append(out)
+    print(f"\n| mode | parameters reached | bound (by) | ratio | estimate / measured peak (MiB) | device estimate / measured (MiB) | tokens/s | runs (blocks: trained?) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for o in results:
+        if "params" not in o:
+            print(f"| {o['mode']} | {o.get('error')} | | | | | | |")
+            continue
+        runs = ", ".join(f"{r['layers']}: {'yes' if r['trained'] else 'oom' if r['oom_kills'] == 'cuda' else 'exit %d' % r['exit']}" for r in o["runs"])
+        err = f" ({o['estimate_error']:+.1%})" if o["estimate_error"] is not None else ""
+        print(f"| {o['mode']} | {o['params'] / 1e6:.1f}M ({o['layers']} blocks) | {o['bound_params'] / 1e6:.1f}M "
+              f"({o['bound_by']}) | {o['ratio_to_bound']:.3f} | {o['estimated_peak_mib']:.0f} / "
+              f"{o['measured_peak_mib']}{err} | {o['estimated_device_mib']:.0f} / {o['measured_device_mib']} | "
+              f"{(o['tokens_per_s'] or 0):.0f} | {runs} |")
+    plain = [o for o in results if o["mode"].startswith("plain") and "params" in o]
+    for o in results:
+        if plain and "params" in o and o is not plain[0]:
+            print(f"max model: {o['mode']}: {o['params'] / plain[0]['params']:.2f}x plain's parameters")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": args.device, "host_budget_mib": host_mib, "device_budget_mib": dev_mib,
+                       "world": args.world, "libtorch_own_mib": own, "modes": results}, f, indent=2)
+    bad = [o for o in results if "params" not in o]
+    return 1 if bad else 0
+
+
+def gpu_total_mib():
+    r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                        "-i", "0"], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        sys.exit("max_model.py: --device cuda needs nvidia-smi for the GPU's memory, or --gpu-mib")
+    return int(r.stdout.split()[0])
+
+
+def mem_available_mib():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    sys.exit("max_model.py: no MemAvailable in /proc/meminfo; give --budget-mib")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bin-dir", required=True)
-    ap.add_argument("--budget-mib", type=int, default=6144)
+    ap.add_argument("--budget-mib", type=int, default=None,
+                    help="the job's memory (default 6144; --device cuda: the host's, default 90%% of MemAvailable)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--n-head", type=int, default=16)
@@ -170,6 +362,16 @@ def main():
                     help="the disk of the mode whose model states all go to files (offload_param=nvme): "
                          "an ext4 file system of this size on a loop device")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the budget is the GPU's memory and the host's, apart, and the "
+                         "runs need no cgroup (scripts/gpu-check.sh's phase max_model)")
+    ap.add_argument("--no-cgroup", action="store_true",
+                    help="on the CPU, run as on a GPU: no cgroup, device and host budgets apart "
+                         "(the GPU phase's rehearsal; a run is not stopped by the budget)")
+    ap.add_argument("--gpu-mib", type=int, default=0,
+                    help="--device cuda: the device budget (default: the GPU's memory less 1024 "
+                         "MiB for the CUDA context and libraries, from nvidia-smi)")
+    ap.add_argument("--runs", type=int, default=3, help="real runs per mode, at most (1-3)")
     ap.add_argument("--only", default="")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--expect-within", type=float, default=0.0,
@@ -177,13 +379,20 @@ def main():
                          "estimate is within this fraction of its measured peak (e.g. 0.15)")
     args = ap.parse_args()
     args.disk = None
-    atexit.register(lambda: args.disk.close() if args.disk is not None else None)
-    if args.disk_mib < 64:
-        ap.error(f"--disk-mib {args.disk_mib} is too small; give the disk-bound mode at least 64 MiB")
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    args.split = args.device == "cuda" or args.no_cgroup
+    if not 1 <= args.runs <= 3:
+        ap.error(f"--runs {args.runs}: give 1, 2 or 3")
+    # Names are separated by "|" (a name may hold a comma), or by commas where no "|" is.
+    only = {s.strip() for s in args.only.split("|" if "|" in args.only else ",") if s.strip()}
     unknown = only - {m[0] for m in MODES}
     if unknown:
         sys.exit(f"max_model.py: --only {sorted(unknown)} unknown; the modes are {[m[0] for m in MODES]}")
+    if args.split:
+        return main_split(args, only)
+    args.budget_mib = args.budget_mib or 6144
+    atexit.register(lambda: args.disk.close() if args.disk is not None else None)
+    if args.disk_mib < 64:
+        ap.error(f"--disk-mib {args.disk_mib} is too small; give the disk-bound mode at least 64 MiB")
     # Twice, and the smaller: the cgroup charges a job for the library pages it is the
     # first to read, and the later runs find them cached (charged elsewhere) as the
     # second baseline run does.
@@ -230,39 +439,13 @@ def main():
         def fits(e):
             return e["total"] <= budget and (not disk or e["nvme"] <= disk)
 
-        lo, hi = 0, args.max_layers
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(estimate(args, mid, est_flags)):
-                lo = mid
-            else:
-                hi = mid - 1
-        predicted = lo
+        predicted = largest(args, lambda n: fits(estimate(args, n, est_flags)))
         if predicted < 1:
             out = {"metric": "max_model", "mode": name, "error": "not even one block fits the estimate"}
             print(json.dumps(out), flush=True)
             results.append(out)
             continue
-        # 3. at most three runs around it. Steps of a tenth of the prediction (at least one
-        # block): the estimate's target is 10% of the measured peak, so the first two runs
-        # bracket the edge when the estimate holds. The third halves the bracket when the two
-        # outcomes differ by more than a block, else takes one more step.
-        runs = [run(args, predicted, flags, args.budget_mib)]
-        step = max(1, predicted // 10) * (1 if runs[0]["trained"] else -1)
-        layers = predicted
-        while len(runs) < 3:
-            ok = [r["layers"] for r in runs if r["trained"]]
-            killed = [r["layers"] for r in runs if not r["trained"]]
-            if ok and killed:
-                lo, hi = max(ok), min(killed)
-                if hi - lo <= 1:
-                    break
-                layers = (lo + hi) // 2
-            else:
-                layers += step
-            if layers < 1:
-                break
-            runs.append(run(args, layers, flags, args.budget_mib))
+        runs = search(args, predicted, flags)
         trained = [r for r in runs if r["trained"]]
         best = max(trained, key=lambda r: r["layers"]) if trained else None
         out = {"metric": "max_model", "mode": name, "flags": " ".join(flags),
