@@ -1,4 +1,4 @@
-// The collective trace (Note [Collective trace]): ranks that run different collectives
+// The collective ring (Note [Collective ring]): ranks that run different collectives
 // fail with errors that say where they parted: at once under FSDP_DEBUG=desync, at the
 // timeout with this rank's recent collectives without it.
 #include "support/multirank.h"

@@ -9,7 +9,7 @@
 
 #include <string>
 #include <vector>
-#include "../src/comm/collective_trace.h"   // the order gathers were issued in
+#include "../src/comm/collective_ring.h"    // the order gathers were issued in
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;

@@ -2,7 +2,7 @@
 #include <fsdp/process_group.h>
 
 #include "backend.h"
-#include "collective_trace.h"
+#include "collective_ring.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -295,8 +295,8 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.master_addr = e.master_addr;
   init.device_index = e.local_rank;
   // Every collective of the job is numbered and kept in the ring its errors print
-  // (Note [Collective trace]).
-  return GroupAccess::make_group(detail::make_traced_backend(
+  // (Note [Collective ring]).
+  return GroupAccess::make_group(detail::make_ring_backend(
       backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init),
       e.rank));
 }

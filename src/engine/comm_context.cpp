@@ -1,6 +1,6 @@
 #include "comm_context.h"
 
-#include "comm/collective_trace.h"
+#include "comm/collective_ring.h"
 
 #include <algorithm>
 

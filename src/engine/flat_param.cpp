@@ -1,6 +1,6 @@
 #include "flat_param.h"
 
-#include "comm/collective_trace.h"
+#include "comm/collective_ring.h"
 #include "nvme/io_engine.h"
 #include "nvme/state_file.h"
 

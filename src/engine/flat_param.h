@@ -131,7 +131,7 @@ class FlatParam {
   /// the shard itself.
   bool aliased() const { return alias_; }
   const FlatConfig& config() const { return cfg_; }
-  /// What this flat's collectives are for, in the collective trace.
+  /// What this flat's collectives are for, in the collective ring.
   std::string label() const {
     return trainable_ ? cfg_.label : cfg_.label + " (frozen parameters)";
   }

@@ -1,5 +1,5 @@
-// The collective trace and the desync check (Note [Collective trace]).
-#include "collective_trace.h"
+// The collective ring and the desync check (Note [Collective ring]).
+#include "collective_ring.h"
 
 #include "trace/trace.h"
 
@@ -176,9 +176,9 @@ class TracedWork : public Work {
   std::function<std::string(const std::string&)> fail_;
 };
 
-class TracedBackend : public Backend {
+class RingBackend : public Backend {
  public:
-  TracedBackend(std::shared_ptr<Backend> inner, int global_rank, std::string group, bool desync)
+  RingBackend(std::shared_ptr<Backend> inner, int global_rank, std::string group, bool desync)
       : inner_(std::move(inner)),
         global_rank_(global_rank),
         group_(std::move(group)),
@@ -223,7 +223,7 @@ class TracedBackend : public Backend {
     auto mine = find_group(groups, size(), rank());
     std::string name = group_ == "world" ? "ranks [" : group_ + "'s ranks [";
     for (size_t i = 0; i < mine.size(); ++i) name += (i ? ", " : "") + std::to_string(mine[i]);
-    return std::make_shared<TracedBackend>(sub, global_rank_, name + "]", desync_);
+    return std::make_shared<RingBackend>(sub, global_rank_, name + "]", desync_);
   }
 
  private:
@@ -365,11 +365,11 @@ bool desync_debug_enabled() {
   return desync;
 }
 
-std::shared_ptr<Backend> make_traced_backend(std::shared_ptr<Backend> inner, int global_rank,
-                                             std::string group) {
+std::shared_ptr<Backend> make_ring_backend(std::shared_ptr<Backend> inner, int global_rank,
+                                           std::string group) {
   if (inner->size() == 1) return inner;
   const bool desync = desync_debug_enabled();
-  return std::make_shared<TracedBackend>(std::move(inner), global_rank, std::move(group), desync);
+  return std::make_shared<RingBackend>(std::move(inner), global_rank, std::move(group), desync);
 }
 
 }  // namespace fsdp::detail

@@ -1,6 +1,6 @@
 #pragma once
-// Note [Collective trace]
-// Every collective of a multi-rank process group goes through a TracedBackend, which
+// Note [Collective ring]
+// Every collective of a multi-rank process group goes through a RingBackend, which
 // numbers it (per group), names what it is for, and keeps it in a short ring of this
 // rank's recent collectives: sequence number, op, unit, bytes, and whether it finished.
 //  - A collective that fails or times out (FSDP_TIMEOUT_S) throws an error naming the
@@ -36,11 +36,11 @@ class CollectiveLabel {
   std::string previous_;
 };
 
-/// `inner` with every collective traced (Note [Collective trace]). `global_rank` is this
+/// `inner` with every collective kept in the ring (Note [Collective ring]). `global_rank` is this
 /// process's rank in the job, for messages; `group` names the group ("world", or the
 /// ranks of a split). Subgroups split from it are traced too. Reads FSDP_DEBUG.
-std::shared_ptr<Backend> make_traced_backend(std::shared_ptr<Backend> inner, int global_rank,
-                                             std::string group = "world");
+std::shared_ptr<Backend> make_ring_backend(std::shared_ptr<Backend> inner, int global_rank,
+                                           std::string group = "world");
 
 /// This rank's recent collectives, oldest first, one line each (what errors print).
 std::vector<std::string> recent_collectives();
