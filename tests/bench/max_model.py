@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -178,12 +179,17 @@ def run_split(args, layers, train, log):
     rss = log + ".rss"
     cmd = [os.path.join(args.bin_dir, "fsdp-run"), "--nproc", str(args.world), "--peak-rss-json",
            rss, "--", os.path.join(args.bin_dir, "train_gpt"), "--construction", "sharded"] + train
+    # In a session of its own, so that a run past --timeout goes with its ranks: on a GPU a
+    # rank left behind would hold its memory through the next run.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        rc, out = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = p.communicate(timeout=args.timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
         rc = 124
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
     rows = [json.loads(l) for l in open(log)] if os.path.exists(log) else []
     host = [int(x) // 1024 for x in re.findall(r"\d+", open(rss).read())] if os.path.exists(rss) else []
     dev = re.search(r"peak GPU memory of rank 0: (\d+) MiB allocated, (\d+) MiB reserved", out)
