@@ -154,6 +154,11 @@ run_phase() {
   esac
   # ctest's --stop-time (ctest_phase) ends the tests itself, with a failing exit status.
   if [ "$status" = failed ] && grep -q 'The stop time has been passed' "$OUT/logs/$name.log"; then status=timeout; fi
+  # Tests still running at the stop time end as ***Timeout: the phase ran out of time
+  # unless some test failed on its own.
+  if [ "$status" = failed ] && [ $((SECONDS - t0)) -ge $((limit - 10)) ] &&
+    grep -q '\*\*\*Timeout' "$OUT/logs/$name.log" &&
+    ! grep -qE '\*\*\*(Failed|Exception)' "$OUT/logs/$name.log"; then status=timeout; fi
   printf '%s\t%s\t%s\t%s\t%s\t\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" >>"$PHASES"
   if [ "$status" = ok ]; then
     say "$name: ok ($((SECONDS - t0)) s)"
@@ -455,15 +460,27 @@ DEP_FLAGS=()
 [ -z "$ABI" ] || DEP_FLAGS=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$ABI")
 export JOBS
 
+# The targets the build makes: the tests the ctest phases run and every program a phase
+# runs from BIN (bench_gpu is added where this LibTorch has CUDA).
+read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload train_gpt fsdp-run fsdp-estimate}"
 if [ -n "$REHEARSE" ]; then
-  # The rehearsal: this machine's build, on its CPU, at small sizes.
+  # The rehearsal: this machine's build, on its CPU, at small sizes. Its phases see only
+  # the programs the build would make (BIN: links to them), so a phase that runs one the
+  # target list lacks fails here, not on the GPU machine.
   BUILD="$REHEARSE"
+  BIN="$OUT/rehearsal-bin"
+  rm -rf "$BIN" && mkdir -p "$BIN"
+  for t in "${TARGETS[@]}" bench_gpu; do
+    case "$t" in test_*) continue ;; esac
+    [ ! -x "$BUILD/bin/$t" ] || ln -s "$BUILD/bin/$t" "$BIN/$t"
+  done
   DEVICE=cpu
   export FSDP_GPU_PEAK_TFLOPS="${FSDP_GPU_PEAK_TFLOPS:-0.1}"
   for p in googletest hdf5 configure build; do note_phase "$p" skipped "rehearsal: the build in $BUILD"; done
   say "rehearsal on the CPU with the build in $BUILD (FSDP_GPU_PEAK_TFLOPS=$FSDP_GPU_PEAK_TFLOPS, nominal)"
   BUILT=1
 else
+  BIN="$BUILD/bin"
   DEVICE=cuda
   # 2. The bundled dependencies, built into PREFIX (a second run reuses them).
   PROJECT_ARGS=()
@@ -533,7 +550,6 @@ else
        "${PROJECT_ARGS[@]}" "${CUDA_ARGS[@]}" "${EXTRA[@]}"; then
     grep -m1 -E '^-- fsdp: LibTorch [0-9]' "$OUT/logs/configure.log" | sed 's/^-- /[gpu-check] /' || true
     grep -iE 'warning.*(hdf5|gloo)|HDF5 not found' -A2 "$OUT/logs/configure.log" | sed 's/^/    /' || true
-    read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload train_gpt fsdp-run}"
     if cmake --build "$BUILD" --target help 2>/dev/null | grep -qw bench_gpu; then
       TARGETS+=(bench_gpu)
     else
@@ -581,9 +597,9 @@ if [ "$BUILT" = 1 ]; then
   TESTS_OK=1
   # The 1.3B GPT: ours, plain LibTorch and FSDP2, alternating (line-buffered, so a run
   # stopped at its limit keeps the lines it printed).
-  if [ -x "$BUILD/bin/bench_gpu" ] && [ -n "$PY" ]; then
+  if [ -x "$BIN/bench_gpu" ] && [ -n "$PY" ]; then
     run_phase large_model 200 stdbuf -oL "$PY" "$SRC/tests/bench/large_model.py" \
-      --bench-gpu "$BUILD/bin/bench_gpu" --python "$PY" --device "$DEVICE" "${LARGE_SIZE[@]}" || true
+      --bench-gpu "$BIN/bench_gpu" --python "$PY" --device "$DEVICE" "${LARGE_SIZE[@]}" || true
     keep large_model
   else
     note_phase large_model skipped "no bench_gpu (this LibTorch has no CUDA) or no Python with torch"
@@ -591,7 +607,7 @@ if [ "$BUILT" = 1 ]; then
   # Two ranks on the one GPU over Gloo against one rank.
   if [ -n "$PY" ]; then
     run_phase two_ranks_one_gpu 90 stdbuf -oL "$PY" "$SRC/tests/bench/two_ranks_one_gpu.py" \
-      --bin-dir "$BUILD/bin" --device "$DEVICE" "${TWO_SIZE[@]}" || TESTS_OK=0
+      --bin-dir "$BIN" --device "$DEVICE" "${TWO_SIZE[@]}" || TESTS_OK=0
     keep two_ranks_one_gpu
   else
     note_phase two_ranks_one_gpu skipped "no Python to run tests/bench/two_ranks_one_gpu.py"
@@ -600,16 +616,16 @@ if [ "$BUILT" = 1 ]; then
   # train_gpt --device cuda runs among them); on the CPU they skip, saying why.
   ctest_phase test-cuda 60 -R '^Cuda\.|_CUDA$' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
   # Every memory mode of train_gpt (ZeRO stages, offloads, pure bf16, activation offload).
-  if [ -n "$PY" ] && [ -x "$BUILD/bin/train_gpt" ]; then
+  if [ -n "$PY" ] && [ -x "$BIN/train_gpt" ]; then
     run_phase modes 80 stdbuf -oL "$PY" "$SRC/tests/bench/memory_modes.py" \
-      --train-gpt "$BUILD/bin/train_gpt" --device "$DEVICE" --expect-learning "${MODES_SIZE[@]}" || true
+      --train-gpt "$BIN/train_gpt" --device "$DEVICE" --expect-learning "${MODES_SIZE[@]}" || true
     cp "$OUT/logs/modes.log" "$OUT/memory_modes.txt" 2>/dev/null || true
     grep '^|' "$OUT/memory_modes.txt" | sed 's/^/[gpu-check] modes: /' || true
   fi
   # The 152M GPT of the earlier runs, and FSDP2 on it.
-  if [ -x "$BUILD/bin/bench_gpu" ]; then
+  if [ -x "$BIN/bench_gpu" ]; then
     # shellcheck disable=SC2086
-    run_phase bench-gpu 50 stdbuf -oL "$BUILD/bin/bench_gpu" --device "$DEVICE" --model small \
+    run_phase bench-gpu 50 stdbuf -oL "$BIN/bench_gpu" --device "$DEVICE" --model small \
       "${SMALL_SIZE[@]}" || true
     cp "$OUT/logs/bench-gpu.log" "$OUT/bench_gpu.txt" 2>/dev/null || true
     grep '^{' "$OUT/bench_gpu.txt" | sed 's/^/[gpu-check] bench_gpu: /' || true
@@ -624,8 +640,8 @@ if [ "$BUILT" = 1 ]; then
   ctest_phase test-cpu 60 -R "$CPU_TESTS" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' -j"$CPU_J" || TESTS_OK=0
   # The largest model, by memory: plain LibTorch against everything offloaded to the host
   # (issue: bigger than memory, >= 4x on a GPU), one run each at the estimate's size.
-  if [ -n "$PY" ] && [ -x "$BUILD/bin/train_gpt" ] && [ -x "$BUILD/bin/fsdp-estimate" ]; then
-    run_phase max_model 120 stdbuf -oL "$PY" "$SRC/tests/bench/max_model.py" --bin-dir "$BUILD/bin" \
+  if [ -n "$PY" ] && [ -x "$BIN/train_gpt" ] && [ -x "$BIN/fsdp-estimate" ]; then
+    run_phase max_model 120 stdbuf -oL "$PY" "$SRC/tests/bench/max_model.py" --bin-dir "$BIN" \
       --device "$DEVICE" --runs 1 --timeout 100 --only "plain (no sharding, fp32)|+ offload_param=cpu" \
       "${MAX_SIZE[@]}" || true
     keep max_model
