@@ -191,9 +191,9 @@ TEST(EstimateRules, HandWorkedFigures) {
   EXPECT_EQ(est.term("optimizer_state").device_bytes, 66 * 8);
   EXPECT_EQ(est.term("gathered_units").device_bytes, (12 + 100 + 100) * 2);  // root + 2 largest
   // Backward: the root's flat gradient (bf16), the computing unit's and the one whose
-  // reduce-scatter is in flight, and one prefetched shard cast to bf16; more than
-  // forward's two casts in flight.
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2 + 25 * 2);
+  // reduce-scatter is in flight. The casts write the gathered buffers (Note [Gather in
+  // place]): nothing for them.
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);
   EXPECT_EQ(est.host_total(), 0);
 
   in.strategy = ShardingStrategy::kShardGradOp;  // every unit gathered from forward on: no prefetch
@@ -274,7 +274,7 @@ TEST(EstimateTool, PrintsEveryTermAndExitsZero) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* want :
        {"parameters (fp32 shards)", "gradients (fp32 shards)", "optimizer state (AdamW m, v)",
-        "gathered units (bf16)", "reduce/cast buffers", "offload transit buffers",
+        "gathered units (bf16)", "reduce buffers", "offload transit buffers",
         "activations (checkpointed)", "total", "device", "host",
         "Estimated memory needed for params, optim states and gradients"}) {
     EXPECT_NE(r.output.find(want), std::string::npos) << "'" << want << "' missing:\n" << r.output;
@@ -498,8 +498,7 @@ TEST(EstimateRules, Zero2AndZero1KeepFullParametersAndZero1FullGradients) {
   EXPECT_EQ(est.term("gathered_units").basis, "exact");
   EXPECT_EQ(est.term("gathered_units").label, "full parameters (bf16)");
   EXPECT_THROW(est.term("full_gradients"), std::invalid_argument);
-  // Backward: the root's flat gradient and two units' (nothing to prefetch); more than
-  // forward's two casts (25 + 25) after a step.
+  // Backward: the root's flat gradient and two units' (nothing to prefetch).
   EXPECT_EQ(est.term("comm_buffers").device_bytes, (12 + 100 + 100) * 2);
   EXPECT_EQ(est.model_states_device(), 66 * 16 + 264 * 2);
   EXPECT_EQ(est.host_total(), 0);
@@ -509,9 +508,9 @@ TEST(EstimateRules, Zero2AndZero1KeepFullParametersAndZero1FullGradients) {
   EXPECT_EQ(est.term("gathered_units").device_bytes, 264 * 2);
   EXPECT_EQ(est.term("full_gradients").device_bytes, 264 * 2);
   EXPECT_EQ(est.term("full_gradients").basis, "exact");
-  // The flat gradients are the full gradients: left, forward's casts, every non-root
-  // shard at once after a step (ZeRO-1/2 lift the prefetch bound).
-  EXPECT_EQ(est.term("comm_buffers").device_bytes, (25 + 25 + 13) * 2);
+  // The flat gradients are the full gradients, and the casts write the gathered
+  // buffers: nothing left.
+  EXPECT_EQ(est.term("comm_buffers").device_bytes, 0);
   EXPECT_EQ(est.model_states_device(), 66 * 16 + 264 * 2 + 264 * 2);
   EXPECT_EQ(est.shard_group_size, 4);
 }

@@ -194,8 +194,16 @@ FlatParam::GatherInput FlatParam::gather_input() {
     cfg_.acct->count_offload(/*to_device=*/true, bytes_of(shard_numel_, cfg_.param_dtype));
     input = in.staging;
   } else if (cfg_.param_dtype != cfg_.master_dtype && !fresh) {
-    in.staging = input.to(cfg_.param_dtype);
-    input = in.staging;
+    // Note [Gather in place]
+    // The cast writes this rank's part of the full buffer itself, and the all-gather
+    // takes that part as its input in place (as FSDP2's all_gather_copy_in does): no
+    // cast buffer, and no copy of the input into the output (the whole of a gather at
+    // world size 1). Every backend allows an input inside its output at its own offset.
+    const int64_t rank = cfg_.shard_group->rank();
+    TORCH_INTERNAL_ASSERT(shard_numel_ * cfg_.shard_group->size() == padded_);
+    at::Tensor own = full_.narrow(0, rank * shard_numel_, shard_numel_);
+    own.copy_(input);
+    input = own;
   }
   if (in.staging.defined()) {
     in.counter = counter;

@@ -99,8 +99,8 @@ class FlatParam {
     bool done = false;        ///< nothing to gather (aliased: the buffer is the shard)
     at::Tensor input;         ///< this rank's part, in param_dtype on the device
     bool from_slice = false;  ///< the post-forward slice: gather over the reshard group
-    /// A cast or offload copy made for this gather (input is it); with offload, the
-    /// collective waits for its transfer stream.
+    /// An offload copy made for this gather (input is it); the collective waits for its
+    /// transfer stream. A cast has none: it writes the full buffer (Note [Gather in place]).
     at::Tensor staging;
     /// keep_device_params: the device copy refreshed now (its transfer stream joins).
     at::Tensor copied;
@@ -108,10 +108,10 @@ class FlatParam {
     int64_t held_bytes = 0;
   };
   /// Restores the full buffer's storage and prepares the gather's input: the shard cast
-  /// to param_dtype, copied to the device with offload, read from its file with NVMe
-  /// parameters, or the optimizer's copy; or, with a post-forward slice (release with
-  /// keep_slice), the slice, which the gather then drops. Storage and casting only: the
-  /// collective is CommContext's.
+  /// to param_dtype into this rank's part of the full buffer, copied to the device with offload,
+  /// read from its file with NVMe parameters, or the optimizer's copy; or, with a post-forward
+  /// slice (release with keep_slice), the slice, which the gather then drops. Storage and casting
+  /// only: the collective is CommContext's.
   GatherInput gather_input();
   /// Frees the full buffer's storage; the parameter views stay, the bytes go. With
   /// `keep_slice` and a reshard group (Note [Post-forward slices]), first keeps this

@@ -239,27 +239,18 @@ int backward_prefetches(const EstimateInput& in) {
   return reshards_after_forward(in) ? in.max_gathered_units - 1 : 0;
 }
 
-// MemoryStats::comm_buffers, the larger of two moments. Forward (with mixed precision
-// and no offload): each gather in flight holds its shard cast to param_dtype, up to
-// max_gathered_units prefetches issued from the root (under ZeRO-1/2, every unit, in the
-// forward after a step, when they gather again). Backward: a unit's unsharded flat
-// gradient (reduce dtype, padded) lives from its first parameter gradient to its
-// reduce-scatter's end: the root's for the whole backward (its embeddings get theirs
-// last), that of the unit computing now and that of the unit before it, whose
-// reduce-scatter overlaps this one's compute (Note [Overlapped reduction] in
-// src/engine/flat_param.cpp), besides the casts of the units prefetched meanwhile. With
-// offload the copy to the device casts (or the device copy is already param_dtype): no
-// cast buffer. ZeRO-1's flat gradients are all held at the end of backward: they are the
+// MemoryStats::comm_buffers: the unsharded flat gradients of backward. A unit's
+// (reduce dtype, padded) lives from its first parameter gradient to its reduce-scatter's
+// end: the root's for the whole backward (its embeddings get theirs last), that of the
+// unit computing now and that of the unit before it, whose reduce-scatter overlaps this
+// one's compute (Note [Overlapped reduction] in src/engine/flat_param.cpp). A gather's
+// cast to param_dtype writes the gathered buffer itself (Note [Gather in place]): no cast
+// buffer. ZeRO-1's flat gradients are all held at the end of backward: they are the
 // full_gradients term, not counted here again.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
-  const bool casts = elem != 4 && !offload_of(in).any();
-  const int64_t forward = casts ? in_flight_shards(l, forward_in_flight(in, l)) * elem : 0;
-  if (in.strategy == ShardingStrategy::kZero1) return forward;
-  int64_t backward = 0;
-  if (!direct_grads(in, l.group, elem))
-    backward += (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
-  if (casts) backward += largest_non_root(l.shard, backward_prefetches(in)) * elem;
-  return std::max(forward, backward);
+  if (in.strategy == ShardingStrategy::kZero1) return 0;
+  if (direct_grads(in, l.group, elem)) return 0;
+  return (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
 }
 
 // MemoryStats::offload_buffers, on the device: the copy (param_dtype) of each shard in
@@ -475,10 +466,8 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
          "post-forward slices (hpZ, k=" + std::to_string(in.reshard_after_forward_group_size) + ")",
          "bound", slices * elem, 0, 0});
   }
-  est.terms.push_back({"comm_buffers",
-                       in.strategy == ShardingStrategy::kZero1 ? "cast buffers (forward)"
-                                                               : "reduce/cast buffers (backward)",
-                       "bound", comm_buffer_bytes(in, l, elem), 0, 0});
+  est.terms.push_back(
+      {"comm_buffers", "reduce buffers", "bound", comm_buffer_bytes(in, l, elem), 0, 0});
   if (off.any()) {
     est.terms.push_back({"offload_buffers", "offload transit buffers", "bound",
                          offload_device_bytes(in, l, elem), offload_host_bytes(l), 0});
