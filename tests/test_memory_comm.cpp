@@ -242,6 +242,76 @@ TEST_P(PrefetchBound, RootBackwardPrefetchesTheLastUnits) {
   });
 }
 
+// Hands out every CPU allocation full of 0xFF bytes (NaN as floats) while it lives, so
+// that memory a test reads before anything wrote it cannot pass as zeros.
+class JunkFillingCpuAllocator : public at::Allocator {
+ public:
+  JunkFillingCpuAllocator() : base_(c10::GetCPUAllocator()) {
+    c10::SetCPUAllocator(this, /*priority=*/200);
+  }
+  ~JunkFillingCpuAllocator() override { c10::SetCPUAllocator(base_, /*priority=*/201); }
+  at::DataPtr allocate(size_t n) override {
+    at::DataPtr p = base_->allocate(n);
+    if (n > 0) std::memset(p.get(), 0xFF, n);
+    return p;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  at::DeleterFnPtr raw_deleter() const override { return base_->raw_deleter(); }
+
+ private:
+  at::Allocator* base_;
+};
+
+/// A root unit with a layer its forward never calls: its slot gets no gradient.
+class PartlyUsedImpl : public torch::nn::Module {
+ public:
+  PartlyUsedImpl()
+      : used(register_module("used", torch::nn::Linear(16, 24))),
+        spare(register_module("spare", torch::nn::Linear(24, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(used(x)); }
+  torch::nn::Linear used, spare;
+};
+TORCH_MODULE(PartlyUsed);
+
+// Note [Gradients in the shard]: at world size 1 with bf16 compute each parameter's
+// gradient is cast into the fp32 gradient shard as it arrives. Against the flat path
+// (offload takes it: a bf16 flat gradient, cast into the shard afterwards), bit for bit,
+// over two backwards that accumulate, with a parameter that gets no gradient and every
+// allocation handed out as NaN bytes; and no flat gradient is ever allocated.
+TEST(GradientsInTheShard, EqualTheFlatPathBitForBitAndHoldNoFlatGradient) {
+  JunkFillingCpuAllocator junk;
+  struct Run {
+    std::vector<torch::Tensor> grads;
+    int64_t comm_peak = 0;
+  };
+  auto run = [](bool offload) {
+    torch::manual_seed(0);
+    ShardingOptions o;
+    o.mixed_precision.param_dtype = torch::kBFloat16;
+    o.mixed_precision.reduce_dtype = torch::kBFloat16;
+    o.offload_optimizer.device = o.offload_param.device = offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
+    auto model = fully_shard(PartlyUsed(), o);
+    for (int64_t step = 0; step < 2; ++step) {
+      auto gen = at::detail::createCPUGenerator(77 + step);
+      model->forward(torch::randn({4, 16}, gen)).square().sum().backward();
+    }
+    Run r;
+    for (const auto& p : model.sharded_parameters()) r.grads.push_back(p.grad().clone());
+    r.comm_peak = model.memory_stats().comm_buffers.peak;
+    return r;
+  };
+  const Run in_shard = run(false), flat = run(true);
+  ASSERT_EQ(in_shard.grads.size(), flat.grads.size());
+  for (size_t i = 0; i < flat.grads.size(); ++i) {
+    EXPECT_FALSE(in_shard.grads[i].isnan().any().item<bool>()) << "unwritten bytes left";
+    EXPECT_TRUE(torch::equal(in_shard.grads[i], flat.grads[i])) << "gradient shard " << i;
+  }
+  EXPECT_EQ(in_shard.comm_peak, 0) << "a flat gradient was allocated";
+  EXPECT_GT(flat.comm_peak, 0) << "the reference no longer takes the flat path";
+}
+
 INSTANTIATE_TEST_SUITE_P(Units, PrefetchBound, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "max" + std::to_string(info.param); });
 

@@ -5,8 +5,29 @@ namespace fsdp::detail {
 GradBuffer::GradBuffer(FlatParam& flat)
     : flat_(flat),
       direct_(flat.aliased() && flat.config().world_size == 1 &&
-              flat.config().reduce_dtype == flat.config().master_dtype) {
+              flat.config().reduce_dtype == flat.config().master_dtype),
+      // Note [Gradients in the shard]
+      // At world size 1 nothing is reduced, so the unsharded flat gradient (reduce_dtype)
+      // and its cast into the gradient shard afterwards are a copy too many: each
+      // parameter's gradient is cast into its slice of the gradient shard as it arrives
+      // (the same values: a reduction over one rank in any dtype is the identity). With
+      // offload or NVMe parameters the shard lives elsewhere, and CommContext moves it.
+      in_shard_(!direct_ && flat.config().world_size == 1 && !flat.config().offload &&
+                !flat.in_file()) {
   TORCH_INTERNAL_ASSERT(flat.trainable());
+}
+
+void GradBuffer::finish_in_shard() {
+  if (!in_shard_ || !fresh_) return;
+  fresh_ = false;
+  at::NoGradGuard no_grad;
+  const at::Tensor& g = flat_.shard().grad();
+  const auto& slots = flat_.slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!written_[i]) g.narrow(0, slots[i].offset, slots[i].numel).zero_();
+  }
+  const int64_t numel = flat_.numel(), padded = flat_.padded_numel();
+  if (padded > numel) g.narrow(0, numel, padded - numel).zero_();
 }
 
 void GradBuffer::link() {
@@ -52,6 +73,27 @@ bool GradBuffer::take(size_t slot) {
     return ++taken_ == static_cast<int>(slots.size());
   }
   const FlatConfig& cfg = flat_.config();
+  if (in_shard_) {
+    const at::Tensor& shard = flat_.shard();
+    if (!shard.grad().defined()) {
+      // Not zero-filled: finish_in_shard() zeroes what no slot wrote.
+      shard.mutable_grad() = at::empty_like(shard);
+      flat_.count_grad();
+      fresh_ = true;
+      written_.assign(slots.size(), false);
+    }
+    if (s.param.grad().defined()) {
+      auto dst = shard.grad().narrow(0, s.offset, s.numel).view(s.shape);
+      if (fresh_ && !written_[slot]) {
+        dst.copy_(s.param.grad());
+      } else {
+        dst.add_(s.param.grad());
+      }
+      if (fresh_) written_[slot] = true;
+      s.param.mutable_grad() = at::Tensor();
+    }
+    return ++taken_ == static_cast<int>(slots.size());
+  }
   if (!full_.defined()) {
     // Not zero-filled: each slot is written once below, and take_for_reduction() zeroes
     // the slots that never reported and the padding.
@@ -74,6 +116,7 @@ bool GradBuffer::take(size_t slot) {
 
 at::Tensor GradBuffer::take_for_reduction() {
   taken_ = 0;
+  finish_in_shard();
   if (direct_ || !full_.defined()) return {};
   at::NoGradGuard no_grad;
   const auto& slots = flat_.slots();

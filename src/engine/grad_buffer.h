@@ -20,6 +20,10 @@ class GradBuffer {
   /// World size 1 in fp32 (see Note [Group of one]): gradients accumulate straight into
   /// the fp32 gradient shard and are never reduced.
   bool direct() const { return direct_; }
+  /// World size 1 with another compute dtype, no offload (Note [Gradients in the shard]):
+  /// each parameter's gradient is cast into the gradient shard as it arrives; nothing
+  /// to reduce.
+  bool in_shard() const { return in_shard_; }
   /// Points each original parameter's .grad() into the gradient shard (direct only;
   /// called before backward). No-op otherwise.
   void link();
@@ -36,7 +40,10 @@ class GradBuffer {
   bool unreduced() const { return taken_ > 0 || full_.defined(); }
   /// Ends a backward pass without reducing: the flat gradient stays and later passes add
   /// to it (no_sync).
-  void end_pass() { taken_ = 0; }
+  void end_pass() {
+    finish_in_shard();
+    taken_ = 0;
+  }
   /// Hands over the flat gradient to reduce (reduce_dtype, padded_numel elements), with
   /// the slots that never reported and the padding zeroed, and starts afresh. It stays
   /// counted in comm_buffers until its reduction finishes (CommContext). Undefined when
@@ -44,8 +51,14 @@ class GradBuffer {
   at::Tensor take_for_reduction();
 
  private:
+  /// in_shard: at the end of a pass, zero what no slot wrote in a gradient shard this
+  /// pass allocated.
+  void finish_in_shard();
+
   FlatParam& flat_;
   bool direct_;
+  bool in_shard_;
+  bool fresh_ = false;         ///< in_shard: this pass allocated the gradient shard (not zeroed)
   at::Tensor full_;            ///< reduce_dtype, padded elements, while gradients arrive
   std::vector<bool> written_;  ///< slots whose gradient arrived since the last reduction
   int taken_ = 0;              ///< slots reported in this backward

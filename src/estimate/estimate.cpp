@@ -199,10 +199,11 @@ bool aliased(const EstimateInput& in, int group, int64_t elem) {
   return group == 1 && elem == 4 && !offload_of(in).any();
 }
 
-// ... and at world size 1 gradients accumulate straight into the gradient shard: no
-// unsharded flat gradient to reduce.
-bool direct_grads(const EstimateInput& in, int group, int64_t elem) {
-  return aliased(in, group, elem) && in.world_size == 1;
+// At world size 1 without offload, gradients go straight into the gradient shard, in
+// any compute dtype (Note [Group of one], Note [Gradients in the shard] in
+// src/engine/grad_buffer.cpp): no unsharded flat gradient to reduce.
+bool direct_grads(const EstimateInput& in) {
+  return in.world_size == 1 && !offload_of(in).any();
 }
 
 // Full parameters held at once, in elements. Runtime::reshard_after_forward frees
@@ -249,7 +250,7 @@ int backward_prefetches(const EstimateInput& in) {
 // full_gradients term, not counted here again.
 int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem) {
   if (in.strategy == ShardingStrategy::kZero1) return 0;
-  if (direct_grads(in, l.group, elem)) return 0;
+  if (direct_grads(in)) return 0;
   return (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
 }
 
@@ -452,7 +453,7 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   if (in.strategy == ShardingStrategy::kZero1) {
     est.terms.push_back({"full_gradients",
                          std::string("full gradients (") + to_string(in.precision) + ")", "exact",
-                         direct_grads(in, l.group, elem) ? 0 : sum(l.padded) * elem, 0, 0});
+                         direct_grads(in) ? 0 : sum(l.padded) * elem, 0, 0});
   }
   // hpZ (Note [Post-forward slices]): between a training forward and its backward every
   // non-root unit keeps 1/k of its padded flat parameter in param_dtype.

@@ -53,7 +53,8 @@ DESIGN = {
     "zero2_nodes": "DeepSpeed's stage-2 host figure with offload is the whole job's "
                    "(P x max(4 N, 16)), not one node's",
     "zero1_full_grads": "stage 1 (DeepSpeed has no estimator; its stage-2 formula): this "
-                        "engine's ZeRO-1 keeps full 2 B gradients on every GPU",
+                        "engine's ZeRO-1 keeps full 2 B gradients on every GPU (on one GPU without "
+                        "offload they go straight into the fp32 gradient shard)",
 }
 
 # (name, fsdp-estimate model flags, nodes, GPUs per node). 13B's units come from a file.
@@ -160,10 +161,11 @@ def check_stage2(c, shape, j, ds, strategy):
     rows = j["deepspeed_table"]["rows"]
     printed, text = printed_rows(ds.estimate_zero2_model_states_mem_needs_all_cold, P, gpn, nodes)
     c.eq(f"{shape} {strategy}: rows printed by DeepSpeed", len(printed), len(rows))
-    full_grads = 2 * P if strategy == "zero1" else 0  # zero1_full_grads
     for i, row in enumerate(rows):
         what = f"{shape} {strategy} offload_optimizer={row['offload_optimizer']}"
         offload = row["offload_optimizer"] == "cpu"
+        # zero1_full_grads: none at world size 1 without offload (Note [Gradients in the shard])
+        full_grads = 2 * P if strategy == "zero1" and (offload or N > 1) else 0
         cpu_mem, gpu_mem = ds.estimate_zero2_model_states_mem_needs(
             total_params=P, num_gpus_per_node=gpn, num_nodes=nodes, cpu_offload=offload)
         c.eq(what + " DeepSpeed cpu bytes", row["deepspeed_cpu_bytes"], cpu_mem)
