@@ -72,7 +72,7 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost_CUDA
   run_ranks(1, [](const ProcessGroup& pg) {
     const auto cfg = small_gpt_config();
     auto on = gpu_options(pg), off = gpu_options(pg);
-    on.cpu_offload = true;
+    on.offload_optimizer.device = on.offload_param.device = fsdp::OffloadDevice::kCpu;
     for (auto* o : {&on, &off}) {
       o->mixed_precision.param_dtype = torch::kBFloat16;
       o->mixed_precision.reduce_dtype = torch::kBFloat16;

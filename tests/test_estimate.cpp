@@ -60,7 +60,8 @@ Precision precision_of(const Scenario& run) {
 ShardingOptions options_for(const Scenario& run, const ProcessGroup& pg) {
   ShardingOptions o;
   o.process_group = pg;
-  o.cpu_offload = run.offload;
+  o.offload_optimizer.device = o.offload_param.device =
+      run.offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
   o.hybrid_group_size = run.hybrid_group_size;
   o.strategy = strategy_of(run);
   if (run.precision != "fp32") {
@@ -78,7 +79,8 @@ EstimateInput input_for(const Scenario& run, const gpt::Config& cfg, int world) 
   in.strategy = strategy_of(run);
   in.hybrid_group_size = run.hybrid_group_size;
   in.precision = precision_of(run);
-  in.cpu_offload = run.offload;
+  in.offload_optimizer = in.offload_param =
+      run.offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
   return in;
 }
 
@@ -215,7 +217,7 @@ TEST(EstimateRules, HandWorkedFigures) {
 
   in.strategy = ShardingStrategy::kFullShard;
   in.precision = Precision::kBf16;
-  in.cpu_offload = true;
+  in.offload_optimizer = in.offload_param = fsdp::OffloadDevice::kCpu;
   est = estimate_memory(in);
   EXPECT_EQ(est.term("optimizer_state").host_bytes, 66 * 8);
   EXPECT_EQ(est.term("optimizer_state").device_bytes, 0);
@@ -261,7 +263,7 @@ EstimateInput shape_input() {
   in.unit_params = gpt_unit_params(24, 2048, 1024);
   in.world_size = 8;
   in.precision = Precision::kBf16;
-  in.cpu_offload = true;
+  in.offload_optimizer = in.offload_param = fsdp::OffloadDevice::kCpu;
   in.activation_checkpointing = true;
   in.activations = {/*n_layer=*/24,     /*n_head=*/16,
                     /*d_model=*/2048,   /*block_size=*/1024,
@@ -431,7 +433,7 @@ TEST(EstimateRules, ConstructionPeaksEagerAndSharded) {
   EXPECT_EQ(est.construction[1].key, "construction_sharded");
   EXPECT_EQ(est.construction[1].device_bytes, 66 * 4);  // shards 3 + 25 + 25 + 13
   EXPECT_EQ(est.construction[1].host_bytes, (10 + 100) * 4);
-  in.cpu_offload = true;
+  in.offload_optimizer = in.offload_param = fsdp::OffloadDevice::kCpu;
   est = estimate_memory(in);
   EXPECT_EQ(est.construction[1].device_bytes, 0);
   EXPECT_EQ(est.construction[1].host_bytes, (66 + 10 + 100) * 4);
@@ -541,7 +543,10 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   est = estimate_memory(in);
   EstimateInput legacy = in;
   legacy.offload_optimizer = legacy.offload_param = OffloadDevice::kNone;
-  legacy.cpu_offload = true;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  legacy.cpu_offload = true;  // the deprecated field, as long as it lasts
+#pragma GCC diagnostic pop
   const auto old = estimate_memory(legacy);
   ASSERT_EQ(est.terms.size(), old.terms.size());
   for (size_t i = 0; i < est.terms.size(); ++i) {

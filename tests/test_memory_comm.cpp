@@ -147,7 +147,8 @@ TEST(Accounting, CountersAgreeWithTheBytesTheAllocatorHolds) {
     auto cfg = small_gpt_config();
     ShardingOptions o;
     o.mixed_precision.param_dtype = c.dtype;
-    o.cpu_offload = c.offload;
+    o.offload_optimizer.device = o.offload_param.device =
+        c.offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
     auto model = fully_shard(gpt::GPT(cfg), o);
     const Sizes s = sizes_of(model);
     const int64_t base = counter.live();
@@ -291,7 +292,8 @@ TEST(GradientsInTheShard, EqualTheFlatPathBitForBitAndHoldNoFlatGradient) {
     ShardingOptions o;
     o.mixed_precision.param_dtype = torch::kBFloat16;
     o.mixed_precision.reduce_dtype = torch::kBFloat16;
-    o.offload_optimizer.device = o.offload_param.device = offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
+    o.offload_optimizer.device = o.offload_param.device =
+        offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
     auto model = fully_shard(PartlyUsed(), o);
     for (int64_t step = 0; step < 2; ++step) {
       auto gen = at::detail::createCPUGenerator(77 + step);

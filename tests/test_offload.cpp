@@ -20,7 +20,8 @@ void offload_parity(const ProcessGroup& pg, bool bf16) {
   auto options = [&](bool offload) {
     ShardingOptions o;
     o.process_group = pg;
-    o.cpu_offload = offload;
+    o.offload_optimizer.device = o.offload_param.device =
+        offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
     if (bf16) {
       o.mixed_precision.param_dtype = torch::kBFloat16;
       o.mixed_precision.reduce_dtype = torch::kBFloat16;
@@ -93,7 +94,8 @@ void offload_accumulation(const ProcessGroup& pg, bool no_sync) {
   auto options = [&](bool offload) {
     ShardingOptions o;
     o.process_group = pg;
-    o.cpu_offload = offload;
+    o.offload_optimizer.device = o.offload_param.device =
+        offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
     return o;
   };
   torch::manual_seed(0);
@@ -158,7 +160,8 @@ TEST_P(OffloadAtWorld, AccumulatesUnderNoSyncExactlyLikeWithoutOffload) {
 void copy_out_parity(const ProcessGroup& pg, bool offload) {
   ShardingOptions o;
   o.process_group = pg;
-  o.cpu_offload = offload;
+  o.offload_optimizer.device = o.offload_param.device =
+      offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
   o.mixed_precision.param_dtype = torch::kBFloat16;
   o.mixed_precision.reduce_dtype = torch::kBFloat16;
   torch::manual_seed(0);
@@ -210,12 +213,54 @@ TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheOffloadedGathersExactly) {
   run_ranks(GetParam(), [](const ProcessGroup& pg) { copy_out_parity(pg, true); });
 }
 
+// ShardingOptions::cpu_offload is deprecated for one release: it must still mean
+// offload_optimizer and offload_param on the host, exactly, under every strategy it was
+// allowed with (offload_param = cpu included, where it means no device copy of the shard).
+TEST(DeprecatedCpuOffload, TrainsBitForBitLikeBothOffloadsOnTheHost) {
+  for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                              ShardingStrategy::kNoShard, ShardingStrategy::kZero2}) {
+    SCOPED_TRACE("strategy " + std::to_string(static_cast<int>(strategy)));
+    auto train = [&](bool deprecated) {
+      ShardingOptions o;
+      o.strategy = strategy;
+      o.mixed_precision.param_dtype = torch::kBFloat16;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+      if (deprecated) o.cpu_offload = true;
+#pragma GCC diagnostic pop
+      if (!deprecated) o.offload_optimizer.device = o.offload_param.device = OffloadDevice::kCpu;
+      torch::manual_seed(0);
+      auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
+      FusedAdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+      std::vector<double> losses;
+      for (int64_t s = 0; s < 3; ++s) {
+        auto loss = gpt::loss_on(model, gpt_batch(s, 4, small_gpt_config().block_size));
+        losses.push_back(loss.item<double>());
+        loss.backward();
+        opt.step();
+        opt.zero_grad();
+      }
+      const auto m = model.memory_stats();
+      return std::tuple{losses, m.offload_buffers.peak, m.device_param_shards.peak,
+                        model.comm_stats().total.offload_to_device_bytes};
+    };
+    const auto [old_losses, old_transit, old_copies, old_bytes] = train(true);
+    const auto [losses, transit, copies, bytes] = train(false);
+    EXPECT_EQ(old_losses, losses);
+    EXPECT_EQ(old_transit, transit);
+    EXPECT_EQ(old_copies, 0) << "offload_param on the host keeps no device copy";
+    EXPECT_EQ(copies, 0);
+    EXPECT_GT(old_bytes, 0);
+    EXPECT_EQ(old_bytes, bytes);
+  }
+}
+
 #ifndef USE_C10D_NCCL
 // A CPU-only LibTorch cannot offload to a GPU: fully_shard says so and how to fix it.
 TEST(OffloadErrors, ToAGpuWithACpuOnlyLibTorch) {
   ShardingOptions o;
   o.device = torch::Device(torch::kCUDA, 0);
-  o.cpu_offload = true;
+  o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kCpu;
   std::string message = "<no error>";
   try {
     fully_shard(gpt::GPT(small_gpt_config()), o);
@@ -251,7 +296,7 @@ TEST(HostMemoryCheck, RefusesAModelThatNeedsMoreThanTheMachineHas) {
   // Needs 16 bytes per element: twice what is available.
   const int64_t n = avail / 8;
   ShardingOptions o;
-  o.cpu_offload = true;
+  o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kCpu;
   try {
     fully_shard(Huge(n), o);
     FAIL() << "no error";
@@ -269,7 +314,7 @@ TEST(HostMemoryCheck, RefusesAModelThatNeedsMoreThanTheMachineHas) {
         << msg;
   }
   // A model that fits passes the same check.
-  o.cpu_offload = true;
+  o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kCpu;
   EXPECT_NO_THROW(fully_shard(gpt::GPT(small_gpt_config()), o));
 }
 

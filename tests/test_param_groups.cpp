@@ -253,7 +253,8 @@ TEST(ParamGroups, ViewsFollowOffloadAndGradientAccumulation) {
     for (int run = 0; run < 3; ++run) {  // 0: accumulate, 1: and offload, 2: whole batches
       ShardingOptions o;
       o.process_group = pg;
-      o.cpu_offload = run == 1;
+      o.offload_optimizer.device = o.offload_param.device =
+          run == 1 ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
       torch::manual_seed(0);
       auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
       ShardParamGroups groups(model, gpt_spec());

@@ -358,7 +358,9 @@ TEST(OffloadGranularity, OffloadParamAloneOrUnderAPersistentStrategyIsRefused) {
               std::string::npos)
         << e.what_without_backtrace();
   }
-  o.offload_optimizer.device = OffloadDevice::kCpu;
+  // Parameters in files need a strategy that frees them (on the host, offload_param only
+  // drops the device copy, under any strategy: DeprecatedCpuOffload.*).
+  o.offload_optimizer.device = o.offload_param.device = OffloadDevice::kNvme;
   o.strategy = ShardingStrategy::kZero2;
   try {
     fully_shard(MlpNet(), o);

@@ -29,7 +29,7 @@ struct DeepSpeedProgramValues {
   double eps = 1e-8;                        ///< Adam's eps
   double weight_decay = 0;                  ///< decoupled weight decay
   double gradient_clipping = 1.0;           ///< the global norm's bound (0: off)
-  std::string precision = "fp32";           ///< fp32|bf16|fp16: fills fp16/bf16 "enabled"
+  Precision precision = Precision::kFp32;   ///< fills fp16/bf16 "enabled"
   int64_t warmup_steps = 0;                 ///< the schedule's warm-up steps
   int64_t total_steps = 0;                  ///< optimizer steps the schedule spans
   /// The model width: "auto" bucket sizes as the Trainer sets them (reduce_bucket_size =
@@ -67,8 +67,8 @@ struct DeepSpeedConfig {
   /// max_gathered_units (the stage-3 prefetch bounds). Device, wrap policy and process
   /// group are the program's to set.
   ShardingOptions sharding;
-  std::string precision = "fp32";  ///< fp32|bf16|fp16
-  LossScalerOptions loss_scaler;   ///< fp16's loss_scale, initial_scale_power, ...
+  Precision precision = Precision::kFp32;  ///< fp16.enabled, bf16.enabled
+  LossScalerOptions loss_scaler;           ///< fp16's loss_scale, initial_scale_power, ...
   DeepSpeedOptimizer optimizer;
   bool has_scheduler = false;  ///< the config had a scheduler section
   WarmupSchedule scheduler;

@@ -53,6 +53,10 @@ struct OffloadConfig {
   int64_t buffer_bytes = int64_t{64} << 20;
 };
 
+// Its own (implicit) constructors and assignments copy the deprecated cpu_offload
+// without a warning; a program that names the field gets one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 /// Everything fully_shard needs to know.
 struct ShardingOptions {
   /// Which wrap points become units; the root is always a unit.
@@ -105,25 +109,27 @@ struct ShardingOptions {
   bool offload_activations = false;
   /// Broadcast rank 0's initial weights while sharding, so every rank starts equal.
   bool sync_module_states = true;
-  /// ZeRO-Offload: the fp32 shards, their gradients (and so the optimizer state built on
-  /// them) live in host memory (pinned on CUDA); parameters travel to `device` in
-  /// param_dtype before each all-gather and gradient shards come back after each
-  /// reduce-scatter. Step them with fsdp::FusedAdamW. On a CPU device the same path runs
-  /// with host copies, so its bookkeeping (MemoryStats::offload_buffers) is exercised.
-  bool cpu_offload = false;
+  /// Deprecated (goes in the next release): the same as offload_optimizer.device =
+  /// offload_param.device = OffloadDevice::kCpu, which is what the engine reads.
+  [[deprecated(
+      "ShardingOptions::cpu_offload is deprecated: set offload_optimizer.device and "
+      "offload_param.device to fsdp::OffloadDevice::kCpu")]] bool cpu_offload = false;
   /// DeepSpeed's offload_optimizer: the fp32 master shards, their gradients and the
   /// optimizer state (and so its step) on the host (kCpu) or in files (kNvme); a
   /// param_dtype copy of each shard stays on `device` for the all-gathers, refreshed after
-  /// each step. cpu_offload = true is offload_optimizer = offload_param = kCpu.
+  /// each step. Step them with fsdp::FusedAdamW. With offload_param on the host too this
+  /// is ZeRO-Offload (the host memory pinned on CUDA); on a CPU device the same path runs
+  /// with host copies, so its bookkeeping (MemoryStats::offload_buffers) is exercised.
   OffloadConfig offload_optimizer;
   /// DeepSpeed's offload_param: the param_dtype shards also live off the device and are
   /// copied to it before each all-gather. Needs offload_optimizer (the fp32 master shard
-  /// is the parameter here) and a strategy that frees parameters (kFullShard, kHybridShard).
+  /// is the parameter here); kNvme needs a strategy that frees parameters (kFullShard,
+  /// kHybridShard). kCpu under the others: no device copy of the shard between gathers.
   OffloadConfig offload_param;
   /// Before sharding, refuse (with the figures) when the host RAM the shards, gradients
   /// and Adam state will need on this node exceeds what the OS reports available
   /// (MemAvailable), instead of being killed by the OOM killer later. Applies when the
-  /// shards live in host memory (cpu_offload, or a CPU device).
+  /// shards live in host memory (offload_optimizer, or a CPU device).
   bool check_host_memory = true;
   /// A directory: each rank writes a Chrome-trace/Perfetto JSON of this model's units
   /// there (trace_rank<R>.json: every unit's all-gather, forward, backward, recompute and
@@ -133,5 +139,6 @@ struct ShardingOptions {
   /// are LibTorch profiler ranges, so a Kineto trace shows them too.
   std::string trace;
 };
+#pragma GCC diagnostic pop
 
 }  // namespace fsdp

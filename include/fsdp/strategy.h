@@ -1,6 +1,8 @@
 #pragma once
-// The sharding strategies and offload devices. Plain C++, no LibTorch, so the estimator
-// (fsdp-estimate) takes the same enums as ShardingOptions.
+// The sharding strategies, offload devices and precisions. Plain C++, no LibTorch, so the
+// estimator (fsdp-estimate) takes the same enums as ShardingOptions.
+
+#include <string>
 
 namespace fsdp {
 
@@ -31,5 +33,20 @@ enum class OffloadDevice {
 
 /// "none", "cpu" or "nvme" (defined with the estimator, which every fsdp library links).
 const char* to_string(OffloadDevice d);
+
+/// The dtype of gathered parameters and reduced gradients (MixedPrecision::param_dtype
+/// and reduce_dtype); the shards and the optimizer stay fp32 either way. The one name for
+/// a precision in the public API: the estimator's and the DeepSpeed config's.
+enum class Precision {
+  kFp32,  ///< 4 bytes per gathered element
+  kBf16,  ///< 2 bytes
+  kFp16,  ///< 2 bytes
+};
+
+/// "fp32", "bf16" or "fp16".
+const char* to_string(Precision p);
+/// The precision named "fp32", "bf16" or "fp16"; std::invalid_argument naming `name` and
+/// the three choices otherwise.
+Precision parse_precision(const std::string& name);
 
 }  // namespace fsdp

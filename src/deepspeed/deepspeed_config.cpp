@@ -237,7 +237,7 @@ bool ConfigReader::fp16_section(const json& f) {
       {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
        "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"});
   if (f.contains("enabled")) {
-    fp16 = boolean("fp16.enabled", f["enabled"], p_.precision == "fp16");
+    fp16 = boolean("fp16.enabled", f["enabled"], p_.precision == Precision::kFp16);
     note("fp16.enabled", f["enabled"], true,
          fp16 ? "precision fp16: MixedPrecision param_dtype and reduce_dtype kHalf over fp32 "
                 "masters, with the loss scaler (fsdp::LossScaler)"
@@ -299,7 +299,7 @@ bool ConfigReader::bf16_section(const json& f, const std::string& b) {
              {"enabled", "immediate_grad_update", "check_grad_overflow",
               "bf16_master_weights_and_grads", "bf16_optimizer_states"});
   if (f.contains("enabled")) {
-    bf16 = boolean(b + ".enabled", f["enabled"], p_.precision == "bf16");
+    bf16 = boolean(b + ".enabled", f["enabled"], p_.precision == Precision::kBf16);
     note(b + ".enabled", f["enabled"], true,
          bf16 ? "precision bf16: MixedPrecision param_dtype and reduce_dtype kBFloat16 over fp32 "
                 "masters"
@@ -340,7 +340,7 @@ void ConfigReader::precision(const json& j) {
     mp.param_dtype = mp.reduce_dtype = fp16 ? torch::kHalf : torch::kBFloat16;
     mp.output_dtype = torch::kFloat32;
   }
-  out_.precision = fp16 ? "fp16" : bf16 ? "bf16" : "fp32";
+  out_.precision = fp16 ? Precision::kFp16 : bf16 ? Precision::kBf16 : Precision::kFp32;
 }
 
 // ---- optimizer and scheduler ------------------------------------------------------------
@@ -829,8 +829,8 @@ std::string DeepSpeedConfig::describe() const {
   const ShardingOptions& so = sharding;
   s << "DeepSpeed config: strategy " << ds_strategy_name(so.strategy) << ", offload_optimizer "
     << ds_offload_name(so.offload_optimizer.device) << ", offload_param "
-    << ds_offload_name(so.offload_param.device) << ", precision " << precision;
-  if (precision == "fp16") {
+    << ds_offload_name(so.offload_param.device) << ", precision " << fsdp::to_string(precision);
+  if (precision == Precision::kFp16) {
     s << " (loss scale ";
     if (loss_scaler.loss_scale > 0)
       s << "static " << loss_scaler.loss_scale;

@@ -127,14 +127,11 @@ void validate_offload(const ShardingOptions& o) {
               " needs offload_optimizer too: the fp32 master shard is the parameter here, so "
               "parameters can leave the device only with the optimizer state. Set "
               "offload_optimizer.device as well, or offload the optimizer alone");
-  TORCH_CHECK(par == OffloadDevice::kNone || o.strategy == ShardingStrategy::kFullShard ||
+  TORCH_CHECK(par != OffloadDevice::kNvme || o.strategy == ShardingStrategy::kFullShard ||
                   o.strategy == ShardingStrategy::kHybridShard,
               "ShardingOptions::offload_param.device=", fsdp::to_string(par),
               " needs a strategy that frees parameters after use (kFullShard, ZeRO-3, or "
               "kHybridShard), as DeepSpeed's offload_param needs stage 3");
-  TORCH_CHECK(!o.cpu_offload || (opt != OffloadDevice::kNvme && par != OffloadDevice::kNvme),
-              "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
-              "offload_optimizer or offload_param; use one or the other");
   // Note [NVMe parameters]: the masters go to files beside the optimizer's state, which
   // streams them with its moments.
   TORCH_CHECK(par != OffloadDevice::kNvme || opt == OffloadDevice::kNvme,
@@ -155,6 +152,30 @@ void validate_offload(const ShardingOptions& o) {
                          "ShardingOptions::offload_optimizer.nvme_path");
   if (par == OffloadDevice::kNvme)
     nvme::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
+}
+
+// ShardingOptions::cpu_offload (deprecated) as what it means, offload_optimizer and
+// offload_param on the host; the engine reads only those.
+ShardingOptions resolve_deprecated(const ShardingOptions& given) {
+  ShardingOptions o = given;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  const bool cpu_offload = o.cpu_offload;
+  o.cpu_offload = false;
+#pragma GCC diagnostic pop
+  if (!cpu_offload) return o;
+  TORCH_CHECK(o.offload_optimizer.device != OffloadDevice::kNvme &&
+                  o.offload_param.device != OffloadDevice::kNvme,
+              "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
+              "offload_optimizer or offload_param; use one or the other (cpu_offload is "
+              "deprecated: offload_optimizer.device = offload_param.device = kCpu)");
+  TORCH_WARN_ONCE(
+      "ShardingOptions::cpu_offload is deprecated and goes in the next release: "
+      "set offload_optimizer.device and offload_param.device to "
+      "fsdp::OffloadDevice::kCpu (the same thing)");
+  o.offload_optimizer.device = OffloadDevice::kCpu;
+  o.offload_param.device = OffloadDevice::kCpu;
+  return o;
 }
 
 void validate(const ShardingOptions& o) {
@@ -241,8 +262,7 @@ std::string gib(double bytes) {
 // constructed in full (fully_shard) already holds 4 bytes per parameter on every rank;
 // the message says so and names make_sharded.
 void check_host_memory(const WrapPointImpl& root, const ShardingOptions& o, int64_t built_bytes) {
-  const bool host_shards =
-      o.cpu_offload || o.offload_optimizer.device != OffloadDevice::kNone || o.device.is_cpu();
+  const bool host_shards = o.offload_optimizer.device != OffloadDevice::kNone || o.device.is_cpu();
   // Note [NVMe parameters]: nothing per element stays in host memory.
   if (!o.check_host_memory || !host_shards || o.offload_param.device == OffloadDevice::kNvme)
     return;
@@ -343,9 +363,9 @@ void cast_buffers(torch::nn::Module& root, const MixedPrecision& mp) {
 //   copy of each shard stays on the device (keep_device_params) and feeds the
 //   all-gathers; it is copied again only once the host shard changed, so one
 //   host-to-device copy of each shard per optimizer step instead of one per gather.
-// - offload_param = cpu as well (the same as cpu_offload): nothing of the model stays on
-//   the device; every gather copies its shard from the host first (twice per step under
-//   ZeRO-3: forward and backward).
+// - offload_param = cpu as well (what the deprecated cpu_offload asks for): nothing of
+//   the model stays on the device; every gather copies its shard from the host first
+//   (twice per step under ZeRO-3: forward and backward).
 // Gradient shards come back to the host after each reduce-scatter in both.
 
 // What every flat parameter of the model shares: dtypes, device, offload, counters, and
@@ -359,15 +379,15 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
   cfg.param_dtype = options.mixed_precision.param_dtype;
   cfg.reduce_dtype = options.mixed_precision.reduce_dtype;
   cfg.master_dtype = options.mixed_precision.master_dtype;
-  // Host-resident fp32 shards: cpu_offload, or offload_optimizer to the host (Note
-  // [Offload granularity]).
-  // offload_optimizer = nvme keeps them on the host too (Note [NVMe optimizer state]).
-  cfg.offload = options.cpu_offload || options.offload_optimizer.device != OffloadDevice::kNone;
+  // Host-resident fp32 shards: offload_optimizer to the host (Note [Offload
+  // granularity]); offload_optimizer = nvme keeps them on the host too (Note [NVMe
+  // optimizer state]).
+  cfg.offload = options.offload_optimizer.device != OffloadDevice::kNone;
   // Not under kZero2/kZero1: their full parameters persist and are gathered once per step.
   const bool persistent =
       options.strategy == ShardingStrategy::kZero2 || options.strategy == ShardingStrategy::kZero1;
-  cfg.keep_device_params = cfg.offload && !options.cpu_offload && !persistent &&
-                           options.offload_param.device == OffloadDevice::kNone;
+  cfg.keep_device_params =
+      cfg.offload && !persistent && options.offload_param.device == OffloadDevice::kNone;
   if (cfg.offload) cfg.transfers = make_transfers(options.device);
   if (options.offload_param.device == OffloadDevice::kNvme) {  // Note [NVMe parameters]
     cfg.nvme_path = options.offload_param.nvme_path;
@@ -565,7 +585,8 @@ void release_free_heap() {
 
 }  // namespace
 
-void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options) {
+void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& given) {
+  const ShardingOptions options = resolve_deprecated(given);
   TORCH_CHECK(root != nullptr, "fully_shard: the module is empty (nullptr holder)");
   TORCH_CHECK(!root->is_unit(),
               "fully_shard: this model is already sharded; call fully_shard once");
@@ -638,7 +659,8 @@ void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope) {
   release_free_heap();
 }
 
-ConstructionScope::ConstructionScope(const ShardingOptions& options) {
+ConstructionScope::ConstructionScope(const ShardingOptions& given) {
+  const ShardingOptions options = resolve_deprecated(given);
   TORCH_CHECK(t_construction == nullptr,
               "fsdp::make_sharded: another make_sharded is already constructing a model on this "
               "thread; construct one sharded model at a time");

@@ -64,10 +64,18 @@ struct Offload {
   bool device_copy() const { return any() && param == OffloadDevice::kNone && !persistent; }
 };
 
+// EstimateInput::cpu_offload, deprecated: read here only.
+bool legacy_cpu_offload(const EstimateInput& in) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return in.cpu_offload;
+#pragma GCC diagnostic pop
+}
+
 Offload offload_of(const EstimateInput& in) {
   const bool persistent =
       in.strategy == ShardingStrategy::kZero2 || in.strategy == ShardingStrategy::kZero1;
-  if (in.cpu_offload) return {OffloadDevice::kCpu, OffloadDevice::kCpu, persistent};
+  if (legacy_cpu_offload(in)) return {OffloadDevice::kCpu, OffloadDevice::kCpu, persistent};
   return {in.offload_optimizer, in.offload_param, persistent};
 }
 
@@ -122,7 +130,7 @@ void validate(const EstimateInput& in) {
   if (a.micro_batch < 0)
     bad("--micro-batch " + std::to_string(a.micro_batch) + " is invalid; it must not be negative");
   const Offload off = offload_of(in);
-  if (in.cpu_offload &&
+  if (legacy_cpu_offload(in) &&
       (in.offload_optimizer == OffloadDevice::kNvme || in.offload_param == OffloadDevice::kNvme)) {
     bad("--cpu-offload (everything to host memory) contradicts --offload-optimizer " +
         std::string(to_string(in.offload_optimizer)) + " --offload-param " +
@@ -202,9 +210,7 @@ bool aliased(const EstimateInput& in, int group, int64_t elem) {
 // At world size 1 without offload, gradients go straight into the gradient shard, in
 // any compute dtype (Note [Group of one], Note [Gradients in the shard] in
 // src/engine/grad_buffer.cpp): no unsharded flat gradient to reduce.
-bool direct_grads(const EstimateInput& in) {
-  return in.world_size == 1 && !offload_of(in).any();
-}
+bool direct_grads(const EstimateInput& in) { return in.world_size == 1 && !offload_of(in).any(); }
 
 // Full parameters held at once, in elements. Runtime::reshard_after_forward frees
 // non-root units after forward only under FULL_SHARD and HYBRID_SHARD; the root stays
@@ -372,6 +378,13 @@ const char* to_string(Precision p) {
   return "unknown";
 }
 
+Precision parse_precision(const std::string& name) {
+  for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
+    if (name == to_string(p)) return p;
+  }
+  throw std::invalid_argument("precision '" + name + "' is unknown; use fp32, bf16 or fp16");
+}
+
 const char* to_string(OffloadDevice d) {
   switch (d) {
     case OffloadDevice::kNone:
@@ -534,7 +547,10 @@ std::vector<DeepSpeedRow> deepspeed_table(const EstimateInput& in, int* stage,
   std::vector<DeepSpeedRow> rows;
   auto ours = [&](DeepSpeedRow& row) {
     EstimateInput r = in;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     r.cpu_offload = false;
+#pragma GCC diagnostic pop
     r.offload_optimizer = row.offload_optimizer;
     r.offload_param = row.offload_param;
     const MemoryEstimate est = estimate_memory(r);

@@ -117,7 +117,7 @@ cxxopts::Options make_options() {
       "host bytes per NVMe offload for chunks in flight (OffloadConfig::buffer_bytes)",
       cxxopts::value<int64_t>()->default_value("67108864"))(
       "cpu-offload",
-      "fp32 shards, gradients and optimizer state in host memory (ShardingOptions::cpu_offload: "
+      "fp32 shards, gradients and optimizer state in host memory (the same as "
       "--offload-optimizer cpu --offload-param cpu)")("activation-checkpointing",
                                                       "recompute every block in backward")(
       "offload-activations",
@@ -151,9 +151,6 @@ constexpr StrategyName kStrategies[] = {{"full", fsdp::ShardingStrategy::kFullSh
                                         {"hybrid", fsdp::ShardingStrategy::kHybridShard}};
 constexpr fsdp::OffloadDevice kOffloadDevices[] = {
     fsdp::OffloadDevice::kNone, fsdp::OffloadDevice::kCpu, fsdp::OffloadDevice::kNvme};
-constexpr fsdp::Precision kPrecisions[] = {fsdp::Precision::kFp32, fsdp::Precision::kBf16,
-                                           fsdp::Precision::kFp16};
-
 fsdp::ShardingStrategy parse_strategy(const std::string& text) {
   for (const auto& s : kStrategies) {
     if (text == s.name) return s.strategy;
@@ -169,11 +166,12 @@ const char* strategy_name(fsdp::ShardingStrategy strategy) {
   return "unknown";
 }
 
-fsdp::Precision parse_precision(const std::string& text) {
-  for (fsdp::Precision p : kPrecisions) {
-    if (text == fsdp::to_string(p)) return p;
+fsdp::Precision parse_precision_flag(const std::string& text) {
+  try {
+    return fsdp::parse_precision(text);
+  } catch (const std::invalid_argument& e) {
+    bad_input(std::string("--") + e.what());
   }
-  bad_input("--precision '" + text + "' is unknown; use fp32, bf16 or fp16");
 }
 
 fsdp::OffloadDevice parse_offload(const char* flag, const std::string& text) {
@@ -329,11 +327,20 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   if (r.count("hybrid-group-size") && in.strategy != fsdp::ShardingStrategy::kHybridShard) {
     bad_input("--hybrid-group-size applies to --strategy hybrid only");
   }
-  in.precision = parse_precision(r["precision"].as<std::string>());
-  in.cpu_offload = r.count("cpu-offload") > 0;
+  in.precision = parse_precision_flag(r["precision"].as<std::string>());
   in.offload_optimizer =
       parse_offload("offload-optimizer", r["offload-optimizer"].as<std::string>());
   in.offload_param = parse_offload("offload-param", r["offload-param"].as<std::string>());
+  if (r.count("cpu-offload") > 0) {  // both to the host
+    if (in.offload_optimizer == fsdp::OffloadDevice::kNvme ||
+        in.offload_param == fsdp::OffloadDevice::kNvme) {
+      bad_input(std::string("--cpu-offload (everything to host memory) contradicts "
+                            "--offload-optimizer ") +
+                fsdp::to_string(in.offload_optimizer) + " --offload-param " +
+                fsdp::to_string(in.offload_param) + "; use one or the other");
+    }
+    in.offload_optimizer = in.offload_param = fsdp::OffloadDevice::kCpu;
+  }
   in.nvme_buffer_bytes = r["nvme-buffer-bytes"].as<int64_t>();
   in.activation_checkpointing = r.count("activation-checkpointing") > 0;
   in.offload_activations = r.count("offload-activations") > 0;
@@ -376,42 +383,40 @@ nlohmann::json deepspeed_json(const std::vector<fsdp::DeepSpeedRow>& rows, int s
 void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est,
                 const std::vector<fsdp::DeepSpeedRow>* table, int stage) {
   const int64_t g = est.gpus_per_node;
-  nlohmann::json j = {
-      {"params", est.total_params},
-      {"largest_unit_params", est.largest_unit_params},
-      {"units", in.unit_params},
-      {"world_size", in.world_size},
-      {"gpus_per_node", est.gpus_per_node},
-      {"nodes", est.nodes},
-      {"strategy", strategy_name(in.strategy)},
-      {"shard_group_size", est.shard_group_size},
-      {"precision", fsdp::to_string(in.precision)},
-      {"cpu_offload", in.cpu_offload},
-      {"offload_optimizer",
-       fsdp::to_string(in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_optimizer)},
-      {"offload_param",
-       fsdp::to_string(in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_param)},
-      {"activation_checkpointing", in.activation_checkpointing},
-      {"offload_activations", in.offload_activations},
-      {"pure_bf16", in.pure_bf16},
-      {"max_gathered_units", in.max_gathered_units},
-      {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
-      {"micro_batch", in.activations.micro_batch},
-      {"device_total_bytes", est.device_total()},
-      {"host_total_bytes", est.host_total()},
-      {"nvme_total_bytes", est.nvme_total()},
-      {"per_node",
-       {{"device_total_bytes", g * est.device_total()},
-        {"host_total_bytes", g * est.host_total()},
-        {"nvme_total_bytes", g * est.nvme_total()},
-        {"model_states_device_bytes", g * est.model_states_device()},
-        {"model_states_host_bytes", g * est.model_states_host()},
-        {"model_states_nvme_bytes", g * est.model_states_nvme()}}},
-      {"model_states_device_bytes", est.model_states_device()},
-      {"model_states_host_bytes", est.model_states_host()},
-      {"model_states_nvme_bytes", est.model_states_nvme()},
-      {"terms", terms_json(est.terms)},
-      {"construction", terms_json(est.construction)}};
+  nlohmann::json j = {{"params", est.total_params},
+                      {"largest_unit_params", est.largest_unit_params},
+                      {"units", in.unit_params},
+                      {"world_size", in.world_size},
+                      {"gpus_per_node", est.gpus_per_node},
+                      {"nodes", est.nodes},
+                      {"strategy", strategy_name(in.strategy)},
+                      {"shard_group_size", est.shard_group_size},
+                      {"precision", fsdp::to_string(in.precision)},
+                      {"cpu_offload", in.offload_optimizer == fsdp::OffloadDevice::kCpu &&
+                                          in.offload_param == fsdp::OffloadDevice::kCpu},
+                      {"offload_optimizer", fsdp::to_string(in.offload_optimizer)},
+                      {"offload_param", fsdp::to_string(in.offload_param)},
+                      {"activation_checkpointing", in.activation_checkpointing},
+                      {"offload_activations", in.offload_activations},
+                      {"pure_bf16", in.pure_bf16},
+                      {"max_gathered_units", in.max_gathered_units},
+                      {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
+                      {"micro_batch", in.activations.micro_batch},
+                      {"device_total_bytes", est.device_total()},
+                      {"host_total_bytes", est.host_total()},
+                      {"nvme_total_bytes", est.nvme_total()},
+                      {"per_node",
+                       {{"device_total_bytes", g * est.device_total()},
+                        {"host_total_bytes", g * est.host_total()},
+                        {"nvme_total_bytes", g * est.nvme_total()},
+                        {"model_states_device_bytes", g * est.model_states_device()},
+                        {"model_states_host_bytes", g * est.model_states_host()},
+                        {"model_states_nvme_bytes", g * est.model_states_nvme()}}},
+                      {"model_states_device_bytes", est.model_states_device()},
+                      {"model_states_host_bytes", est.model_states_host()},
+                      {"model_states_nvme_bytes", est.model_states_nvme()},
+                      {"terms", terms_json(est.terms)},
+                      {"construction", terms_json(est.construction)}};
   if (table != nullptr) j["deepspeed_table"] = deepspeed_json(*table, stage);
   std::cout << j.dump(2) << std::endl;
 }
@@ -482,8 +487,7 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
           : std::to_string(units) + " units, root first";
   const char* strategy = strategy_name(in.strategy);
   const char* precision = fsdp::to_string(in.precision);
-  const fsdp::OffloadDevice opt = in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_optimizer;
-  const fsdp::OffloadDevice par = in.cpu_offload ? fsdp::OffloadDevice::kCpu : in.offload_param;
+  const fsdp::OffloadDevice opt = in.offload_optimizer, par = in.offload_param;
   std::string offload;
   if (opt != fsdp::OffloadDevice::kNone)
     offload += std::string(", offload_optimizer=") + fsdp::to_string(opt);

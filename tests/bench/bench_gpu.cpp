@@ -241,7 +241,8 @@ void json(const std::string& metric, double value, const std::string& unit,
 fsdp::ShardingOptions options(const torch::Device& d, bool offload, bool bf16) {
   fsdp::ShardingOptions o;
   o.device = d;
-  o.cpu_offload = offload;
+  o.offload_optimizer.device = o.offload_param.device =
+      offload ? fsdp::OffloadDevice::kCpu : fsdp::OffloadDevice::kNone;
   if (bf16) {
     o.mixed_precision.param_dtype = torch::kBFloat16;
     o.mixed_precision.reduce_dtype = torch::kBFloat16;

@@ -80,7 +80,7 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   p.eps = t.eps;
   p.weight_decay = t.weight_decay;
   p.gradient_clipping = t.clip_grad;
-  p.precision = s.precision;
+  p.precision = fsdp::parse_precision(s.precision);
   p.warmup_steps = t.warmup_steps;
   p.total_steps = t.steps;
   p.hidden_size = f.model.d_model;
@@ -97,7 +97,8 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   if (ds.has("gradient_clipping"))
     set("clip-grad", "gradient_clipping", t.clip_grad, ds.gradient_clipping);
   if (ds.has("fp16.enabled") || ds.has("bf16.enabled") || ds.has("bfloat16.enabled")) {
-    set("precision", "fp16.enabled, bf16.enabled", s.precision, ds.precision);
+    set("precision", "fp16.enabled, bf16.enabled", s.precision,
+        std::string(fsdp::to_string(ds.precision)));
     so.mixed_precision = ds.sharding.mixed_precision;
   }
   const fsdp::LossScalerOptions& ls = ds.loss_scaler;

@@ -544,8 +544,8 @@ void read_pure_bf16(const cxxopts::ParseResult& r, ShardingFlags& s) {
   }
   // FusedAdamW rounds in its host kernel; shards on a GPU step with ATen's, which rounds to
   // nearest.
-  const bool host_step = s.options.device.is_cpu() || s.options.cpu_offload ||
-                         s.options.offload_optimizer.device != fsdp::OffloadDevice::kNone;
+  const bool host_step =
+      s.options.device.is_cpu() || s.options.offload_optimizer.device != fsdp::OffloadDevice::kNone;
   if (!host_step && (rounding == "stochastic" || rounding == "compensated")) {
     throw UsageError("--bf16-rounding " + rounding +
                      " rounds in the optimizer's host kernel, "
@@ -581,7 +581,6 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
                                r["hybrid-group-size"].as<int>(), r["wrap"].as<std::string>(),
                                r["activation-checkpointing"].as<std::string>(),
                                current_program().block_policy);
-  s.options.cpu_offload = r.count("cpu-offload") > 0;
   s.options.offload_activations = r.count("offload-activations") > 0;
   if (s.options.offload_activations && s.options.checkpoint_policy == nullptr) {
     throw UsageError(
@@ -592,6 +591,15 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
       parse_offload_device("offload-optimizer", r["offload-optimizer"].as<std::string>());
   s.options.offload_param.device =
       parse_offload_device("offload-param", r["offload-param"].as<std::string>());
+  if (r.count("cpu-offload") > 0) {  // both to the host, as before the two flags existed
+    for (auto [flag, cfg] : {std::pair{"offload-optimizer", &s.options.offload_optimizer},
+                             std::pair{"offload-param", &s.options.offload_param}}) {
+      if (cfg->device == fsdp::OffloadDevice::kNvme)
+        throw UsageError("--cpu-offload (offload to host memory) contradicts --" +
+                         std::string(flag) + " nvme; use one or the other");
+      cfg->device = fsdp::OffloadDevice::kCpu;
+    }
+  }
   s.options.offload_optimizer.nvme_path = s.options.offload_param.nvme_path =
       r["nvme-path"].as<std::string>();
   s.options.max_gathered_units = r["max-gathered-units"].as<int>();

@@ -77,7 +77,9 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
   const torch::Device device = flags.sharding.options.device;
   std::cout << program() << ": device " << device.str() << " (--device " << flags.sharding.device
             << "), collectives over " << (world > 1 ? flags.sharding.backend : std::string("none"))
-            << (flags.sharding.options.cpu_offload ? ", shards offloaded to host memory" : "")
+            << (flags.sharding.options.offload_param.device == fsdp::OffloadDevice::kCpu
+                    ? ", shards offloaded to host memory"
+                    : "")
             << (flags.sharding.options.offload_activations
                     ? ", checkpointed inputs offloaded to host memory"
                     : "")

@@ -15,17 +15,6 @@
 
 namespace fsdp {
 
-/// The dtype of gathered parameters and reduced gradients (MixedPrecision::param_dtype
-/// and reduce_dtype); the shards and the optimizer stay fp32 either way.
-enum class Precision {
-  kFp32,  ///< 4 bytes per gathered element
-  kBf16,  ///< 2 bytes
-  kFp16,  ///< 2 bytes
-};
-
-/// "fp32", "bf16" or "fp16".
-const char* to_string(Precision p);
-
 /// A decoder-only transformer of GPT-2-style blocks (attention, then a 4x MLP), for the
 /// rough activation term. n_layer == 0 or micro_batch == 0: no activation estimate.
 struct TransformerShape {
@@ -37,6 +26,10 @@ struct TransformerShape {
   int64_t micro_batch = 0;  ///< sequences per rank per micro-batch
 };
 
+// Its own (implicit) constructors and assignments copy the deprecated cpu_offload
+// without a warning; a program that names the field gets one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 /// What the estimate needs to know about a run.
 struct EstimateInput {
   /// Trainable parameters per unit, root unit first (the engine's flat parameters, in
@@ -46,8 +39,11 @@ struct EstimateInput {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;  ///< ShardingOptions::strategy
   int hybrid_group_size = 0;               ///< kHybridShard: ranks per shard group (0: the world)
   Precision precision = Precision::kFp32;  ///< gathered parameters and reduced gradients
-  /// ShardingOptions::cpu_offload, the legacy switch: offload_optimizer = offload_param = kCpu.
-  bool cpu_offload = false;
+  /// Deprecated (goes in the next release), as ShardingOptions::cpu_offload: the same as
+  /// offload_optimizer = offload_param = kCpu.
+  [[deprecated(
+      "EstimateInput::cpu_offload is deprecated: set offload_optimizer and offload_param to "
+      "fsdp::OffloadDevice::kCpu")]] bool cpu_offload = false;
   /// ShardingOptions::offload_optimizer.device: the fp32 master shards, their gradients and
   /// AdamW's state on the host (kCpu), or the AdamW state in files and the rest on the host
   /// (kNvme); a param_dtype copy of each shard stays on the device unless offload_param.
@@ -75,6 +71,7 @@ struct EstimateInput {
   /// bare parameter count).
   TransformerShape activations;
 };
+#pragma GCC diagnostic pop
 
 /// One term of the estimate, per rank.
 struct MemoryTerm {
