@@ -17,7 +17,9 @@
 #   max_model          the largest GPT (d_model 2048) that plain LibTorch and offload_param=cpu
 #                      train on this GPU and its host, one run each at fsdp-estimate's
 #                      prediction (tests/bench/max_model.py --device cuda); last, in the time
-#                      the budget has left
+#                      the budget has left, or alone in a second call on the same machine:
+#                      FSDP_GPU_CHECK_PHASES=max_model FSDP_GPU_CHECK_BUDGET=300
+#                      FSDP_GPU_MAX_MODEL_S=280 scripts/gpu-check.sh OUT2 (the build is done)
 # Such machines are borrowed, offline and short-lived, so the run is bounded
 # (FSDP_GPU_CHECK_BUDGET, default 540 s, so that it ends within 9 minutes whatever hangs)
 # and leaves its results in a folder:
@@ -63,7 +65,10 @@
 # Other settings: FSDP_JOBS (default: all cores), FSDP_GPU_CHECK_WORK (the build folder,
 # default build-gpu-check/ in this source tree), FSDP_GPU_BENCH_ARGS (bench_gpu's extra
 # arguments for the 152M GPT, default "--reps 10"; e.g. "--search-seconds 20" adds the
-# largest-model search), FSDP_GPU_LARGE_ARGS (large_model.py's, default "--rounds 3 --reps 8").
+# largest-model search), FSDP_GPU_LARGE_ARGS (large_model.py's, default "--rounds 3 --reps 8"),
+# FSDP_GPU_CHECK_PHASES (a comma-separated list: run only these of the phases after the
+# build, e.g. a second call "max_model" on the same machine, whose build is then done;
+# default: all), FSDP_GPU_MAX_MODEL_S (max_model's limit, default 120 s).
 # Exit status 0 when the build and the tests passed (skips allowed).
 set -euo pipefail
 SRC="$(cd "$(dirname "$0")/.." && pwd -P)"
@@ -114,6 +119,9 @@ DEPS="$WORK/deps"        # build folders of the bundled dependencies
 PREFIX="$WORK/prefix"    # where they are installed
 BENCH_ARGS="${FSDP_GPU_BENCH_ARGS:---reps 10}"
 LARGE_ARGS="${FSDP_GPU_LARGE_ARGS:---rounds 3 --reps 8}"
+ONLY="${FSDP_GPU_CHECK_PHASES:-}"
+MAX_MODEL_S="${FSDP_GPU_MAX_MODEL_S:-120}"
+case "$MAX_MODEL_S" in ''|*[!0-9]*) echo "gpu-check: FSDP_GPU_MAX_MODEL_S='$MAX_MODEL_S': expected a number of seconds" >&2; exit 2 ;; esac
 START=$SECONDS
 STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 DEADLINE=$((START + BUDGET))
@@ -136,6 +144,12 @@ limit_for() {
 run_phase() {
   local name="$1" cap="$2" t0=$SECONDS left limit rc=0 status
   shift 2
+  case "$name" in googletest|hdf5|configure|build) ;; *)
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+      printf '%s\tskipped\t\t0\t0\tnot in FSDP_GPU_CHECK_PHASES=%s\n' "$name" "$ONLY" >>"$PHASES"
+      return 0
+    fi ;;
+  esac
   case "$cap" in
     =*) left=$((DEADLINE - SECONDS - RESERVE)); limit=${cap#=}; [ "$limit" -lt "$left" ] || limit=$left ;;
     *) limit="$(limit_for "$cap")" ;;
@@ -641,8 +655,8 @@ if [ "$BUILT" = 1 ]; then
   # The largest model, by memory: plain LibTorch against everything offloaded to the host
   # (issue: bigger than memory, >= 4x on a GPU), one run each at the estimate's size.
   if [ -n "$PY" ] && [ -x "$BIN/train_gpt" ] && [ -x "$BIN/fsdp-estimate" ]; then
-    run_phase max_model 120 stdbuf -oL "$PY" "$SRC/tests/bench/max_model.py" --bin-dir "$BIN" \
-      --device "$DEVICE" --runs 1 --timeout 100 --only "plain (no sharding, fp32)|+ offload_param=cpu" \
+    run_phase max_model "=$MAX_MODEL_S" stdbuf -oL "$PY" "$SRC/tests/bench/max_model.py" --bin-dir "$BIN" \
+      --device "$DEVICE" --runs 1 --timeout $((MAX_MODEL_S * 2 / 5)) --only "plain (no sharding, fp32)|+ offload_param=cpu" \
       "${MAX_SIZE[@]}" || true
     keep max_model
   else

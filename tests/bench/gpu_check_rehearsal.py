@@ -8,6 +8,7 @@ with the binaries of this build, so that the one call a borrowed GPU gets has ru
 Fails (exit 1) unless results.json says: the rehearsal mode; the phases large_model,
 two_ranks_one_gpu, test-cuda, modes, bench-gpu, fsdp2, test-cpu and max_model in that order,
 each ok;
+a second call with FSDP_GPU_CHECK_PHASES=max_model running that phase alone;
 metrics.gpu_mfu and metrics.ours_over_fsdp2.tokens_per_s_bf16 positive numbers; two ranks
 equal to one in every mode run; every large-model round with ours, plain LibTorch and
 FSDP2; and gpu-check-DATE.json beside it with the same content.
@@ -23,6 +24,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "..", "scripts", "gpu-check.sh")
 PHASES = ["large_model", "two_ranks_one_gpu", "test-cuda", "modes", "bench-gpu", "fsdp2", "test-cpu",
           "max_model"]
+
+
+def second_call(build, out):
+    """FSDP_GPU_CHECK_PHASES=max_model: the second call a GPU machine gets, that phase alone."""
+    env = dict(os.environ, FSDP_GPU_CHECK_PHASES="max_model", FSDP_GPU_MAX_MODEL_S="200")
+    p = subprocess.run(["bash", SCRIPT, "--rehearse", build, out], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=env)
+    problems = []
+    try:
+        with open(os.path.join(out, "results.json")) as f:
+            r = json.load(f)
+    except (OSError, ValueError) as e:
+        return [f"second call: no readable results.json in {out}: {e}\n{p.stdout[-3000:]}"]
+    status = {ph["name"]: (ph["status"], ph.get("note", "")) for ph in r["phases"] if ph["name"] in PHASES}
+    if status.get("max_model", ("",))[0] != "ok":
+        problems.append(f"second call: max_model {status.get('max_model')}; see {out}")
+    for name in PHASES[:-1]:
+        if status.get(name, ("",))[0] != "skipped" or "FSDP_GPU_CHECK_PHASES" not in status[name][1]:
+            problems.append(f"second call: {name} {status.get(name)}, expected skipped as not asked for")
+    if p.returncode != 0:
+        problems.append(f"second call exited {p.returncode}")
+    if not problems:
+        subprocess.run(["rm", "-rf", out])
+    return problems
 
 
 def main():
@@ -72,6 +97,7 @@ def main():
                 problems.append(f"{dated} differs from results.json")
     except (OSError, ValueError) as e:
         problems.append(f"{dated}: {e}")
+    problems += second_call(args.build, out + "-max-model")
     for x in problems:
         print("FAIL: " + x)
     if problems:
