@@ -1,5 +1,5 @@
 # CPack: `cpack -G DEB` in the build directory makes a Debian package of everything the
-# install rules install (cmake/install.cmake). scripts/deb-check.sh installs it on a fresh
+# install rules install (cmake/install.cmake). scripts/release/deb-check.sh installs it on a fresh
 # Debian and builds an application against it.
 #
 # One package, named as Debian names a static library with its headers: libfsdp-libtorch-dev.
@@ -77,7 +77,7 @@ set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "Fully Sharded Data Parallel training for LibTorch (C++)")
 set(CPACK_PACKAGE_CONTACT "${FSDP_DEB_MAINTAINER}")
 # Configure with -DCMAKE_INSTALL_PREFIX=/usr for Debian's multiarch libdir (GNUInstallDirs;
-# scripts/deb-check.sh does); otherwise the libraries land in /usr/lib, which works too.
+# scripts/release/deb-check.sh does); otherwise the libraries land in /usr/lib, which works too.
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
 set(CPACK_DEBIAN_PACKAGE_NAME libfsdp-libtorch-dev)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)

@@ -8,15 +8,15 @@
 # Parts, in order (each writes a Markdown file under build/bench/md/, then the section
 # between the "generated" markers of docs/benchmarks.md is rewritten from them; the rest
 # of the file, the history and its explanations, is left as it is):
-#   bench        scripts/bench.sh: AdamW, NVMe state I/O, world-1 overhead, activation checkpointing,
+#   bench        scripts/bench/bench.sh: AdamW, NVMe state I/O, world-1 overhead, activation checkpointing,
 #                checkpoint I/O against the disk, model-state bytes, the trace's cost
-#   anchors      scripts/compare-pytorch.sh: this library against PyTorch FSDP2, FSDP1
+#   anchors      scripts/bench/compare-pytorch.sh: this library against PyTorch FSDP2, FSDP1
 #                and DeepSpeed ZeRO-3, loopback
 #   anchors-link the same, world 4 as two network-namespace hosts over a 1 Gbit/s link
 #                (needs root)
-#   checkpoints  scripts/compare-checkpoints.sh: against DCP and DeepSpeed
-#   links        scripts/bench-links.sh: exposed communication over shaped links (root)
-#   trace        scripts/trace-pictures.sh: the per-unit trace, prefetch on against off
+#   checkpoints  scripts/bench/compare-checkpoints.sh: against DCP and DeepSpeed
+#   links        scripts/bench/bench-links.sh: exposed communication over shaped links (root)
+#   trace        scripts/bench/trace-pictures.sh: the per-unit trace, prefetch on against off
 # --parts a,b runs only those (the others' Markdown from an earlier run is reused if
 # there, so the section stays whole). A part that fails stops the command; nothing in
 # docs/ is rewritten then.
@@ -43,10 +43,10 @@ tables() {  # FILE: the whole Markdown tables of a log (runs of "|" lines with a
 }
 
 if has bench; then
-  ./scripts/bench.sh | tee build/bench/bench.log
+  ./scripts/bench/bench.sh | tee build/bench/bench.log
   first=$(grep -n '^== summary' build/bench/bench.log | cut -d: -f1)
   {
-    echo "Command: \`./scripts/bench.sh\`. Each figure is a ratio against a baseline measured in the same run."
+    echo "Command: \`./scripts/bench/bench.sh\`. Each figure is a ratio against a baseline measured in the same run."
     echo
     echo "| metric | value |"
     echo "|---|---|"
@@ -54,23 +54,23 @@ if has bench; then
   } >"$MD/bench.md"
 fi
 if has anchors; then
-  ./scripts/compare-pytorch.sh "${QUICK[@]}" | tee build/bench/anchors.log
-  { echo "Command: \`./scripts/compare-pytorch.sh ${QUICK[*]}\`."; echo; tables build/bench/anchors.log; } >"$MD/anchors.md"
+  ./scripts/bench/compare-pytorch.sh "${QUICK[@]}" | tee build/bench/anchors.log
+  { echo "Command: \`./scripts/bench/compare-pytorch.sh ${QUICK[*]}\`."; echo; tables build/bench/anchors.log; } >"$MD/anchors.md"
 fi
 if has anchors-link; then
-  ./scripts/compare-pytorch.sh "${QUICK[@]}" --link 1gbit | tee build/bench/anchors-link.log
-  { echo "Command: \`./scripts/compare-pytorch.sh ${QUICK[*]} --link 1gbit\`."; echo; tables build/bench/anchors-link.log; } >"$MD/anchors-link.md"
+  ./scripts/bench/compare-pytorch.sh "${QUICK[@]}" --link 1gbit | tee build/bench/anchors-link.log
+  { echo "Command: \`./scripts/bench/compare-pytorch.sh ${QUICK[*]} --link 1gbit\`."; echo; tables build/bench/anchors-link.log; } >"$MD/anchors-link.md"
 fi
 if has checkpoints; then
-  ./scripts/compare-checkpoints.sh "${QUICK[@]}" | tee build/bench/checkpoints.log
-  { echo "Command: \`./scripts/compare-checkpoints.sh ${QUICK[*]}\`."; echo; tables build/bench/checkpoints.log; } >"$MD/checkpoints.md"
+  ./scripts/bench/compare-checkpoints.sh "${QUICK[@]}" | tee build/bench/checkpoints.log
+  { echo "Command: \`./scripts/bench/compare-checkpoints.sh ${QUICK[*]}\`."; echo; tables build/bench/checkpoints.log; } >"$MD/checkpoints.md"
 fi
 if has links; then
-  ./scripts/bench-links.sh build/bin docs/bench-links.svg | tee build/bench/links.log
-  { echo "Command: \`./scripts/bench-links.sh\`."; echo; tables build/bench/links.log; echo; echo "![step time over shaped links](bench-links.svg)"; } >"$MD/links.md"
+  ./scripts/bench/bench-links.sh build/bin docs/bench-links.svg | tee build/bench/links.log
+  { echo "Command: \`./scripts/bench/bench-links.sh\`."; echo; tables build/bench/links.log; echo; echo "![step time over shaped links](bench-links.svg)"; } >"$MD/links.md"
 fi
 if has trace; then
-  ./scripts/trace-pictures.sh build/bin docs/img/trace-prefetch.png "$MD/trace.md"
+  ./scripts/bench/trace-pictures.sh build/bin docs/img/trace-prefetch.png "$MD/trace.md"
 fi
 
 PY=python3

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-800}
 HALF=$((STEPS / 2))
-B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh sets its own
+B="${FSDP_BUILD_DIR:-build}"   # scripts/ci/in-debian13.sh sets its own
 OUT="$B/demo"
 rm -rf "$OUT"
 mkdir -p "$OUT"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs every build, test and benchmark dependency from Debian's archive (Debian 12 or
 # 13, the same names). Used by the README's setup command, by .ci/run and by
-# scripts/in-debian13.sh, so all of them see the same machine: this is the one package
+# scripts/ci/in-debian13.sh, so all of them see the same machine: this is the one package
 # list. LibTorch itself is not among them by default: the build uses PyPI's torch
 # (scripts/requirements.txt), which scripts/lib/python-env.sh installs into .venv/.
 #
@@ -22,7 +22,7 @@ CODENAME="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
 
 COMMON=(
   build-essential cmake ninja-build ccache
-  file dpkg-dev                     # cpack -G DEB (scripts/deb-check.sh): file, dpkg-shlibdeps
+  file dpkg-dev                     # cpack -G DEB (scripts/release/deb-check.sh): file, dpkg-shlibdeps
   libhdf5-dev                       # checkpoints
   libcxxopts-dev nlohmann-json3-dev # command-line flags and JSON config
   libgtest-dev libgmock-dev libbenchmark-dev
@@ -41,12 +41,12 @@ DEBIAN_TORCH_PKGS=(
   python3-safetensors               # the reference safetensors reader
 )
 PACKAGES=("${COMMON[@]}")
-# The format check (scripts/check-format.sh) pins Debian 12's clang-format.
+# The format check (tests/lint/check-format.sh) pins Debian 12's clang-format.
 [ "$CODENAME" = bookworm ] && PACKAGES+=(clang-format-14)
 if [ "$DEBIAN_TORCH" = 1 ]; then
   if [ "$CODENAME" != trixie ]; then
     echo "install-deps: --debian-torch needs Debian 13 (trixie): Debian ${CODENAME:-?}'s LibTorch is older than 2.6," \
-         "the oldest supported; run it through scripts/in-debian13.sh, or use PyPI's torch (the default)" >&2
+         "the oldest supported; run it through scripts/ci/in-debian13.sh, or use PyPI's torch (the default)" >&2
     exit 2
   fi
   PACKAGES+=("${DEBIAN_TORCH_PKGS[@]}")

@@ -6,7 +6,7 @@
 # (scripts/lib/python-env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
+B="${FSDP_BUILD_DIR:-build}"   # scripts/ci/in-debian13.sh builds into its own directory
 ./scripts/install-deps.sh
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh

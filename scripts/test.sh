@@ -5,7 +5,7 @@
 # to ctest (e.g. -R Parity). The build is CMakePresets.json's "release" (scripts/lib/build.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-B="${FSDP_BUILD_DIR:-build}"   # scripts/in-debian13.sh builds into its own directory
+B="${FSDP_BUILD_DIR:-build}"   # scripts/ci/in-debian13.sh builds into its own directory
 read -ra EXTRA <<<"${FSDP_CMAKE_ARGS:-}"
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh

@@ -22,7 +22,7 @@ namespace {
   GTEST_SKIP() << "no CUDA device visible (torch::cuda::device_count() = "           \
                << static_cast<int>(torch::cuda::device_count())                      \
                << "; this LibTorch or machine has none); run on a GPU machine with " \
-                  "scripts/gpu-check.sh"
+                  "scripts/gpu/gpu-check.sh"
 
 ShardingOptions gpu_options(const ProcessGroup& pg) {
   ShardingOptions o;

@@ -1,5 +1,5 @@
 # Shared by the scripts that run things in a Debian root made with debootstrap
-# (scripts/in-debian13.sh, scripts/deb-check.sh). Source it after setting CHROOT_TAG (the
+# (scripts/ci/in-debian13.sh, scripts/release/deb-check.sh). Source it after setting CHROOT_TAG (the
 # script's name, for messages). It provides:
 #   fail MSG...                        print "<tag>: FAILED: MSG" and exit 1
 #   $SUDO                              "sudo" unless already root

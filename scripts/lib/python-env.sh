@@ -1,5 +1,5 @@
 # Which LibTorch the build uses, and the project's Python environment. Sourced by
-# scripts/setup.sh, scripts/test.sh, scripts/sanitize.sh, scripts/demo.sh and the other
+# scripts/setup.sh, scripts/test.sh, scripts/ci/sanitize.sh, scripts/demo.sh and the other
 # scripts that build or run Python. Provides:
 #
 #   fsdp_torch_setup   picks the LibTorch and fills
@@ -19,11 +19,11 @@
 #                       (FSDP_GLOO_SUITE, default forky: the newest gloo Debian has; the
 #                       suite's package is downloaded with apt and verified, never
 #                       installed), into .venv/fsdp/gloo.
-#   system              whatever CMake finds: Debian's libtorch-dev (scripts/in-debian13.sh
+#   system              whatever CMake finds: Debian's libtorch-dev (scripts/ci/in-debian13.sh
 #                       uses it), or a pytorch.org LibTorch named by CMAKE_PREFIX_PATH or
 #                       Torch_DIR in the environment. The tests' Python is /usr/bin/python3.
 # Unset, FSDP_TORCH is `system` when CMAKE_PREFIX_PATH or Torch_DIR is set or inside
-# scripts/in-debian13.sh, and `pypi` otherwise.
+# scripts/ci/in-debian13.sh, and `pypi` otherwise.
 # shellcheck shell=bash
 
 FSDP_VENV="${FSDP_VENV:-$PWD/.venv}"

@@ -1,6 +1,6 @@
 // GPU benchmark (CUDA builds only): one GPU, world size 1, the GPT example with fused
 // attention (at::scaled_dot_product_attention), each figure against plain LibTorch
-// measured in the same run. scripts/gpu-check.sh runs it; --device cpu runs the same code
+// measured in the same run. scripts/gpu/gpu-check.sh runs it; --device cpu runs the same code
 // on the CPU at a small size, so that the check can be rehearsed where no GPU is.
 //
 //   bench_gpu [--device cuda|cpu] [--model small|large|both] [--reps N] [--order ours|plain]
@@ -377,7 +377,7 @@ void small_model(const Args& a) {
   }
 
   // Absolute figures too, for the comparison with PyTorch FSDP2 (tests/interop/fsdp2_bench.py,
-  // the same model, batch and optimizer), which scripts/gpu-check.sh sets beside them.
+  // the same model, batch and optimizer), which scripts/gpu/gpu-check.sh sets beside them.
   const std::string where = shape(cfg, a.small_batch);
   json("gpu_tokens_per_s", tok_sharded, "tokens/s", "fsdp fp32, world 1, " + where);
   json("gpu_bf16_tokens_per_s", tok_bf16, "tokens/s", "fsdp bf16, world 1, " + where);

@@ -2,7 +2,7 @@
 // (d_model 256, 8 layers, batch 8x64 per rank, FusedAdamW, clipping), trained with the
 // trace recording on alternate steps and off on the others, so machine noise hits both
 // alike; "off" is the production path (the relaxed flag load at each span site). Run
-// under fsdp-run (world 2 in scripts/bench.sh). Prints the median step times and
+// under fsdp-run (world 2 in scripts/bench/bench.sh). Prints the median step times and
 // trace_overhead = on / off (target <= 1.02); rank 0 prints the JSON line.
 #include <fsdp/fsdp.h>
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""scripts/gpu-check.sh --rehearse on this machine's CPU (the ctest
+"""scripts/gpu/gpu-check.sh --rehearse on this machine's CPU (the ctest
 GpuCheck.RehearsedOnTheCpuWithEveryPhase): every phase the GPU check runs, at small sizes,
 with the binaries of this build, so that the one call a borrowed GPU gets has run before.
 
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "..", "..", "scripts", "gpu-check.sh")
+SCRIPT = os.path.join(HERE, "..", "..", "scripts", "gpu", "gpu-check.sh")
 PHASES = ["large_model", "two_ranks_one_gpu", "test-cuda", "modes", "bench-gpu", "fsdp2", "test-cpu",
           "max_model"]
 

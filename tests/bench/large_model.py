@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The 1.3B GPT in bf16 on one GPU: this library, plain LibTorch and PyTorch FSDP2,
-alternating. scripts/gpu-check.sh runs it as its phase large_model; --device cpu runs the
+alternating. scripts/gpu/gpu-check.sh runs it as its phase large_model; --device cpu runs the
 same rounds on a small GPT, so that the phase is rehearsed where no GPU is.
 
   large_model.py --bench-gpu BUILD/bin/bench_gpu [--python PY] [--device cuda|cpu]

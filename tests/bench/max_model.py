@@ -9,7 +9,7 @@ real runs around it, inside a memory cgroup of the budget, confirm it.
   max_model.py --bin-dir build/bin --device cuda [--gpu-mib N] [--budget-mib HOST] ...
                (the GPU and its host: no cgroup, device and host budgets apart; a run
                too large ends with CUDA's out-of-memory error; --no-cgroup rehearses it on
-               the CPU; scripts/gpu-check.sh's phase max_model)
+               the CPU; scripts/gpu/gpu-check.sh's phase max_model)
 
 Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). For each:
   1. LibTorch's own memory: the job's peak for a one-block GPT of width 64 (the runtime,
@@ -370,7 +370,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cuda: the budget is the GPU's memory and the host's, apart, and the "
-                         "runs need no cgroup (scripts/gpu-check.sh's phase max_model)")
+                         "runs need no cgroup (scripts/gpu/gpu-check.sh's phase max_model)")
     ap.add_argument("--no-cgroup", action="store_true",
                     help="on the CPU, run as on a GPU: no cgroup, device and host budgets apart "
                          "(the GPU phase's rehearsal; a run is not stopped by the budget)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every memory mode of train_gpt on one device, side by side: tokens/s, peak memory, and
 the model states the formulas give (docs/guide/memory.md, "Memory modes and the estimator"), against fp32 ZeRO-3
-measured in the same run. scripts/gpu-check.sh runs it on a GPU; --device cpu runs a small
+measured in the same run. scripts/gpu/gpu-check.sh runs it on a GPU; --device cpu runs a small
 GPT so that the ctest Bench.MemoryModesRunOnTheCpu keeps it working where no GPU is.
 
   memory_modes.py --train-gpt build/bin/train_gpt [--device cuda|cpu] [--steps N]

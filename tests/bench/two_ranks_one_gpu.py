@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two ranks on one GPU over Gloo against one rank on the same GPU: the multi-rank GPU
 path (streams, events, prefetch while computing, pinned offload copies) without NCCL,
-which refuses two ranks on one device. scripts/gpu-check.sh runs it on a GPU as the phase
+which refuses two ranks on one device. scripts/gpu/gpu-check.sh runs it on a GPU as the phase
 two_ranks_one_gpu; --device cpu rehearses it where no GPU is (ctest
 Bench.TwoRanksOneGpuRehearsedOnTheCpu), with FSDP_GLOO_STAGE_THROUGH_HOST=1 so that the
 two ranks' tensors go through the host buffers that CUDA tensors take.

@@ -180,7 +180,7 @@ class Runner:
         return res
 
     def run_hosts(self, prog, world, env, rss_json, out_path):
-        """World 2 x len(hosts) over the namespace hosts (scripts/compare-pytorch.sh
+        """World 2 x len(hosts) over the namespace hosts (scripts/bench/compare-pytorch.sh
         --link): ranks 2h and 2h+1 on host h, the rendezvous on host 0's address, Gloo on
         each host's end of the link. Each rank under its own fsdp-run --nproc 1 (whose
         variables env then overrides) for its peak RSS (see the module's doc)."""
@@ -404,7 +404,7 @@ def parity(args):
     return 0 if ok else 1
 
 
-# ---- bench (scripts/compare-pytorch.sh) ----------------------------------------------
+# ---- bench (scripts/bench/compare-pytorch.sh) ----------------------------------------------
 
 SIZES = {
     # per-step overhead shows
@@ -468,7 +468,7 @@ def bench(args):
     hosts = [tuple(h.split(":")) for h in args.hosts.split(",")] if args.hosts else []
     if hosts and any(len(h) != 3 for h in hosts):
         sys.exit(f"compare_fsdp.py: --hosts {args.hosts}: expected NAMESPACE:INTERFACE:ADDRESS,... "
-                 f"(scripts/compare-pytorch.sh --link makes them)")
+                 f"(scripts/bench/compare-pytorch.sh --link makes them)")
     worlds = args.worlds if not hosts else [2 * len(hosts)]
     r = Runner(args.bin_dir, work, hosts=hosts)
     rows = []
@@ -799,7 +799,7 @@ def main():
                    help="only these worlds of the anchor's configurations")
     a.add_argument("--steps", type=int, default=0, help="steps per run (default: the anchor's, PARITY_STEPS)")
     a.add_argument("--python-args", default="", help="extra flags for the PyTorch side (to show the check fails)")
-    b = sub.add_parser("bench", help="the comparison of scripts/compare-pytorch.sh")
+    b = sub.add_parser("bench", help="the comparison of scripts/bench/compare-pytorch.sh")
     b.add_argument("--bin-dir", required=True)
     b.add_argument("--out", required=True, help="folder for runs and pictures")
     b.add_argument("--results", required=True, help="results.jsonl to append to")
@@ -810,7 +810,7 @@ def main():
     b.add_argument("--lock", default="", help="hold flock(FILE) over each configuration's runs (and over "
                    "the checkpoint part)")
     b.add_argument("--hosts", default="", help="NS:IF:ADDR,NS:IF:ADDR: run world 2 x hosts over these "
-                   "network-namespace hosts, 2 ranks each (scripts/compare-pytorch.sh --link makes them)")
+                   "network-namespace hosts, 2 ranks each (scripts/bench/compare-pytorch.sh --link makes them)")
     b.add_argument("--link", default="", help="a name for the link the hosts are joined by (tables, metrics)")
     b.add_argument("--reps", type=int, default=2)
     b.add_argument("--worlds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch FSDP2 (fully_shard) on the GPT of bench_gpu, one device, world 1: the anchor
-that scripts/gpu-check.sh sets beside bench_gpu's figures for this library.
+that scripts/gpu/gpu-check.sh sets beside bench_gpu's figures for this library.
 
 The same model (tests/interop/fsdp_gpt.py's build_model: the GPT of docs/design.md,
 "Contracts"), the same shape, batch and optimizer as tests/bench/bench_gpu.cpp: each

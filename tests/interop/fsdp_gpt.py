@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """The GPT of docs/design.md ("Contracts") trained with PyTorch FSDP1: the peer that
-train_gpt is compared with (scripts/compare-pytorch.sh, tests/interop/compare_fsdp.py).
+train_gpt is compared with (scripts/bench/compare-pytorch.sh, tests/interop/compare_fsdp.py).
 
 It computes what train_gpt computes, step for step:
   - weights: --init-from FILE.h5, a consolidated file (h5py), the file train_gpt

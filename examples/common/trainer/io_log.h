@@ -1,7 +1,7 @@
 #pragma once
 // train_gpt --io-log FILE: rank 0 appends one JSON object per checkpoint save, load and
 // consolidated export, {"event", "path", "seconds"}. Each is timed from a barrier to a
-// barrier, so the figure is the slowest rank's (scripts/compare-pytorch.sh compares it
+// barrier, so the figure is the slowest rank's (scripts/bench/compare-pytorch.sh compares it
 // with DCP's).
 
 #include <fsdp/fsdp.h>

@@ -19,13 +19,13 @@
 #                      prediction (tests/bench/max_model.py --device cuda); last, in the time
 #                      the budget has left, or alone in a second call on the same machine:
 #                      FSDP_GPU_CHECK_PHASES=max_model FSDP_GPU_CHECK_BUDGET=300
-#                      FSDP_GPU_MAX_MODEL_S=280 scripts/gpu-check.sh OUT2 (the build is done)
+#                      FSDP_GPU_MAX_MODEL_S=280 scripts/gpu/gpu-check.sh OUT2 (the build is done)
 # Such machines are borrowed, offline and short-lived, so the run is bounded
 # (FSDP_GPU_CHECK_BUDGET, default 540 s, so that it ends within 9 minutes whatever hangs)
 # and leaves its results in a folder:
 #
-#   scripts/gpu-check.sh [--bundle DIR] [OUT_DIR] [-- CMAKE_ARGS...]
-#   scripts/gpu-check.sh --rehearse BUILD_DIR [OUT_DIR]
+#   scripts/gpu/gpu-check.sh [--bundle DIR] [OUT_DIR] [-- CMAKE_ARGS...]
+#   scripts/gpu/gpu-check.sh --rehearse BUILD_DIR [OUT_DIR]
 #                                    (OUT_DIR default: gpu-check-out/ in the current folder)
 #
 # OUT_DIR/results.json  phases (ok, failed, timeout, skipped; seconds), each test's result
@@ -44,7 +44,7 @@
 # results.json are exercised where no GPU is. FSDP_GPU_PEAK_TFLOPS defaults to a nominal
 # 0.1 there, so the MFU fields are computed (their values mean nothing on a CPU).
 #
-# What the machine lacks comes from the bundle of scripts/gpu-bundle.sh (the folder this
+# What the machine lacks comes from the bundle of scripts/gpu/gpu-bundle.sh (the folder this
 # source tree is src/ of, or --bundle DIR): GoogleTest and HDF5 are built from source
 # into a prefix in the build folder, cxxopts, nlohmann-json and Gloo's headers are used
 # where they lie. Without a bundle the machine's own packages are used. A phase that fails
@@ -71,7 +71,7 @@
 # default: all), FSDP_GPU_MAX_MODEL_S (max_model's limit, default 120 s).
 # Exit status 0 when the build and the tests passed (skips allowed).
 set -euo pipefail
-SRC="$(cd "$(dirname "$0")/.." && pwd -P)"
+SRC="$(cd "$(dirname "$0")/../.." && pwd -P)"
 
 BUNDLE="${FSDP_GPU_BUNDLE:-}"
 OUT=""
@@ -96,7 +96,7 @@ say() { echo "[gpu-check] $*"; }
 # The bundle: given, or the folder this source tree was unpacked into (not when rehearsing).
 if [ -z "$BUNDLE" ] && [ -z "$REHEARSE" ] && [ -f "$SRC/../manifest.json" ] && [ -d "$SRC/../deps" ]; then BUNDLE="$SRC/.."; fi
 if [ -n "$BUNDLE" ]; then
-  [ -d "$BUNDLE/deps" ] || fail "$BUNDLE is not a bundle of scripts/gpu-bundle.sh (no deps/ in it)"
+  [ -d "$BUNDLE/deps" ] || fail "$BUNDLE is not a bundle of scripts/gpu/gpu-bundle.sh (no deps/ in it)"
   BUNDLE="$(cd "$BUNDLE" && pwd -P)"
 fi
 
@@ -348,7 +348,7 @@ configure = read(os.path.join(out, "logs", "configure.log")) or ""
 summary = [l[3:] for l in configure.splitlines() if l.startswith("-- fsdp: LibTorch")]
 osr = dict(l.split("=", 1) for l in (read("/etc/os-release") or "").splitlines() if "=" in l)
 r = {
-    "script": "scripts/gpu-check.sh",
+    "script": "scripts/gpu/gpu-check.sh",
     "mode": ("rehearsal on the CPU with the build in %s" % rehearse) if rehearse else "gpu",
     "started": started,
     "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -546,7 +546,7 @@ else
         say "continuing without HDF5: checkpoints are disabled in this build"
       fi
     else
-      note_phase hdf5 skipped "the bundle has no HDF5 source (scripts/gpu-bundle.sh left it out; see its manifest.json)"
+      note_phase hdf5 skipped "the bundle has no HDF5 source (scripts/gpu/gpu-bundle.sh left it out; see its manifest.json)"
       say "hdf5: not in the bundle; the machine's own HDF5 is used if CMake finds one"
     fi
     PROJECT_ARGS+=(-DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$PREFIX")

@@ -3,12 +3,12 @@
 # clang-format 14 (Debian 12's: other versions break some lines differently, so the check
 # pins one; scripts/install-deps.sh installs it). CI runs it.
 #
-#   scripts/check-format.sh          # names each file that differs and exits 1 if any
-#   scripts/check-format.sh --fix    # formats those files in place
+#   tests/lint/check-format.sh          # names each file that differs and exits 1 if any
+#   tests/lint/check-format.sh --fix    # formats those files in place
 #
 # FSDP_CLANG_FORMAT names another clang-format 14 binary.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 FIX=0
 case "${1:-}" in
   --fix) FIX=1 ;;
@@ -38,7 +38,7 @@ for f in "${FILES[@]}"; do
   if ! "$CF" --style=file "$f" | cmp -s - "$f"; then BAD+=("$f"); fi
 done
 if [ "${#BAD[@]}" -gt 0 ]; then
-  echo "check-format: ${#BAD[@]} of ${#FILES[@]} files differ from .clang-format (scripts/check-format.sh --fix formats them):" >&2
+  echo "check-format: ${#BAD[@]} of ${#FILES[@]} files differ from .clang-format (tests/lint/check-format.sh --fix formats them):" >&2
   printf '  %s\n' "${BAD[@]}" >&2
   exit 1
 fi

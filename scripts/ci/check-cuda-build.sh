@@ -2,7 +2,7 @@
 # Checks that a build against a CUDA LibTorch is the real CUDA build (CI runs it on
 # build/, made against PyPI's torch, before the suite runs with these same binaries):
 #
-#   scripts/check-cuda-build.sh [BUILD_DIR]        (default: build)
+#   scripts/ci/check-cuda-build.sh [BUILD_DIR]        (default: build)
 #
 # - CMake found CUDA and NCCL (CUDA/NCCL=ON in the configure line it cached);
 # - libfsdp.a holds the CUDA code (src/comm/nccl/backend_nccl.cpp, the NCCL backend;
@@ -13,7 +13,7 @@
 #   start on this CPU-only machine exactly as a user's do on a GPU machine;
 # - the engine's programs start: `train_gpt --help` runs.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 B="${1:-build}"
 fail() { echo "check-cuda-build: FAILED: $*" >&2; exit 1; }
 [ -f "$B/CMakeCache.txt" ] || fail "$B is not a configured build directory"

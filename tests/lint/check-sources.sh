@@ -2,16 +2,16 @@
 # Compiles sources with -fsyntax-only against a LibTorch header tree with CUDA and NCCL
 # switched on, on a machine that has no CUDA LibTorch to build against.
 #
-#   scripts/check-sources.sh                      # the CUDA sources vs the system LibTorch
-#   scripts/check-sources.sh --torch-include DIR  # ... vs another tree (e.g. a 2.x
+#   tests/lint/check-sources.sh                      # the CUDA sources vs the system LibTorch
+#   tests/lint/check-sources.sh --torch-include DIR  # ... vs another tree (e.g. a 2.x
 #                                                 #     libtorch/include, CPU or CUDA)
-#   scripts/check-sources.sh --all [--std c++20]  # every source of the project
+#   tests/lint/check-sources.sh --all [--std c++20]  # every source of the project
 #
 # Needs a CUDA Toolkit's headers (CUDA_HOME, else /usr/local/cuda) and a LibTorch tree
 # that ships c10/cuda; exits 77 (ctest: skipped) when either is missing. It checks that
-# the code compiles, not that it links or runs: that needs a GPU (scripts/gpu-check.sh).
+# the code compiles, not that it links or runs: that needs a GPU (scripts/gpu/gpu-check.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 torch_inc=/usr/include
 std=c++17

@@ -3,7 +3,7 @@
 # between 2.x versions, built and run against Debian 13's LibTorch 2.6 (the oldest
 # supported). Run it in the Debian 13 root:
 #
-#   scripts/in-debian13.sh ./scripts/test-debian13.sh      (extra arguments go to ctest)
+#   scripts/ci/in-debian13.sh ./scripts/ci/test-debian13.sh      (extra arguments go to ctest)
 #
 # The whole suite runs against PyPI's newest torch in leg 1; the same sources compiled
 # against 2.6 differ only where LibTorch's API or numerics do, so these binaries run here:
@@ -27,9 +27,9 @@
 # and the scratch configure of the build variants (Build.*). The other binaries
 # (policies, strategies, errors, estimates, offload, reshard planning, desync, the CUDA
 # test) exercise this project's own logic over the same LibTorch calls; the
-# tests/consumer builds are the .deb leg's (scripts/deb-check.sh).
+# tests/consumer builds are the .deb leg's (scripts/release/deb-check.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 B="${FSDP_BUILD_DIR:-build-debian13}"
 BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_attention test_mixed_precision test_memory_comm
           test_fused_adamw test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash

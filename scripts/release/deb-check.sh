@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Checks the Debian package on a fresh Debian 13: builds the .deb against Debian 13's
-# LibTorch 2.6 (in the root of scripts/in-debian13.sh, or on the host if it is Debian 13
+# LibTorch 2.6 (in the root of scripts/ci/in-debian13.sh, or on the host if it is Debian 13
 # with libtorch-dev), installs it with apt into a bare trixie root (apt takes LibTorch,
 # HDF5, ... from the archive through the package's Depends alone), then builds and runs
 # an application against it. The .deb belongs with a Debian LibTorch: Debian 12's is
 # 1.13, older than the 2.6 this project supports.
 #
-#   scripts/deb-check.sh [--fresh] [--keep] [CONSUMER_DIR]     (default: tests/consumer)
-#   scripts/deb-check.sh [--fresh] --root-only     # only make the cached bare root
+#   scripts/release/deb-check.sh [--fresh] [--keep] [CONSUMER_DIR]     (default: tests/consumer)
+#   scripts/release/deb-check.sh [--fresh] --root-only     # only make the cached bare root
 #
 # CONSUMER_DIR is a CMake project that uses the installed package (find_package(fsdp
 # CONFIG REQUIRED), fsdp::fsdp) and holds an executable run.sh. Inside the root, a copy of
@@ -24,9 +24,9 @@
 # in $FSDP_DEBIAN13_CACHE (default /var/cache/fsdp-libtorch) as debian13-bare and copied
 # for every run, so each run starts from a machine that has never seen the package;
 # --fresh makes the cached root again, --keep leaves the used copy (its path is printed).
-# Needs root (or sudo), debootstrap and mount, like scripts/in-debian13.sh.
+# Needs root (or sudo), debootstrap and mount, like scripts/ci/in-debian13.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PROJECT="$(pwd -P)"
 
 FRESH=0
@@ -88,8 +88,8 @@ if [ "$ROOT_ONLY" = 0 ]; then
     step package "building the .deb here (Debian 13, libtorch-dev $(dpkg-query -W -f='${Version}' libtorch-dev))"
     bash -c "$PACKAGE_CMD" || fail "building the package in $BUILD failed (logs: $BUILD/deb-check-*.log)"
   else
-    step package "building the .deb in the Debian 13 root of scripts/in-debian13.sh (LibTorch 2.6)"
-    scripts/in-debian13.sh bash -c "$PACKAGE_CMD" || fail "building the package in $BUILD failed (logs: $BUILD/deb-check-*.log)"
+    step package "building the .deb in the Debian 13 root of scripts/ci/in-debian13.sh (LibTorch 2.6)"
+    scripts/ci/in-debian13.sh bash -c "$PACKAGE_CMD" || fail "building the package in $BUILD failed (logs: $BUILD/deb-check-*.log)"
   fi
   DEBS=("$BUILD"/*.deb)
   if [ ${#DEBS[@]} -ne 1 ] || [ ! -f "${DEBS[0]}" ]; then fail "cpack made no single .deb in $BUILD: ${DEBS[*]}"; fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs what scripts/gpu-check.sh needs on an offline GPU machine into ONE folder, to copy
+# Packs what scripts/gpu/gpu-check.sh needs on an offline GPU machine into ONE folder, to copy
 # there and run with its own CUDA torch. Such a machine (one H100/H200, its own Python
 # with a CUDA torch, the system nvcc, cmake and ninja) has no package registry, no
 # network and none of this project's other dependencies, so the folder carries them as
@@ -16,15 +16,15 @@
 #                         default bookworm, downloaded and verified by apt), for checkpoints
 #   manifest.json         what is in it: versions, sizes, the source tree's commit
 #
-#   scripts/gpu-bundle.sh [BUNDLE_DIR]        (default: .gpu-bundle/ in the checkout)
+#   scripts/gpu/gpu-bundle.sh [BUNDLE_DIR]        (default: .gpu-bundle/ in the checkout)
 #
 # The folder stays under FSDP_GPU_BUNDLE_MAX_MIB (default 40) MiB; when HDF5 does not fit
 # it is left out (checkpoints then say how to get it, and gpu-check.sh says so). Then, on
-# the GPU machine:  BUNDLE/src/scripts/gpu-check.sh [OUT_DIR]
+# the GPU machine:  BUNDLE/src/scripts/gpu/gpu-check.sh [OUT_DIR]
 # Needs: git, apt-get and dpkg-deb (the downloads), Debian's googletest, libcxxopts-dev
 # and nlohmann-json3-dev (scripts/install-deps.sh installs them), python3.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PROJECT="$(pwd -P)"
 
 say() { echo "[gpu-bundle] $*"; }
@@ -187,4 +187,4 @@ say "bundle: $BUNDLE, $TOTAL bytes ($(du -sh "$BUNDLE" | cut -f1)); HDF5: ${HDF5
 for p in src deps/googletest deps/include deps/gloo deps/hdf5; do
   printf '[gpu-bundle]   %-16s %10s bytes\n' "$p" "$(size_of "$BUNDLE/$p")"
 done
-say "on the GPU machine: copy $(basename "$BUNDLE")/ there, then run $(basename "$BUNDLE")/src/scripts/gpu-check.sh [OUT_DIR]"
+say "on the GPU machine: copy $(basename "$BUNDLE")/ there, then run $(basename "$BUNDLE")/src/scripts/gpu/gpu-check.sh [OUT_DIR]"

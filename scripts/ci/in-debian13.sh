@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs a command in a Debian 13 (trixie) root on this machine, with this project inside:
 #
-#   scripts/in-debian13.sh [--fresh] CMD [ARGS...]
-#   scripts/in-debian13.sh --prepare                  # only make the root (CI does it early)
-#   scripts/in-debian13.sh ./scripts/test.sh          # the whole suite on Debian's LibTorch 2.6
+#   scripts/ci/in-debian13.sh [--fresh] CMD [ARGS...]
+#   scripts/ci/in-debian13.sh --prepare                  # only make the root (CI does it early)
+#   scripts/ci/in-debian13.sh ./scripts/test.sh          # the whole suite on Debian's LibTorch 2.6
 #
 # The root is made with debootstrap when it is missing, and the project's dependencies
 # are installed into it by scripts/install-deps.sh --debian-torch (the host's package
@@ -20,7 +20,7 @@
 # debootstrap and mount; without them it fails and says so. The mirror is debootstrap's
 # default unless FSDP_DEBIAN_MIRROR is set.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PROJECT="$(pwd -P)"
 
 FRESH=0
@@ -40,7 +40,7 @@ if [ "$PREPARE" = 1 ] && [ $# -gt 0 ]; then
   exit 2
 fi
 if [ $# -eq 0 ] && [ "$PREPARE" = 0 ]; then
-  echo "in-debian13: no command given; e.g. scripts/in-debian13.sh ./scripts/test.sh" >&2
+  echo "in-debian13: no command given; e.g. scripts/ci/in-debian13.sh ./scripts/test.sh" >&2
   exit 2
 fi
 

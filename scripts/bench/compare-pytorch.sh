@@ -5,14 +5,14 @@
 # rank per step, each against the best anchor. Runs on the host with the project's .venv
 # (PyPI torch, deepspeed from scripts/requirements.txt) and build/bin:
 #
-#   ./scripts/compare-pytorch.sh                    # full run (2 repetitions), ~1 h on 2 cores
-#   ./scripts/compare-pytorch.sh --quick            # smaller model, one repetition, ~15 min
-#   ./scripts/compare-pytorch.sh --quick --link 1gbit   # world 4 = 2 hosts x 2 ranks over a shaped link
-#   ./scripts/compare-pytorch.sh --bin-dir DIR ...  # those binaries, no build (Python: $FSDP_PY or .venv;
+#   ./scripts/bench/compare-pytorch.sh                    # full run (2 repetitions), ~1 h on 2 cores
+#   ./scripts/bench/compare-pytorch.sh --quick            # smaller model, one repetition, ~15 min
+#   ./scripts/bench/compare-pytorch.sh --quick --link 1gbit   # world 4 = 2 hosts x 2 ranks over a shaped link
+#   ./scripts/bench/compare-pytorch.sh --bin-dir DIR ...  # those binaries, no build (Python: $FSDP_PY or .venv;
 #                                                   # results still in build/bench)
-#   scripts/in-debian13.sh ./scripts/compare-pytorch.sh   # Debian 13's torch 2.6: FSDP1 alone
-#   ./scripts/compare-pytorch.sh --plot-only build/bench/vs_pytorch/vs_anchors.json [OUTDIR]
-#   ./scripts/compare-pytorch.sh --perf [W] [P]   # perf profiles of one row, FSDP1 (below)
+#   scripts/ci/in-debian13.sh ./scripts/bench/compare-pytorch.sh   # Debian 13's torch 2.6: FSDP1 alone
+#   ./scripts/bench/compare-pytorch.sh --plot-only build/bench/vs_pytorch/vs_anchors.json [OUTDIR]
+#   ./scripts/bench/compare-pytorch.sh --perf [W] [P]   # perf profiles of one row, FSDP1 (below)
 #
 # Two sizes (small: 4 layers, d_model 128, block 64; large: 4 layers, d_model 512, block
 # 128), worlds 1, 2 and 4, fp32 and bf16; one thread per rank (OMP_NUM_THREADS=1, the
@@ -30,14 +30,14 @@
 # vs_dcp_save, vs_dcp_load, vs_fsdp_full_state_export.
 #
 # --link SHAPE (needs root, iproute2 and tc): two network-namespace hosts joined by a veth
-# link (tests/multihost/lib.sh, as scripts/bench-links.sh), world 4 = 2 hosts x 2 ranks,
+# link (tests/multihost/lib.sh, as scripts/bench/bench-links.sh), world 4 = 2 hosts x 2 ranks,
 # every collective crossing the link. SHAPE: veth (unshaped), 10gbit, 1gbit (tc tbf on both
 # ends), or a root qdisc of your own ("tbf rate 100mbit burst 64kb latency 50ms").
 # Further flags go to tests/interop/compare_fsdp.py bench (--reps N, --worlds 1,2,
 # --precisions fp32, --sizes small, --impls cpp,fsdp2,fsdp1,deepspeed, --parts train|ckpt,
 # --lock FILE: hold flock(FILE) over each configuration's runs on a shared machine).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # --perf [W] [P] (default 1 fp32), from this (Debian 12) host: perf profiles of the large
 # GPT at world W and precision P, trained 13 steps by train_gpt and by
 # tests/interop/fsdp_gpt.py (PyTorch FSDP1) in the Debian 13 root, each under
@@ -51,10 +51,10 @@ if [ "${1:-}" = --perf ]; then
   SIZE="--n-layer 4 --n-head 8 --d-model 512 --block-size 128 --batch-size 8 --steps 13 --seed 1337 --warmup-steps 3 --lr 5e-4"
   command -v perf >/dev/null || { echo "compare-pytorch: perf is missing (apt-get install linux-perf)" >&2; exit 2; }
   mkdir -p "$OUT"
-  scripts/in-debian13.sh bash -c "test -f $OUT/init.h5 || /usr/bin/python3 tests/interop/fsdp_gpt.py --write-init $OUT/init.h5 $SIZE"
+  scripts/ci/in-debian13.sh bash -c "test -f $OUT/init.h5 || /usr/bin/python3 tests/interop/fsdp_gpt.py --write-init $OUT/init.h5 $SIZE"
   for impl in cpp py; do
     if [ $impl = cpp ]; then PROG="build-debian13/bin/train_gpt $SIZE --log-every 13"; else PROG="/usr/bin/python3 tests/interop/fsdp_gpt.py $SIZE"; fi
-    perf record -q -F 499 -e cpu-clock -o "$OUT/${impl}_w${W}_${P}.data" -- scripts/in-debian13.sh bash -c \
+    perf record -q -F 499 -e cpu-clock -o "$OUT/${impl}_w${W}_${P}.data" -- scripts/ci/in-debian13.sh bash -c \
       "OMP_NUM_THREADS=1 USE_LIBUV=0 build-debian13/bin/fsdp-run --nproc $W -- $PROG --precision $P --init-from $OUT/init.h5 --log-jsonl $OUT/${impl}_w${W}_${P}.jsonl" \
       > "$OUT/${impl}_w${W}_${P}.out" 2>&1
     echo "== $impl, world $W, $P: samples by shared object"
@@ -83,7 +83,7 @@ if [ -n "$BIN" ]; then  # those binaries as they are; the Python that has the an
   [ -n "$PY" ] || PY="${FSDP_VENV:-$PWD/.venv}/bin/python"
   [ -x "$PY" ] || PY=/usr/bin/python3
 fi
-B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/in-debian13.sh; results in $B/bench
+B="${FSDP_BUILD_DIR:-build}"   # build-debian13 inside scripts/ci/in-debian13.sh; results in $B/bench
 if [ -z "$BIN" ]; then
   . scripts/lib/python-env.sh
   . scripts/lib/build.sh

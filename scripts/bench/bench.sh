@@ -4,7 +4,7 @@
 # Every figure is a ratio against a baseline measured in the same run (these machines
 # are shared and noisy). Takes a few minutes on 2 cores and needs ~3 GB of disk.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BENCHES=(bench_adamw bench_nvme bench_world1_overhead bench_activation_checkpoint bench_checkpoint bench_model_state bench_trace bench_attention)
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh

@@ -3,16 +3,16 @@
 # into build-sanitize/ and runs the test suite there: an invalid access, a leak or
 # undefined behaviour in this project's code fails the test that ran it.
 #
-#   scripts/sanitize.sh                          # the whole suite
-#   scripts/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's and the
+#   scripts/ci/sanitize.sh                          # the whole suite
+#   scripts/ci/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's and the
 #                                                # checkpoints' test binaries only
-#   scripts/sanitize.sh -R Desync                # extra arguments go to ctest
+#   scripts/ci/sanitize.sh -R Desync                # extra arguments go to ctest
 #
 # Not run here: the Consumer.* tests, which build separate projects against the
 # installed package with their own (unsanitized) flags and so cannot link an
 # instrumented libfsdp; scripts/test.sh runs them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 B="${FSDP_SANITIZE_BUILD_DIR:-build-sanitize}"
 targets=()
 labels=()

@@ -4,19 +4,19 @@
 # times), each beside the disk's own write + fsync and cold read of the same bytes. Runs on
 # the host with the project's Python (.venv: PyPI torch, deepspeed) and build/bin:
 #
-#   ./scripts/compare-checkpoints.sh                       # 8 layers, d_model 1024 (~101 M parameters,
+#   ./scripts/bench/compare-checkpoints.sh                       # 8 layers, d_model 1024 (~101 M parameters,
 #                                                          # 1.2 GB with AdamW), worlds 1, 2, 4, 2 repetitions
-#   ./scripts/compare-checkpoints.sh --quick               # 2 layers, d_model 512, one repetition
-#   ./scripts/compare-checkpoints.sh --parts save --worlds 1,2     # a part at a time (save first:
+#   ./scripts/bench/compare-checkpoints.sh --quick               # 2 layers, d_model 512, one repetition
+#   ./scripts/bench/compare-checkpoints.sh --parts save --worlds 1,2     # a part at a time (save first:
 #                                                          # load, export and deepspeed use its checkpoints)
-#   ./scripts/compare-checkpoints.sh --table               # the table of the results so far
+#   ./scripts/bench/compare-checkpoints.sh --table               # the table of the results so far
 #
 # Builds train_gpt, fsdp-run and fsdp-consolidate in $FSDP_BUILD_DIR (default build)
 # unless FSDP_BIN_DIR names binaries to use as they are. Results merge into
 # $B/bench/ckpt/results.json (rows by part and world); the table is printed at the end.
 # Further flags go to tests/interop/compare_ckpt.py bench (--reps N, --work DIR).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 B="${FSDP_BUILD_DIR:-build}"
 . scripts/lib/python-env.sh
 if [ "${1:-}" = --table ]; then

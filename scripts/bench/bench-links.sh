@@ -13,11 +13,11 @@
 # process steps the whole optimizer (4x a shard's), so compute-only is approximate (the
 # script says when it exceeds a step). Prints a Markdown table of median step times and
 # writes an SVG bar chart (grey: compute-only; coloured: exposed communication).
-#   sudo scripts/bench-links.sh [BIN_DIR] [SVG]   (defaults: build/bin, docs/bench-links.svg)
+#   sudo scripts/bench/bench-links.sh [BIN_DIR] [SVG]   (defaults: build/bin, docs/bench-links.svg)
 # BENCH_ARGS overrides the model flags; BENCH_STEPS the steps per run (median over all but
 # the first 3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN="$(cd "${1:-build/bin}" && pwd)"
 SVG="${2:-docs/bench-links.svg}"
 PY="${FSDP_PYTHON:-}"

@@ -2,14 +2,14 @@
 # The per-unit trace's picture for docs/benchmarks.md: train_gpt at world 2 (fsdp-run,
 # loopback Gloo, one thread per rank) traced with prefetch on and with --no-prefetch,
 # each merged by fsdp-trace and summarised, and one step of both rendered to one PNG
-# (scripts/trace-png.py) to show how much communication prefetching overlaps.
+# (scripts/bench/trace-png.py) to show how much communication prefetching overlaps.
 #
-#   scripts/trace-pictures.sh [BIN_DIR] [PNG] [MD]
+#   scripts/bench/trace-pictures.sh [BIN_DIR] [PNG] [MD]
 #     defaults: build/bin, docs/img/trace-prefetch.png, build/bench/md/trace.md
 # TRACE_ARGS overrides the model flags; the traces stay in build/bench/trace/{on,off}/
 # (open trace.json there in https://ui.perfetto.dev).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN="$(cd "${1:-build/bin}" && pwd)"
 PNG="${2:-docs/img/trace-prefetch.png}"
 MD="${3:-build/bench/md/trace.md}"
@@ -31,10 +31,10 @@ for mode in on off; do
   "$BIN/fsdp-trace" merge "$OUT/$mode" >/dev/null
   "$BIN/fsdp-trace" summary "$OUT/$mode/trace.json" >"$OUT/$mode.summary.txt"
 done
-"$PY" scripts/trace-png.py "$PNG" "$OUT/on/trace.json:prefetch on" "$OUT/off/trace.json:prefetch off (--no-prefetch)" \
+"$PY" scripts/bench/trace-png.py "$PNG" "$OUT/on/trace.json:prefetch on" "$OUT/off/trace.json:prefetch off (--no-prefetch)" \
   --step "$SHOW" --title "train_gpt ${MODEL[*]}, world 2 (Gloo, loopback), step $SHOW of each run"
 {
-  echo "Command: \`scripts/trace-pictures.sh\` (train_gpt ${MODEL[*]}, world 2, $STEPS steps, traced). Step $SHOW of each run:"
+  echo "Command: \`scripts/bench/trace-pictures.sh\` (train_gpt ${MODEL[*]}, world 2, $STEPS steps, traced). Step $SHOW of each run:"
   echo
   echo "![trace, prefetch on against off]($(realpath --relative-to=docs "$PNG"))"
   echo

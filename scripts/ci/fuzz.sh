@@ -2,8 +2,8 @@
 # Builds the libFuzzer targets of the checkpoint readers with clang (tests/fuzz, into
 # build-fuzz/) and runs each for SECONDS (default 600), one after the other, on one core.
 #
-#   scripts/fuzz.sh                 # every target, 10 minutes each
-#   scripts/fuzz.sh 60 rank_file    # one target for a minute
+#   scripts/ci/fuzz.sh                 # every target, 10 minutes each
+#   scripts/ci/fuzz.sh 60 rank_file    # one target for a minute
 #
 # Targets: safetensors_header, latest_marker (our parsers alone), rank_file and
 # consolidated (HDF5 files, read through libhdf5). Each starts from the seed corpus in
@@ -16,7 +16,7 @@
 # going on after a crash, and every crash is sorted by where it happened: inside libhdf5,
 # or in our code (a finding to fix). The script fails on a crash in our code only.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 secs="${1:-600}"
 shift || true
 targets=("$@")
