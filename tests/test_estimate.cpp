@@ -151,7 +151,8 @@ TEST(EstimateStrategies, OtherStrategiesAndOffloadMatchTheCountersAtWorld2) {
     for (const Scenario& run :
          {Scenario{"grad_op", "bf16"}, Scenario{"none", "fp32"}, Scenario{"none", "bf16"},
           Scenario{"hybrid", "bf16", false, 1}, Scenario{"hybrid", "fp32", false, 2},
-          Scenario{"full", "fp32", true}, Scenario{"full", "bf16", true}}) {
+          Scenario{"full", "fp32", true}, Scenario{"full", "bf16", true},
+          Scenario{"grad_op", "bf16", true}, Scenario{"none", "bf16", true}}) {
       compare(pg, run);
     }
   });
@@ -370,10 +371,11 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{{"--params", "1e9", "--offload-param", "cpu"},
             "--offload-param cpu needs --offload-optimizer too (the fp32 master shard is the "
             "parameter here); add --offload-optimizer cpu or nvme"},
-        Bad{{"--params", "1e9", "--strategy", "zero2", "--offload-optimizer", "cpu",
-             "--offload-param", "cpu"},
-            "--offload-param cpu needs --strategy zero3 (full) or hybrid, which free parameters "
-            "after use; zero1, zero2, grad_op and none keep them on the device"},
+        Bad{{"--params", "1e9", "--strategy", "zero2", "--offload-optimizer", "nvme",
+             "--offload-param", "nvme"},
+            "--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
+            "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
+            "cpu there only drops the device copy of the shards)"},
         Bad{{"--params", "1e9", "--cpu-offload", "--offload-optimizer", "nvme"},
             "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme "
             "--offload-param none; use one or the other"},
@@ -619,7 +621,8 @@ TEST(EstimateRules, PerNodeFiguresAndBadOffloadCombinations) {
   bad.strategy = ShardingStrategy::kZero1;
   EXPECT_EQ(message(bad),
             "--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
-            "after use; zero1, zero2, grad_op and none keep them on the device");
+            "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
+            "cpu there only drops the device copy of the shards)");
   bad.strategy = ShardingStrategy::kHybridShard;
   bad.hybrid_group_size = 4;
   EXPECT_EQ(message(bad), "no error");

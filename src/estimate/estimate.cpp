@@ -141,10 +141,10 @@ void validate(const EstimateInput& in) {
         " needs --offload-optimizer too (the fp32 master shard is the parameter here); add "
         "--offload-optimizer cpu or nvme");
   }
-  if (off.param != OffloadDevice::kNone && !reshards_after_forward(in)) {
-    bad(std::string("--offload-param ") + to_string(off.param) +
-        " needs --strategy zero3 (full) or hybrid, which free parameters after use; zero1, "
-        "zero2, grad_op and none keep them on the device");
+  if (off.param == OffloadDevice::kNvme && !reshards_after_forward(in)) {
+    bad("--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
+        "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
+        "cpu there only drops the device copy of the shards)");
   }
   if ((off.optimizer == OffloadDevice::kNvme || off.param == OffloadDevice::kNvme) &&
       in.nvme_buffer_bytes < 1) {
