@@ -1,6 +1,6 @@
 #pragma once
 // Fused AdamW: torch::optim::AdamW's arithmetic, fused. Host (CPU) parameters, e.g. the
-// shards of CPU training or cpu_offload, take one SIMD pass per parameter (AVX-512, AVX2
+// shards of CPU training or offload_optimizer, take one SIMD pass per parameter (AVX-512, AVX2
 // or scalar, chosen at run time), threaded over LibTorch's intra-op pool. Parameters on a
 // device (CUDA shards) take ATen's fused multi-tensor kernel, at::_fused_adamw_ (the op
 // behind Python's torch.optim.AdamW(fused=True)), one launch per device and dtype of a
@@ -46,7 +46,7 @@ class FusedAdamW : public torch::optim::AdamW {
              torch::optim::AdamWOptions defaults = {});
   explicit FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {});
   /// Over `model`'s sharded parameters. Where the model gathers 16-bit parameters from
-  /// CPU shards (bf16/fp16 param_dtype, CPU training or cpu_offload), each step also
+  /// CPU shards (bf16/fp16 param_dtype, CPU training or offload_optimizer), each step also
   /// writes the 16-bit copy that the next all-gather sends, so gathers skip their cast.
   /// With offload_optimizer.device = kNvme in the model's options, the Adam state goes to
   /// files under its nvme_path (see offload_state).

@@ -22,13 +22,15 @@ struct MemoryStats {
   /// ShardingOptions::reshard_after_forward_group_size = k: each unit's 1/k slice of its
   /// full parameters (param_dtype), kept from its training forward to its backward gather.
   MemoryCounter post_forward_params;
-  MemoryCounter comm_buffers;  ///< flat gradient buffers awaiting reduction, and staging
+  /// Flat gradient buffers awaiting reduction (none at world size 1 without offload:
+  /// gradients go straight into the shards). Gathers cast into gathered_params in place.
+  MemoryCounter comm_buffers;
   MemoryCounter
       checkpoint_buffers;  ///< full fp32 flat parameters gathered for export (gather_flat)
-  /// cpu_offload: copies in transit. On the device, a shard in param_dtype before its
-  /// all-gather; on the host, fp32 gradient shards back from the device that wait to be
-  /// added into existing gradients (at most two units' at a time). With cpu_offload,
-  /// sharded_params and grad_shards are host memory.
+  /// offload_optimizer: copies in transit. On the device, a shard in param_dtype before
+  /// its all-gather; on the host, fp32 gradient shards back from the device that wait to
+  /// be added into existing gradients (at most two units' at a time). With
+  /// offload_optimizer, sharded_params and grad_shards are host memory.
   MemoryCounter offload_buffers;
   /// offload_optimizer without offload_param: each shard's param_dtype copy kept on the
   /// device for the all-gathers (DeepSpeed's 16-bit partition), refreshed from the host
@@ -62,7 +64,7 @@ struct CommStats {
   int64_t all_gather_calls = 0;
   int64_t reduce_scatter_calls = 0;
   int64_t all_reduce_calls = 0;
-  /// cpu_offload: bytes copied from the host shards to the device for gathers (in
+  /// offload_optimizer: bytes copied from the host shards to the device for gathers (in
   /// param_dtype), and fp32 gradient shards copied back to the host. Not collectives:
   /// not in total_bytes(). An explicit copy even when the device is the CPU.
   int64_t offload_to_device_bytes = 0;
