@@ -550,6 +550,16 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   legacy.cpu_offload = true;  // the deprecated field, as long as it lasts
 #pragma GCC diagnostic pop
   const auto old = estimate_memory(legacy);
+  EstimateInput contradiction = legacy;
+  contradiction.offload_optimizer = OffloadDevice::kNvme;
+  try {
+    estimate_memory(contradiction);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(),
+                 "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme "
+                 "--offload-param none; use one or the other");
+  }
   ASSERT_EQ(est.terms.size(), old.terms.size());
   for (size_t i = 0; i < est.terms.size(); ++i) {
     EXPECT_EQ(est.terms[i].key, old.terms[i].key);

@@ -611,6 +611,9 @@ INSTANTIATE_TEST_SUITE_P(
                  "train_gpt: error: --adam-betas 0.9 must be two numbers in [0, 1), e.g. 0.9,0.95"},
         BadInput{{"--offload-optimizer", "disk"},
                  "train_gpt: error: --offload-optimizer disk is unknown; use none, cpu or nvme"},
+        BadInput{{"--cpu-offload", "--offload-optimizer", "nvme"},
+                 "train_gpt: error: --cpu-offload (offload to host memory) contradicts "
+                 "--offload-optimizer nvme; use one or the other"},
         BadInput{{"--max-gathered-units", "0"},
                  "train_gpt: error: --max-gathered-units 0 must be at least 1 (1: no prefetch)"},
         BadInput{{"--max-live-numel", "-1"},

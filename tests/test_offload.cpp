@@ -253,6 +253,23 @@ TEST(DeprecatedCpuOffload, TrainsBitForBitLikeBothOffloadsOnTheHost) {
     EXPECT_GT(old_bytes, 0);
     EXPECT_EQ(old_bytes, bytes);
   }
+  // With an NVMe offload it contradicts itself, and says so.
+  ShardingOptions o;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  o.cpu_offload = true;
+#pragma GCC diagnostic pop
+  o.offload_optimizer.device = OffloadDevice::kNvme;
+  std::string message = "<no error>";
+  try {
+    fully_shard(gpt::GPT(small_gpt_config()), o);
+  } catch (const c10::Error& e) {
+    message = e.what_without_backtrace();
+  }
+  EXPECT_EQ(message,
+            "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
+            "offload_optimizer or offload_param; use one or the other (cpu_offload is "
+            "deprecated: offload_optimizer.device = offload_param.device = kCpu)");
 }
 
 #ifndef USE_C10D_NCCL

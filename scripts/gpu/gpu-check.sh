@@ -266,47 +266,6 @@ for line in (smi or "").strip().splitlines():
         gpus.append({"name": f[0], "driver": f[1], "memory": f[2], "compute_cap": f[3]})
     elif line.strip():
         gpus.append({"error": line.strip()})
-bench = {"args": bench_args.split(), "metrics": [], "output": "bench_gpu.txt"}
-for line in (read(os.path.join(out, "bench_gpu.txt")) or "").splitlines():
-    if line.startswith("{"):
-        try:
-            bench["metrics"].append(json.loads(line))
-        except ValueError:
-            pass
-    elif "no GPU" in line:
-        bench["note"] = line.strip()
-if read(os.path.join(out, "bench_gpu.txt")) is None:
-    bench = None
-# PyTorch FSDP2 on the same GPT, batch, optimizer and GPU (tests/interop/fsdp2_bench.py),
-# and this library's figures over FSDP2's: tokens/s (fp32, bf16), peak memory, MFU.
-fsdp2 = None
-if read(os.path.join(out, "fsdp2.txt")) is not None:
-    fsdp2 = {"output": "fsdp2.txt", "metrics": []}
-    for line in read(os.path.join(out, "fsdp2.txt")).splitlines():
-        if line.startswith("{"):
-            try:
-                fsdp2["metrics"].append(json.loads(line))
-            except ValueError:
-                pass
-    ours = {m["metric"]: m["value"] for m in (bench or {}).get("metrics", [])}
-    theirs = {m["metric"]: m["value"] for m in fsdp2["metrics"]}
-    fsdp2["ours_over_fsdp2"] = {
-        name: ours[a] / theirs[b]
-        for name, a, b in (("tokens_per_s_fp32", "gpu_tokens_per_s", "fsdp2_tokens_per_s"),
-                           ("tokens_per_s_bf16", "gpu_bf16_tokens_per_s", "fsdp2_bf16_tokens_per_s"),
-                           ("peak_memory_fp32", "gpu_peak_memory_bytes", "fsdp2_peak_memory_bytes"),
-                           ("mfu_bf16", "gpu_mfu_152m", "fsdp2_bf16_mfu"))
-        if a in ours and b in theirs and theirs[b]}
-# Every memory mode of train_gpt on the GPU (tests/bench/memory_modes.py): one JSON line each.
-modes = None
-if read(os.path.join(out, "memory_modes.txt")) is not None:
-    modes = {"output": "memory_modes.txt", "modes": []}
-    for line in read(os.path.join(out, "memory_modes.txt")).splitlines():
-        if line.startswith("{"):
-            try:
-                modes["modes"].append(json.loads(line))
-            except ValueError:
-                pass
 def json_lines(name):
     text = read(os.path.join(out, name))
     if text is None:
@@ -319,6 +278,33 @@ def json_lines(name):
             except ValueError:
                 pass
     return rows
+bench = None
+rows = json_lines("bench_gpu.txt")
+if rows is not None:
+    bench = {"args": bench_args.split(), "metrics": rows, "output": "bench_gpu.txt"}
+    for line in read(os.path.join(out, "bench_gpu.txt")).splitlines():
+        if not line.startswith("{") and "no GPU" in line:
+            bench["note"] = line.strip()
+# PyTorch FSDP2 on the same GPT, batch, optimizer and GPU (tests/interop/fsdp2_bench.py),
+# and this library's figures over FSDP2's: tokens/s (fp32, bf16), peak memory, MFU.
+fsdp2 = None
+rows = json_lines("fsdp2.txt")
+if rows is not None:
+    fsdp2 = {"output": "fsdp2.txt", "metrics": rows}
+    ours = {m["metric"]: m["value"] for m in (bench or {}).get("metrics", [])}
+    theirs = {m["metric"]: m["value"] for m in fsdp2["metrics"]}
+    fsdp2["ours_over_fsdp2"] = {
+        name: ours[a] / theirs[b]
+        for name, a, b in (("tokens_per_s_fp32", "gpu_tokens_per_s", "fsdp2_tokens_per_s"),
+                           ("tokens_per_s_bf16", "gpu_bf16_tokens_per_s", "fsdp2_bf16_tokens_per_s"),
+                           ("peak_memory_fp32", "gpu_peak_memory_bytes", "fsdp2_peak_memory_bytes"),
+                           ("mfu_bf16", "gpu_mfu_152m", "fsdp2_bf16_mfu"))
+        if a in ours and b in theirs and theirs[b]}
+# Every memory mode of train_gpt on the GPU (tests/bench/memory_modes.py): one JSON line each.
+modes = None
+rows = json_lines("memory_modes.txt")
+if rows is not None:
+    modes = {"output": "memory_modes.txt", "modes": rows}
 # The 1.3B GPT: every round (ours, plain LibTorch, FSDP2) and the summary (tests/bench/large_model.py).
 large = None
 rows = json_lines("large_model.txt")

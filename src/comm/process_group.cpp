@@ -19,7 +19,7 @@ class SingleBackend : public Backend {
   std::shared_ptr<Work> all_gather(const at::Tensor& full, const at::Tensor& shard) override {
     at::NoGradGuard g;
     // The input may be the output itself (Note [Gather in place]).
-    if (!full.is_same(shard) && full.data_ptr() != shard.data_ptr()) full.copy_(shard);
+    if (full.data_ptr() != shard.data_ptr()) full.copy_(shard);
     return std::make_shared<DoneWork>();
   }
   std::shared_ptr<Work> reduce_scatter_sum(const at::Tensor& full,

@@ -17,17 +17,20 @@ GradBuffer::GradBuffer(FlatParam& flat)
   TORCH_INTERNAL_ASSERT(flat.trainable());
 }
 
+void GradBuffer::zero_unwritten(const at::Tensor& flat) const {
+  at::NoGradGuard no_grad;
+  const auto& slots = flat_.slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!written_[i]) flat.narrow(0, slots[i].offset, slots[i].numel).zero_();
+  }
+  const int64_t numel = flat_.numel(), padded = flat_.padded_numel();
+  if (padded > numel) flat.narrow(0, numel, padded - numel).zero_();
+}
+
 void GradBuffer::finish_in_shard() {
   if (!in_shard_ || !fresh_) return;
   fresh_ = false;
-  at::NoGradGuard no_grad;
-  const at::Tensor& g = flat_.shard().grad();
-  const auto& slots = flat_.slots();
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (!written_[i]) g.narrow(0, slots[i].offset, slots[i].numel).zero_();
-  }
-  const int64_t numel = flat_.numel(), padded = flat_.padded_numel();
-  if (padded > numel) g.narrow(0, numel, padded - numel).zero_();
+  zero_unwritten(flat_.shard().grad());
 }
 
 void GradBuffer::link() {
@@ -118,13 +121,7 @@ at::Tensor GradBuffer::take_for_reduction() {
   taken_ = 0;
   finish_in_shard();
   if (direct_ || !full_.defined()) return {};
-  at::NoGradGuard no_grad;
-  const auto& slots = flat_.slots();
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (!written_[i]) full_.narrow(0, slots[i].offset, slots[i].numel).zero_();
-  }
-  const int64_t numel = flat_.numel(), padded = flat_.padded_numel();
-  if (padded > numel) full_.narrow(0, numel, padded - numel).zero_();
+  zero_unwritten(full_);
   return std::exchange(full_, at::Tensor());
 }
 

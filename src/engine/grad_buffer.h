@@ -20,10 +20,6 @@ class GradBuffer {
   /// World size 1 in fp32 (see Note [Group of one]): gradients accumulate straight into
   /// the fp32 gradient shard and are never reduced.
   bool direct() const { return direct_; }
-  /// World size 1 with another compute dtype, no offload (Note [Gradients in the shard]):
-  /// each parameter's gradient is cast into the gradient shard as it arrives; nothing
-  /// to reduce.
-  bool in_shard() const { return in_shard_; }
   /// Points each original parameter's .grad() into the gradient shard (direct only;
   /// called before backward). No-op otherwise.
   void link();
@@ -54,9 +50,14 @@ class GradBuffer {
   /// in_shard: at the end of a pass, zero what no slot wrote in a gradient shard this
   /// pass allocated.
   void finish_in_shard();
+  /// Zeroes the slots of `flat` (padded_numel elements) that no gradient wrote
+  /// (written_), and its padding.
+  void zero_unwritten(const at::Tensor& flat) const;
 
   FlatParam& flat_;
   bool direct_;
+  /// World size 1 with another compute dtype, no offload (Note [Gradients in the shard]):
+  /// each parameter's gradient is cast into the gradient shard as it arrives.
   bool in_shard_;
   bool fresh_ = false;         ///< in_shard: this pass allocated the gradient shard (not zeroed)
   at::Tensor full_;            ///< reduce_dtype, padded elements, while gradients arrive
