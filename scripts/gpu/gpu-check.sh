@@ -19,7 +19,9 @@
 #                      prediction (tests/bench/max_model.py --device cuda); last, in the time
 #                      the budget has left, or alone in a second call on the same machine:
 #                      FSDP_GPU_CHECK_PHASES=max_model FSDP_GPU_CHECK_BUDGET=300
-#                      FSDP_GPU_MAX_MODEL_S=280 scripts/gpu/gpu-check.sh OUT2 (the build is done)
+#                      FSDP_GPU_MAX_MODEL_S=280 scripts/gpu/gpu-check.sh OUT2 (the build is done;
+#                      on the device tool, make that call without carrying the bundle again:
+#                      a carried path is replaced there, with whatever was built inside it)
 # Such machines are borrowed, offline and short-lived, so the run is bounded
 # (FSDP_GPU_CHECK_BUDGET, default 540 s, so that it ends within 9 minutes whatever hangs)
 # and leaves its results in a folder:
@@ -63,7 +65,8 @@
 # many cores cannot shorten; file by file, 16 cores build it in about the time of the
 # slowest file.
 # Other settings: FSDP_JOBS (default: all cores), FSDP_GPU_CHECK_WORK (the build folder,
-# default build-gpu-check/ in this source tree), FSDP_GPU_BENCH_ARGS (bench_gpu's extra
+# default: .gpu-build/ beside the bundle, outside it so that a second call finds the build
+# even where the bundle was copied again; build-gpu-check/ in this source tree without one), FSDP_GPU_BENCH_ARGS (bench_gpu's extra
 # arguments for the 152M GPT, default "--reps 10"; e.g. "--search-seconds 20" adds the
 # largest-model search), FSDP_GPU_LARGE_ARGS (large_model.py's, default "--rounds 3 --reps 8"),
 # FSDP_GPU_CHECK_PHASES (a comma-separated list: run only these of the phases after the
@@ -113,7 +116,8 @@ JOBS="${FSDP_JOBS:-$(nproc)}"
 DEFAULT_BUDGET=540
 BUDGET="${FSDP_GPU_CHECK_BUDGET:-$DEFAULT_BUDGET}"
 case "$BUDGET" in ''|*[!0-9]*) fail "FSDP_GPU_CHECK_BUDGET='$BUDGET': expected a number of seconds" ;; esac
-WORK="$(realpath -m "${FSDP_GPU_CHECK_WORK:-$SRC/build-gpu-check}")"
+if [ -n "$BUNDLE" ]; then DEFAULT_WORK="$(dirname "$BUNDLE")/.gpu-build"; else DEFAULT_WORK="$SRC/build-gpu-check"; fi
+WORK="$(realpath -m "${FSDP_GPU_CHECK_WORK:-$DEFAULT_WORK}")"
 BUILD="$WORK/fsdp"
 DEPS="$WORK/deps"        # build folders of the bundled dependencies
 PREFIX="$WORK/prefix"    # where they are installed
