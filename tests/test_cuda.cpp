@@ -7,6 +7,7 @@
 
 #include "support/models.h"
 #include "support/multirank.h"
+#include "support/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include "../src/internal/optim_key.h"
@@ -100,6 +101,54 @@ TEST(Cuda, CpuOffloadOnTheGpuTrainsLikeWithoutAndKeepsShardsPinnedOnTheHost_CUDA
     }
     EXPECT_EQ(b.memory_stats().offload_buffers.current, 0);
     EXPECT_GT(fsdp::detail::copy_out_gathers(b), 0);
+  });
+}
+
+// Note [NVMe parameters] on a GPU: disk -> pinned host -> device for the gathers, device ->
+// pinned host -> disk for the gradients, the host buffers dropped while their copies may
+// still run (the transfers keep them). The same host arithmetic as parameters on the host
+// with the optimizer state in files: equal bit for bit.
+TEST(Cuda, NvmeParametersOnTheGpuTrainLikeParametersOnTheHost_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  run_ranks(1, [](const ProcessGroup& pg) {
+    TempDir dir;
+    gpt::Config cfg = small_gpt_config();
+    cfg.n_layer = 4;  // beyond the two units prefetch gathers, a third reads ahead
+    auto host = gpu_options(pg), files = gpu_options(pg);
+    for (auto* o : {&host, &files}) {
+      o->auto_wrap_policy = module_type_policy<gpt::Block>();
+      o->offload_optimizer.device = fsdp::OffloadDevice::kNvme;
+      o->offload_optimizer.nvme_path = dir.path;
+      o->mixed_precision.param_dtype = torch::kBFloat16;
+      o->mixed_precision.reduce_dtype = torch::kBFloat16;
+    }
+    files.offload_param.device = fsdp::OffloadDevice::kNvme;
+    files.offload_param.nvme_path = dir.path;
+    torch::manual_seed(0);
+    auto a = fully_shard(gpt::GPT(cfg), host);
+    torch::manual_seed(0);
+    auto b = fully_shard(gpt::GPT(cfg), files);
+    const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+    FusedAdamW opt_a(a, adamw), opt_b(b, adamw);
+    for (int64_t s = 0; s < 4; ++s) {
+      auto rows = gpt_batch(s, 8, cfg.block_size).to(torch::kCUDA);
+      auto la = gpt::loss_on(a, rows), lb = gpt::loss_on(b, rows);
+      EXPECT_EQ(la.item<double>(), lb.item<double>()) << "step " << s;
+      la.backward();
+      lb.backward();
+      opt_a.step();
+      opt_b.step();
+      opt_a.zero_grad();
+      opt_b.zero_grad();
+    }
+    auto pa = full_state_dict(a), pb = full_state_dict(b);
+    ASSERT_EQ(pa.size(), pb.size());
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_TRUE(torch::equal(pa[i].second.cpu(), pb[i].second.cpu())) << pa[i].first;
+    const CommStats c = b.comm_stats().total;
+    EXPECT_GT(c.nvme_reads_ahead, 0);
+    EXPECT_GT(c.nvme_read_bytes, 0);
+    EXPECT_EQ(b.memory_stats().sharded_params.peak, 0);
   });
 }
 

@@ -297,6 +297,9 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 //   gradient accumulation, through one aligned buffer of the shard's size);
 // - FusedAdamW streams masters and gradients with the moments through its three slots
 //   (Note [NVMe optimizer state]) and writes the masters and the copy back in the same pass.
+// On a GPU those host buffers are pinned: disk -> pinned host -> device for each gather (the
+// host-to-device copy on the transfer stream, Note [Offload transfers]) and device ->
+// pinned host -> disk for each gradient.
 // The kernel's page cache keeps the mapping and those transfers coherent: an O_DIRECT read
 // writes dirty mapped pages back first, an O_DIRECT write invalidates them. The arithmetic
 // is the in-memory engine's, on the same bits in the same order: training equals
@@ -356,10 +359,29 @@ FlatParam::FileLayout FlatParam::file_layout(int64_t shard_numel, bool trainable
 
 at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
   const int64_t bytes = bytes_of(numel, dtype);
+  Accounting* acct = cfg_.acct;
+  if (cfg_.device.is_cuda()) {
+    // Note [NVMe parameters]: on a GPU the buffer is pinned (ATen's host allocator), so
+    // disk -> host -> device and back run as DMA without a staging copy in the driver.
+    // The allocator hands out whole pages; one that is not aligned for O_DIRECT (a
+    // different host allocator) falls back to the unpinned buffer below.
+    const int64_t padded = nvme::io_round_up(std::max<int64_t>(bytes, 1));
+    at::Tensor pinned = at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(true));
+    if (reinterpret_cast<uintptr_t>(pinned.data_ptr()) % nvme::kIoAlign == 0) {
+      auto* base = static_cast<char*>(pinned.data_ptr());
+      std::memset(base + bytes, 0, static_cast<size_t>(padded - bytes));
+      Accounting::alloc(acct->mem.offload_buffers, padded);
+      // The deleter holds the pinned block: it returns to ATen's cache with this tensor
+      // (Transfers::to_device keeps a tensor it copies from alive until the copy is done).
+      return at::from_blob(
+          base, {numel},
+          [pinned, acct, padded](void*) { Accounting::release(acct->mem.offload_buffers, padded); },
+          at::TensorOptions(dtype));
+    }
+  }
   auto buf = std::make_shared<nvme::AlignedBuffer>(bytes);
   if (buf->bytes() > bytes)
     std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));
-  Accounting* acct = cfg_.acct;
   Accounting::alloc(acct->mem.offload_buffers, buf->bytes());
   return at::from_blob(
       buf->data(), {numel},

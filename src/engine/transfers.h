@@ -38,7 +38,8 @@ class Transfers {
  public:
   virtual ~Transfers() = default;
   /// A new device tensor of `dtype` with `host`'s values (an explicit copy, also when the
-  /// device is the host).
+  /// device is the host). `host` is kept alive until the copy has read it (on a GPU: until
+  /// a later call finds it done, or wait_host()), so a caller may drop it at once.
   virtual at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype) = 0;
   /// Runs `issue` with the transfer stream current: collectives it issues start after the
   /// copies issued so far. Returns the join, to call with the compute stream current

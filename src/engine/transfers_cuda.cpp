@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <deque>
 #include <memory>
 
 namespace fsdp::detail {
@@ -24,6 +25,7 @@ class CudaTransfers : public Transfers {
 
   at::Tensor to_device(const at::Tensor& host, at::ScalarType dtype) override {
     c10::cuda::CUDAGuard on_device(device_);
+    reap(/*all=*/false);
     wait_for_compute(to_device_);
     c10::cuda::CUDAStreamGuard on_side(to_device_);
     // Allocated while the side stream is current, so the caching allocator ties the
@@ -31,6 +33,12 @@ class CudaTransfers : public Transfers {
     at::Tensor out =
         at::empty(host.sizes(), at::TensorOptions().dtype(host.scalar_type()).device(device_));
     out.copy_(host, /*non_blocking=*/true);
+    // The copy reads `host` after this returns. ATen's host allocator knows that of its
+    // own blocks, not of a buffer wrapped around one (the NVMe reads' pinned buffers,
+    // Note [NVMe parameters]), which their owner may drop at once: keep `host` until then.
+    auto read = std::make_shared<at::cuda::CUDAEvent>();
+    read->record(to_device_);
+    in_flight_.push_back({host, std::move(read)});
     if (dtype != host.scalar_type()) out = out.to(dtype);
     pending_ = true;
     return out;
@@ -79,10 +87,15 @@ class CudaTransfers : public Transfers {
     if (!pending_) return;
     to_device_.synchronize();
     to_host_.synchronize();
+    reap(/*all=*/true);
     pending_ = false;
   }
 
  private:
+  // Drops the host sources of finished copies (all of them after a synchronize).
+  void reap(bool all) {
+    while (!in_flight_.empty() && (all || in_flight_.front().read->query())) in_flight_.pop_front();
+  }
   void wait_for_compute(const c10::cuda::CUDAStream& side) {
     at::cuda::CUDAEvent done;
     done.record(c10::cuda::getCurrentCUDAStream(device_.index()));
@@ -93,6 +106,11 @@ class CudaTransfers : public Transfers {
   c10::cuda::CUDAStream to_device_;  ///< shards to the device, and the gathers that read them
   c10::cuda::CUDAStream to_host_;    ///< gradient shards back to the host
   bool pending_ = false;             ///< copies issued since the last wait_host()
+  struct InFlight {
+    at::Tensor host;                            ///< what a to_device() copy reads
+    std::shared_ptr<at::cuda::CUDAEvent> read;  ///< recorded after it on to_device_
+  };
+  std::deque<InFlight> in_flight_;  ///< in issue order, so the oldest finishes first
 };
 
 }  // namespace
