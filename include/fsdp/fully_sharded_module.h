@@ -23,8 +23,8 @@
 #include <vector>
 
 namespace fsdp {
-struct EngineAccess;
 namespace detail {
+struct EngineAccess;
 /// The engine's state of one wrap point (its unit, its model, its casts), defined inside
 /// the library (src/engine/engine_access.h): no engine type appears in this header.
 struct WrapPointState;
@@ -138,7 +138,7 @@ class WrapPointImpl : public torch::nn::Module {
   void after_forward(std::vector<torch::Tensor> outputs);
 
  private:
-  friend struct EngineAccess;
+  friend struct detail::EngineAccess;
   std::unique_ptr<detail::WrapPointState> state_;
 };
 
@@ -205,17 +205,6 @@ class FullyShardedModule : public torch::nn::ModuleHolder<FullyShardedModuleImpl
   }
 };
 
-/// Wrap point for an entry of a torch::nn::Sequential (Tensor -> Tensor).
-class SequentialEntryImpl : public WrapPointImpl {
- public:
-  explicit SequentialEntryImpl(torch::nn::AnyModule module);
-  torch::Tensor forward(torch::Tensor x);
-  std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
-
- private:
-  torch::nn::AnyModule module_;
-};
-
 /// A sharded model, whatever its module type: what fully_shard returns (as
 /// Sharded<M>), and what the free functions (checkpoints, clipping, full state dict,
 /// export, loss scaling) take. Its methods are the user's verbs, as on a PyTorch
@@ -278,7 +267,7 @@ class ShardedModel {
   ShardedModel(std::shared_ptr<WrapPointImpl> root, const ShardingOptions& options);
 
  private:
-  friend struct EngineAccess;
+  friend struct detail::EngineAccess;
   WrapPointImpl& root() const;
   std::shared_ptr<WrapPointImpl> root_;
 };

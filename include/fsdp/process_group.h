@@ -9,8 +9,10 @@
 #include <vector>
 
 namespace fsdp {
+namespace detail {
 class BackendCore;  // the collectives' implementation: declared here, defined inside the library
 struct GroupAccess;
+}  // namespace detail
 
 /// Where this process sits in the job, read from the launcher's environment.
 struct LaunchEnv {
@@ -73,8 +75,8 @@ class ProcessGroup {
   ProcessGroup split(const std::vector<std::vector<int>>& groups) const;
 
  private:
-  friend struct GroupAccess;
-  std::shared_ptr<BackendCore> impl_;
+  friend struct detail::GroupAccess;
+  std::shared_ptr<detail::BackendCore> impl_;
 };
 
 /// The device this process computes on, from a user's choice `spec`:

@@ -20,7 +20,6 @@
 namespace fsdp {
 namespace detail {
 class Backend;
-}  // namespace detail
 
 /// What a ProcessGroup handle holds (declared opaque in fsdp/process_group.h).
 class BackendCore {
@@ -30,11 +29,9 @@ class BackendCore {
 
 /// The library's way into ProcessGroup's private member (a friend of it).
 struct GroupAccess {
-  static std::shared_ptr<detail::Backend> backend(const ProcessGroup& pg);
-  static ProcessGroup make_group(std::shared_ptr<detail::Backend> backend);
+  static std::shared_ptr<Backend> backend(const ProcessGroup& pg);
+  static ProcessGroup make_group(std::shared_ptr<Backend> backend);
 };
-
-namespace detail {
 
 /// An issued collective. wait() blocks until its result is in place.
 class Work {

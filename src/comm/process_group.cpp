@@ -81,11 +81,11 @@ BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<
 
 ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}
 
-std::shared_ptr<detail::Backend> GroupAccess::backend(const ProcessGroup& pg) {
+std::shared_ptr<detail::Backend> detail::GroupAccess::backend(const ProcessGroup& pg) {
   return std::static_pointer_cast<detail::Backend>(pg.impl_);
 }
 
-ProcessGroup GroupAccess::make_group(std::shared_ptr<detail::Backend> backend) {
+ProcessGroup detail::GroupAccess::make_group(std::shared_ptr<detail::Backend> backend) {
   TORCH_CHECK(backend != nullptr, "ProcessGroup needs a backend; use fsdp::init_process_group()");
   ProcessGroup pg;
   pg.impl_ = std::move(backend);
@@ -93,7 +93,7 @@ ProcessGroup GroupAccess::make_group(std::shared_ptr<detail::Backend> backend) {
 }
 
 namespace {
-detail::Backend& impl(const ProcessGroup& pg) { return *GroupAccess::backend(pg); }
+detail::Backend& impl(const ProcessGroup& pg) { return *detail::GroupAccess::backend(pg); }
 }  // namespace
 
 int ProcessGroup::rank() const { return impl(*this).rank(); }
@@ -133,7 +133,7 @@ void ProcessGroup::broadcast(const torch::Tensor& t, int root) const {
 void ProcessGroup::barrier() const { impl(*this).barrier(); }
 
 ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& groups) const {
-  return GroupAccess::make_group(impl(*this).split(groups));
+  return detail::GroupAccess::make_group(impl(*this).split(groups));
 }
 
 }  // namespace fsdp

@@ -296,7 +296,7 @@ ProcessGroup init_process_group(const ProcessGroupOptions& options) {
   init.device_index = e.local_rank;
   // Every collective of the job is numbered and kept in the ring its errors print
   // (Note [Collective ring]).
-  return GroupAccess::make_group(detail::make_ring_backend(
+  return detail::GroupAccess::make_group(detail::make_ring_backend(
       backend == "nccl" ? detail::make_nccl_backend(init) : detail::make_gloo_backend(init),
       e.rank));
 }

@@ -37,7 +37,6 @@ struct ConstructionState {
   Backend* broadcast = nullptr;  ///< sync_module_states: the world, else null
   int units_built = 0;
 };
-}  // namespace detail
 
 /// The engine's way into the public handles' private members (a friend of WrapPointImpl).
 struct EngineAccess {
@@ -58,7 +57,6 @@ struct EngineAccess {
   static WrapPointImpl& root(const ShardedModel& model) { return model.root(); }
 };
 
-namespace detail {
 /// Turns the tree under `root` into units; `root` becomes the root unit (fully_shard.cpp).
 void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const ShardingOptions& options);
 /// Sharded construction: makes `wp`, whose module was just built, a unit of the scope's
@@ -68,6 +66,18 @@ void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope);
 ConstructionState* active_construction();
 /// Rebuilds `seq` with every entry behind a wrap point, keeping entry names.
 torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
+
+/// Wrap point for an entry of a torch::nn::Sequential (Tensor -> Tensor): what
+/// shard_sequential puts around each entry.
+class SequentialEntryImpl : public WrapPointImpl {
+ public:
+  explicit SequentialEntryImpl(torch::nn::AnyModule module);
+  torch::Tensor forward(torch::Tensor x);
+  std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
+
+ private:
+  torch::nn::AnyModule module_;
+};
 }  // namespace detail
 
 }  // namespace fsdp

@@ -7,7 +7,7 @@
 namespace fsdp {
 
 namespace {
-detail::Runtime& model_runtime(const ShardedModel& m) { return EngineAccess::runtime(m); }
+detail::Runtime& model_runtime(const ShardedModel& m) { return detail::EngineAccess::runtime(m); }
 
 ParamInfo info_of(const detail::Unit& u, const detail::FlatParam& f, const detail::ParamSlot& s,
                   size_t k) {

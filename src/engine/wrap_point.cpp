@@ -17,16 +17,16 @@ void WrapPointImpl::constructed() {
 bool WrapPointImpl::is_unit() const { return state_->unit != nullptr; }
 bool WrapPointImpl::checkpointed() const { return state_->checkpointed; }
 
-detail::Unit* EngineAccess::unit(const WrapPointImpl& wp) { return wp.state_->unit.get(); }
-void EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) {
+detail::Unit* detail::EngineAccess::unit(const WrapPointImpl& wp) { return wp.state_->unit.get(); }
+void detail::EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) {
   wp.state_->unit = std::move(unit);
 }
-void EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
+void detail::EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
                                bool owner) {
   wp.state_->model = runtime;
   if (owner) wp.state_->owner = runtime;
 }
-detail::Runtime& EngineAccess::runtime(const WrapPointImpl& wp) {
+detail::Runtime& detail::EngineAccess::runtime(const WrapPointImpl& wp) {
   auto model = wp.state_->model.lock();
   TORCH_CHECK(model != nullptr, "FSDP unit ", unit(wp)->display_name(),
               ": the sharded model it belonged to has been destroyed; keep the handle "
@@ -34,25 +34,25 @@ detail::Runtime& EngineAccess::runtime(const WrapPointImpl& wp) {
   // The root's owner (or the caller's handle) keeps it alive beyond this call.
   return *model;
 }
-void EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
+void detail::EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
                              std::optional<torch::Dtype> outputs) {
   wp.state_->cast_inputs = inputs;
   wp.state_->cast_outputs = outputs;
 }
-void EngineAccess::set_checkpointed(WrapPointImpl& wp, const std::string& fqn) {
+void detail::EngineAccess::set_checkpointed(WrapPointImpl& wp, const std::string& fqn) {
   wp.state_->checkpointed = true;
   wp.state_->fqn = fqn;
 }
-detail::Runtime& EngineAccess::runtime(const ShardedModel& model) {
+detail::Runtime& detail::EngineAccess::runtime(const ShardedModel& model) {
   return *model.root().state_->owner;
 }
 
 namespace {
 void pre_forward(WrapPointImpl& wp) {
-  EngineAccess::runtime(wp).pre_forward(*EngineAccess::unit(wp));
+  detail::EngineAccess::runtime(wp).pre_forward(*detail::EngineAccess::unit(wp));
 }
 void post_forward(WrapPointImpl& wp, std::vector<torch::Tensor> outputs) {
-  EngineAccess::runtime(wp).post_forward(*EngineAccess::unit(wp), outputs);
+  detail::EngineAccess::runtime(wp).post_forward(*detail::EngineAccess::unit(wp), outputs);
 }
 }  // namespace
 
@@ -89,7 +89,7 @@ WrapPointImpl& ShardedModel::root() const {
 torch::nn::Module& ShardedModel::as_module() const { return root(); }
 
 namespace {
-detail::Runtime& runtime_of(const ShardedModel& m) { return EngineAccess::runtime(m); }
+detail::Runtime& runtime_of(const ShardedModel& m) { return detail::EngineAccess::runtime(m); }
 }  // namespace
 
 MemoryStats ShardedModel::memory_stats() const {
@@ -160,12 +160,12 @@ Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq
   return fully_shard(detail::wrap_sequential_entries(seq), options);
 }
 
-SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
+detail::SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
     : WrapPointImpl("fsdp::SequentialEntry"), module_(std::move(module)) {
   register_module("module", module_.ptr());
 }
 
-torch::Tensor SequentialEntryImpl::forward(torch::Tensor x) {
+torch::Tensor detail::SequentialEntryImpl::forward(torch::Tensor x) {
   return run_tensor_forward([this](const torch::Tensor& t) { return module_.forward(t); },
                             std::move(x));
 }
@@ -177,10 +177,10 @@ torch::Tensor WrapPointImpl::run_tensor_forward(
   if (state_->cast_inputs) x = detail::cast_floating(x, *state_->cast_inputs);
   torch::Tensor out;
   if (checkpointed() && torch::GradMode::is_enabled()) {
-    detail::trace::RegionName region(is_unit() ? EngineAccess::unit(*this)->trace_name()
+    detail::trace::RegionName region(is_unit() ? detail::EngineAccess::unit(*this)->trace_name()
                                                : state_->fqn);
     ActivationCheckpointOptions co;
-    detail::Runtime& rt = EngineAccess::runtime(*this);
+    detail::Runtime& rt = detail::EngineAccess::runtime(*this);
     if (rt.options().offload_activations) {
       co.offload_inputs = true;
       co.host_counter = &rt.acct().mem.offloaded_activations;
