@@ -21,8 +21,9 @@ detail::Unit* detail::EngineAccess::unit(const WrapPointImpl& wp) { return wp.st
 void detail::EngineAccess::set_unit(WrapPointImpl& wp, std::shared_ptr<detail::Unit> unit) {
   wp.state_->unit = std::move(unit);
 }
-void detail::EngineAccess::set_runtime(WrapPointImpl& wp, const std::shared_ptr<detail::Runtime>& runtime,
-                               bool owner) {
+void detail::EngineAccess::set_runtime(WrapPointImpl& wp,
+                                       const std::shared_ptr<detail::Runtime>& runtime,
+                                       bool owner) {
   wp.state_->model = runtime;
   if (owner) wp.state_->owner = runtime;
 }
@@ -35,7 +36,7 @@ detail::Runtime& detail::EngineAccess::runtime(const WrapPointImpl& wp) {
   return *model;
 }
 void detail::EngineAccess::set_casts(WrapPointImpl& wp, std::optional<torch::Dtype> inputs,
-                             std::optional<torch::Dtype> outputs) {
+                                     std::optional<torch::Dtype> outputs) {
   wp.state_->cast_inputs = inputs;
   wp.state_->cast_outputs = outputs;
 }
