@@ -11,6 +11,7 @@
 #include <fsdp/loss_scaler.h>
 #include <fsdp/options.h>
 #include <fsdp/param_groups.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 #include <fsdp/stats.h>
 #include <fsdp/trace.h>

@@ -93,6 +93,14 @@ class Backend : public BackendCore {
   virtual void barrier() = 0;
   /// The subgroup this rank belongs to, from disjoint rank lists covering the world.
   virtual std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) = 0;
+  /// Point to point (the pipeline's stages, Note [Pipeline schedules]): sends the
+  /// contiguous `tensor` to rank `dst` of this group, where a recv with the same tag takes
+  /// it. Asynchronous: `tensor` stays untouched until wait(). Tags from 2^30 up are the
+  /// pipeline's (Gloo's reduce-scatter numbers its own below). Not recorded in the
+  /// collective ring: the ranks' sequences of point-to-point calls differ by design.
+  virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int dst, int tag);
+  /// Receives into the contiguous `tensor` (the sender's sizes and dtype) from rank `src`.
+  virtual std::shared_ptr<Work> recv(const at::Tensor& tensor, int src, int tag);
 };
 
 /// Rank 0 of 1: collectives are local copies.

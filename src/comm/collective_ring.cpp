@@ -217,6 +217,13 @@ class RingBackend : public Backend {
       return std::make_shared<DoneWork>();
     })->wait();
   }
+  // Point to point goes by the ring: each rank's sequence differs by design.
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int dst, int tag) override {
+    return inner_->send(tensor, dst, tag);
+  }
+  std::shared_ptr<Work> recv(const at::Tensor& tensor, int src, int tag) override {
+    return inner_->recv(tensor, src, tag);
+  }
   std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) override {
     auto sub = inner_->split(groups);
     if (sub->size() == 1) return sub;

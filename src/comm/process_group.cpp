@@ -81,6 +81,21 @@ BackendInit split_init(const BackendInit& parent, const std::vector<std::vector<
 
 ProcessGroup::ProcessGroup() : impl_(detail::make_single_backend()) {}
 
+namespace detail {
+std::shared_ptr<Work> Backend::send(const at::Tensor&, int dst, int) {
+  TORCH_CHECK(false, "send to rank ", dst,
+              ": point-to-point messages need a group of two or more "
+              "ranks over gloo or nccl; this group is ",
+              name(), " with ", size(), " rank(s)");
+}
+std::shared_ptr<Work> Backend::recv(const at::Tensor&, int src, int) {
+  TORCH_CHECK(false, "recv from rank ", src,
+              ": point-to-point messages need a group of two or "
+              "more ranks over gloo or nccl; this group is ",
+              name(), " with ", size(), " rank(s)");
+}
+}  // namespace detail
+
 std::shared_ptr<detail::Backend> detail::GroupAccess::backend(const ProcessGroup& pg) {
   return std::static_pointer_cast<detail::Backend>(pg.impl_);
 }

@@ -322,6 +322,19 @@ class GlooBackend : public C10dBackend<GlooBackend, c10d::ProcessGroupGloo> {
     if (auto back = copy_back(host, tensor)) back();
   }
 
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int dst, int tag) override {
+    at::Tensor host = to_host(tensor);  // Note [Gloo with CUDA tensors]
+    std::vector<at::Tensor> ts{host};
+    // The work keeps the host copy until it has been sent.
+    return std::make_shared<C10dWork>(pg_->send(ts, dst, tag), [host]() {});
+  }
+
+  std::shared_ptr<Work> recv(const at::Tensor& tensor, int src, int tag) override {
+    at::Tensor host = host_buffer(tensor);
+    std::vector<at::Tensor> ts{host};
+    return std::make_shared<C10dWork>(pg_->recv(ts, src, tag), copy_back(host, tensor));
+  }
+
  private:
   // Note [Gloo with CUDA tensors]: whether `t` goes through a host buffer, the buffer
   // (pinned for a CUDA tensor), `t` copied there (after the current stream's work on it),

@@ -54,6 +54,16 @@ class NcclBackend : public C10dBackend<NcclBackend, c10d::ProcessGroupNCCL> {
     return std::make_shared<NcclWork>(pg_->allreduce(ts, o));
   }
 
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int dst, int tag) override {
+    std::vector<at::Tensor> ts{tensor};
+    return std::make_shared<NcclWork>(pg_->send(ts, dst, tag));
+  }
+
+  std::shared_ptr<Work> recv(const at::Tensor& tensor, int src, int tag) override {
+    std::vector<at::Tensor> ts{tensor};
+    return std::make_shared<NcclWork>(pg_->recv(ts, src, tag));
+  }
+
   void broadcast(const at::Tensor& tensor, int root) override {
     std::vector<at::Tensor> ts{tensor};
     c10d::BroadcastOptions o;

@@ -1,0 +1,127 @@
+#pragma once
+// Pipeline parallelism: a model's layers split into stages over ranks, micro-batches run
+// through them by a schedule (GPipe or 1F1B), and sharding inside each stage (as
+// DeepSpeed's PipelineModule with ZeRO, or torch.distributed.pipelining with FSDP2).
+// Implemented in src/pipeline.
+
+#include <fsdp/fully_sharded_module.h>
+#include <fsdp/options.h>
+#include <fsdp/process_group.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+/// The order in which a stage runs its micro-batches' forwards and backwards.
+enum class PipelineSchedule {
+  /// GPipe: every micro-batch's forward, then every backward. Holds all micro-batches'
+  /// activations at once.
+  kGPipe,
+  /// 1F1B (PipeDream-flush, DeepSpeed's TrainSchedule): stage s runs stages - s - 1
+  /// forwards, then alternates one forward and one backward, then drains. Holds at most
+  /// stages - s micro-batches' activations.
+  k1F1B,
+};
+
+/// "gpipe" or "1f1b"; an error naming `what` and the choices otherwise.
+PipelineSchedule parse_pipeline_schedule(const std::string& name,
+                                         const std::string& what = "schedule");
+
+struct PipelineOptions {
+  /// Pipeline stages. The world size must be a multiple: world = stages × data-parallel
+  /// size, and rank r is in stage r / dp at data-parallel index r % dp (DeepSpeed's
+  /// pipe-then-data topology).
+  int stages = 2;
+  /// Micro-batches a step's batch is split into (dim 0): DeepSpeed's
+  /// gradient_accumulation_steps under its pipe engine.
+  int micro_batches = 4;
+  PipelineSchedule schedule = PipelineSchedule::k1F1B;
+  /// How the layers are split: "parameters" (each stage about the same parameter count,
+  /// DeepSpeed's default), "uniform" (about the same number of layers), or explicit
+  /// boundaries: a comma-separated list of the first layer of stages 1 .. stages-1
+  /// (e.g. "3,6,9" for four stages of a 12-layer model).
+  std::string partition = "parameters";
+  /// The sharding inside each stage. Its process_group is the world the pipeline spans
+  /// (default: a single process); each stage shards over its own data-parallel ranks.
+  ShardingOptions sharding;
+};
+
+/// Computes a micro-batch's loss from the last stage's output and its targets.
+using PipelineLossFn =
+    std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+/// This rank's stage of a pipelined model: its layers, sharded over its data-parallel
+/// ranks, and the schedule that moves micro-batches between stages.
+class PipelinedModel {
+ public:
+  PipelinedModel() = default;
+
+  int stage() const { return stage_; }
+  int stages() const { return stages_; }
+  /// This rank's place among the ranks of its stage, and their number: the index of the
+  /// batch this rank feeds (each data-parallel replica trains on its own rows).
+  int data_parallel_rank() const { return dp_rank_; }
+  int data_parallel_size() const { return dp_size_; }
+  /// The layers this stage holds: [first, last) of the model's.
+  std::pair<int64_t, int64_t> layer_range() const { return {first_, last_}; }
+  /// Every stage's first layer, and the number of layers after the last: stages + 1 values.
+  const std::vector<int64_t>& boundaries() const { return bounds_; }
+
+  /// One step's forwards and backwards: `input` and `target` (this data-parallel
+  /// replica's batch, the same on every stage of it) are split along dim 0 into
+  /// micro_batches parts; the first stage reads `input`, the last `target`. Gradients
+  /// accumulate into this stage's shards as the mean loss over the micro-batches asks
+  /// (each micro-batch's loss divided by micro_batches). Returns that mean loss, averaged
+  /// over the data-parallel replicas, on every rank.
+  torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
+                           const PipelineLossFn& loss_fn);
+  /// Forward only (no graph), micro-batch by micro-batch: the last stage's output for
+  /// `input`, concatenated; an undefined tensor on the other stages.
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// This stage's trainable shards: give them to the optimizer on this rank.
+  std::vector<torch::Tensor> sharded_parameters() const { return model_.sharded_parameters(); }
+  /// This stage's sharded module (checkpoints, clipping, statistics).
+  ShardedModel& stage_model() { return model_; }
+  const ShardedModel& stage_model() const { return model_; }
+  /// The world the pipeline spans, and this stage's data-parallel group.
+  const ProcessGroup& world() const { return world_; }
+  const ProcessGroup& stage_group() const { return stage_group_; }
+  /// Most micro-batches whose activations this stage held at once in the last step.
+  int peak_micro_batches_in_flight() const { return peak_in_flight_; }
+
+ private:
+  friend PipelinedModel pipeline(const torch::nn::Sequential&, const PipelineOptions&);
+  struct Step;  // one step's schedule (src/pipeline/pipeline.cpp)
+
+  std::shared_ptr<Sharded<torch::nn::Sequential>> seq_;  ///< this stage's layers, sharded
+  ShardedModel model_;                                   ///< the same model, as a handle
+  ProcessGroup world_, stage_group_;
+  PipelineOptions options_;
+  int stage_ = 0, stages_ = 1, dp_rank_ = 0, dp_size_ = 1;
+  int64_t first_ = 0, last_ = 0;
+  std::vector<int64_t> bounds_;
+  int peak_in_flight_ = 0;
+};
+
+/// The boundaries options.partition asks for: stages + 1 values, from 0 to the number of
+/// layers, each stage at least one layer. `params` holds each layer's parameter count.
+/// Errors name the value and the fix (fewer stages than layers, boundaries out of order).
+std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
+                                      const PipelineOptions& options);
+
+/// Splits `layers` (every entry a module of one Tensor input and one Tensor output) into
+/// options.stages stages and keeps this rank's, sharded over its stage's ranks with
+/// options.sharding (shard_sequential: each layer behind a wrap point, units as the
+/// auto-wrap policy picks). Every rank of the world calls it with the same layers and
+/// options. The layers of other stages are dropped on this rank.
+PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options);
+
+}  // namespace fsdp

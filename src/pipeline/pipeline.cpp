@@ -1,0 +1,333 @@
+// Pipeline parallelism (Note [Pipeline schedules]): stages over ranks, micro-batches moved
+// between them point to point, sharding inside each stage.
+#include <fsdp/pipeline.h>
+
+#include "comm/backend.h"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+namespace fsdp {
+
+// Note [Pipeline schedules]
+// The world is stages × dp ranks; rank r is stage r / dp, data-parallel index r % dp
+// (DeepSpeed's pipe-then-data topology), so a stage's neighbours are r - dp and r + dp,
+// and each data-parallel replica is its own pipeline. A stage holds the layers
+// [bounds[s], bounds[s+1]) behind shard_sequential's wrap points, sharded over its dp ranks
+// (the stage group), with their FQNs of the whole model (a layer keeps its name in the
+// Sequential), so checkpoints name parameters as the unpipelined model does.
+//
+// A step splits the batch into M micro-batches. F(m) receives micro-batch m's activation
+// from the stage before (the first stage reads the input), runs the stage, and sends its
+// output on (the last stage computes the loss). B(m) receives the gradient of that output
+// from the stage after (the last stage starts from loss_m / M), runs backward through the
+// stage, and sends the input's gradient back. GPipe runs F(0..M-1), then B(0..M-1). 1F1B
+// runs min(S - s - 1, M) forwards, then alternates F and B, then drains the backwards, so
+// stage s holds at most S - s micro-batches' activations.
+//
+// Each message is a header (the rank, sizes and dtype: 10 int64s) and the data, both sent
+// without waiting (the sends of a step are waited for at its end), so two neighbours that
+// send to each other at once do not deadlock; receives block. Tags number the micro-batch
+// and the direction; they are reused step after step, in the same order on both sides.
+// The messages travel over the world group's backend, which no sharding collective uses
+// (the stages shard over their own groups).
+//
+// Every micro-batch's backward reduces its gradients into the shards (as gradient
+// accumulation does without no_sync), so the step's gradients are those of the mean loss
+// over the micro-batches, up to the order of the additions.
+
+namespace {
+
+constexpr int kHeader = 10;  // ndim, dtype, up to 8 sizes
+
+int tag_of(int micro_batch, int direction, int part) {
+  return (1 << 30) + (micro_batch * 2 + direction) * 2 + part;  // Note [Pipeline schedules]
+}
+
+struct Pending {
+  std::shared_ptr<detail::Work> work;
+  torch::Tensor keep;  // the tensor the send reads
+};
+
+detail::Backend& backend_of(const ProcessGroup& pg) { return *detail::GroupAccess::backend(pg); }
+
+std::string list(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
+  return s.str();
+}
+
+std::vector<int64_t> explicit_bounds(const std::string& spec, int64_t layers, int stages) {
+  std::vector<int64_t> b{0};
+  std::stringstream in(spec);
+  for (std::string item; std::getline(in, item, ',');) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    TORCH_CHECK(!item.empty() && end && *end == 0, "PipelineOptions::partition='", spec, "': '",
+                item,
+                "' is not a layer index; expected parameters, uniform, or the first layer of "
+                "stages 1..",
+                stages - 1, " as a comma-separated list such as '", layers / 2, "'");
+    b.push_back(v);
+  }
+  TORCH_CHECK(static_cast<int>(b.size()) == stages, "PipelineOptions::partition='", spec,
+              "' gives ", b.size() - 1, " boundaries, but stages=", stages, " needs ", stages - 1,
+              " (the first layer of each stage after the first)");
+  b.push_back(layers);
+  for (size_t i = 1; i < b.size(); ++i)
+    TORCH_CHECK(b[i] > b[i - 1], "PipelineOptions::partition='", spec,
+                "': boundaries must rise from 1 to ", layers - 1,
+                " (each stage at least one layer of the ", layers, "); got ", list(b));
+  return b;
+}
+
+std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& weight, int stages) {
+  const auto layers = static_cast<int64_t>(weight.size());
+  std::vector<int64_t> prefix(weight.size() + 1, 0);
+  std::partial_sum(weight.begin(), weight.end(), prefix.begin() + 1);
+  const double total = static_cast<double>(prefix.back());
+  std::vector<int64_t> b{0};
+  for (int s = 1; s < stages; ++s) {
+    const double target = total * s / stages;
+    const int64_t lo = b.back() + 1, hi = layers - (stages - s);  // a layer left for each stage
+    int64_t i = lo;
+    while (i < hi && static_cast<double>(prefix[i]) < target) ++i;
+    if (i > lo &&
+        target - static_cast<double>(prefix[i - 1]) <= static_cast<double>(prefix[i]) - target)
+      --i;
+    b.push_back(i);
+  }
+  b.push_back(layers);
+  return b;
+}
+
+}  // namespace
+
+PipelineSchedule parse_pipeline_schedule(const std::string& name, const std::string& what) {
+  if (name == "gpipe") return PipelineSchedule::kGPipe;
+  if (name == "1f1b") return PipelineSchedule::k1F1B;
+  TORCH_CHECK(false, what, " '", name, "' is not a pipeline schedule; expected gpipe or 1f1b");
+}
+
+std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
+                                      const PipelineOptions& options) {
+  const auto layers = static_cast<int64_t>(params.size());
+  const int stages = options.stages;
+  TORCH_CHECK(stages >= 1, "PipelineOptions::stages=", stages, " must be at least 1");
+  TORCH_CHECK(layers >= stages, "PipelineOptions::stages=", stages, " but the model has ", layers,
+              " layer(s), and each stage needs at least one: use at most ", layers,
+              " stages, or split the model into more layers");
+  const std::string& p = options.partition;
+  if (p == "uniform") return balanced_bounds(std::vector<int64_t>(params.size(), 1), stages);
+  if (p == "parameters") {
+    // A layer without parameters weighs a little, so stages still split between them.
+    std::vector<int64_t> w(params);
+    for (auto& x : w) x = std::max<int64_t>(x, 1);
+    return balanced_bounds(w, stages);
+  }
+  return explicit_bounds(p, layers, stages);
+}
+
+PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options) {
+  TORCH_CHECK(!layers.is_empty() && layers->size() > 0,
+              "pipeline: the Sequential is empty; give it the model's layers in order");
+  const ProcessGroup& world = options.sharding.process_group;
+  const int w = world.size(), stages = options.stages;
+  TORCH_CHECK(stages >= 1 && w % stages == 0, "PipelineOptions::stages=", stages,
+              " does not divide the world size ", w,
+              ": the world is stages × data-parallel ranks; use a divisor of ", w);
+  TORCH_CHECK(options.micro_batches >= 1, "PipelineOptions::micro_batches=", options.micro_batches,
+              " must be at least 1");
+  TORCH_CHECK(options.schedule != PipelineSchedule::k1F1B || options.micro_batches >= stages,
+              "PipelineOptions::micro_batches=", options.micro_batches,
+              " is fewer than stages=", stages,
+              " under the 1F1B schedule, which needs one micro-batch per stage to fill "
+              "the pipeline: use at least ",
+              stages, " micro-batches, or the gpipe schedule");
+  PipelinedModel m;
+  m.world_ = world;
+  m.options_ = options;
+  m.stages_ = stages;
+  m.dp_size_ = w / stages;
+  m.stage_ = world.rank() / m.dp_size_;
+  m.dp_rank_ = world.rank() % m.dp_size_;
+  std::vector<std::vector<int>> groups(static_cast<size_t>(stages));
+  for (int r = 0; r < w; ++r) groups[static_cast<size_t>(r / m.dp_size_)].push_back(r);
+  m.stage_group_ = stages == 1 ? world : world.split(groups);
+
+  const auto children = layers->named_children();
+  std::vector<int64_t> params;
+  for (const auto& c : children) {
+    int64_t n = 0;
+    for (const auto& p : c.value()->parameters()) n += p.numel();
+    params.push_back(n);
+  }
+  m.bounds_ = partition_layers(params, options);
+  m.first_ = m.bounds_[static_cast<size_t>(m.stage_)];
+  m.last_ = m.bounds_[static_cast<size_t>(m.stage_) + 1];
+  torch::OrderedDict<std::string, torch::nn::AnyModule> mine;
+  for (int64_t i = m.first_; i < m.last_; ++i)
+    mine.insert(children[static_cast<size_t>(i)].key(), *(layers->begin() + i));
+  ShardingOptions sharding = options.sharding;
+  sharding.process_group = m.stage_group_;
+  m.seq_ = std::make_shared<Sharded<torch::nn::Sequential>>(
+      shard_sequential(torch::nn::Sequential(std::move(mine)), sharding));
+  m.model_ = *m.seq_;
+  return m;
+}
+
+// One step on one rank: the stage's messages and what its backwards need.
+struct PipelinedModel::Step {
+  PipelinedModel& m;
+  detail::Backend& world;
+  int prev, next;  // world ranks of the neighbours (-1: none)
+  std::vector<Pending> pending;
+  std::vector<torch::Tensor> inputs, outputs;  // per micro-batch, until its backward
+  int in_flight = 0;
+
+  explicit Step(PipelinedModel& model)
+      : m(model),
+        world(backend_of(model.world_)),
+        prev(model.stage_ > 0 ? model.world_.rank() - model.dp_size_ : -1),
+        next(model.stage_ + 1 < model.stages_ ? model.world_.rank() + model.dp_size_ : -1) {
+    m.peak_in_flight_ = 0;
+  }
+  ~Step() {
+    for (auto& p : pending) {
+      try {
+        p.work->wait();
+      } catch (...) {  // the step's own error is the one to report
+      }
+    }
+  }
+
+  void send(const torch::Tensor& t, int peer, int mb, int dir) {
+    TORCH_CHECK(t.dim() <= kHeader - 2, "pipeline: a stage's output has ", t.dim(),
+                " dimensions; at most ", kHeader - 2, " travel between stages");
+    auto header = torch::zeros({kHeader}, torch::TensorOptions(torch::kLong).device(t.device()));
+    std::vector<int64_t> h(kHeader, 0);
+    h[0] = t.dim();
+    h[1] = static_cast<int64_t>(t.scalar_type());
+    for (int64_t d = 0; d < t.dim(); ++d) h[static_cast<size_t>(d + 2)] = t.size(d);
+    header.copy_(torch::tensor(h, torch::kLong));
+    torch::Tensor data = t.detach().contiguous();
+    pending.push_back({world.send(header, peer, tag_of(mb, dir, 0)), header});
+    pending.push_back({world.send(data, peer, tag_of(mb, dir, 1)), data});
+  }
+
+  torch::Tensor recv(int peer, int mb, int dir, const torch::Device& device) {
+    auto header = torch::empty({kHeader}, torch::TensorOptions(torch::kLong).device(device));
+    world.recv(header, peer, tag_of(mb, dir, 0))->wait();
+    const auto h = header.cpu();
+    const int64_t* v = h.data_ptr<int64_t>();
+    std::vector<int64_t> sizes(v + 2, v + 2 + v[0]);
+    auto data = torch::empty(
+        sizes, torch::TensorOptions(static_cast<torch::ScalarType>(v[1])).device(device));
+    world.recv(data, peer, tag_of(mb, dir, 1))->wait();
+    return data;
+  }
+};
+
+torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch::Tensor& target,
+                                         const PipelineLossFn& loss_fn) {
+  TORCH_CHECK(seq_, "PipelinedModel::train_step: an empty model; build it with fsdp::pipeline");
+  const int M = options_.micro_batches;
+  const bool first = stage_ == 0, last = stage_ + 1 == stages_;
+  const auto in_chunks = first ? input.chunk(M, 0) : std::vector<torch::Tensor>{};
+  const auto tgt_chunks = last ? target.chunk(M, 0) : std::vector<torch::Tensor>{};
+  TORCH_CHECK(!first || (input.dim() > 0 && input.size(0) % M == 0),
+              "PipelinedModel::train_step: the input's ", input.dim() ? input.size(0) : 0,
+              " rows do not split into micro_batches=", M,
+              " equal parts: give a batch whose first dimension is a multiple of ", M);
+  TORCH_CHECK(!last || (target.dim() > 0 && target.size(0) % M == 0),
+              "PipelinedModel::train_step: the target's ", target.dim() ? target.size(0) : 0,
+              " rows do not split into micro_batches=", M,
+              " equal parts: give a batch whose first dimension is a multiple of ", M);
+  const torch::Device device = options_.sharding.device;
+  Step st(*this);
+  st.inputs.resize(static_cast<size_t>(M));
+  st.outputs.resize(static_cast<size_t>(M));
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(torch::kFloat).device(device));
+
+  auto forward_mb = [&](int mb) {
+    torch::Tensor x = first ? in_chunks[static_cast<size_t>(mb)]
+                            : st.recv(st.prev, mb, 0, device).requires_grad_(true);
+    torch::Tensor out = (*seq_)(x);
+    if (last) {
+      torch::Tensor loss = loss_fn(out, tgt_chunks[static_cast<size_t>(mb)]);
+      loss_sum += loss.detach().to(torch::kFloat);
+      out = loss / M;
+    } else {
+      st.send(out, st.next, mb, 0);
+    }
+    st.inputs[static_cast<size_t>(mb)] = x;
+    st.outputs[static_cast<size_t>(mb)] = out;
+    peak_in_flight_ = std::max(peak_in_flight_, ++st.in_flight);
+  };
+  auto backward_mb = [&](int mb) {
+    torch::Tensor out = std::move(st.outputs[static_cast<size_t>(mb)]);
+    if (last) {
+      out.backward();
+    } else {
+      out.backward(st.recv(st.next, mb, 1, device).to(out.scalar_type()));
+    }
+    torch::Tensor x = std::move(st.inputs[static_cast<size_t>(mb)]);
+    if (!first) st.send(x.grad(), st.prev, mb, 1);
+    --st.in_flight;
+  };
+
+  if (options_.schedule == PipelineSchedule::kGPipe) {
+    for (int mb = 0; mb < M; ++mb) forward_mb(mb);
+    for (int mb = 0; mb < M; ++mb) backward_mb(mb);
+  } else {
+    const int warmup = std::min(stages_ - stage_ - 1, M);
+    for (int mb = 0; mb < warmup; ++mb) forward_mb(mb);
+    for (int i = 0; i + warmup < M; ++i) {
+      forward_mb(i + warmup);
+      backward_mb(i);
+    }
+    for (int mb = M - warmup; mb < M; ++mb) backward_mb(mb);
+  }
+  for (auto& p : st.pending) p.work->wait();
+  st.pending.clear();
+
+  // The mean loss: over the micro-batches on the last stage, over its data-parallel
+  // replicas, then to every rank from the last stage's first rank.
+  torch::Tensor loss = (loss_sum / M).reshape({1});  // collectives take one dimension or more
+  if (last && dp_size_ > 1) {
+    stage_group_.all_reduce_sum(loss);
+    loss /= dp_size_;
+  }
+  if (stages_ > 1) world_.broadcast(loss, (stages_ - 1) * dp_size_);
+  return loss.reshape({});
+}
+
+torch::Tensor PipelinedModel::forward(const torch::Tensor& input) {
+  TORCH_CHECK(seq_, "PipelinedModel::forward: an empty model; build it with fsdp::pipeline");
+  torch::NoGradGuard no_grad;
+  const int M = options_.micro_batches;
+  const bool first = stage_ == 0, last = stage_ + 1 == stages_;
+  const auto in_chunks = first ? input.chunk(M, 0) : std::vector<torch::Tensor>{};
+  TORCH_CHECK(!first || (input.dim() > 0 && input.size(0) % M == 0),
+              "PipelinedModel::forward: the input's ", input.dim() ? input.size(0) : 0,
+              " rows do not split into micro_batches=", M,
+              " equal parts: give a batch whose first dimension is a multiple of ", M);
+  Step st(*this);
+  std::vector<torch::Tensor> outs;
+  for (int mb = 0; mb < M; ++mb) {
+    torch::Tensor x = first ? in_chunks[static_cast<size_t>(mb)]
+                            : st.recv(st.prev, mb, 0, options_.sharding.device);
+    torch::Tensor out = (*seq_)(x);
+    if (last) {
+      outs.push_back(out);
+    } else {
+      st.send(out, st.next, mb, 0);
+    }
+  }
+  for (auto& p : st.pending) p.work->wait();
+  st.pending.clear();
+  return last ? torch::cat(outs, 0) : torch::Tensor();
+}
+
+}  // namespace fsdp

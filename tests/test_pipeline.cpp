@@ -1,0 +1,215 @@
+// Pipeline parallelism (Note [Pipeline schedules]): stages over real ranks (Gloo), GPipe
+// and 1F1B, alone and with FULL_SHARD inside each stage, against the same model trained
+// unpipelined in one process; 1F1B's bound on the micro-batches in flight; the partition
+// methods; and every refusal's message.
+#include <fsdp/full_params.h>
+#include <fsdp/pipeline.h>
+
+#include "support/multirank.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+constexpr int64_t kIn = 12, kOut = 6;
+
+// Eight layers, uneven in size, one without parameters.
+torch::nn::Sequential make_layers() {
+  return torch::nn::Sequential(torch::nn::Linear(kIn, 32), torch::nn::Tanh(),
+                               torch::nn::Linear(32, 24), torch::nn::Linear(24, 24),
+                               torch::nn::Tanh(), torch::nn::Linear(24, 40),
+                               torch::nn::Linear(40, 16), torch::nn::Linear(16, kOut));
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t step, int64_t rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto x = torch::randn({rows, kIn}, g);
+  auto y = torch::randn({rows, kOut}, g);
+  return {x, y};
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::mse_loss(out, target);
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+// Trains `steps` steps pipelined and, in this process, unpipelined on the same batches
+// (each data-parallel replica's rows are its slice of the global batch); the losses and
+// the parameters of this rank's layers must agree within `tol` (relative).
+void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int micro,
+            ShardingStrategy strategy, double tol) {
+  constexpr int64_t kRows = 16;
+  torch::manual_seed(0);
+  auto reference = make_layers();
+  torch::manual_seed(0);
+  PipelineOptions o;
+  o.stages = stages;
+  o.micro_batches = micro;
+  o.schedule = schedule;
+  o.sharding.process_group = pg;
+  o.sharding.strategy = strategy;
+  PipelinedModel pm = pipeline(make_layers(), o);
+  const auto adamw = torch::optim::AdamWOptions(1e-2).eps(1e-6);
+  torch::optim::AdamW opt(pm.sharded_parameters(), adamw);
+  torch::optim::AdamW ref_opt(reference->parameters(), adamw);
+  const int64_t dp = pm.data_parallel_size(), per = kRows / dp;
+  for (int64_t step = 0; step < 4; ++step) {
+    auto [x, y] = batch(step, kRows);
+    auto mx = x.narrow(0, pm.data_parallel_rank() * per, per);
+    auto my = y.narrow(0, pm.data_parallel_rank() * per, per);
+    const double loss = pm.train_step(mx, my, mse).item<double>();
+    opt.step();
+    opt.zero_grad();
+    auto ref_loss = mse(reference->forward(x), y);
+    ref_loss.backward();
+    ref_opt.step();
+    ref_opt.zero_grad();
+    EXPECT_LT(rel(loss, ref_loss.item<double>()), tol)
+        << "step " << step << ": pipelined " << loss << ", unpipelined " << ref_loss.item<double>();
+  }
+  // This stage's layers against the reference's, by their names in the whole model.
+  auto ref_params = reference->named_parameters();
+  int64_t compared = 0;
+  for (const auto& [name, full] : full_state_dict(pm.stage_model())) {
+    const auto* r = ref_params.find(name);
+    ASSERT_NE(r, nullptr) << name;
+    EXPECT_TRUE(torch::allclose(full, *r, 1e-5, 1e-6)) << name;
+    ++compared;
+  }
+  const auto [first, last] = pm.layer_range();
+  EXPECT_GT(last, first);
+  EXPECT_GT(compared, 0);
+}
+
+}  // namespace
+
+TEST(PipelinePartition, ByParametersUniformAndExplicitBoundaries) {
+  // Layer sizes as make_layers() has them.
+  const std::vector<int64_t> params{
+      12 * 32 + 32, 0, 32 * 24 + 24, 24 * 24 + 24, 0, 24 * 40 + 40, 40 * 16 + 16, 16 * 6 + 6};
+  PipelineOptions o;
+  o.stages = 2;
+  o.partition = "uniform";
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 4, 8}));
+  o.stages = 4;
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 2, 4, 6, 8}));
+  o.partition = "parameters";
+  // Cumulative: 416, 416, 1208, 1808, 1808, 2808, 3464, 3566; quarters of 3566 are near
+  // 892, 1783, 2675.
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 3, 4, 6, 8}));
+  o.stages = 2;
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 4, 8}));
+  o.stages = 3;
+  o.partition = "2,7";
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 2, 7, 8}));
+  o.stages = 8;
+  o.partition = "parameters";
+  EXPECT_EQ(partition_layers(params, o), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
+}
+
+TEST(PipelinePartition, RefusalsNameTheValueAndTheFix) {
+  const std::vector<int64_t> params{10, 10, 10, 10};
+  auto error = [&](const PipelineOptions& o) {
+    try {
+      partition_layers(params, o);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("<no error>");
+  };
+  PipelineOptions o;
+  o.stages = 5;
+  EXPECT_EQ(error(o).rfind("PipelineOptions::stages=5 but the model has 4 layer(s), and each "
+                           "stage needs at least one: use at most 4 stages",
+                           0),
+            0u)
+      << error(o);
+  o.stages = 3;
+  o.partition = "2";
+  EXPECT_NE(error(o).find("gives 1 boundaries, but stages=3 needs 2"), std::string::npos)
+      << error(o);
+  o.partition = "2,2";
+  EXPECT_NE(error(o).find("boundaries must rise from 1 to 3"), std::string::npos) << error(o);
+  o.partition = "balanced";
+  EXPECT_NE(error(o).find("'balanced' is not a layer index; expected parameters, uniform"),
+            std::string::npos)
+      << error(o);
+  EXPECT_THROW(parse_pipeline_schedule("interleaved", "--pipeline-schedule"), c10::Error);
+  EXPECT_EQ(parse_pipeline_schedule("gpipe"), PipelineSchedule::kGPipe);
+  EXPECT_EQ(parse_pipeline_schedule("1f1b"), PipelineSchedule::k1F1B);
+}
+
+TEST(Pipeline, RefusesStagesThatDoNotDivideTheWorldAndTooFewMicroBatches) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto error = [&](const PipelineOptions& o) {
+      try {
+        pipeline(make_layers(), o);
+      } catch (const c10::Error& e) {
+        return std::string(e.what_without_backtrace());
+      }
+      return std::string("<no error>");
+    };
+    PipelineOptions o;
+    o.sharding.process_group = pg;
+    o.stages = 3;
+    EXPECT_NE(error(o).find("PipelineOptions::stages=3 does not divide the world size 2"),
+              std::string::npos)
+        << error(o);
+    o.stages = 2;
+    o.micro_batches = 1;
+    EXPECT_NE(error(o).find("micro_batches=1 is fewer than stages=2 under the 1F1B schedule"),
+              std::string::npos)
+        << error(o);
+  });
+}
+
+class PipelineParity : public ::testing::TestWithParam<PipelineSchedule> {};
+
+TEST_P(PipelineParity, TwoStagesTrainLikeOneProcess) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    parity(pg, 2, GetParam(), 4, ShardingStrategy::kFullShard, 1e-6);
+  });
+}
+
+TEST_P(PipelineParity, FourStagesTrainLikeOneProcess) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    parity(pg, 4, GetParam(), 4, ShardingStrategy::kFullShard, 1e-6);
+  });
+}
+
+TEST_P(PipelineParity, TwoStagesTimesFullShardTwoTrainLikeOneProcess) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    parity(pg, 2, GetParam(), 2, ShardingStrategy::kFullShard, 1e-6);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineParity,
+                         ::testing::Values(PipelineSchedule::kGPipe, PipelineSchedule::k1F1B),
+                         [](const auto& info) {
+                           return info.param == PipelineSchedule::kGPipe ? "GPipe" : "OneFOneB";
+                         });
+
+// 1F1B holds at most stages - stage micro-batches' activations on each stage; GPipe all.
+TEST(Pipeline, OneFOneBBoundsTheMicroBatchesInFlight) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    for (auto schedule : {PipelineSchedule::k1F1B, PipelineSchedule::kGPipe}) {
+      PipelineOptions o;
+      o.stages = 4;
+      o.micro_batches = 8;
+      o.schedule = schedule;
+      o.sharding.process_group = pg;
+      torch::manual_seed(0);
+      PipelinedModel pm = pipeline(make_layers(), o);
+      auto [x, y] = batch(0, 16);
+      pm.train_step(x, y, mse);
+      const int expected = schedule == PipelineSchedule::k1F1B ? 4 - pm.stage() : 8;
+      EXPECT_EQ(pm.peak_micro_batches_in_flight(), expected) << "stage " << pm.stage();
+    }
+  });
+}
