@@ -206,6 +206,55 @@ TEST(Cuda, TrainGptOnTwoGpusUnderFsdpRunFollowsTheCpuLosses_CUDA) {
   expect_gpu_follows_cpu(2, "collectives over nccl");
 }
 
+// --pipeline-stages: the GPT's layers (embeddings, blocks, head) in stages over the
+// ranks, alone and with two data-parallel ranks a stage, GPipe and 1F1B, gradients clipped
+// across the stages (train_gpt's default --clip-grad 1): the losses of one process.
+TEST(TrainGpt, PipelineStagesGiveTheLossesOfOneProcess) {
+  auto run_at = [](int nproc, const std::vector<std::string>& extra, const std::string& stem) {
+    const std::string log = temp_path(stem);
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", std::to_string(nproc), "--"};
+    auto args = small_run(log);
+    args[6] = "16";  // --batch-size: 2 replicas x 8 micro-batches divide it
+    args[8] = "4";   // --n-layer: six layers with the embeddings and the head
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    auto r = run_command(cmd);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return std::make_pair(losses(log), r.output);
+  };
+  const auto [one, out1] = run_at(1, {}, "pp_w1");
+  ASSERT_EQ(one.size(), 8u) << out1;
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
+      {2, {"--pipeline-stages", "2"}},
+      {2, {"--pipeline-stages", "2", "--pipeline-schedule", "gpipe"}},
+      {4, {"--pipeline-stages", "2", "--micro-batches", "2"}},
+      {4, {"--pipeline-stages", "4", "--partition", "uniform"}}};
+  for (const auto& [nproc, extra] : layouts) {
+    const auto [got, out] = run_at(nproc, extra, "pp_layout");
+    EXPECT_NE(out.find("train_gpt: pipeline of " + extra[1] + " stages"), std::string::npos) << out;
+    ASSERT_EQ(got.size(), one.size()) << out;
+    for (size_t i = 0; i < one.size(); ++i)
+      EXPECT_NEAR(got[i], one[i], 1e-6 * one[i])
+          << "step " << i + 1 << " at " << nproc << " ranks, " << extra.back();
+  }
+}
+
+// What a pipelined run does not do yet is refused by flag, before any rank starts.
+TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
+  expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2", "--save-dir", "/tmp/x"},
+                     "--pipeline-stages 2 with --save-dir: pipelined runs do not do that yet; "
+                     "leave it out, or use --pipeline-stages 1");
+  expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2", "--grad-accum", "2"},
+                     "--grad-accum 2 with --pipeline-stages 2: a pipeline's micro-batches are its "
+                     "gradient accumulation; give --micro-batches 2 instead");
+  expect_usage_error({bin("train_gpt"), "--pipeline-schedule", "zb"},
+                     "--pipeline-schedule 'zb' is not a pipeline schedule; expected gpipe or 1f1b");
+  expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2"},
+                     "--pipeline-stages 2 does not divide the world size 1");
+  expect_usage_error({bin("train_llama"), "--pipeline-stages", "2"},
+                     "train_llama cannot split its model into stages yet (train_gpt can)");
+}
+
 TEST(TrainGpt, WorldOneAndWorldThreeGiveTheSameLosses) {
   auto log1 = temp_path("w1"), log3 = temp_path("w3");
   auto r1 = run_command(small_run(log1));

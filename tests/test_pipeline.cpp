@@ -64,10 +64,17 @@ void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int m
     auto mx = x.narrow(0, pm.data_parallel_rank() * per, per);
     auto my = y.narrow(0, pm.data_parallel_rank() * per, per);
     const double loss = pm.train_step(mx, my, mse).item<double>();
+    // Clipped at a bound below the norm, so every step scales: the norm is the whole
+    // model's, across the stages.
+    const double norm = clip_grad_norm_(pm, 0.05);
     opt.step();
     opt.zero_grad();
     auto ref_loss = mse(reference->forward(x), y);
     ref_loss.backward();
+    const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+    EXPECT_LT(rel(norm, ref_norm), tol)
+        << "step " << step << ": norm " << norm << ", unpipelined " << ref_norm;
+    EXPECT_GT(ref_norm, 0.05) << "step " << step;
     ref_opt.step();
     ref_opt.zero_grad();
     EXPECT_LT(rel(loss, ref_loss.item<double>()), tol)

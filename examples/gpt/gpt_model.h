@@ -156,6 +156,45 @@ class GPTImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
+/// The GPT's first pipeline layer: token and position embeddings.
+class EmbedImpl : public torch::nn::Module {
+ public:
+  EmbedImpl(torch::nn::Embedding wte_, torch::nn::Embedding wpe_)
+      : wte(register_module("wte", std::move(wte_))),
+        wpe(register_module("wpe", std::move(wpe_))) {}
+  torch::Tensor forward(torch::Tensor idx) {
+    auto pos =
+        torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    return wte(idx) + wpe(pos);
+  }
+  torch::nn::Embedding wte, wpe;
+};
+TORCH_MODULE(Embed);
+
+/// The GPT's last pipeline layer: the final norm and lm_head.
+class HeadImpl : public torch::nn::Module {
+ public:
+  HeadImpl(torch::nn::LayerNorm ln_f_, torch::nn::Linear lm_head_)
+      : ln_f(register_module("ln_f", std::move(ln_f_))),
+        lm_head(register_module("lm_head", std::move(lm_head_))) {}
+  torch::Tensor forward(torch::Tensor x) { return lm_head(ln_f(x)); }
+  torch::nn::LayerNorm ln_f;
+  torch::nn::Linear lm_head;
+};
+TORCH_MODULE(Head);
+
+/// `model` as pipeline layers (fsdp::pipeline): "embed", "block0" .. "block{n-1}", "head",
+/// sharing its modules, so the weights are its own. Their FQNs differ from the GPT's
+/// (embed.wte.weight for wte.weight, block3.ln1.weight for blocks.3.ln1.weight).
+inline torch::nn::Sequential as_layers(const GPT& model) {
+  torch::nn::Sequential seq;
+  seq->push_back("embed", Embed(model->wte, model->wpe));
+  for (size_t i = 0; i < model->blocks.size(); ++i)
+    seq->push_back("block" + std::to_string(i), model->blocks[i]->module());
+  seq->push_back("head", Head(model->ln_f, model->lm_head));
+  return seq;
+}
+
 /// Mean next-token cross-entropy of `model` on (B, T+1) token rows.
 template <class Model>
 torch::Tensor loss_on(Model& model, const torch::Tensor& rows) {

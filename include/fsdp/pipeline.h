@@ -111,6 +111,12 @@ class PipelinedModel {
   int peak_in_flight_ = 0;
 };
 
+/// clip_grad_norm_ over the whole pipelined model: the norm of every stage's gradients
+/// together (each stage's over its shard group, then over the stages), and every shard
+/// scaled by min(1, max_norm / (norm + 1e-6)). Returns the norm before clipping, the same on
+/// every rank. norm_type 2 or infinity. Collective over the world.
+double clip_grad_norm_(PipelinedModel& model, double max_norm, double norm_type = 2.0);
+
 /// The boundaries options.partition asks for: stages + 1 values, from 0 to the number of
 /// layers, each stage at least one layer. `params` holds each layer's parameter count.
 /// Errors name the value and the fix (fewer stages than layers, boundaries out of order).

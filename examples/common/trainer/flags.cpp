@@ -205,6 +205,21 @@ void add_checkpoint_flags(cxxopts::Options& o) {
   }
 }
 
+void add_pipeline_flags(cxxopts::Options& o) {
+  auto flag = o.add_options("pipeline");
+  flag("pipeline-stages",
+       "pipeline stages over the ranks (divides the world size; each stage sharded over its "
+       "world/stages ranks); 1: no pipeline",
+       value<int>("1"));
+  flag("pipeline-schedule", "gpipe|1f1b", value<std::string>("1f1b"));
+  flag("micro-batches", "micro-batches per step through the pipeline (0: 2 x --pipeline-stages)",
+       value<int>("0"));
+  flag("partition",
+       "how the layers (embeddings, each block, the head) split into stages: parameters, "
+       "uniform, or the first layer of each stage after the first, e.g. 3,6",
+       value<std::string>("parameters"));
+}
+
 void add_output_flags(cxxopts::Options& o) {
   auto flag = o.add_options("output");
   flag("log-jsonl", "rank 0 writes one JSON object per step here", value<std::string>(""));
@@ -229,6 +244,7 @@ cxxopts::Options make_options() {
   add_sharding_flags(o);
   add_checkpoint_flags(o);
   add_output_flags(o);
+  add_pipeline_flags(o);
   return o;
 }
 
@@ -654,6 +670,53 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   return c;
 }
 
+// What a pipelined run (fsdp::pipeline) does not do yet, refused by flag.
+void check_pipeline_combination(const Flags& f) {
+  const auto refuse = [&](bool given, const std::string& what) {
+    if (given)
+      throw UsageError("--pipeline-stages " + std::to_string(f.pipeline.stages) + " with " + what +
+                       ": pipelined runs do not do that yet; leave it out, or use "
+                       "--pipeline-stages 1");
+  };
+  if (!current_program().layers)
+    throw UsageError("--pipeline-stages " + std::to_string(f.pipeline.stages) + ": " + program() +
+                     " cannot split its model into stages yet (train_gpt can); use "
+                     "--pipeline-stages 1");
+  if (f.training.grad_accum != 1)
+    throw UsageError("--grad-accum " + std::to_string(f.training.grad_accum) +
+                     " with --pipeline-stages " + std::to_string(f.pipeline.stages) +
+                     ": a pipeline's micro-batches are its gradient accumulation; give "
+                     "--micro-batches " +
+                     std::to_string(f.training.grad_accum) + " instead");
+  refuse(!f.checkpoint.save_dir.empty(), "--save-dir");
+  refuse(!f.checkpoint.init_from.empty(), "--init-from");
+  refuse(!f.checkpoint.consolidate_to.empty(), "--consolidate-to");
+  refuse(!f.checkpoint.export_hf.empty(), "--export-hf");
+  refuse(!f.training.eval_text.empty(), "--eval-text");
+  refuse(f.sharding.precision == "fp16", "--precision fp16");
+  refuse(!f.deepspeed_config.empty(), "--deepspeed-config");
+}
+
+PipelineFlags read_pipeline(const cxxopts::ParseResult& r) {
+  PipelineFlags p;
+  p.stages = r["pipeline-stages"].as<int>();
+  if (p.stages < 1)
+    throw UsageError("--pipeline-stages " + std::to_string(p.stages) + " must be at least 1");
+  try {
+    p.schedule = fsdp::parse_pipeline_schedule(r["pipeline-schedule"].as<std::string>(),
+                                               "--pipeline-schedule");
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  p.micro_batches = r["micro-batches"].as<int>();
+  if (p.micro_batches < 0)
+    throw UsageError("--micro-batches " + std::to_string(p.micro_batches) +
+                     " must be 0 (2 x --pipeline-stages) or positive");
+  if (p.micro_batches == 0) p.micro_batches = 2 * p.stages;
+  p.partition = r["partition"].as<std::string>();
+  return p;
+}
+
 OutputFlags read_output(const cxxopts::ParseResult& r, int64_t steps) {
   OutputFlags o;
   o.log_jsonl = r["log-jsonl"].as<std::string>();
@@ -689,10 +752,25 @@ std::optional<Flags> parse_flags(const Program& program, int argc, char** argv) 
   check_val_fraction(f.training.val_fraction);
   f.checkpoint = read_checkpoint(r);
   f.output = read_output(r, f.training.steps);
+  f.pipeline = read_pipeline(r);
+  if (f.pipeline.stages > 1) check_pipeline_combination(f);
   return f;
 }
 
-void check_batch_for_world(const TrainingFlags& t, int world) {
+void check_batch_for_world(const TrainingFlags& t, int world, const PipelineFlags& p) {
+  if (p.stages > 1) {
+    if (world % p.stages != 0)
+      throw UsageError("--pipeline-stages " + std::to_string(p.stages) +
+                       " does not divide the world size " + std::to_string(world) +
+                       ": the world is stages x data-parallel ranks");
+    const int64_t dp = world / p.stages, unit = dp * p.micro_batches;
+    if (t.batch_size % unit != 0)
+      throw UsageError("--batch-size " + std::to_string(t.batch_size) + " must be divisible by " +
+                       std::to_string(dp) + " data-parallel ranks x --micro-batches " +
+                       std::to_string(p.micro_batches) + "; try --batch-size " +
+                       std::to_string((t.batch_size / unit + 1) * unit));
+    return;
+  }
   const int64_t batch = t.batch_size, accum = t.grad_accum;
   if (batch % (world * accum) != 0) {
     throw UsageError("--batch-size " + std::to_string(batch) + " must be divisible by world size " +

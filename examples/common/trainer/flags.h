@@ -75,6 +75,14 @@ struct OutputFlags {
   std::string io_log;     ///< --io-log: one JSON object per checkpoint save, load, export
 };
 
+/// Pipeline stages (fsdp::pipeline): --pipeline-stages 1 trains without them.
+struct PipelineFlags {
+  int stages = 1;  ///< --pipeline-stages: stages over the ranks (divides the world)
+  fsdp::PipelineSchedule schedule = fsdp::PipelineSchedule::k1F1B;  ///< --pipeline-schedule
+  int micro_batches = 0;  ///< --micro-batches, resolved (0 given: 2 x stages)
+  std::string partition;  ///< --partition: parameters|uniform|B1,B2,...
+};
+
 struct Flags {
   std::string deepspeed_config;  ///< --deepspeed-config: a DeepSpeed ds_config.json
   std::set<std::string> given;   ///< the flags given (command line and --config), by name
@@ -83,6 +91,7 @@ struct Flags {
   ShardingFlags sharding;
   CheckpointFlags checkpoint;
   OutputFlags output;
+  PipelineFlags pipeline;
 };
 
 /// The program parse_flags was called for (its name prefixes every output line).
@@ -98,8 +107,10 @@ void check_loss_scaler(const fsdp::LossScalerOptions& ls);
 /// --offload-optimizer / --offload-param: none|cpu|nvme.
 fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::string& value);
 
-/// The global batch must split evenly into `world` ranks' micro-batches.
-void check_batch_for_world(const TrainingFlags& training, int world);
+/// The global batch must split evenly into `world` ranks' micro-batches (with pipeline
+/// stages: into each data-parallel replica's --micro-batches).
+void check_batch_for_world(const TrainingFlags& training, int world,
+                           const PipelineFlags& pipeline = {});
 
 /// The checkpoint flags, and the places they write to, checked before any training: the
 /// save directory is created, and the consolidated file's directory must exist.

@@ -35,6 +35,9 @@ struct Program {
   /// The family's repeated block: what --wrap block and --activation-checkpointing pick.
   fsdp::WrapPolicy block_policy;
   std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
+  /// The model as a Sequential of layers for pipeline stages (--pipeline-stages), with the
+  /// weights `build` would give from the same seed; empty for a family that cannot split yet.
+  std::function<torch::nn::Sequential(const Config&)> layers;
   /// A Hugging Face architecture: the Config of a model directory's config.json (block_size
   /// given: the training sequence length; empty: train from this program's own files
   /// only), and the text of config.json for a Config, which --export-hf writes (adding

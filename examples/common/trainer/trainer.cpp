@@ -270,6 +270,114 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   }
 }
 
+/// Next-token cross-entropy of (B, T, V) logits against (B, T) targets.
+torch::Tensor token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
+/// The optimizer of one stage of a pipeline: FusedAdamW over its shards, grouped as
+/// --no-decay-recipe says.
+std::unique_ptr<torch::optim::AdamW> stage_optimizer(const Flags& f, fsdp::PipelinedModel& pm) {
+  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
+                         .betas({f.training.beta1, f.training.beta2})
+                         .eps(f.training.eps)
+                         .weight_decay(f.training.weight_decay);
+  std::unique_ptr<fsdp::FusedAdamW> opt;
+  if (f.training.no_decay_recipe == "standard") {
+    fsdp::ShardParamGroups groups(pm.stage_model(), fsdp::no_decay_groups(f.training.weight_decay));
+    opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
+  } else {
+    opt = std::make_unique<fsdp::FusedAdamW>(pm.stage_model(), adamw);
+  }
+  if (f.sharding.options.mixed_precision.master_dtype == torch::kBFloat16)
+    opt->set_bf16_rounding(f.sharding.bf16_rounding,
+                           f.training.seed + static_cast<uint64_t>(pm.world().rank()));
+  return opt;
+}
+
+/// This data-parallel replica's rows of a global batch, split into inputs and targets.
+std::pair<torch::Tensor, torch::Tensor> replica_rows(const torch::Tensor& rows,
+                                                     const fsdp::PipelinedModel& pm,
+                                                     const torch::Device& device) {
+  const int64_t n = rows.size(0) / pm.data_parallel_size();
+  auto mine = rows.narrow(0, pm.data_parallel_rank() * n, n).to(device);
+  return {mine.narrow(1, 0, mine.size(1) - 1), mine.narrow(1, 1, mine.size(1) - 1)};
+}
+
+/// Validation loss through the pipeline: the same batches as val_loss, the mean over the
+/// replicas, on every rank.
+double pipelined_val_loss(fsdp::PipelinedModel& pm, const Data& data, const Flags& f) {
+  constexpr int64_t kValBatches = 4;
+  const torch::Device device = f.sharding.options.device;
+  torch::NoGradGuard no_grad;
+  pm.stage_model().as_module().eval();
+  auto sum = torch::zeros({1}, torch::TensorOptions(torch::kFloat).device(device));
+  for (int64_t i = 0; i < kValBatches; ++i) {
+    auto [x, y] =
+        replica_rows(data.val_batch(i, f.training.batch_size, f.model.block_size), pm, device);
+    torch::Tensor logits = pm.forward(x);
+    if (logits.defined()) sum += token_loss(logits, y).to(torch::kFloat).reshape({1});
+  }
+  pm.stage_model().as_module().train();
+  const bool last = pm.stage() + 1 == pm.stages();
+  if (last) pm.stage_group().all_reduce_sum(sum);
+  pm.world().broadcast(sum, (pm.stages() - 1) * pm.data_parallel_size());
+  return sum.item<double>() / static_cast<double>(pm.data_parallel_size() * kValBatches);
+}
+
+/// --pipeline-stages N > 1: the model's layers in stages over the ranks (fsdp::pipeline),
+/// each stage sharded over its world/N ranks; the same steps, logs and progress lines.
+int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data) {
+  const bool main_rank = pg.rank() == 0;
+  fsdp::PipelineOptions po;
+  po.stages = f.pipeline.stages;
+  po.micro_batches = f.pipeline.micro_batches;
+  po.schedule = f.pipeline.schedule;
+  po.partition = f.pipeline.partition;
+  po.sharding = f.sharding.options;
+  po.sharding.process_group = pg;
+  torch::manual_seed(f.training.seed);
+  fsdp::PipelinedModel pm = fsdp::pipeline(program_info().layers(f.model), po);
+  auto opt = stage_optimizer(f, pm);
+  const torch::Device device = f.sharding.options.device;
+  if (main_rank) {
+    std::cout << program() << ": pipeline of " << pm.stages() << " stages ("
+              << (f.pipeline.schedule == fsdp::PipelineSchedule::kGPipe ? "gpipe" : "1f1b") << ", "
+              << f.pipeline.micro_batches << " micro-batches), " << pm.data_parallel_size()
+              << " data-parallel rank(s) a stage; layers by stage:";
+    const auto& b = pm.boundaries();
+    for (size_t s = 0; s + 1 < b.size(); ++s) std::cout << " [" << b[s] << ", " << b[s + 1] << ")";
+    std::cout << std::endl;
+  }
+  TrainLog log(f.output, f.training.steps, main_rank);
+  log.start(0, f.training.steps);
+  const int64_t batch = f.training.batch_size, block = f.model.block_size;
+  for (int64_t step = 0; step < f.training.steps; ++step) {
+    StepRecord r;
+    r.step = step + 1;
+    r.lr = lr_at(f.training, step, 0);
+    set_lr(*opt, r.lr);
+    const auto start = std::chrono::steady_clock::now();
+    {
+      fsdp::TraceScope span("train step " + std::to_string(r.step));
+      auto [x, y] = replica_rows(data.batch(step, batch, block), pm, device);
+      r.loss = pm.train_step(x, y, token_loss).item<double>();
+      if (f.training.clip_grad > 0) fsdp::clip_grad_norm_(pm, f.training.clip_grad);
+      opt->step();
+      opt->zero_grad();
+    }
+    r.step_s = seconds_since(start);
+    r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
+    read_engine_stats(pm.stage_model(), r);
+    if (data.validates() && log.progress_after(r.step))
+      r.val_loss = pipelined_val_loss(pm, data, f);
+    log.write(r);
+  }
+  if (main_rank) std::cout << program() << ": done" << std::endl;
+  return 0;
+}
+
 int run(const Program& prog, int argc, char** argv) {
   std::optional<Flags> flags = parse_flags(prog, argc, argv);
   if (!flags) return 0;  // --help
@@ -279,7 +387,8 @@ int run(const Program& prog, int argc, char** argv) {
   const Flags& f = *flags;
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);
   data.check(f.model.block_size);
-  check_batch_for_world(f.training, pg.size());
+  check_batch_for_world(f.training, pg.size(), f.pipeline);
+  if (f.pipeline.stages > 1) return run_pipelined(f, pg, data);
   check_checkpoint_flags(f.checkpoint, f.training.steps);
   const bool main_rank = pg.rank() == 0;
 
