@@ -11,6 +11,13 @@
 
 #include <cmath>
 
+namespace fsdp {
+// Test names read "GetParam() = gpipe" (Names.EveryParameterisedTestIsListedReadably).
+void PrintTo(PipelineSchedule s, std::ostream* os) {
+  *os << (s == PipelineSchedule::kGPipe ? "gpipe" : "1f1b");
+}
+}  // namespace fsdp
+
 using namespace fsdp;
 using namespace fsdp::testing;
 
