@@ -27,7 +27,15 @@ Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {
     // Note [Per-unit trace]: the ranks leave this barrier together, which is where the
     // merge tool aligns their clocks.
     const ProcessGroup& pg = options_.process_group;
-    trace::start(dir, pg.rank(), pg.size());
+    // Files are named by the job's rank: a model over a subgroup (a pipeline's stage)
+    // has ranks that repeat across the subgroups.
+    int rank = pg.rank(), world = pg.size();
+    try {
+      const LaunchEnv env = read_launch_env();
+      if (env.world_size > world) rank = env.rank, world = env.world_size;
+    } catch (const c10::Error&) {  // no consistent launcher environment: the group's ranks
+    }
+    trace::start(dir, rank, world);
     GroupAccess::backend(pg)->barrier();
     trace::mark_sync();
   }

@@ -4,6 +4,7 @@
 
 #include "comm/backend.h"
 #include "internal/sharded_model.h"
+#include "trace/trace.h"
 
 #include <algorithm>
 #include <cmath>
@@ -176,6 +177,12 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
   m.seq_ = std::make_shared<Sharded<torch::nn::Sequential>>(
       shard_sequential(torch::nn::Sequential(std::move(mine)), sharding));
   m.model_ = *m.seq_;
+  if (detail::trace::on()) {
+    // The stages' models met at barriers of their own groups; the merge aligns the ranks'
+    // clocks at their last common mark, which must be one barrier of the whole world.
+    world.barrier();
+    detail::trace::mark_sync();
+  }
   return m;
 }
 
@@ -219,6 +226,9 @@ struct PipelinedModel::Step {
   }
 
   torch::Tensor recv(int peer, int mb, int dir, const torch::Device& device) {
+    detail::trace::Scope waiting("wait", [&]() {
+      return std::string(dir == 0 ? "recv activation " : "recv gradient ") + std::to_string(mb);
+    });
     auto header = torch::empty({kHeader}, torch::TensorOptions(torch::kLong).device(device));
     world.recv(header, peer, tag_of(mb, dir, 0))->wait();
     const auto h = header.cpu();
@@ -252,7 +262,15 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
   st.outputs.resize(static_cast<size_t>(M));
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(torch::kFloat).device(device));
 
+  // Each micro-batch's forward and backward is a span ("F3 stage 1"), so a trace shows
+  // the schedule and its bubble.
+  auto span = [&](const char* what, int mb) {
+    return [what, mb, this]() {
+      return what + std::to_string(mb) + " stage " + std::to_string(stage_);
+    };
+  };
   auto forward_mb = [&](int mb) {
+    detail::trace::Scope f("pipeline", span("F", mb));
     torch::Tensor x = first ? in_chunks[static_cast<size_t>(mb)]
                             : st.recv(st.prev, mb, 0, device).requires_grad_(true);
     torch::Tensor out = (*seq_)(x);
@@ -268,6 +286,7 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
     peak_in_flight_ = std::max(peak_in_flight_, ++st.in_flight);
   };
   auto backward_mb = [&](int mb) {
+    detail::trace::Scope b("pipeline", span("B", mb));
     torch::Tensor out = std::move(st.outputs[static_cast<size_t>(mb)]);
     if (last) {
       out.backward();
