@@ -119,6 +119,45 @@ TEST(DeepSpeedConfig, TheExampleZero3OffloadConfigMapsEveryKeyAndNotesEachOne) {
       << c.describe();
 }
 
+// The pipeline section: stages and partition map to fsdp::PipelineOptions, and the batch
+// rule counts the data-parallel ranks (world / stages), as DeepSpeed's pipe engine does.
+TEST(DeepSpeedConfig, ThePipelineSectionSetsStagesAndPartitionAndTheBatchRuleCountsReplicas) {
+  fsdp::DeepSpeedProgramValues p;
+  p.world_size = 4;
+  const auto c = fsdp::parse_deepspeed_config(
+      R"({"train_batch_size": 16, "gradient_accumulation_steps": 4,
+          "pipeline": {"stages": 2, "partition": "uniform", "pipe_partitioned": true,
+                       "grad_partitioned": true, "seed_layers": false,
+                       "activation_checkpoint_interval": 0}})",
+      p);
+  EXPECT_EQ(c.pipeline_stages, 2);
+  EXPECT_EQ(c.pipeline_partition, "uniform");
+  EXPECT_EQ(c.micro_batch_per_rank, 2);  // 16 = 2 x 4 micro-batches x 2 replicas
+  EXPECT_TRUE(note(c, "pipeline.stages").applied);
+  EXPECT_FALSE(note(c, "pipeline.pipe_partitioned").applied);
+  EXPECT_NE(c.describe().find("x data-parallel 2 (2 pipeline stages, partition uniform)"),
+            std::string::npos)
+      << c.describe();
+  p.pipeline_stages = 4;  // "auto": the program's
+  const auto a = fsdp::parse_deepspeed_config(
+      R"({"train_batch_size": 16, "pipeline": {"stages": "auto", "partition": "best"}})", p);
+  EXPECT_EQ(a.pipeline_stages, 4);
+  EXPECT_EQ(a.pipeline_partition, "parameters");
+  EXPECT_EQ(a.micro_batch_per_rank, 16);  // one replica, one micro-batch
+  fsdp::DeepSpeedProgramValues four;
+  four.world_size = 4;
+  EXPECT_NE(error_of(R"({"train_batch_size": 16, "pipeline": {"stages": 3}})", four)
+                .find("ds_config: pipeline.stages 3 does not divide the world size 4"),
+            std::string::npos);
+  EXPECT_ERROR(R"({"train_batch_size": 8, "pipeline": {"partition": "type:Block"}})",
+               "ds_config: pipeline.partition \"type:Block\" is not available here; write "
+               "\"parameters\"");
+  EXPECT_ERROR(R"({"train_batch_size": 8, "pipeline": {"activation_checkpoint_interval": 2}})",
+               "train_gpt --activation-checkpointing every:2");
+  EXPECT_ERROR(R"({"train_batch_size": 8, "pipeline": {"micro_batches": 2}})",
+               "Supported keys in pipeline");
+}
+
 TEST(DeepSpeedConfig, StagesZeroToThreeBecomeNoShardZero1Zero2AndFullShard) {
   const ShardingStrategy want[] = {ShardingStrategy::kNoShard, ShardingStrategy::kZero1,
                                    ShardingStrategy::kZero2, ShardingStrategy::kFullShard};

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 using namespace fsdp::testing;
 
@@ -224,14 +225,21 @@ TEST(TrainGpt, PipelineStagesGiveTheLossesOfOneProcess) {
   };
   const auto [one, out1] = run_at(1, {}, "pp_w1");
   ASSERT_EQ(one.size(), 8u) << out1;
-  const std::vector<std::pair<int, std::vector<std::string>>> layouts = {
-      {2, {"--pipeline-stages", "2"}},
-      {2, {"--pipeline-stages", "2", "--pipeline-schedule", "gpipe"}},
-      {4, {"--pipeline-stages", "2", "--micro-batches", "2"}},
-      {4, {"--pipeline-stages", "4", "--partition", "uniform"}}};
-  for (const auto& [nproc, extra] : layouts) {
+  // A DeepSpeed config's pipeline section drives the same: 2 stages over 4 ranks, its
+  // gradient_accumulation_steps the micro-batches.
+  const std::string ds = temp_path("pp_ds") + ".json";
+  std::ofstream(ds) << R"({"train_batch_size": 16, "gradient_accumulation_steps": 4,
+                          "pipeline": {"stages": 2, "partition": "parameters"}})";
+  const std::vector<std::tuple<int, std::string, std::vector<std::string>>> layouts = {
+      {2, "2 stages (1f1b, 4", {"--pipeline-stages", "2"}},
+      {2, "2 stages (gpipe, 4", {"--pipeline-stages", "2", "--pipeline-schedule", "gpipe"}},
+      {4, "2 stages (1f1b, 2", {"--pipeline-stages", "2", "--micro-batches", "2"}},
+      {4, "4 stages (1f1b, 8", {"--pipeline-stages", "4", "--partition", "uniform"}},
+      {4, "2 stages (1f1b, 4", {"--deepspeed-config", ds}}};
+  for (const auto& [nproc, expected, extra] : layouts) {
     const auto [got, out] = run_at(nproc, extra, "pp_layout");
-    EXPECT_NE(out.find("train_gpt: pipeline of " + extra[1] + " stages"), std::string::npos) << out;
+    EXPECT_NE(out.find("train_gpt: pipeline of " + expected + " micro-batches)"), std::string::npos)
+        << out;
     ASSERT_EQ(got.size(), one.size()) << out;
     for (size_t i = 0; i < one.size(); ++i)
       EXPECT_NEAR(got[i], one[i], 1e-6 * one[i])

@@ -36,6 +36,8 @@ struct DeepSpeedProgramValues {
   /// h*h, stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h);
   /// 0: DeepSpeed's defaults.
   int64_t hidden_size = 0;
+  /// Pipeline stages (pipeline.stages "auto"); the batch rule's world is world_size / stages.
+  int pipeline_stages = 1;
 };
 
 /// What a config's `optimizer` section asked for (DeepSpeed's Adam and AdamW).
@@ -78,6 +80,11 @@ struct DeepSpeedConfig {
   int64_t gradient_accumulation_steps = 0;  ///< micro-batches per step
   double gradient_clipping = 1.0;           ///< DeepSpeed's default is 1.0 (0: off)
   int64_t steps_per_print = 0;              ///< 0: not given
+  /// The pipeline section (fsdp::pipeline): stages (PipelineOptions::stages), and how the
+  /// layers split (PipelineOptions::partition); gradient_accumulation_steps is then the
+  /// pipeline's micro-batch count, as in DeepSpeed's pipe engine.
+  int pipeline_stages = 1;
+  std::string pipeline_partition = "parameters";
   bool wall_clock_breakdown = false;
   std::vector<DeepSpeedNote> notes;  ///< one per key of the config, section by section
 

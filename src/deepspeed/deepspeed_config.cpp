@@ -144,6 +144,7 @@ class ConfigReader {
     note(path, v, false, "DeepSpeed's default; " + why);
   }
 
+  void pipeline(const json& pl);
   void batch(const json& j);
   void precision(const json& j);
   bool fp16_section(const json& f);
@@ -163,7 +164,8 @@ class ConfigReader {
 // ---- batch sizes: deepspeed/runtime/config.py, _set_batch_related_parameters ------------
 
 void ConfigReader::batch(const json& j) {
-  const int64_t world = p_.world_size;
+  // Under a pipeline DeepSpeed's rule counts the data-parallel ranks, not the world.
+  const int64_t world = p_.world_size / out_.pipeline_stages;
   std::optional<int64_t> train, micro, accum;
   const int64_t auto_micro = p_.micro_batch_per_rank, auto_accum = p_.gradient_accumulation_steps;
   auto read = [&](const char* key, std::optional<int64_t> auto_value) -> std::optional<int64_t> {
@@ -225,6 +227,58 @@ void ConfigReader::batch(const json& j) {
     note("gradient_accumulation_steps", j["gradient_accumulation_steps"], true,
          "DeepSpeedConfig::gradient_accumulation_steps" + rule,
          filled("gradient_accumulation_steps", *accum));
+}
+
+// ---- pipeline: deepspeed/runtime/config.py, get_pipeline_config ------------------------
+
+void ConfigReader::pipeline(const json& pl) {
+  check_keys(pl, "pipeline",
+             {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
+              "pipe_partitioned", "grad_partitioned"});
+  if (pl.contains("stages")) {
+    out_.pipeline_stages =
+        static_cast<int>(integer("pipeline.stages", pl["stages"], p_.pipeline_stages, 1));
+    TORCH_CHECK(p_.world_size % out_.pipeline_stages == 0, "ds_config: pipeline.stages ",
+                out_.pipeline_stages, " does not divide the world size ", p_.world_size,
+                ": the world is stages x data-parallel ranks; use a divisor of ", p_.world_size);
+    note("pipeline.stages", pl["stages"], true,
+         "PipelineOptions::stages: the model's layers in stages over the ranks, each stage "
+         "sharded over world / stages ranks",
+         is_auto(pl["stages"]) ? std::to_string(out_.pipeline_stages) : "");
+  }
+  if (pl.contains("partition")) {
+    const std::string v = string("pipeline.partition", pl["partition"], "a partition method");
+    TORCH_CHECK(v == "parameters" || v == "uniform" || v == "best",
+                "ds_config: pipeline.partition ", pl["partition"].dump(),
+                " is not available here; write \"parameters\" (balance the parameter counts) or "
+                "\"uniform\" (balance the layer counts)");
+    out_.pipeline_partition = v == "uniform" ? "uniform" : "parameters";
+    note("pipeline.partition", pl["partition"], true,
+         "PipelineOptions::partition = " + out_.pipeline_partition +
+             (v == "best" ? " (\"best\" is DeepSpeed's config default; its PipelineModule "
+                            "balances parameters)"
+                          : ""));
+  }
+  if (pl.contains("seed_layers"))
+    default_only("pipeline.seed_layers", pl["seed_layers"], false,
+                 "the layers are built once, from the program's seed, before they split");
+  if (pl.contains("activation_checkpoint_interval")) {
+    const int64_t k = integer("pipeline.activation_checkpoint_interval",
+                              pl["activation_checkpoint_interval"], {}, 0);
+    TORCH_CHECK(k == 0, "ds_config: pipeline.activation_checkpoint_interval ", k,
+                " is not available here; write 0 and checkpoint blocks with "
+                "ShardingOptions::checkpoint_policy (train_gpt --activation-checkpointing every:",
+                k, ")");
+    note("pipeline.activation_checkpoint_interval", pl["activation_checkpoint_interval"], true,
+         "no activation checkpointing by the pipeline (DeepSpeed's default)");
+  }
+  for (const char* k : {"pipe_partitioned", "grad_partitioned"}) {
+    if (!pl.contains(k)) continue;
+    boolean(std::string("pipeline.") + k, pl[k]);
+    note(std::string("pipeline.") + k, pl[k], false,
+         "no effect: DeepSpeed splits the activations (or their gradients) between stages "
+         "over a tensor-parallel group, and there is none; they travel whole");
+  }
 }
 
 // ---- fp16 and bf16 ----------------------------------------------------------------------
@@ -784,7 +838,8 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
       j, "",
       {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
        "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
-       "zero_optimization", "steps_per_print", "wall_clock_breakdown"});
+       "zero_optimization", "steps_per_print", "wall_clock_breakdown", "pipeline"});
+  if (j.contains("pipeline")) r.pipeline(j["pipeline"]);
   r.batch(j);
   if (j.contains("gradient_clipping")) {
     out.gradient_clipping =
@@ -849,8 +904,14 @@ std::string DeepSpeedConfig::describe() const {
   if (so.persistence_threshold_numel > 0)
     s << ", persistence_threshold_numel " << so.persistence_threshold_numel;
   s << "\n  batch " << train_batch_size << " = micro " << micro_batch_per_rank << " x accumulation "
-    << gradient_accumulation_steps << " x world " << world_size << ", gradient_clipping "
-    << gradient_clipping;
+    << gradient_accumulation_steps;
+  if (pipeline_stages > 1) {
+    s << " x data-parallel " << world_size / pipeline_stages << " (" << pipeline_stages
+      << " pipeline stages, partition " << pipeline_partition << ")";
+  } else {
+    s << " x world " << world_size;
+  }
+  s << ", gradient_clipping " << gradient_clipping;
   if (optimizer.present)
     s << "\n  optimizer " << optimizer.type << ": lr " << optimizer.lr << ", betas ("
       << optimizer.beta1 << ", " << optimizer.beta2 << "), eps " << optimizer.eps

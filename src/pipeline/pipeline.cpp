@@ -48,11 +48,6 @@ int tag_of(int micro_batch, int direction, int part) {
   return (1 << 30) + (micro_batch * 2 + direction) * 2 + part;  // Note [Pipeline schedules]
 }
 
-struct Pending {
-  std::shared_ptr<detail::Work> work;
-  torch::Tensor keep;  // the tensor the send reads
-};
-
 detail::Backend& backend_of(const ProcessGroup& pg) { return *detail::GroupAccess::backend(pg); }
 
 std::string list(const std::vector<int64_t>& v) {
@@ -191,6 +186,10 @@ struct PipelinedModel::Step {
   PipelinedModel& m;
   detail::Backend& world;
   int prev, next;  // world ranks of the neighbours (-1: none)
+  struct Pending {
+    std::shared_ptr<detail::Work> work;
+    torch::Tensor keep;  // the tensor the send reads
+  };
   std::vector<Pending> pending;
   std::vector<torch::Tensor> inputs, outputs;  // per micro-batch, until its backward
   int in_flight = 0;

@@ -71,9 +71,13 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   // "auto" means the flags' values.
   fsdp::DeepSpeedProgramValues p;
   p.world_size = world;
-  p.gradient_accumulation_steps = t.grad_accum;
-  if (t.batch_size % (world * t.grad_accum) == 0)
-    p.micro_batch_per_rank = t.batch_size / (world * t.grad_accum);
+  // Under pipeline stages the micro-batches are the accumulation, over data-parallel ranks.
+  PipelineFlags& pl = f.pipeline;
+  const int64_t accum = pl.stages > 1 ? pl.micro_batches : t.grad_accum;
+  const int64_t dp = world % pl.stages == 0 ? world / pl.stages : world;
+  p.pipeline_stages = pl.stages;
+  p.gradient_accumulation_steps = accum;
+  if (t.batch_size % (dp * accum) == 0) p.micro_batch_per_rank = t.batch_size / (dp * accum);
   p.lr = t.lr;
   p.beta1 = t.beta1;
   p.beta2 = t.beta2;
@@ -92,8 +96,18 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   }
 
   FlagSetter set(f, "--deepspeed-config " + path);
+  if (ds.has("pipeline.stages"))
+    set("pipeline-stages", "pipeline.stages", pl.stages, ds.pipeline_stages);
+  if (ds.has("pipeline.partition"))
+    set("partition", "pipeline.partition", pl.partition, ds.pipeline_partition);
   set("batch-size", "train_batch_size", t.batch_size, ds.train_batch_size);
-  set("grad-accum", "gradient_accumulation_steps", t.grad_accum, ds.gradient_accumulation_steps);
+  if (pl.stages > 1) {
+    // DeepSpeed's pipe engine runs gradient_accumulation_steps micro-batches a step.
+    set("micro-batches", "gradient_accumulation_steps", pl.micro_batches,
+        static_cast<int>(ds.gradient_accumulation_steps));
+  } else {
+    set("grad-accum", "gradient_accumulation_steps", t.grad_accum, ds.gradient_accumulation_steps);
+  }
   if (ds.has("gradient_clipping"))
     set("clip-grad", "gradient_clipping", t.clip_grad, ds.gradient_clipping);
   if (ds.has("fp16.enabled") || ds.has("bf16.enabled") || ds.has("bfloat16.enabled")) {

@@ -670,8 +670,11 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   return c;
 }
 
+}  // namespace
+
 // What a pipelined run (fsdp::pipeline) does not do yet, refused by flag.
-void check_pipeline_combination(const Flags& f) {
+void check_pipeline_flags(const Flags& f) {
+  if (f.pipeline.stages <= 1) return;
   const auto refuse = [&](bool given, const std::string& what) {
     if (given)
       throw UsageError("--pipeline-stages " + std::to_string(f.pipeline.stages) + " with " + what +
@@ -694,8 +697,9 @@ void check_pipeline_combination(const Flags& f) {
   refuse(!f.checkpoint.export_hf.empty(), "--export-hf");
   refuse(!f.training.eval_text.empty(), "--eval-text");
   refuse(f.sharding.precision == "fp16", "--precision fp16");
-  refuse(!f.deepspeed_config.empty(), "--deepspeed-config");
 }
+
+namespace {
 
 PipelineFlags read_pipeline(const cxxopts::ParseResult& r) {
   PipelineFlags p;
@@ -753,7 +757,7 @@ std::optional<Flags> parse_flags(const Program& program, int argc, char** argv) 
   f.checkpoint = read_checkpoint(r);
   f.output = read_output(r, f.training.steps);
   f.pipeline = read_pipeline(r);
-  if (f.pipeline.stages > 1) check_pipeline_combination(f);
+  check_pipeline_flags(f);  // run() checks again once a DeepSpeed config may set stages
   return f;
 }
 

@@ -107,6 +107,9 @@ void check_loss_scaler(const fsdp::LossScalerOptions& ls);
 /// --offload-optimizer / --offload-param: none|cpu|nvme.
 fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::string& value);
 
+/// What pipeline stages do not do yet, refused by flag (nothing when --pipeline-stages is 1).
+void check_pipeline_flags(const Flags& f);
+
 /// The global batch must split evenly into `world` ranks' micro-batches (with pipeline
 /// stages: into each data-parallel replica's --micro-batches).
 void check_batch_for_world(const TrainingFlags& training, int world,

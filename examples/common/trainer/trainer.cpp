@@ -328,8 +328,10 @@ double pipelined_val_loss(fsdp::PipelinedModel& pm, const Data& data, const Flag
 
 /// --pipeline-stages N > 1: the model's layers in stages over the ranks (fsdp::pipeline),
 /// each stage sharded over its world/N ranks; the same steps, logs and progress lines.
-int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data) {
+int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data,
+                  const std::string& deepspeed) {
   const bool main_rank = pg.rank() == 0;
+  if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   fsdp::PipelineOptions po;
   po.stages = f.pipeline.stages;
   po.micro_batches = f.pipeline.micro_batches;
@@ -385,10 +387,11 @@ int run(const Program& prog, int argc, char** argv) {
       examples::init_process_group_for(flags->sharding.options.device, flags->sharding.backend);
   const std::string deepspeed = apply_deepspeed_config(*flags, pg.size());
   const Flags& f = *flags;
+  check_pipeline_flags(f);
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);
   data.check(f.model.block_size);
   check_batch_for_world(f.training, pg.size(), f.pipeline);
-  if (f.pipeline.stages > 1) return run_pipelined(f, pg, data);
+  if (f.pipeline.stages > 1) return run_pipelined(f, pg, data, deepspeed);
   check_checkpoint_flags(f.checkpoint, f.training.steps);
   const bool main_rank = pg.rank() == 0;
 
