@@ -29,7 +29,7 @@ namespace fsdp {
 // runs min(S - s - 1, M) forwards, then alternates F and B, then drains the backwards, so
 // stage s holds at most S - s micro-batches' activations.
 //
-// Each message is a header (the rank, sizes and dtype: 10 int64s) and the data, both sent
+// Each message is a header (dimensions, dtype, sizes: 10 int64s) and the data, both sent
 // without waiting (the sends of a step are waited for at its end), so two neighbours that
 // send to each other at once do not deadlock; receives block. Tags number the micro-batch
 // and the direction; they are reused step after step, in the same order on both sides.
