@@ -259,8 +259,30 @@ TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
                      "--pipeline-schedule 'zb' is not a pipeline schedule; expected gpipe or 1f1b");
   expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2"},
                      "--pipeline-stages 2 does not divide the world size 1");
-  expect_usage_error({bin("train_llama"), "--pipeline-stages", "2"},
-                     "train_llama cannot split its model into stages yet (train_gpt can)");
+  expect_usage_error({bin("train_llama"), "--pipeline-stages", "2", "--tie-embeddings"},
+                     "--pipeline-stages 2 with --tie-embeddings (the embedding would be the first "
+                     "stage's and lm_head the last's)");
+}
+
+// train_llama's layers (embedding, decoder layers, norm and head) in two stages give the
+// losses of one process.
+TEST(TrainLlama, PipelineStagesGiveTheLossesOfOneProcess) {
+  const std::string log1 = temp_path("llpp1"), log2 = temp_path("llpp2");
+  auto r1 = run_command(small_run(log1, 6, "cpu", "train_llama"));
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+  auto args = small_run(log2, 6, "cpu", "train_llama");
+  cmd.insert(cmd.end(), args.begin(), args.end());
+  cmd.insert(cmd.end(), {"--pipeline-stages", "2", "--micro-batches", "4"});
+  auto r2 = run_command(cmd);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  EXPECT_NE(r2.output.find("train_llama: pipeline of 2 stages (1f1b, 4 micro-batches)"),
+            std::string::npos)
+      << r2.output;
+  const auto a = losses(log1), b = losses(log2);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * a[i]) << "step " << i + 1;
 }
 
 TEST(TrainGpt, WorldOneAndWorldThreeGiveTheSameLosses) {

@@ -333,4 +333,31 @@ class LlamaImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Llama);
 
+/// The final norm and lm_head: a pipeline's last layer.
+class NormHeadImpl : public torch::nn::Module {
+ public:
+  NormHeadImpl(RMSNorm norm_, Head lm_head_)
+      : norm(register_module("norm", std::move(norm_))),
+        lm_head(register_module("lm_head", std::move(lm_head_))) {}
+  torch::Tensor forward(torch::Tensor x) { return lm_head(norm(x)); }
+  RMSNorm norm;
+  Head lm_head;
+};
+TORCH_MODULE(NormHead);
+
+/// `model` as pipeline layers (fsdp::pipeline): "embed_tokens", "layer0" .. "layer{n-1}",
+/// "head", sharing its modules. Untied embeddings only: a tied embedding would be in the
+/// first stage and lm_head in the last.
+inline torch::nn::Sequential as_layers(const Llama& model) {
+  TORCH_CHECK(!model->config.tie_embeddings,
+              "pipeline stages need untied embeddings (the embedding is the first stage's, "
+              "lm_head the last's)");
+  torch::nn::Sequential seq;
+  seq->push_back("embed_tokens", model->model->embed_tokens);
+  for (size_t i = 0; i < model->model->layers.size(); ++i)
+    seq->push_back("layer" + std::to_string(i), model->model->layers[i]->module());
+  seq->push_back("head", NormHead(model->model->norm, model->lm_head));
+  return seq;
+}
+
 }  // namespace llama

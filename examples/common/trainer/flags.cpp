@@ -683,7 +683,7 @@ void check_pipeline_flags(const Flags& f) {
   };
   if (!current_program().layers)
     throw UsageError("--pipeline-stages " + std::to_string(f.pipeline.stages) + ": " + program() +
-                     " cannot split its model into stages yet (train_gpt can); use "
+                     " cannot split its model into stages yet (train_gpt and train_llama can); use "
                      "--pipeline-stages 1");
   if (f.training.grad_accum != 1)
     throw UsageError("--grad-accum " + std::to_string(f.training.grad_accum) +
@@ -697,6 +697,8 @@ void check_pipeline_flags(const Flags& f) {
   refuse(!f.checkpoint.export_hf.empty(), "--export-hf");
   refuse(!f.training.eval_text.empty(), "--eval-text");
   refuse(f.sharding.precision == "fp16", "--precision fp16");
+  refuse(f.model.tie_embeddings,
+         "--tie-embeddings (the embedding would be the first stage's and lm_head the last's)");
 }
 
 namespace {
