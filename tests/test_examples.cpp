@@ -236,6 +236,20 @@ TEST(TrainGpt, PipelineStagesGiveTheLossesOfOneProcess) {
       {4, "2 stages (1f1b, 2", {"--pipeline-stages", "2", "--micro-batches", "2"}},
       {4, "4 stages (1f1b, 8", {"--pipeline-stages", "4", "--partition", "uniform"}},
       {4, "2 stages (1f1b, 4", {"--deepspeed-config", ds}}};
+  {
+    // 2 ranks at 2 stages: one replica of 4 micro-batches, which 18 sequences do not fill.
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+    auto args = small_run(temp_path("pp_bad"));
+    args[6] = "18";
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), {"--pipeline-stages", "2"});
+    auto r = run_command(cmd);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.output.find("--batch-size 18 must be divisible by 1 data-parallel ranks x "
+                            "--micro-batches 4; try --batch-size 20"),
+              std::string::npos)
+        << r.output;
+  }
   for (const auto& [nproc, expected, extra] : layouts) {
     const auto [got, out] = run_at(nproc, extra, "pp_layout");
     EXPECT_NE(out.find("train_gpt: pipeline of " + expected + " micro-batches)"), std::string::npos)
@@ -259,6 +273,10 @@ TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
                      "--pipeline-schedule 'zb' is not a pipeline schedule; expected gpipe or 1f1b");
   expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2"},
                      "--pipeline-stages 2 does not divide the world size 1");
+  expect_usage_error({bin("train_gpt"), "--pipeline-stages", "0"},
+                     "--pipeline-stages 0 must be at least 1");
+  expect_usage_error({bin("train_gpt"), "--micro-batches", "-1"},
+                     "--micro-batches -1 must be 0 (2 x --pipeline-stages) or positive");
   expect_usage_error({bin("train_llama"), "--pipeline-stages", "2", "--tie-embeddings"},
                      "--pipeline-stages 2 with --tie-embeddings (the embedding would be the first "
                      "stage's and lm_head the last's)");

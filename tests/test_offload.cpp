@@ -216,6 +216,19 @@ TEST_P(OffloadAtWorld, OptimizerCopyOutFeedsTheOffloadedGathersExactly) {
 // ShardingOptions::cpu_offload is deprecated for one release: it must still mean
 // offload_optimizer and offload_param on the host, exactly, under every strategy it was
 // allowed with (offload_param = cpu included, where it means no device copy of the shard).
+
+namespace {
+// fully_shard's message for a small GPT under `o` ("<no error>" if it shards).
+std::string shard_error(const ShardingOptions& o) {
+  try {
+    fully_shard(gpt::GPT(small_gpt_config()), o);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "<no error>";
+}
+}  // namespace
+
 TEST(DeprecatedCpuOffload, TrainsBitForBitLikeBothOffloadsOnTheHost) {
   for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                               ShardingStrategy::kNoShard, ShardingStrategy::kZero2}) {
@@ -260,13 +273,7 @@ TEST(DeprecatedCpuOffload, TrainsBitForBitLikeBothOffloadsOnTheHost) {
   o.cpu_offload = true;
 #pragma GCC diagnostic pop
   o.offload_optimizer.device = OffloadDevice::kNvme;
-  std::string message = "<no error>";
-  try {
-    fully_shard(gpt::GPT(small_gpt_config()), o);
-  } catch (const c10::Error& e) {
-    message = e.what_without_backtrace();
-  }
-  EXPECT_EQ(message,
+  EXPECT_EQ(shard_error(o),
             "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
             "offload_optimizer or offload_param; use one or the other (cpu_offload is "
             "deprecated: offload_optimizer.device = offload_param.device = kCpu)");
@@ -278,13 +285,7 @@ TEST(OffloadErrors, ToAGpuWithACpuOnlyLibTorch) {
   ShardingOptions o;
   o.device = torch::Device(torch::kCUDA, 0);
   o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kCpu;
-  std::string message = "<no error>";
-  try {
-    fully_shard(gpt::GPT(small_gpt_config()), o);
-  } catch (const c10::Error& e) {
-    message = e.what_without_backtrace();
-  }
-  EXPECT_EQ(message,
+  EXPECT_EQ(shard_error(o),
             "fsdp was built against a CPU-only LibTorch, so it cannot offload to cuda:0; rebuild "
             "against a "
             "CUDA LibTorch (cmake -DCMAKE_PREFIX_PATH=<libtorch with CUDA>).");

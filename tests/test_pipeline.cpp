@@ -7,6 +7,8 @@
 
 #include "support/multirank.h"
 
+#include "../src/comm/backend.h"  // the single process's backend refuses point to point
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -181,6 +183,44 @@ TEST(Pipeline, RefusesStagesThatDoNotDivideTheWorldAndTooFewMicroBatches) {
               std::string::npos)
         << error(o);
   });
+}
+
+// One process, one stage: the batch checks, the empty model, and a group of one rank
+// that has no peer to send to.
+TEST(Pipeline, RefusesAnEmptyModelABatchThatDoesNotSplitAndPointToPointAlone) {
+  auto error = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("<no error>");
+  };
+  PipelineOptions o;
+  o.stages = 1;
+  o.micro_batches = 4;
+  EXPECT_EQ(error([&] { pipeline(torch::nn::Sequential(), o); }),
+            "pipeline: the Sequential is empty; give it the model's layers in order");
+  PipelinedModel pm = pipeline(make_layers(), o);
+  auto [x, y] = batch(0, 6);
+  EXPECT_EQ(error([&] { pm.train_step(x, batch(0, 8).second, mse); }),
+            "PipelinedModel::train_step: the input's 6 rows do not split into micro_batches=4 "
+            "equal parts: give a batch whose first dimension is a multiple of 4");
+  EXPECT_EQ(error([&] { pm.train_step(batch(0, 8).first, y, mse); }),
+            "PipelinedModel::train_step: the target's 6 rows do not split into micro_batches=4 "
+            "equal parts: give a batch whose first dimension is a multiple of 4");
+  EXPECT_EQ(error([&] { pm.forward(x); }),
+            "PipelinedModel::forward: the input's 6 rows do not split into micro_batches=4 equal "
+            "parts: give a batch whose first dimension is a multiple of 4");
+  EXPECT_EQ(error([&] { PipelinedModel().forward(x); }),
+            "PipelinedModel::forward: an empty model; build it with fsdp::pipeline");
+  auto single = fsdp::detail::GroupAccess::backend(ProcessGroup());
+  EXPECT_EQ(error([&] { single->send(x, 1, 0); }),
+            "send to rank 1: point-to-point messages need a group of two or more ranks over gloo "
+            "or nccl; this group is single with 1 rank(s)");
+  EXPECT_EQ(error([&] { single->recv(x, 1, 0); }),
+            "recv from rank 1: point-to-point messages need a group of two or more ranks over "
+            "gloo or nccl; this group is single with 1 rank(s)");
 }
 
 class PipelineParity : public ::testing::TestWithParam<PipelineSchedule> {};

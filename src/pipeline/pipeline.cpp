@@ -3,11 +3,10 @@
 #include <fsdp/pipeline.h>
 
 #include "comm/backend.h"
-#include "internal/sharded_model.h"
 #include "trace/trace.h"
+#include "train/clip_grad.h"
 
 #include <algorithm>
-#include <cmath>
 #include <numeric>
 #include <sstream>
 
@@ -324,37 +323,18 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
 }
 
 double clip_grad_norm_(PipelinedModel& pm, double max_norm, double norm_type) {
-  const bool inf = std::isinf(norm_type) && norm_type > 0;
-  TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
-              " is unsupported; use 2.0 (L2) or std::numeric_limits<double>::infinity()");
-  TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm=", max_norm, " must be positive");
-  torch::NoGradGuard no_grad;
-  ShardedModel& model = pm.stage_model();
-  auto local = torch::zeros(
-      {1}, torch::TensorOptions().dtype(torch::kDouble).device(model.sharding_options().device));
-  detail::visit_grad_shards(model, /*write=*/false, [&](torch::Tensor& g) {
-    if (inf) {
-      local = torch::maximum(local, g.abs().max().to(local.device(), torch::kDouble).reshape({1}));
-    } else {
-      local += g.to(torch::kDouble).pow(2).sum().to(local.device());
-    }
-  });
-  // The stage's norm on each of its ranks, then the stages' together: every stage's value
-  // arrives from each of its data-parallel ranks.
-  detail::shard_group_all_reduce(model, local, /*max=*/inf);
-  if (pm.stages() > 1) {
-    if (inf) {
-      pm.world().all_reduce_max(local);
-    } else {
-      pm.world().all_reduce_sum(local);
-      local /= pm.data_parallel_size();
-    }
-  }
-  const double total = inf ? local.item<double>() : std::sqrt(local.item<double>());
-  const double coef = std::min(1.0, max_norm / (total + 1e-6));
-  if (coef < 1.0)
-    detail::visit_grad_shards(model, /*write=*/true, [&](torch::Tensor& g) { g.mul_(coef); });
-  return total;
+  // Each stage's norm arrives from each of its data-parallel ranks: summed over the
+  // world, it is counted dp times.
+  return detail::clip_grad_norm_across(pm.stage_model(), max_norm, norm_type,
+                                       [&pm](at::Tensor& local, bool inf) {
+                                         if (pm.stages() == 1) return;
+                                         if (inf) {
+                                           pm.world().all_reduce_max(local);
+                                         } else {
+                                           pm.world().all_reduce_sum(local);
+                                           local /= pm.data_parallel_size();
+                                         }
+                                       });
 }
 
 torch::Tensor PipelinedModel::forward(const torch::Tensor& input) {

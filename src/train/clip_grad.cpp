@@ -1,3 +1,5 @@
+#include "clip_grad.h"
+
 #include <fsdp/clip_grad.h>
 #include "trace/trace.h"
 
@@ -8,7 +10,9 @@
 
 namespace fsdp {
 
-double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
+double detail::clip_grad_norm_across(
+    ShardedModel& model, double max_norm, double norm_type,
+    const std::function<void(at::Tensor& local, bool inf)>& across) {
   detail::trace::Scope span("optimizer", []() { return std::string("clip_grad_norm"); });
   const bool inf = std::isinf(norm_type) && norm_type > 0;
   TORCH_CHECK(inf || norm_type == 2.0, "clip_grad_norm_: norm_type=", norm_type,
@@ -30,12 +34,17 @@ double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
     }
   });
   detail::shard_group_all_reduce(model, local, /*max=*/inf);
+  if (across) across(local, inf);
   const double total = inf ? local.item<double>() : std::sqrt(local.item<double>());
   // As torch::nn::utils::clip_grad_norm_: scale by min(1, max_norm / (total + 1e-6)).
   const double coef = std::min(1.0, max_norm / (total + 1e-6));
   if (coef < 1.0)
     detail::visit_grad_shards(model, /*write=*/true, [&](at::Tensor& g) { g.mul_(coef); });
   return total;
+}
+
+double clip_grad_norm_(ShardedModel& model, double max_norm, double norm_type) {
+  return detail::clip_grad_norm_across(model, max_norm, norm_type, {});
 }
 
 }  // namespace fsdp

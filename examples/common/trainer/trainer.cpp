@@ -49,13 +49,48 @@ struct Training : BuiltModel {
   std::optional<fsdp::LossScaler> scaler;
 };
 
+/// Next-token cross-entropy of (B, T, V) logits against (B, T) targets.
+torch::Tensor token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
 /// Mean next-token cross-entropy on (B, T+1) token rows.
 torch::Tensor loss_of(Training& t, const torch::Tensor& rows) {
-  auto x = rows.narrow(1, 0, rows.size(1) - 1);
-  auto y = rows.narrow(1, 1, rows.size(1) - 1);
-  auto logits = t.forward(x);
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              y.reshape({-1}));
+  return token_loss(t.forward(rows.narrow(1, 0, rows.size(1) - 1)),
+                    rows.narrow(1, 1, rows.size(1) - 1));
+}
+
+/// The optimizer of a sharded model (the whole model, or a pipeline's stage) as the flags
+/// ask. fsdp::FusedAdamW steps shards in host memory (CPU training, or offload) with its
+/// SIMD kernels and shards on a GPU with ATen's fused kernel (at::_fused_adamw_). Under
+/// bf16 the host step also writes each shard's bf16 copy, which the next gathers send
+/// instead of casting the shard again. `rank`: the job's (the groups' description is
+/// printed by rank 0; pure bf16's rounding seed).
+std::unique_ptr<torch::optim::AdamW> make_optimizer(const Flags& f, fsdp::ShardedModel& model,
+                                                    int rank) {
+  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
+                         .betas({f.training.beta1, f.training.beta2})
+                         .eps(f.training.eps)
+                         .weight_decay(f.training.weight_decay);
+  std::unique_ptr<fsdp::FusedAdamW> opt;
+  if (f.training.no_decay_recipe == "standard") {
+    // Groups by original parameter over the flat shards (include/fsdp/param_groups.h):
+    // biases and norm weights without weight decay, as GPT-2/nanoGPT train.
+    fsdp::ShardParamGroups groups(model, fsdp::no_decay_groups(f.training.weight_decay));
+    if (rank == 0) {
+      std::cout << program() << ": optimizer groups (--no-decay-recipe standard):\n"
+                << groups.describe(f.training.lr, f.training.weight_decay) << std::flush;
+    }
+    opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
+  } else {
+    opt = std::make_unique<fsdp::FusedAdamW>(model, adamw);
+  }
+  if (f.sharding.options.mixed_precision.master_dtype == torch::kBFloat16) {
+    // Pure bf16: each rank rounds with its own random bits.
+    opt->set_bf16_rounding(f.sharding.bf16_rounding, f.training.seed + static_cast<uint64_t>(rank));
+  }
+  return opt;
 }
 
 Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
@@ -75,31 +110,7 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   if (f.sharding.precision == "fp16") {
     t.scaler.emplace(t.model, f.sharding.loss_scaler);
   }
-  // fsdp::FusedAdamW steps shards in host memory (CPU training, or offload) with its SIMD
-  // kernels and shards on a GPU with ATen's fused kernel (at::_fused_adamw_). Under bf16
-  // the host step also writes each shard's bf16 copy, which the next gathers send instead
-  // of casting the shard again.
-  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
-                         .betas({f.training.beta1, f.training.beta2})
-                         .eps(f.training.eps)
-                         .weight_decay(f.training.weight_decay);
-  if (f.training.no_decay_recipe == "standard") {
-    // Groups by original parameter over the flat shards (include/fsdp/param_groups.h):
-    // biases and norm weights without weight decay, as GPT-2/nanoGPT train.
-    fsdp::ShardParamGroups groups(t.model, fsdp::no_decay_groups(f.training.weight_decay));
-    if (pg.rank() == 0) {
-      std::cout << program() << ": optimizer groups (--no-decay-recipe standard):\n"
-                << groups.describe(f.training.lr, f.training.weight_decay) << std::flush;
-    }
-    t.opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
-  } else {
-    t.opt = std::make_unique<fsdp::FusedAdamW>(t.model, adamw);
-  }
-  if (so.mixed_precision.master_dtype == torch::kBFloat16) {
-    // Pure bf16: each rank rounds with its own random bits.
-    static_cast<fsdp::FusedAdamW&>(*t.opt).set_bf16_rounding(
-        f.sharding.bf16_rounding, f.training.seed + static_cast<uint64_t>(pg.rank()));
-  }
+  t.opt = make_optimizer(f, t.model, pg.rank());
   return t;
 }
 
@@ -270,32 +281,6 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   }
 }
 
-/// Next-token cross-entropy of (B, T, V) logits against (B, T) targets.
-torch::Tensor token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              targets.reshape({-1}));
-}
-
-/// The optimizer of one stage of a pipeline: FusedAdamW over its shards, grouped as
-/// --no-decay-recipe says.
-std::unique_ptr<torch::optim::AdamW> stage_optimizer(const Flags& f, fsdp::PipelinedModel& pm) {
-  const auto adamw = torch::optim::AdamWOptions(f.training.lr)
-                         .betas({f.training.beta1, f.training.beta2})
-                         .eps(f.training.eps)
-                         .weight_decay(f.training.weight_decay);
-  std::unique_ptr<fsdp::FusedAdamW> opt;
-  if (f.training.no_decay_recipe == "standard") {
-    fsdp::ShardParamGroups groups(pm.stage_model(), fsdp::no_decay_groups(f.training.weight_decay));
-    opt = std::make_unique<fsdp::FusedAdamW>(groups, adamw);
-  } else {
-    opt = std::make_unique<fsdp::FusedAdamW>(pm.stage_model(), adamw);
-  }
-  if (f.sharding.options.mixed_precision.master_dtype == torch::kBFloat16)
-    opt->set_bf16_rounding(f.sharding.bf16_rounding,
-                           f.training.seed + static_cast<uint64_t>(pm.world().rank()));
-  return opt;
-}
-
 /// This data-parallel replica's rows of a global batch, split into inputs and targets.
 std::pair<torch::Tensor, torch::Tensor> replica_rows(const torch::Tensor& rows,
                                                      const fsdp::PipelinedModel& pm,
@@ -341,7 +326,7 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
   po.sharding.process_group = pg;
   torch::manual_seed(f.training.seed);
   fsdp::PipelinedModel pm = fsdp::pipeline(program_info().layers(f.model), po);
-  auto opt = stage_optimizer(f, pm);
+  auto opt = make_optimizer(f, pm.stage_model(), pg.rank());
   const torch::Device device = f.sharding.options.device;
   if (main_rank) {
     std::cout << program() << ": pipeline of " << pm.stages() << " stages ("
