@@ -3,8 +3,8 @@
 time: fsdp-estimate predicts the largest size for each mode, then at most three short
 real runs around it, inside a memory cgroup of the budget, confirm it.
 
-  max_model.py --bin-dir build/bin [--budget-mib 6144] [--world 2] [--d-model 1024]
-               [--n-head 16] [--block-size 64] [--steps 2] [--nvme-path DIR] [--runs 3]
+  max_model.py --bin-dir build/bin [--budget-mib 6144] [--world 2] [--d-model 512]
+               [--n-head 8] [--block-size 64] [--steps 2] [--nvme-path DIR] [--runs 3]
                [--only NAME,NAME | --only "NAME|NAME"] [--json-out FILE]
   max_model.py --bin-dir build/bin --device cuda [--gpu-mib N] [--budget-mib HOST] ...
                (the GPU and its host: no cgroup, device and host budgets apart; a run
@@ -18,9 +18,9 @@ Each mode is a train_gpt configuration (bf16 compute unless it says otherwise). 
   2. the estimate: the largest --n-layer whose fsdp-estimate per-node total (device and
      host: on the CPU both are this machine's memory) plus LibTorch's own fits the budget;
   3. the runs: train_gpt --steps N at that size under the budget (tests/memlimit/
-     construction.sh: a cgroup with memory.limit_in_bytes); if it is killed, a tenth of
-     the blocks fewer, else a tenth more, until the outcome changes, then halfway between
-     the two outcomes; at most three runs.
+     construction.sh: a cgroup with memory.limit_in_bytes); if it trained, the largest
+     size whose estimate, moved onto the peak it measured, fits (at least a block more);
+     if it was killed, a twentieth of the blocks fewer; at most three runs.
 It reports, per mode: the parameters reached, the physical bound (the budget less
 LibTorch's own, over the mode's bytes per parameter on this machine: model states per
 node from fsdp-estimate; for + offload_param=nvme, whose model states are all in files,
@@ -202,25 +202,45 @@ def run_split(args, layers, train, log):
     return finish(res, out)
 
 
-def search(args, predicted, flags):
-    """At most --runs real runs around the predicted block count. Steps of a tenth of the
-    prediction (at least one block): the estimate's target is 10% of the measured peak, so
-    the first two runs bracket the edge when the estimate holds. The third halves the
-    bracket when the two outcomes differ by more than a block, else takes one more step."""
+def search(args, predicted, flags, corrected=None):
+    """At most --runs real runs around the predicted block count.
+
+    With corrected (the cgroup runs): corrected(n, offset) says whether n blocks fit when
+    the estimate is moved by offset bytes. A run that trained measured its peak, so the
+    next size is the largest that fits the estimate moved onto that peak (at least one
+    block more, to find the edge); a run that was killed measured nothing, so the next is
+    a twentieth of the blocks fewer (at least one). The estimate then resolves the edge to
+    a block, where steps of a fixed fraction resolve only to that fraction.
+    Without it (the GPU's runs, whose peaks are per memory): steps of a tenth of the
+    prediction (at least one block), and the third run halves the bracket."""
     runs = [run(args, predicted, flags, args.budget_mib)]
     step = max(1, predicted // 10) * (1 if runs[0]["trained"] else -1)
     layers = predicted
     while len(runs) < args.runs:
-        ok = [r["layers"] for r in runs if r["trained"]]
+        ok = [r for r in runs if r["trained"]]
         killed = [r["layers"] for r in runs if not r["trained"]]
-        if ok and killed:
-            lo, hi = max(ok), min(killed)
+        hi = min(killed) if killed else None
+        if corrected is not None and ok:
+            lo = max(ok, key=lambda r: r["layers"])
+            layers = lo["layers"] + 1
+            if lo.get("peak_mib"):
+                offset = lo["peak_mib"] * 1048576 - corrected(lo["layers"], None)
+                n = layers
+                while (hi is None or n + 1 < hi) and corrected(n + 1, offset):
+                    n += 1
+                layers = max(layers, n)
+            if hi is not None and layers >= hi:
+                break
+        elif corrected is not None:
+            layers = min(killed) - max(1, -(-min(killed) // 20))
+        elif ok and killed:
+            lo = max(r["layers"] for r in ok)
             if hi - lo <= 1:
                 break
             layers = (lo + hi) // 2
         else:
             layers += step
-        if layers < 1:
+        if layers < 1 or any(r["layers"] == layers for r in runs):
             break
         runs.append(run(args, layers, flags, args.budget_mib))
     return runs
@@ -358,8 +378,9 @@ def main():
     ap.add_argument("--budget-mib", type=int, default=None,
                     help="the job's memory (default 6144; --device cuda: the host's, default 90%% of MemAvailable)")
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=1024)
-    ap.add_argument("--n-head", type=int, default=16)
+    # Width 512: a block is 1.7% of plain's bound in 6 GiB, so the edge resolves finely.
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--n-head", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-layers", type=int, default=512)
@@ -446,12 +467,22 @@ def main():
             return e["total"] <= budget and (not disk or e["nvme"] <= disk)
 
         predicted = largest(args, lambda n: fits(estimate(args, n, est_flags)))
+
+        def corrected(n, offset):
+            """With offset None: the estimated job peak of n blocks, in bytes. Otherwise
+            whether n blocks fit with the estimate moved by offset (a measured peak less
+            the estimate there)."""
+            e = estimate(args, n, est_flags)
+            if offset is None:
+                return e["total"] + own * 1048576
+            return e["total"] + offset <= budget and (not disk or e["nvme"] <= disk)
+
         if predicted < 1:
             out = {"metric": "max_model", "mode": name, "error": "not even one block fits the estimate"}
             print(json.dumps(out), flush=True)
             results.append(out)
             continue
-        runs = search(args, predicted, flags)
+        runs = search(args, predicted, flags, corrected)
         trained = [r for r in runs if r["trained"]]
         best = max(trained, key=lambda r: r["layers"]) if trained else None
         out = {"metric": "max_model", "mode": name, "flags": " ".join(flags),
