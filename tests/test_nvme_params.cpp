@@ -178,9 +178,10 @@ TEST(NvmeParams, HybridShardTrainsBitIdentically) {
 }
 
 // The bound of Note [NVMe parameters]: with the parameters in files, every host counter
-// peaks at the same bytes for 4 and 12 blocks of the same width (what computes, not the
-// model; from 4 blocks on, a gradient is written while one unit reads ahead and two are
-// gathered), while with the parameters in memory the shards grow with the blocks.
+// peaks at the same bytes for 6 and 16 blocks of the same width (what computes, not the
+// model; from 6 blocks on, kGradWritesInFlight gradients are being written while one unit
+// reads ahead and two are gathered: 4 blocks peak lower), while with the parameters in
+// memory the shards grow with the blocks.
 TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
   auto peaks = [](int64_t layers, bool files) {
     TempDir dir;
@@ -204,7 +205,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
                                 m.gathered_params.peak, m.comm_buffers.peak,
                                 m.offload_buffers.peak, m.nvme_params.current};
   };
-  const auto small = peaks(4, true), large = peaks(12, true);
+  const auto small = peaks(6, true), large = peaks(16, true);
   const char* names[] = {"sharded_params", "grad_shards", "gathered_params", "comm_buffers",
                          "offload_buffers"};
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(small[i], large[i]) << names[i];
@@ -349,10 +350,13 @@ TEST(NvmeParams, ParameterGroupsStreamSegmentsOfTheShardsExactly) {
 TEST(NvmeParams, TooSmallBufferIsRefusedNamingTheLeast) {
   TempDir dir;
   ShardingOptions o = options(ProcessGroup(), dir.path, false, true);
+  // The parameters stream through both sections' buffers: together too small.
   o.offload_optimizer.buffer_bytes = 64 * 1024;
+  o.offload_param.buffer_bytes = 32 * 1024;
   auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
   EXPECT_EQ(error_of([&] { FusedAdamW opt(model); }),
-            "ShardingOptions::offload_optimizer.buffer_bytes=65536 is too small: with "
+            "ShardingOptions::offload_optimizer.buffer_bytes=65536 with "
+            "offload_param.buffer_bytes=32768 is too small: with "
             "offload_param=nvme the optimizer streams three chunks of the masters, gradients, "
             "exp_avg, exp_avg_sq and 16-bit copies through it, at least 2048 elements each "
             "(184320 bytes); use 64 MiB (the default)");

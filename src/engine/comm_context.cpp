@@ -133,6 +133,11 @@ void CommContext::finish_oldest() {
     acct_->count_offload(/*to_device=*/false, static_cast<int64_t>(g.nbytes()));
     flat.store_grad(g);
     flat.count_grad();
+    grad_writes_.push_back(&flat);
+    while (grad_writes_.size() > kGradWritesInFlight) {
+      grad_writes_.front()->settle_grad_write();
+      grad_writes_.pop_front();
+    }
     return;
   }
   if (transfers_) {
@@ -198,6 +203,7 @@ void CommContext::land(Landing& l) {
 
 void CommContext::finish_backward() {
   while (!reductions_.empty()) finish_oldest();
+  for (; !grad_writes_.empty(); grad_writes_.pop_front()) grad_writes_.front()->settle_grad_write();
   if (!transfers_) return;
   // Offloaded gradients: every copy lands before an optimizer step can read them.
   transfers_->wait_host();

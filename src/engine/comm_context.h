@@ -23,6 +23,7 @@
 #include "flat_param.h"
 #include "transfers.h"
 
+#include <deque>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -60,6 +61,7 @@ class CommContext {
   void reduce(FlatParam& flat, at::Tensor grad);
   /// At the end of backward: finishes every reduction and, with offload, lands every
   /// gradient copy, so an optimizer step can read the gradient shards.
+  /// With NVMe parameters it waits for every gradient's write too.
   void finish_backward();
 
   /// False inside a NoSyncScope (ShardedModel::set_requires_gradient_sync): units keep
@@ -91,8 +93,13 @@ class CommContext {
   void park(FlatParam& flat);
   void land(Landing& l);
 
+  /// Note [NVMe parameters]: gradient writes left in flight at once (each holds a host
+  /// buffer of its shard's size), so that the writes overlap the next units' backward.
+  static constexpr size_t kGradWritesInFlight = 2;
+
   Accounting* acct_;
   std::shared_ptr<Transfers> transfers_;
+  std::deque<FlatParam*> grad_writes_;  ///< flats whose gradient write is queued, oldest first
   std::vector<std::pair<const Unit*, std::shared_ptr<Work>>> gathers_;
   std::vector<Reduction> reductions_;  ///< oldest first
   std::vector<Landing> landing_;       ///< flats with copies in flight, first use first

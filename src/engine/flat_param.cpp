@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 namespace fsdp::detail {
 namespace {
@@ -125,6 +126,11 @@ FlatParam::~FlatParam() {
     drop_read();
   } catch (const std::exception&) {
     // A failed read leaves nothing in flight.
+  }
+  try {
+    settle_grad_write();
+  } catch (const std::exception&) {
+    // Nor does a failed write.
   }
   release();
   if (file_) {
@@ -294,7 +300,10 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 //   unit i+2 queues its reads (read_ahead), which run beside unit i's compute; the gather
 //   waits for them (and reads anew if the shard or its copy changed since);
 // - a reduced gradient shard is written to the file (added to what is there under
-//   gradient accumulation, through one aligned buffer of the shard's size);
+//   gradient accumulation, through one aligned buffer of the shard's size). The write is
+//   queued and runs beside the next units' backward: CommContext waits for the oldest
+//   when more than kGradWritesInFlight are queued, and for all at the end of backward,
+//   before anything reads a gradient through the mapping;
 // - FusedAdamW streams masters and gradients with the moments through its three slots
 //   (Note [NVMe optimizer state]) and writes the masters and the copy back in the same pass.
 // On a GPU those host buffers are pinned: disk -> pinned host -> device for each gather (the
@@ -308,7 +317,8 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 // Host memory per rank is then the buffers and what computes, not the model: the gathered
 // units (at most max_gathered_units + 1 full flat parameters in param_dtype), their flat
 // gradients awaiting reduction (comm_buffers), one shard-sized read or gradient buffer per
-// flat parameter in flight and one unit's read ahead (offload_buffers), FusedAdamW's buffer_bytes,
+// flat parameter in flight, kGradWritesInFlight gradients' writes and one unit's read
+// ahead (offload_buffers), FusedAdamW's buffer_bytes,
 // and the activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
 // files (docs/design.md, "Bigger than memory").
 void FlatParam::read_ahead() {
@@ -410,6 +420,7 @@ void FlatParam::write_file(const at::Tensor& host, int64_t offset) const {
 void FlatParam::store_grad(const at::Tensor& grad) {
   TORCH_INTERNAL_ASSERT(file_ && grad.numel() == shard_numel_);
   at::NoGradGuard no_grad;
+  settle_grad_write();  // an earlier gradient of this shard, to add to
   const bool first = !shard_.grad().defined();
   at::Tensor host = first ? host_buffer(shard_numel_, cfg_.master_dtype)
                           : read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
@@ -418,12 +429,25 @@ void FlatParam::store_grad(const at::Tensor& grad) {
   } else {
     host.add_(grad.to(at::kCPU));  // as CommContext adds in memory
   }
-  write_file(host, grad_offset_);
+  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
+  if (bytes > 0) {
+    grad_write_.ticket = cfg_.nvme_io->submit(nvme::IoOp::kWrite, file_->fd(), host.data_ptr(),
+                                              bytes, grad_offset_, &file_->path());
+    grad_write_.buf = host;
+    cfg_.acct->count_nvme(/*read=*/false, bytes);
+  }
   if (first) {
     shard_.mutable_grad() = file_->view(grad_offset_, {shard_numel_}, cfg_.master_dtype);
   } else {
     shard_.mutable_grad().unsafeGetTensorImpl()->bump_version();
   }
+}
+
+void FlatParam::settle_grad_write() {
+  if (grad_write_.ticket < 0) return;
+  const int64_t ticket = std::exchange(grad_write_.ticket, -1);
+  at::Tensor buf = std::move(grad_write_.buf);  // freed only once the write is over
+  cfg_.nvme_io->wait(ticket);
 }
 
 void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& fn) {
@@ -432,6 +456,7 @@ void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& f
     fn(g);
     return;
   }
+  settle_grad_write();
   at::Tensor host = read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
   fn(host);
   if (!write) return;

@@ -172,7 +172,11 @@ class FlatParam {
   /// With in_file(): sets (no gradient yet) or adds `grad` (the reduced gradient shard in
   /// master_dtype, on the device) to the gradient in the file, through an aligned host
   /// buffer, as CommContext would in memory; the shard's .grad() is the file's view.
+  /// The write is queued, not waited for: settle_grad_write() waits (CommContext keeps at
+  /// most kGradWritesInFlight queued and settles them all at the end of backward).
   void store_grad(const at::Tensor& grad);
+  /// Waits for store_grad()'s write, if one is queued, and frees its buffer.
+  void settle_grad_write();
   /// Calls `fn` with the gradient shard (defined): in memory itself; in the file read into
   /// a host buffer, written back after `fn` when `write`.
   void visit_grad(bool write, const std::function<void(at::Tensor&)>& fn);
@@ -231,6 +235,11 @@ class FlatParam {
     bool fresh = false;    ///< of the copy (else the master)
     int64_t version = -1;  ///< the shard's version when queued
   } ahead_;
+  /// store_grad()'s write in flight: its ticket (-1: none) and the host_buffer() it writes.
+  struct GradWrite {
+    int64_t ticket = -1;
+    at::Tensor buf;
+  } grad_write_;
   std::vector<GradAccumulator> grad_accs_;
 };
 
