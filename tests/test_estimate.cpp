@@ -581,6 +581,11 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   EXPECT_EQ(est.term("device_param_shards").device_bytes, 66 * 2);
   EXPECT_EQ(est.term("nvme_buffers").host_bytes, 1000);
   EXPECT_EQ(est.nvme_total(), 66 * 8);
+  // A buffer larger than the largest shard needs: three slots of its 66 elements rounded
+  // up to 1024 (two fp32 moments each), as NvmeAdamState allocates.
+  in.nvme_buffer_bytes = int64_t{64} << 20;
+  EXPECT_EQ(estimate_memory(in).term("nvme_buffers").host_bytes, 3 * 1024 * 8);
+  in.nvme_buffer_bytes = 1000;
   EXPECT_EQ(est.model_states_nvme(), 66 * 8);
   // And the parameters too (Note [NVMe parameters]): the fp32 masters, their gradients and
   // the bf16 copies the gathers read in files; nothing per element in host memory, which
@@ -591,9 +596,14 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   EXPECT_EQ(est.term("gradients").nvme_bytes, 66 * 4);
   EXPECT_EQ(est.term("gradients").host_bytes, 0);
   EXPECT_EQ(est.term("param_copies").nvme_bytes, 66 * 2);
-  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 1000);
+  // Both sections' buffers: the optimizer's and offload_param's.
+  EXPECT_EQ(est.term("nvme_buffers").host_bytes, 2000);
   EXPECT_EQ(est.nvme_total(), 66 * 18);
-  EXPECT_EQ(est.host_total(), 2 * 25 * 4 + 1000);
+  EXPECT_EQ(est.host_total(), 2 * 25 * 4 + 2000);
+  // Capped as above: 66 elements rounded up to 2048, 18 bytes each and 6 pages a slot.
+  in.nvme_buffer_bytes = int64_t{64} << 20;
+  EXPECT_EQ(estimate_memory(in).term("nvme_buffers").host_bytes, 3 * (18 * 2048 + 6 * 4096));
+  in.nvme_buffer_bytes = 1000;
   EXPECT_EQ(est.construction[1].nvme_bytes, 66 * 4);  // make_sharded writes the masters there
 }
 

@@ -115,6 +115,9 @@ class ShardParamGroups {
   /// The model's ShardingOptions::offload_optimizer: FusedAdamW over these groups keeps
   /// its state where it says (NVMe files included), as over the model itself.
   const OffloadConfig& offload_optimizer() const;
+  /// The model's ShardingOptions::offload_param (with nvme, FusedAdamW streams the
+  /// parameters through its buffer_bytes too).
+  const OffloadConfig& offload_param() const;
   /// The model's ShardingOptions::process_group (FusedAdamW checks the free space of a
   /// disk its ranks share over it).
   const ProcessGroup& process_group() const;

@@ -270,6 +270,25 @@ int64_t offload_device_bytes(const EstimateInput& in, const Layout& l, int64_t e
   return std::max(forward, backward);
 }
 
+// FusedAdamW's slots with its state in files (src/optim/nvme_adamw.cpp, NvmeAdamState):
+// OffloadConfig::buffer_bytes, and with offload_param nvme the parameters' buffer_bytes
+// beside it (the masters, gradients and copies stream through the same slots: 18 bytes
+// per element and 6 pages a slot, against 8 bytes). Three slots of a chunk no larger than
+// the largest shard, rounded up (the engine's tensors are the shards, or segments of them
+// under parameter groups: at most as large).
+int64_t nvme_buffer_bytes(const EstimateInput& in, const Layout& l) {
+  const int64_t largest = std::max<int64_t>(1, *std::max_element(l.shard.begin(), l.shard.end()));
+  if (offload_of(in).param == OffloadDevice::kNvme) {
+    const int64_t buffer = 2 * in.nvme_buffer_bytes;
+    const int64_t chunk =
+        std::min((buffer / 3 - 6 * 4096) / 18 / 2048 * 2048, (largest + 2047) / 2048 * 2048);
+    return chunk > 0 ? 3 * (18 * chunk + 6 * 4096) : buffer;
+  }
+  const int64_t chunk =
+      std::min(in.nvme_buffer_bytes / 24 / 1024 * 1024, (largest + 1023) / 1024 * 1024);
+  return chunk > 0 ? 24 * chunk : in.nvme_buffer_bytes;
+}
+
 // MemoryStats::offload_buffers, on the host: gradient shards (fp32) back from the device
 // that wait to be added into existing gradients, at most two units' at a time (Note
 // [Offload transfers] in src/engine/transfers.h).
@@ -486,13 +505,9 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
     est.terms.push_back({"offload_buffers", "offload transit buffers", "bound",
                          offload_device_bytes(in, l, elem), offload_host_bytes(l), 0});
   }
-  // NVMe: OffloadConfig::buffer_bytes of host memory per offload that reads and writes files.
-  // One buffer: with offload_param nvme the optimizer streams the masters through its own
-  // (the engine's reads are shard-sized, in offload_buffers).
-  const int nvme_configs = off.optimizer == OffloadDevice::kNvme ? 1 : 0;
-  if (nvme_configs > 0) {
-    est.terms.push_back({"nvme_buffers", "NVMe chunks in flight", "bound", 0,
-                         nvme_configs * in.nvme_buffer_bytes, 0});
+  if (off.optimizer == OffloadDevice::kNvme) {
+    est.terms.push_back(
+        {"nvme_buffers", "NVMe chunks in flight", "bound", 0, nvme_buffer_bytes(in, l), 0});
   }
   std::string act_label = "activations";
   if (in.activations.n_layer == 0 || in.activations.micro_batch == 0) {

@@ -58,6 +58,12 @@ std::atomic<int>& forced() {
   return f;
 }
 
+// With offload_param = nvme the optimizer streams the parameters too (Note [NVMe
+// parameters]), through their section's buffer beside its own.
+int64_t param_buffer_bytes(const OffloadConfig& offload_param) {
+  return offload_param.device == OffloadDevice::kNvme ? offload_param.buffer_bytes : 0;
+}
+
 }  // namespace
 
 FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
@@ -75,9 +81,10 @@ FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions def
     std::vector<torch::Tensor> trainable;  // frozen shards never get a gradient
     for (const auto& p : model.sharded_parameters())
       if (p.requires_grad()) trainable.push_back(p);
-    nvme_ = std::make_unique<detail::NvmeAdamState>(nvme, trainable,
-                                                    "ShardingOptions::offload_optimizer.nvme_path",
-                                                    &model.sharding_options().process_group);
+    nvme_ = std::make_unique<detail::NvmeAdamState>(
+        nvme, trainable, "ShardingOptions::offload_optimizer.nvme_path",
+        &model.sharding_options().process_group,
+        param_buffer_bytes(model.sharding_options().offload_param));
   }
 }
 
@@ -108,7 +115,8 @@ FusedAdamW::FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOption
     std::vector<torch::Tensor> views;  // the segments: contiguous fp32 ranges of the shards
     for (const auto& s : groups.segments()) views.push_back(s.view);
     nvme_ = std::make_unique<detail::NvmeAdamState>(
-        nvme, views, "ShardingOptions::offload_optimizer.nvme_path", &groups.process_group());
+        nvme, views, "ShardingOptions::offload_optimizer.nvme_path", &groups.process_group(),
+        param_buffer_bytes(groups.offload_param()));
   }
 }
 

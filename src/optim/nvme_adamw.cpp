@@ -10,7 +10,9 @@
 // mid-training. Each tensor has its own region, aligned to 4096 bytes, for O_DIRECT.
 //
 // A step streams the moments of every parameter it updates as one sequence of chunks of
-// chunk_ elements (OffloadConfig::buffer_bytes / 24: three slots of two fp32 moments).
+// chunk_ elements (OffloadConfig::buffer_bytes / 24: three slots of two fp32 moments; no
+// more than the largest tensor stepped, rounded up to 1024, so that a small model does not
+// allocate a buffer it never fills).
 // While the kernel steps chunk k in slot k % 3, the read of chunk k + 1 and the write of
 // chunk k - 1 are in flight (io_uring, or the thread pool); chunk k + 1's read waits only
 // for the write of chunk k - 2, which held its slot. So host memory is bounded by
@@ -52,7 +54,8 @@
 namespace fsdp::detail {
 
 NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
-                             const std::string& field, const ProcessGroup* group) {
+                             const std::string& field, const ProcessGroup* group,
+                             int64_t param_buffer_bytes) {
   const std::string buf_field = field.substr(0, field.rfind('.')) + ".buffer_bytes";
   // Note [NVMe parameters]: shards that are views of the engine's parameter files stream
   // through the same slots (master, gradient and the param_dtype copy beside the moments).
@@ -61,19 +64,31 @@ NvmeAdamState::NvmeAdamState(const OffloadConfig& config, const std::vector<torc
         nvme::find_file(p.data_ptr(), 4 * p.numel()).file != nullptr)
       stream_params_ = true;
   }
+  // The largest tensor stepped: a chunk larger than it would be allocated and never used.
+  int64_t largest = 1;
+  for (const auto& p : params) largest = std::max<int64_t>(largest, p.defined() ? p.numel() : 0);
   if (stream_params_) {
+    // Note [NVMe parameters]: the slots hold 18 bytes per element instead of 8, so the
+    // parameters' own buffer (offload_param.buffer_bytes) joins the optimizer's, and the
+    // chunks (and the disk's transfers) stay near the size they have without parameters.
+    const int64_t buffer = config.buffer_bytes + std::max<int64_t>(0, param_buffer_bytes);
     constexpr int64_t kLeast = 3 * (kParamSlotBytes * 2048 + kParamSlotExtra);
-    TORCH_CHECK(config.buffer_bytes >= kLeast, buf_field, "=", config.buffer_bytes,
+    TORCH_CHECK(buffer >= kLeast, buf_field, "=", config.buffer_bytes,
+                (param_buffer_bytes > 0
+                     ? " with offload_param.buffer_bytes=" + std::to_string(param_buffer_bytes)
+                     : std::string()),
                 " is too small: with offload_param=nvme the optimizer streams three chunks of "
                 "the masters, gradients, exp_avg, exp_avg_sq and 16-bit copies through it, at "
                 "least 2048 elements each (",
                 kLeast, " bytes); use 64 MiB (the default)");
-    chunk_ = (config.buffer_bytes / 3 - kParamSlotExtra) / kParamSlotBytes / 2048 * 2048;
+    chunk_ = (buffer / 3 - kParamSlotExtra) / kParamSlotBytes / 2048 * 2048;
+    chunk_ = std::min(chunk_, (largest + 2047) / 2048 * 2048);
   } else {
     TORCH_CHECK(config.buffer_bytes >= 24 * 1024, buf_field, "=", config.buffer_bytes,
                 " is too small: the optimizer streams three chunks of exp_avg and exp_avg_sq "
                 "through it, at least 1024 elements each (24576 bytes); use 64 MiB (the default)");
     chunk_ = config.buffer_bytes / 24 / 1024 * 1024;
+    chunk_ = std::min(chunk_, (largest + 1023) / 1024 * 1024);
   }
   int64_t bytes = 0, elements = 0;
   for (const auto& p : params) {

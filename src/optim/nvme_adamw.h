@@ -26,8 +26,11 @@ class NvmeAdamState {
   /// the exp_avg and exp_avg_sq of every parameter in `params`. With `group` (the model's
   /// process group; collective then), the free space is checked for all its ranks that
   /// share a disk together (Note [Shared NVMe disk]), then for this rank's own file.
+  /// `param_buffer_bytes` (the model's offload_param.buffer_bytes with offload_param =
+  /// nvme) joins config.buffer_bytes when the parameters stream through the slots too.
   NvmeAdamState(const OffloadConfig& config, const std::vector<torch::Tensor>& params,
-                const std::string& field, const ProcessGroup* group = nullptr);
+                const std::string& field, const ProcessGroup* group = nullptr,
+                int64_t param_buffer_bytes = 0);
   ~NvmeAdamState();
 
   /// A new state for `p`: step 0, moments zero, as views of its region of the file.

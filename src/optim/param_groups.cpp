@@ -13,6 +13,7 @@ namespace fsdp {
 struct ShardParamGroups::State {
   ParamGroupSpec spec;
   OffloadConfig offload_optimizer;
+  OffloadConfig offload_param;
   ProcessGroup process_group;  ///< the model's
   std::vector<ShardSegment> segments;
   std::map<std::string, size_t> group_by_fqn;
@@ -82,6 +83,7 @@ ParamGroupSpec no_decay_groups(double weight_decay, bool embeddings_no_decay,
 ShardParamGroups::ShardParamGroups(const ShardedModel& model, ParamGroupSpec spec)
     : state_(std::make_shared<State>()) {
   state_->offload_optimizer = model.sharding_options().offload_optimizer;
+  state_->offload_param = model.sharding_options().offload_param;
   state_->process_group = model.sharding_options().process_group;
   TORCH_CHECK(!spec.groups.empty(),
               "ShardParamGroups: the spec has no groups; give at least one GroupOptions");
@@ -209,6 +211,8 @@ std::string ShardParamGroups::describe(double default_lr, double default_weight_
 const OffloadConfig& ShardParamGroups::offload_optimizer() const {
   return state_->offload_optimizer;
 }
+
+const OffloadConfig& ShardParamGroups::offload_param() const { return state_->offload_param; }
 
 const ProcessGroup& ShardParamGroups::process_group() const { return state_->process_group; }
 
