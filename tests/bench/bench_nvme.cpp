@@ -12,6 +12,13 @@
 // the gradients' writes) and in the optimizer step (masters, gradients, moments, copies),
 // and the optimizer step's disk rate against the same fio figure.
 //
+// A shared or virtual disk changes speed from one second to the next, so fio runs between
+// the measured steps (3 s each): each step is compared with the mean of the fio runs just
+// before and after it, and the fraction reported is the median of those per-step ratios.
+//
+// --buffer-mib is each offload section's buffer_bytes (the optimizer's, and the parameters'
+// with them in files).
+//
 //   bench_nvme [--dir DIR (default /tmp)] [--params N (default 32M)] [--buffer-mib M (64)]
 #include <fsdp/fsdp.h>
 #include <fsdp/fused_adamw.h>
@@ -28,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,6 +74,51 @@ double fio_bw(const std::string& json, const char* dir) {
   return std::atof(json.c_str() + bw + 13);
 }
 
+// fio's sequential O_DIRECT reader and writer at once on one file of `size` bytes in
+// `dir`, `block`-byte transfers, two in flight each, 3 s after 0.5 s of ramp (fio lays the
+// file out first, outside the timing): read + write bytes per second, or -1 with `error`.
+double fio_rate(const std::string& dir, int64_t block, int64_t size, std::string* error) {
+  const std::string file = dir + "/bench_nvme_fio." + std::to_string(::getpid());
+  const std::string common =
+      " --filename=" + file + " --direct=1 --ioengine=io_uring --bs=" + std::to_string(block) +
+      " --size=" + std::to_string(size) + " --iodepth=2 --time_based --runtime=3 --ramp_time=0.5";
+  const std::string cmd = "fio --group_reporting --output-format=json --name=read --rw=read" +
+                          common + " --name=write --rw=write" + common + " 2>&1";
+  int status = 0;
+  const std::string json = run(cmd, &status);
+  std::remove(file.c_str());
+  const double rd = fio_bw(json, "read"), wr = fio_bw(json, "write");
+  if (status != 0 || rd <= 0 || wr <= 0) {
+    *error = "fio failed (status " + std::to_string(status) + "): " + json.substr(0, 400);
+    return -1;
+  }
+  return rd + wr;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? -1 : v[v.size() / 2];
+}
+
+// Each measured rate against the mean of the fio rates before and after it (fio has one
+// more entry than rates): the ratios, and their median.
+std::vector<double> ratios(const std::vector<double>& rates, const std::vector<double>& fio) {
+  std::vector<double> out;
+  for (size_t i = 0; i < rates.size() && i + 1 < fio.size(); ++i)
+    out.push_back(rates[i] / ((fio[i] + fio[i + 1]) / 2));
+  return out;
+}
+
+std::string list(const std::vector<double>& v, double scale) {
+  std::string out;
+  char buf[32];
+  for (double x : v) {
+    std::snprintf(buf, sizeof buf, "%s%.3f", out.empty() ? "" : ", ", x * scale);
+    out += buf;
+  }
+  return out;
+}
+
 // This process's bytes read from and written to storage (/proc/self/io), or -1s.
 std::pair<double, double> disk_io() {
   std::FILE* f = std::fopen("/proc/self/io", "r");
@@ -84,12 +137,14 @@ std::pair<double, double> disk_io() {
 struct ParamRun {
   double params = 0, fb_s = 0, opt_s = 0;
   std::pair<double, double> fb_io, opt_io;  // bytes read, written per step
+  std::vector<double> opt_rates;            // each step's optimizer disk bytes per second
   std::string info;
 };
 
 // Note [NVMe parameters]: a GPT with everything in files (or, without `files`, in
 // memory), 3 steps after one untimed.
-ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes, bool files) {
+ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes, bool files,
+                   const std::function<void(const std::string&)>& between = {}) {
   gpt::Config c;
   c.d_model = 512;
   c.n_head = 8;
@@ -102,7 +157,7 @@ ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes,
   if (files) {
     o.offload_optimizer.device = o.offload_param.device = fsdp::OffloadDevice::kNvme;
     o.offload_optimizer.nvme_path = o.offload_param.nvme_path = dir;
-    o.offload_optimizer.buffer_bytes = buffer_bytes;
+    o.offload_optimizer.buffer_bytes = o.offload_param.buffer_bytes = buffer_bytes;
   }
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(gpt::GPT(c), o);
@@ -125,7 +180,9 @@ ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes,
     opt.zero_grad();
     auto io2 = disk_io();
     double t2 = now_s();
-    if (s == 0) continue;  // the first step writes the copies and the state the first time
+    if (between) between(r.info);  // fio, between the steps (the first one's too: it comes before)
+    if (s == 0) continue;          // the first step writes the copies and the state the first time
+    r.opt_rates.push_back((io2.first - io1.first + io2.second - io1.second) / (t2 - t1));
     r.fb_s += (t1 - t0) / steps;
     r.opt_s += (t2 - t1) / steps;
     r.fb_io.first += (io1.first - io0.first) / steps;
@@ -178,9 +235,20 @@ int main(int argc, char** argv) {
   std::printf("AdamW step on %lld fp32 parameters, state in %s (%s), %d threads\n",
               static_cast<long long>(n), dir.c_str(), nvme.state_offload_info().c_str(),
               at::get_num_threads());
+  int status = 0;
+  run("command -v fio >/dev/null 2>&1", &status);
+  std::string fio_error =
+      status != 0 ? "the ratio to the disk's speed needs fio (apt-get install fio)" : "";
+  // fio between the measured steps; it stops at its first failure.
+  const auto fio_between = [&](int64_t bs, std::vector<double>* out) {
+    if (!fio_error.empty()) return;
+    const double r = fio_rate(dir, bs, 8 * n, &fio_error);
+    if (r > 0) out->push_back(r);
+  };
   mem.step();  // first steps outside the timing (state allocated, file touched once)
   nvme.step();
-  std::vector<double> t_mem, t_nvme;
+  std::vector<double> t_mem, t_nvme, state_fio;
+  fio_between(block, &state_fio);
   for (int r = 0; r < 5; ++r) {
     double t0 = now_s();
     mem.step();
@@ -188,70 +256,83 @@ int main(int argc, char** argv) {
     t0 = now_s();
     nvme.step();
     t_nvme.push_back(now_s() - t0);
+    fio_between(block, &state_fio);
   }
-  std::sort(t_mem.begin(), t_mem.end());
-  std::sort(t_nvme.begin(), t_nvme.end());
-  const double tm = t_mem[2], tn = t_nvme[2];
   if (!torch::equal(p1, p2)) {
     std::fprintf(stderr, "bench_nvme: NVMe state gave other parameters than in-memory state\n");
     return 1;
   }
   const double state_bytes = 16.0 * static_cast<double>(n);  // read m, v; write m, v
-  const double ours = state_bytes / tn;
+  std::vector<double> state_rates;
+  for (double t : t_nvme) state_rates.push_back(state_bytes / t);
+  const double tm = median(t_mem), tn = median(t_nvme);
   std::printf("%-34s %10s %12s\n", "", "ms/step", "state GB/s");
   std::printf("%-34s %10.1f %12s\n", "FusedAdamW, state in memory", tm * 1e3, "-");
-  std::printf("%-34s %10.1f %12.3f\n", "FusedAdamW, state in files", tn * 1e3, ours / 1e9);
+  std::printf("%-34s %10.1f %12.3f  (steps: %s)\n", "FusedAdamW, state in files", tn * 1e3,
+              state_bytes / tn / 1e9, list(state_rates, 1e-9).c_str());
 
-  const ParamRun pr = param_run(dir, n, cfg.buffer_bytes, true);
+  std::vector<double> param_fio;
+  // fio's block is the step's largest transfer: an fp32 chunk of the optimizer's, whose
+  // slots hold 18 bytes per element with the parameters streamed (its buffer is both
+  // sections' buffer_bytes). It is known once the optimizer is built: fio runs from then.
+  int64_t param_block = 0;
+  const ParamRun pr = param_run(dir, n, cfg.buffer_bytes, true, [&](const std::string& info) {
+    if (param_block == 0) {
+      const size_t at = info.find("chunks of ");
+      param_block = at == std::string::npos ? block : 4 * std::atoll(info.c_str() + at + 10);
+    }
+    fio_between(param_block, &param_fio);
+  });
   const ParamRun in_memory = param_run(dir, n, cfg.buffer_bytes, false);
   std::printf(
       "\nparameters in files too: GPT of %.1fM parameters (width 512, bf16, one rank; %s)\n"
       "%-34s %10s %12s %12s %12s\n",
       pr.params / 1e6, pr.info.c_str(), "per step", "s", "disk read MB", "written MB", "disk GB/s");
-  const double fb_rate = (pr.fb_io.first + pr.fb_io.second) / pr.fb_s;
+  const double fb_bytes = pr.fb_io.first + pr.fb_io.second;
   const double opt_rate = (pr.opt_io.first + pr.opt_io.second) / pr.opt_s;
   std::printf("%-34s %10.3f %12.1f %12.1f %12.3f\n", "forward + backward (gathers, grads)", pr.fb_s,
-              pr.fb_io.first / 1e6, pr.fb_io.second / 1e6, fb_rate / 1e9);
-  std::printf("%-34s %10.3f %12.1f %12.1f %12.3f\n", "optimizer step (all five streams)", pr.opt_s,
-              pr.opt_io.first / 1e6, pr.opt_io.second / 1e6, opt_rate / 1e9);
+              pr.fb_io.first / 1e6, pr.fb_io.second / 1e6, fb_bytes / pr.fb_s / 1e9);
+  std::printf("%-34s %10.3f %12.1f %12.1f %12.3f  (steps: %s)\n",
+              "optimizer step (all five streams)", pr.opt_s, pr.opt_io.first / 1e6,
+              pr.opt_io.second / 1e6, opt_rate / 1e9, list(pr.opt_rates, 1e-9).c_str());
   std::printf("%-34s %10.3f\n%-34s %10.3f\n", "forward + backward, in memory", in_memory.fb_s,
               "optimizer step, in memory", in_memory.opt_s);
   std::printf("bytes per parameter and step: forward + backward %.2f, optimizer %.2f\n",
-              (pr.fb_io.first + pr.fb_io.second) / pr.params,
-              (pr.opt_io.first + pr.opt_io.second) / pr.params);
-
-  int status = 0;
-  run("command -v fio >/dev/null 2>&1", &status);
-  if (status != 0) {
-    std::printf("skipped: the ratio to the disk's speed needs fio (apt-get install fio)\n");
+              fb_bytes / pr.params, (pr.opt_io.first + pr.opt_io.second) / pr.params);
+  if (!fio_error.empty()) {
+    std::printf("skipped: %s\n", fio_error.c_str());
     return 0;
   }
-  const std::string file = dir + "/bench_nvme_fio." + std::to_string(::getpid());
-  // Two jobs on one file of the state's size, as the step moves its state: a sequential
-  // reader and a sequential writer at once, two transfers in flight each, timed for 4 s
-  // after 1 s of ramp (fio lays the file out first, outside the timing).
-  const std::string common =
-      " --filename=" + file + " --direct=1 --ioengine=io_uring --bs=" + std::to_string(block) +
-      " --size=" + std::to_string(8 * n) + " --iodepth=2 --time_based --runtime=4 --ramp_time=1";
-  const std::string cmd = "fio --group_reporting --output-format=json --name=read --rw=read" +
-                          common + " --name=write --rw=write" + common + " 2>&1";
-  const std::string json = run(cmd, &status);
-  std::remove(file.c_str());
-  const double rd = fio_bw(json, "read"), wr = fio_bw(json, "write");
-  if (status != 0 || rd <= 0 || wr <= 0) {
-    std::printf("skipped: fio failed (status %d): %s\n", status, json.substr(0, 400).c_str());
-    return 0;
-  }
-  const double disk = rd + wr;
   std::printf(
-      "fio, O_DIRECT sequential reader + writer at once, bs %lld, iodepth 2 each: read "
-      "%.3f + write %.3f = %.3f GB/s\n",
-      static_cast<long long>(block), rd / 1e9, wr / 1e9, disk / 1e9);
-  metric("nvme_state_io_fraction", ours / disk, "fraction (target >= 0.8)",
+      "fio, O_DIRECT sequential reader + writer at once, iodepth 2 each, 3 s, between the "
+      "steps: state bench (bs %lld) %s GB/s; parameter bench (bs %lld) %s GB/s\n",
+      static_cast<long long>(block), list(state_fio, 1e-9).c_str(),
+      static_cast<long long>(param_block), list(param_fio, 1e-9).c_str());
+  const std::vector<double> state_ratio = ratios(state_rates, state_fio);
+  // param_fio[0] ran after the untimed first step, before the first timed one.
+  const std::vector<double> param_ratio = ratios(pr.opt_rates, param_fio);
+  std::printf("per-step ratios to the fio runs around them: state %s; optimizer step %s\n",
+              list(state_ratio, 1).c_str(), list(param_ratio, 1).c_str());
+  // Forward and backward are bound by compute or by the disk, whichever is longer: the
+  // in-memory time, or their bytes at fio's rate. Their fraction is that bound over the time.
+  const double fio_mean = [&]() {
+    double sum = 0;
+    for (double x : param_fio) sum += x;
+    return sum / static_cast<double>(param_fio.size());
+  }();
+  const double fb_bound = std::max(in_memory.fb_s, fb_bytes / fio_mean);
+  std::printf(
+      "forward + backward: %.3f s against max(in memory %.3f s, its bytes at fio's %.3f GB/s "
+      "%.3f s) = %.3f s\n",
+      pr.fb_s, in_memory.fb_s, fio_mean / 1e9, fb_bytes / fio_mean, fb_bound);
+  metric("nvme_state_io_fraction", median(state_ratio), "fraction (target >= 0.8)",
          "fio: a sequential O_DIRECT reader and writer at once, same block size, depth and "
-         "directory, same run");
-  metric("nvme_param_step_io_fraction", opt_rate / disk, "fraction (target >= 0.8)",
+         "directory, run between the steps; the median of the steps' ratios");
+  metric("nvme_param_step_io_fraction", median(param_ratio), "fraction (target >= 0.8)",
          "the optimizer step with the parameters in files: disk bytes (/proc/self/io) over its "
-         "time, against the same fio reader and writer");
+         "time, against the fio runs around each step; the median");
+  metric("nvme_param_forward_backward_fraction", fb_bound / pr.fb_s, "fraction",
+         "forward + backward with the parameters in files: the larger of the in-memory time and "
+         "its disk bytes at fio's rate, over its time");
   return 0;
 }
