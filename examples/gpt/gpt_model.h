@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -193,6 +194,18 @@ inline torch::nn::Sequential as_layers(const GPT& model) {
     seq->push_back("block" + std::to_string(i), model->blocks[i]->module());
   seq->push_back("head", Head(model->ln_f, model->lm_head));
   return seq;
+}
+
+/// A parameter's name among as_layers' layers as the GPT names it (the checkpoint
+/// contract): "embed.wte.weight" -> "wte.weight", "block3.ln1.weight" ->
+/// "blocks.3.ln1.weight", "head.lm_head.weight" -> "lm_head.weight".
+inline std::string layer_param_name(const std::string& name) {
+  for (const char* layer : {"embed.", "head."})
+    if (name.rfind(layer, 0) == 0) return name.substr(std::strlen(layer));
+  const size_t dot = name.find('.');
+  TORCH_CHECK(name.rfind("block", 0) == 0 && dot != std::string::npos && dot > 5,
+              "gpt::layer_param_name: '", name, "' is not a parameter of as_layers' layers");
+  return "blocks." + name.substr(5, dot - 5) + name.substr(dot);
 }
 
 /// Mean next-token cross-entropy of `model` on (B, T+1) token rows.

@@ -360,4 +360,18 @@ inline torch::nn::Sequential as_layers(const Llama& model) {
   return seq;
 }
 
+/// A parameter's name among as_layers' layers as transformers' LlamaForCausalLM names it:
+/// "embed_tokens.weight" -> "model.embed_tokens.weight", "layer3.mlp.up_proj.weight" ->
+/// "model.layers.3.mlp.up_proj.weight", "head.norm.weight" -> "model.norm.weight",
+/// "head.lm_head.weight" -> "lm_head.weight".
+inline std::string layer_param_name(const std::string& name) {
+  if (name.rfind("embed_tokens.", 0) == 0 || name.rfind("head.norm.", 0) == 0)
+    return "model." + (name[0] == 'h' ? name.substr(5) : name);
+  if (name.rfind("head.", 0) == 0) return name.substr(5);
+  const size_t dot = name.find('.');
+  TORCH_CHECK(name.rfind("layer", 0) == 0 && dot != std::string::npos && dot > 5,
+              "llama::layer_param_name: '", name, "' is not a parameter of as_layers' layers");
+  return "model.layers." + name.substr(5, dot - 5) + name.substr(dot);
+}
+
 }  // namespace llama

@@ -51,6 +51,12 @@ struct PipelineOptions {
   /// The sharding inside each stage. Its process_group is the world the pipeline spans
   /// (default: a single process); each stage shards over its own data-parallel ranks.
   ShardingOptions sharding;
+  /// The name each stage parameter has in the whole model, from its name among the
+  /// layers (the layer's key first: "3.weight", "block3.attn.qkv.weight"): checkpoints,
+  /// state dicts and exports of the stage use it, so that a pipelined checkpoint loads
+  /// into the model unpipelined and the reverse. Empty: the layers' names as they are (a
+  /// torch::nn::Sequential pipelined keeps its own names).
+  std::function<std::string(const std::string&)> parameter_names;
 };
 
 /// Computes a micro-batch's loss from the last stage's output and its targets.

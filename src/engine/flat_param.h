@@ -84,6 +84,8 @@ class FlatParam {
   int64_t padded_numel() const { return padded_; }
   int64_t shard_numel() const { return shard_numel_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
+  /// For renaming (rename_parameters): the slots' FQNs and aliases may change, nothing else.
+  std::vector<ParamSlot>& mutable_slots() { return slots_; }
   /// The shard (master_dtype, fp32 unless pure bf16): a leaf the optimizer steps on; its
   /// .grad() is the gradient shard.
   const at::Tensor& shard() const { return shard_; }

@@ -4,6 +4,8 @@
 #include "engine_access.h"
 #include "internal/sharded_model.h"
 
+#include <map>
+
 namespace fsdp {
 
 namespace {
@@ -63,6 +65,24 @@ std::vector<FlatParamInfo> flat_params(const ShardedModel& model) {
 
 void add_backward_observer(const ShardedModel& model, std::function<void(bool)> f) {
   model_runtime(model).add_backward_observer(std::move(f));
+}
+
+void rename_parameters(ShardedModel& model,
+                       const std::function<std::string(const std::string&)>& name) {
+  std::map<std::string, std::string> seen;  // new name -> old
+  auto rename = [&](std::string& fqn) {
+    std::string to = name(fqn);
+    const auto [it, fresh] = seen.emplace(to, fqn);
+    TORCH_CHECK(fresh, "renaming parameters: '", it->second, "' and '", fqn,
+                "' would both be named '", to, "'; give each parameter a name of its own");
+    fqn = std::move(to);
+  };
+  for (const auto& f : model_runtime(model).flats()) {
+    for (auto& s : f->mutable_slots()) {
+      rename(s.fqn);
+      for (auto& a : s.aliases) rename(a);
+    }
+  }
 }
 
 std::vector<LocalShard> local_shards(const ShardedModel& model) {

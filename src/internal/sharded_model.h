@@ -48,6 +48,12 @@ namespace detail {
 
 /// Every flat parameter, in unit order (root first, then units in module order).
 std::vector<FlatParamInfo> flat_params(const ShardedModel& model);
+/// Renames every original parameter (and alias) of `model` to `name(its clean FQN)`, for
+/// checkpoints, state dicts and exports (a pipeline stage's layers under the whole
+/// model's names, PipelineOptions::parameter_names). Names must stay distinct: an error
+/// names the two that collide.
+void rename_parameters(ShardedModel& model,
+                       const std::function<std::string(const std::string&)>& name);
 /// Every flat parameter's piece on this rank, in flat_params() order.
 std::vector<LocalShard> local_shards(const ShardedModel& model);
 /// Collective over the shard group (all its ranks call it): the full fp32 value

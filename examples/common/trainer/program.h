@@ -38,6 +38,9 @@ struct Program {
   /// The model as a Sequential of layers for pipeline stages (--pipeline-stages), with the
   /// weights `build` would give from the same seed; empty for a family that cannot split yet.
   std::function<torch::nn::Sequential(const Config&)> layers;
+  /// A layer parameter's name in the whole model (fsdp::PipelineOptions::parameter_names),
+  /// so that pipelined checkpoints use the model's own names.
+  std::function<std::string(const std::string&)> layer_names;
   /// A Hugging Face architecture: the Config of a model directory's config.json (block_size
   /// given: the training sequence length; empty: train from this program's own files
   /// only), and the text of config.json for a Config, which --export-hf writes (adding
