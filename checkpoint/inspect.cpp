@@ -104,6 +104,10 @@ std::string inspect_sharded(const std::string& path, bool verify) {
      << "\n";
   os << "  world_size = " << src.world_size() << ", shard_group_size = " << src.shard_group_size()
      << ", step = " << src.step() << ", optimizer = " << src.optimizer() << "\n";
+  if (src.parts() > 1) {
+    os << "  pipeline_stages = " << src.parts() << ": rank files of "
+       << src.world_size() / src.parts() << " ranks each, one stage's units apiece\n";
+  }
   int64_t bytes = 0;
   for (int r = 0; r < src.world_size(); ++r)
     bytes += static_cast<int64_t>(fs::file_size(src.file_path(r)));
@@ -130,17 +134,24 @@ std::string inspect_sharded(const std::string& path, bool verify) {
     for (int r = 0; r < src.world_size(); ++r) {
       hid_t f = src.file(r);  // opening checks format, rank, world size and step
       const std::string p = src.file_path(r);
-      TORCH_CHECK(h5::get_int(f, "num_flats", p) == static_cast<int64_t>(src.flats().size()), p,
-                  " holds ", h5::get_int(f, "num_flats", p),
-                  " flat parameters but rank 0's file holds ", src.flats().size());
-      for (size_t k = 0; k < src.flats().size(); ++k) {
+      // The flats of this file's pipeline stage (every flat without stages).
+      const int part = r / (src.world_size() / src.parts()), local_rank = r - src.part_first(part);
+      std::vector<size_t> mine;
+      for (size_t k = 0; k < src.flats().size(); ++k)
+        if (src.flats()[k].part == part) mine.push_back(k);
+      TORCH_CHECK(h5::get_int(f, "num_flats", p) == static_cast<int64_t>(mine.size()), p, " holds ",
+                  h5::get_int(f, "num_flats", p), " flat parameters but ",
+                  src.parts() > 1 ? "its stage's first file holds " : "rank 0's file holds ",
+                  mine.size());
+      for (size_t k : mine) {
         const SourceFlat& sf = src.flats()[k];
-        const std::string where = p + ":/" + flat_group(k);
-        h5::Obj g = h5::open_group(f, flat_group(k), p);
+        const std::string where = p + ":/" + src.flat_path(k);
+        h5::Obj g = h5::open_group(f, src.flat_path(k), p);
         const int64_t begin = h5::get_int(g, "begin", where),
                       length = h5::get_int(g, "length", where);
-        const bool writer = r < src.shard_group_size();
-        const int64_t want_begin = std::min(static_cast<int64_t>(r) * sf.shard_numel, sf.numel);
+        const bool writer = local_rank < sf.group;
+        const int64_t want_begin =
+            std::min(static_cast<int64_t>(local_rank) * sf.shard_numel, sf.numel);
         const int64_t want_len = writer ? std::min(sf.numel - want_begin, sf.shard_numel) : 0;
         TORCH_CHECK(!writer || (begin == want_begin && length == want_len), where,
                     " holds elements [", begin, ", ", begin + length, ") but should hold [",

@@ -142,18 +142,42 @@ ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
                 " is missing: the checkpoint is incomplete. Restore the file or load "
                 "an older checkpoint.");
   }
-  const int64_t n = h5::get_int(*f0, "num_flats", p0);
+  if (h5::has_attr(*f0, "pipeline_stages")) {
+    parts_ = static_cast<int>(h5::get_int(*f0, "pipeline_stages", p0));
+    TORCH_CHECK(parts_ >= 1 && world_ % parts_ == 0, p0, ": pipeline_stages ", parts_,
+                " does not divide world_size ", world_);
+  }
+  files_.resize(static_cast<size_t>(world_));
+  files_[0] = std::move(f0);
+  for (int part = 0; part < parts_; ++part) read_part(part);
+}
+
+void ShardedReader::read_part(int part) {
+  const int r = part_first(part);
+  hid_t f = file(r);
+  const std::string p = file_path(r);
+  const int group = static_cast<int>(h5::get_int(f, "shard_group_size", p));
+  TORCH_CHECK(group >= 1 && group <= world_ / parts_, p, ": shard_group_size ", group,
+              " does not fit a pipeline stage of ", world_ / parts_, " ranks");
+  if (parts_ > 1) {
+    TORCH_CHECK(h5::get_int(f, "pipeline_stage", p) == part, p, " says it holds pipeline stage ",
+                h5::get_int(f, "pipeline_stage", p), " but sits where stage ", part, " begins");
+  }
+  const int64_t n = h5::get_int(f, "num_flats", p);
   for (int64_t k = 0; k < n; ++k) {
     const std::string g = flat_group(static_cast<size_t>(k));
-    const std::string where = p0 + ":/" + g;
-    h5::Obj grp = h5::open_group(*f0, g, p0);
+    const std::string where = p + ":/" + g;
+    h5::Obj grp = h5::open_group(f, g, p);
     SourceFlat sf;
+    sf.part = part;
+    sf.local = static_cast<size_t>(k);
+    sf.group = group;
     sf.unit_fqn = h5::get_string(grp, "unit_fqn", where);
     sf.trainable = h5::get_int(grp, "requires_grad", where) != 0;
     sf.numel = h5::get_int(grp, "numel", where);
     sf.shard_numel = h5::get_int(grp, "shard_numel", where);
-    TORCH_CHECK(sf.shard_numel * group_ >= sf.numel, where, ": shard_numel ", sf.shard_numel,
-                " times ", group_, " ranks does not cover numel ", sf.numel);
+    TORCH_CHECK(sf.shard_numel * group >= sf.numel, where, ": shard_numel ", sf.shard_numel,
+                " times ", group, " ranks does not cover numel ", sf.numel);
     sf.table = read_table(grp, where);
     if (h5::exists(grp, "optim")) {
       h5::Obj og = h5::open_group(grp, "optim", where);
@@ -166,8 +190,6 @@ ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
     }
     flats_.push_back(std::move(sf));
   }
-  files_.resize(static_cast<size_t>(world_));
-  files_[0] = std::move(f0);
 }
 
 std::string ShardedReader::file_path(int rank) const {
@@ -200,8 +222,8 @@ void ShardedReader::read(size_t k, const std::string& name, int64_t pos, int64_t
     const int64_t chunk = pos / sf.shard_numel;
     const int64_t within = pos - chunk * sf.shard_numel;
     const int64_t take = std::min(n, sf.shard_numel - within);
-    const int r = static_cast<int>(chunk);
-    h5::read_range(file(r), flat_group(k) + "/" + name, within, take, out, h5::Elem::kF32,
+    const int r = part_first(sf.part) + static_cast<int>(chunk);
+    h5::read_range(file(r), flat_group(sf.local) + "/" + name, within, take, out, h5::Elem::kF32,
                    file_path(r));
     pos += take;
     out += take;

@@ -21,6 +21,12 @@
 //
 // The flat parameter is split into shard_group_size chunks of shard_numel elements;
 // rank r < shard_group_size writes chunk r (replicas of HYBRID/NO_SHARD write nothing).
+//
+// A pipelined model's checkpoint (format_version 2, Note [Pipelined checkpoints] in
+// sharded_save.cpp) adds the attributes pipeline_stages S and pipeline_stage s: its
+// world_size files are S parts of world_size / S consecutive ranks, one per stage; each
+// part is laid out as above over its own flats (rank r's chunk is r - the part's first
+// rank), its first file holds the part's /buffers, and world_size and rank are the job's.
 
 #include "h5/h5.h"
 
@@ -63,10 +69,13 @@ struct SourceFlat {
   int64_t shard_numel = 0;
   std::vector<TableEntry> table;
   std::vector<std::string> optim_states;  ///< names under optim/ (empty when none saved)
+  int part = 0;                           ///< the pipeline stage whose files hold it
+  size_t local = 0;                       ///< its index among that part's flats
+  int group = 1;                          ///< that part's shard_group_size
 };
 
-/// A sharded checkpoint opened for reading: its index (from rank 0's file) and the rank
-/// files, opened on first use.
+/// A sharded checkpoint opened for reading: its index (from rank 0's file, and each
+/// pipeline stage's first file) and the rank files, opened on first use.
 class ShardedReader {
  public:
   /// `path`: a checkpoint directory, or a directory with a `latest` marker.
@@ -84,15 +93,27 @@ class ShardedReader {
   std::string file_path(int rank) const;
   /// The rank file, opened and checked on first use.
   hid_t file(int rank);
+  /// Pipeline stages the checkpoint was saved from (1 without a pipeline), and the first
+  /// rank file of stage `part`.
+  int parts() const { return parts_; }
+  int part_first(int part) const { return part * (world_ / parts_); }
+  /// Flat `k`'s group in its part's files ("flats/<local>"), and the first of those files.
+  std::string flat_path(size_t k) const { return flat_group(flats_.at(k).local); }
+  int flat_file(size_t k) const { return part_first(flats_.at(k).part); }
   /// Reads elements [pos, pos + n) of flat `k`'s dataset `name` ("param", "optim/exp_avg")
   /// from whichever rank files hold them.
   void read(size_t k, const std::string& name, int64_t pos, int64_t n, float* out);
 
  private:
+  /// Appends the flats of pipeline stage `part` (all of them without a pipeline), from
+  /// its first file.
+  void read_part(int part);
+
   std::string dir_;
   size_t cache_bytes_;
   int world_ = 1;
   int group_ = 1;
+  int parts_ = 1;
   int64_t step_ = 0;
   std::string optimizer_;
   std::vector<SourceFlat> flats_;

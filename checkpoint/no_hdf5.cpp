@@ -19,6 +19,15 @@ LoadReport load_sharded_checkpoint(const std::string&, ShardedModel&, torch::opt
                                    TrainingState*, const LoadOptions&) {
   no_hdf5();
 }
+std::string save_sharded_checkpoint(const std::string&, const PipelinedModel&,
+                                    torch::optim::Optimizer*, const TrainingState&,
+                                    const SaveOptions&) {
+  no_hdf5();
+}
+LoadReport load_sharded_checkpoint(const std::string&, PipelinedModel&, torch::optim::Optimizer*,
+                                   TrainingState*, const LoadOptions&) {
+  no_hdf5();
+}
 std::optional<std::string> latest_checkpoint(const std::string&) { no_hdf5(); }
 void export_consolidated(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
                          const TrainingState&, const ExportOptions&) {

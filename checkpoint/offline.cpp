@@ -30,7 +30,7 @@ ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, i
     : path(out), tmp(out + ".tmp") {
   file = h5::create_file(tmp);
   h5::set_attr(file, "format", std::string(kConsolidatedFormat));
-  h5::set_attr(file, "format_version", kCheckpointFormatVersion);
+  h5::set_attr(file, "format_version", kCheckpointFormatBaseVersion);
   h5::set_attr(file, "dtype", std::string(h5::elem_name(dtype)));
   h5::set_attr(file, "step", step);
   for (const auto& [k, v] : attrs) {
@@ -100,9 +100,9 @@ void write_flat_optim_state(ShardedReader& src, size_t k, ConsolidatedWriter& w,
                             const std::map<int64_t, std::map<std::string, AttrValue>>& group_hp) {
   const SourceFlat& sf = src.flats()[k];
   if (sf.optim_states.empty()) return;
-  hid_t f0 = src.file(0);
-  const std::string p0 = src.file_path(0);
-  h5::Obj og = h5::open_group(f0, flat_group(k) + "/optim", p0);
+  const int r = src.flat_file(k);  // the first file of its pipeline stage (rank 0's without)
+  const std::string p0 = src.file_path(r);
+  h5::Obj og = h5::open_group(src.file(r), src.flat_path(k) + "/optim", p0);
   const int64_t step = h5::get_int(og, "step", p0);
   static const std::map<std::string, AttrValue> kNone;  // a group rank 0 does not list
   const auto it = group_hp.find(h5::get_int(og, "group", p0));
@@ -170,7 +170,11 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
       if (with_optimizer) write_flat_optim_state(src, k, w, group_hp);
     }
     buf = std::vector<float>();
-    write_consolidated_buffers(f0, p0, w, dtype);
+    // Each pipeline stage's buffers are in its first file (rank 0's alone without stages).
+    for (int part = 0; part < src.parts(); ++part) {
+      const int r = src.part_first(part);
+      write_consolidated_buffers(src.file(r), src.file_path(r), w, dtype);
+    }
     w.finish();
   } catch (...) {
     w.abandon();
@@ -215,7 +219,7 @@ std::map<std::string, std::string> safetensors_metadata(
   // Ours last, so that a model attribute of the same name cannot replace them.
   m["format"] = "pt";
   m["fsdp_format"] = kConsolidatedFormat;
-  m["fsdp_format_version"] = std::to_string(kCheckpointFormatVersion);
+  m["fsdp_format_version"] = std::to_string(kCheckpointFormatBaseVersion);
   m["dtype"] = h5::elem_name(dtype);
   m["step"] = std::to_string(step);
   return m;
@@ -235,8 +239,6 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
                                      const Progress& progress) {
   const h5::Elem dtype = elem_of(export_dtype);
   ShardedReader src(sharded, 4u << 20);
-  hid_t f0 = src.file(0);
-  const std::string p0 = src.file_path(0);
   const std::map<std::string, AttrValue> attrs = model_attrs(src);
   // Every tensor, in the live export's order: each flat's table, then the buffers.
   std::vector<st::Spec> specs;
@@ -247,14 +249,21 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
     std::string name;
     std::vector<int64_t> shape;
     h5::Elem stored, mem, out;
+    size_t group;  ///< in bgs
   };
   std::vector<Buffer> buffers;
-  const std::string bwhere = p0 + ":/buffers";
-  std::unique_ptr<h5::Obj> bg;
-  if (h5::exists(f0, "buffers")) {
-    bg = std::make_unique<h5::Obj>(h5::open_group(f0, "buffers", p0));
-    for (const auto& n : h5::children(*bg, bwhere)) {
-      Buffer b{n, h5::shape_of(*bg, n, bwhere), h5::elem_of(*bg, n, bwhere), {}, {}};
+  // Each pipeline stage's buffers are in its first file (rank 0's alone without stages).
+  std::vector<std::pair<std::unique_ptr<h5::Obj>, std::string>> bgs;
+  for (int part = 0; part < src.parts(); ++part) {
+    const int r = src.part_first(part);
+    if (!h5::exists(src.file(r), "buffers")) continue;
+    const std::string bwhere = src.file_path(r) + ":/buffers";
+    bgs.emplace_back(
+        std::make_unique<h5::Obj>(h5::open_group(src.file(r), "buffers", src.file_path(r))),
+        bwhere);
+    const h5::Obj& bg = *bgs.back().first;
+    for (const auto& n : h5::children(bg, bwhere)) {
+      Buffer b{n, h5::shape_of(bg, n, bwhere), h5::elem_of(bg, n, bwhere), {}, {}, bgs.size() - 1};
       const bool floating = b.stored == h5::Elem::kF32 || b.stored == h5::Elem::kF64;
       b.mem = floating ? h5::Elem::kF32 : b.stored;
       b.out = floating ? dtype : b.stored;
@@ -285,10 +294,12 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
   }
   buf = std::vector<float>();
   for (const auto& b : buffers) {
+    const h5::Obj& bg = *bgs[b.group].first;
+    const std::string& bwhere = bgs[b.group].second;
     const int64_t numel = h5::numel_of(b.shape, bwhere, b.name);
-    h5::check_fits_in_file(*bg, b.name, numel, 1, bwhere);  // before sizing `raw` by it
+    h5::check_fits_in_file(bg, b.name, numel, 1, bwhere);  // before sizing `raw` by it
     std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
-    h5::read_range(*bg, b.name, 0, numel, raw.data(), b.mem, bwhere);
+    h5::read_range(bg, b.name, 0, numel, raw.data(), b.mem, bwhere);
     const uint64_t n = st::nbytes(specs[i]);
     out.resize(n);
     h5::convert(raw.data(), b.mem, out.data(), b.out, static_cast<size_t>(numel));

@@ -10,11 +10,13 @@
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 
 #include "internal/sharded_model.h"
 
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -41,7 +43,7 @@ void check_optimizer_kind(const ShardedReader& src, torch::optim::Optimizer& opt
 // so that a wrong checkpoint fails first: a shape mismatch always throws; missing and
 // unexpected names go to `report` and throw under `strict`.
 void match_names(const ShardedReader& src, const std::vector<LocalShard>& shards,
-                 const std::string& what, bool strict, LoadReport& report) {
+                 const std::string& what, bool strict, bool stage, LoadReport& report) {
   std::set<std::string> model_names;
   std::vector<std::string> mismatched;
   for (const auto& ls : shards) {
@@ -59,8 +61,10 @@ void match_names(const ShardedReader& src, const std::vector<LocalShard>& shards
       }
     }
   }
+  // A pipeline stage (`stage`) holds part of the model: the checkpoint's other names are
+  // the other stages'.
   for (const auto& [fqn, loc] : src.by_fqn()) {
-    if (!model_names.count(fqn)) report.unexpected.push_back(fqn);
+    if (!model_names.count(fqn) && !stage) report.unexpected.push_back(fqn);
   }
   TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ",
               list_names(mismatched), ". Was it saved from another model?");
@@ -108,9 +112,10 @@ void load_shard_optim_state(ShardedReader& src, const LocalShard& ls,
   const SourceFlat& sf = src.flats()[pieces.front().src_flat];
   if (sf.optim_states.empty()) return;  // saved before the first optimizer step
   ParamState st;
-  h5::Obj og =
-      h5::open_group(src.file(0), flat_group(pieces.front().src_flat) + "/optim", src.file_path(0));
-  st.step = h5::get_int(og, "step", src.file_path(0));
+  const size_t k = pieces.front().src_flat;
+  const int r = src.flat_file(k);
+  h5::Obj og = h5::open_group(src.file(r), src.flat_path(k) + "/optim", src.file_path(r));
+  st.step = h5::get_int(og, "step", src.file_path(r));
   // Uninitialised when the pieces cover the shard (the fill zeroes the padding), so each
   // byte is touched once, by the read; zeros where a parameter is missing from the file.
   for (const auto& name : sf.optim_states) {
@@ -136,16 +141,51 @@ void load_shard(ShardedReader& src, const LocalShard& ls, torch::optim::Optimize
 // ranks: they are restored only when the ranks are the same.
 void load_rank_parts(ShardedReader& src, const ShardedModel& root,
                      torch::optim::Optimizer* optimizer, TrainingState* state,
-                     const LoadOptions& options, const std::string& what, LoadReport& report) {
-  const ProcessGroup& pg = root.sharding_options().process_group;
+                     const LoadOptions& options, const ProcessGroup& job, bool stage,
+                     const std::string& what, LoadReport& report) {
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  read_buffers(f0, p0, root.as_module(), report.missing, report.unexpected);
+  if (src.parts() == 1 && !stage) {
+    read_buffers(f0, p0, root.as_module(), report.missing, report.unexpected);
+  } else {
+    // Each stage's buffers are in its first file: a buffer is missing when no part has it.
+    std::map<std::string, int> missed;
+    for (int part = 0; part < src.parts(); ++part) {
+      std::vector<std::string> missing, unexpected;
+      const int r = src.part_first(part);
+      read_buffers(src.file(r), src.file_path(r), root.as_module(), missing, unexpected);
+      for (const auto& n : missing) ++missed[n];
+    }
+    for (const auto& [n, count] : missed)
+      if (count == src.parts()) report.missing.push_back(n);
+  }
   report_mismatch(what, report.missing, report.unexpected, options.strict);
   if (optimizer) read_optimizer_groups(f0, p0, *optimizer, what);
   if (state) *state = read_training_state(f0, p0);
-  if (options.restore_rng && src.world_size() == pg.size())
-    restore_rng(src.file(pg.rank()), src.file_path(pg.rank()));
+  if (options.restore_rng && src.world_size() == job.size())
+    restore_rng(src.file(job.rank()), src.file_path(job.rank()));
+}
+
+LoadReport load(const std::string& path, ShardedModel& root, torch::optim::Optimizer* optimizer,
+                TrainingState* state, const LoadOptions& options, const ProcessGroup& job,
+                bool stage) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint load"); });
+  wait_for_async_save();  // the save just made is complete before anything reads
+  ShardedReader src(path);
+  LoadReport report;
+  report.path = src.dir();
+  const std::string what = "checkpoint " + src.dir();
+  if (optimizer) check_optimizer_kind(src, *optimizer, what);
+  const std::vector<LocalShard> shards = detail::local_shards(root);
+  match_names(src, shards, what, options.strict, stage, report);
+  at::NoGradGuard no_grad;
+  {
+    detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read shards"); });
+    for (const LocalShard& ls : shards) load_shard(src, ls, optimizer);
+  }
+  detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read rank parts"); });
+  load_rank_parts(src, root, optimizer, state, options, job, stage, what, report);
+  return report;
 }
 
 }  // namespace
@@ -159,24 +199,16 @@ std::optional<std::string> latest_checkpoint(const std::string& dir) {
 LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
                                    torch::optim::Optimizer* optimizer, TrainingState* state,
                                    const LoadOptions& options) {
-  detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint load"); });
-  using namespace ckpt;
-  wait_for_async_save();  // the save just made is complete before anything reads
-  ShardedReader src(path);
-  LoadReport report;
-  report.path = src.dir();
-  const std::string what = "checkpoint " + src.dir();
-  if (optimizer) check_optimizer_kind(src, *optimizer, what);
-  const std::vector<LocalShard> shards = detail::local_shards(root);
-  match_names(src, shards, what, options.strict, report);
-  at::NoGradGuard no_grad;
-  {
-    detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read shards"); });
-    for (const LocalShard& ls : shards) load_shard(src, ls, optimizer);
-  }
-  detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read rank parts"); });
-  load_rank_parts(src, root, optimizer, state, options, what, report);
-  return report;
+  return ckpt::load(path, root, optimizer, state, options, root.sharding_options().process_group,
+                    /*stage=*/false);
+}
+
+LoadReport load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
+                                   torch::optim::Optimizer* optimizer, TrainingState* state,
+                                   const LoadOptions& options) {
+  // Note [Pipelined checkpoints] (sharded_save.cpp): each stage reads its own names.
+  return ckpt::load(path, model.stage_model(), optimizer, state, options, model.world(),
+                    /*stage=*/model.stages() > 1);
 }
 
 }  // namespace fsdp

@@ -9,6 +9,7 @@
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 
 #include "internal/sharded_model.h"
@@ -18,15 +19,36 @@
 #include <utility>
 
 namespace fsdp {
+namespace ckpt {
+namespace {
 
-std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
-                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
-                                    const SaveOptions& options) {
+// Note [Pipelined checkpoints]
+// A pipelined model (fsdp::pipeline) saves one checkpoint for all its stages: the directory
+// protocol (plan, agree, publish) runs over the whole job, every rank writes
+// rank_<job rank>.h5 with its stage's flats (format_version 2, attributes pipeline_stages
+// and pipeline_stage), and each stage's first rank writes that stage's buffers. A stage's
+// ranks are consecutive (rank r in stage r / dp), so its files are one part of the
+// directory laid out as an unpipelined checkpoint of the stage over dp ranks. The reader
+// (ShardedReader) takes every part's flats into one index, by FQN: with
+// PipelineOptions::parameter_names the stages' names are the whole model's, so the same
+// checkpoint loads into any number of stages, or none, at any world size, and an
+// unpipelined checkpoint loads into the stages (each stage finds its names and ignores
+// the others').
+
+// Where a rank's file goes: the group the directory protocol runs over (the job), and
+// the rank within the model's own group (a stage's under a pipeline).
+struct Placement {
+  const ProcessGroup* job;
+  int local_rank = 0, local_world = 1;
+  int stages = 1, stage = 0;
+};
+
+std::string save_sync(const std::string& dir, const ShardedModel& root,
+                      torch::optim::Optimizer* optimizer, const TrainingState& state,
+                      const SaveOptions& options, const Placement& at, const char* fn) {
   detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint save"); });
-  using namespace ckpt;
-  const char* fn = "save_sharded_checkpoint";
   check_save_args(state, options, fn);
-  const ProcessGroup& pg = root.sharding_options().process_group;
+  const ProcessGroup& pg = *at.job;
   const int rank = pg.rank(), world = pg.size();
   const auto t0 = std::chrono::steady_clock::now();
   settle_previous(pg, fn);
@@ -40,7 +62,12 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
     RankSnapshot snap;
     {
       detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint snapshot"); });
-      snap = take_snapshot(root, optimizer, state, rank, world, /*stager=*/nullptr);
+      snap = take_snapshot(root, optimizer, state, at.local_rank, at.local_world,
+                           /*stager=*/nullptr);
+      snap.rank = rank;
+      snap.world = world;
+      snap.stages = at.stages;
+      snap.stage = at.stage;
     }
     detail::trace::Scope s("checkpoint",
                            []() { return std::string("checkpoint write rank file"); });
@@ -59,6 +86,27 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
   });
   if (options.verbose && rank == 0) report_saved(plan, world, t0, "");
   return plan.final_dir.string();
+}
+
+}  // namespace
+}  // namespace ckpt
+
+std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options) {
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  return ckpt::save_sync(dir, root, optimizer, state, options, {&pg, pg.rank(), pg.size()},
+                         "save_sharded_checkpoint");
+}
+
+std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options) {
+  const ProcessGroup& stage = model.stage_group();
+  return ckpt::save_sync(
+      dir, model.stage_model(), optimizer, state, options,
+      {&model.world(), stage.rank(), stage.size(), model.stages(), model.stage()},
+      "save_sharded_checkpoint");
 }
 
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,

@@ -113,7 +113,8 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
       snap.groups.push_back(group_hparams(*opt, g));
   }
   snap.rng = capture_rng();
-  if (rank == 0) {
+  snap.has_buffers = rank == 0;
+  if (snap.has_buffers) {
     for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
       snap.buffers.emplace_back(name, keep("buffer/" + name, b));
     }
@@ -124,9 +125,14 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
 void write_snapshot(const std::string& path, const RankSnapshot& snap) {
   h5::Obj f = h5::create_file(path);
   h5::set_attr(f, "format", std::string(kShardedFormat));
-  h5::set_attr(f, "format_version", kCheckpointFormatVersion);
+  h5::set_attr(f, "format_version",
+               snap.stages > 1 ? kCheckpointFormatPipelinedVersion : kCheckpointFormatBaseVersion);
   h5::set_attr(f, "world_size", int64_t{snap.world});
   h5::set_attr(f, "rank", int64_t{snap.rank});
+  if (snap.stages > 1) {
+    h5::set_attr(f, "pipeline_stages", int64_t{snap.stages});
+    h5::set_attr(f, "pipeline_stage", int64_t{snap.stage});
+  }
   h5::set_attr(f, "step", snap.state.step);
   h5::set_attr(f, "shard_group_size", snap.shard_group_size);
   h5::set_attr(f, "num_flats", static_cast<int64_t>(snap.flats.size()));
@@ -159,7 +165,7 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
   if (snap.optimizer_kind != "none") write_optimizer_groups(f, snap.groups, path);
   write_training_state(f, snap.state, path);
   write_rng(f, snap.rng, path);
-  if (snap.rank == 0) write_buffers(f, snap.buffers, path);
+  if (snap.has_buffers) write_buffers(f, snap.buffers, path);
   h5::flush_and_sync(f, path);
 }
 

@@ -32,12 +32,16 @@ struct RankSnapshot {
   };
   int rank = 0, world = 1;
   int64_t shard_group_size = 1;
+  /// A pipelined model (Note [Pipelined checkpoints]): its stages and this rank's; rank
+  /// and world are then the job's.
+  int stages = 1, stage = 0;
+  bool has_buffers = false;  ///< this file holds the buffers (its part's first rank)
   std::string optimizer_kind = "none";
   std::vector<Flat> flats;
   std::vector<std::map<std::string, AttrValue>> groups;  ///< optimizer hyperparameters
   TrainingState state;
   std::vector<std::pair<std::string, at::Tensor>> rng;      ///< "cpu", "cuda_<i>"
-  std::vector<std::pair<std::string, at::Tensor>> buffers;  ///< rank 0 only
+  std::vector<std::pair<std::string, at::Tensor>> buffers;  ///< has_buffers only
   int64_t staged_bytes = 0;                                 ///< host copies held (async)
   /// The staging buffers above by what they hold, for the next save (Note [Staging reuse]).
   std::map<std::string, at::Tensor> staged;

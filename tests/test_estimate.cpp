@@ -413,8 +413,9 @@ TEST(Version, HeadersLibraryAndEveryToolAgree) {
   for (const auto& tool : tools) {
     auto r = run_command({bin_dir() + "/" + tool, "--version"});
     EXPECT_EQ(r.exit_code, 0) << tool << ": " << r.output;
-    EXPECT_EQ(r.output, tool + " (fsdp-libtorch) " + FSDP_VERSION_STRING + ", checkpoint format " +
-                            std::to_string(fsdp::kCheckpointFormatVersion) + "\n");
+    EXPECT_EQ(r.output, tool + " (fsdp-libtorch) " + FSDP_VERSION_STRING +
+                            ", checkpoint format 1 " + "(reads 1 to " +
+                            std::to_string(fsdp::kCheckpointFormatVersion) + ")\n");
   }
 }
 

@@ -82,6 +82,16 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
                                     torch::optim::Optimizer* optimizer, const TrainingState& state,
                                     const SaveOptions& options = {});
 
+class PipelinedModel;  // fsdp/pipeline.h
+
+/// The same for a pipelined model (fsdp::pipeline): one checkpoint of every stage,
+/// collective over the whole job (PipelinedModel::world). Each rank writes its stage's
+/// shards under the names PipelineOptions::parameter_names gives them, so the checkpoint
+/// loads into the model with any number of stages, or none, at any world size.
+std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
+                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    const SaveOptions& options = {});
+
 class AsyncSaveJob;  // the engine's (opaque)
 
 /// The handle of a save_sharded_checkpoint_async: one save in flight per process.
@@ -136,6 +146,15 @@ void release_checkpoint_staging(const ShardedModel& model);
 /// reads only the slices it keeps. Collective. `state` (may be null) receives the
 /// training state; `optimizer` (may be null) its state and hyperparameters.
 LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& model,
+                                   torch::optim::Optimizer* optimizer, TrainingState* state,
+                                   const LoadOptions& options = {});
+
+/// The same for a pipelined model: every stage reads its own parameters (by the names
+/// PipelineOptions::parameter_names gives them) from a checkpoint of the model saved with
+/// any number of stages, or none. Under LoadOptions::strict only a name this stage lacks
+/// is an error (the checkpoint's other names are the other stages'). Collective over the
+/// job.
+LoadReport load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
                                    torch::optim::Optimizer* optimizer, TrainingState* state,
                                    const LoadOptions& options = {});
 

@@ -9,8 +9,15 @@
 
 namespace fsdp {
 
-/// Version of the file formats this build writes, and the newest it reads.
-constexpr int64_t kCheckpointFormatVersion = 1;
+/// The newest version of the file formats this build reads.
+constexpr int64_t kCheckpointFormatVersion = 2;
+/// The version this build writes, except in a pipelined model's sharded checkpoint:
+/// builds that read only version 1 read these files.
+constexpr int64_t kCheckpointFormatBaseVersion = 1;
+/// A pipelined model's sharded checkpoint: its rank files are one part per pipeline stage
+/// (attributes pipeline_stages, pipeline_stage), which a version-1 reader would take for
+/// stage 0's alone.
+constexpr int64_t kCheckpointFormatPipelinedVersion = 2;
 
 /// A scalar attribute: model configuration values and the like.
 using AttrValue = std::variant<int64_t, double, std::string>;

@@ -1,0 +1,174 @@
+// Checkpoints of pipelined models (Note [Pipelined checkpoints] in checkpoint/sharded_save.cpp):
+// one checkpoint of every stage, resumed at another layout (other stages, FULL_SHARD inside
+// them, or no pipeline at all) and the reverse, with the losses of the same model trained
+// without interruption in one process; the files' layout as fsdp-inspect verifies it; and
+// PipelineOptions::parameter_names.
+#include <fsdp/checkpoint.h>
+#include <fsdp/full_params.h>
+#include <fsdp/pipeline.h>
+
+#include "support/checkpoint_helpers.h"
+#include "support/multirank.h"
+
+#include "../src/internal/sharded_model.h"  // shard_group_all_reduce
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+
+using namespace fsdp;
+using namespace fsdp::testing;
+
+namespace {
+
+constexpr int64_t kIn = 12, kOut = 6, kRows = 16, kSteps = 4;
+
+// Eight layers, uneven in size, one without parameters (test_pipeline.cpp's).
+torch::nn::Sequential make_layers() {
+  return torch::nn::Sequential(torch::nn::Linear(kIn, 32), torch::nn::Tanh(),
+                               torch::nn::Linear(32, 24), torch::nn::Linear(24, 24),
+                               torch::nn::Tanh(), torch::nn::Linear(24, 40),
+                               torch::nn::Linear(40, 16), torch::nn::Linear(16, kOut));
+}
+
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto x = torch::randn({kRows, kIn}, g);
+  auto y = torch::randn({kRows, kOut}, g);
+  return {x, y};
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::mse_loss(out, target);
+}
+
+const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(1e-2).eps(1e-6);
+
+// The losses of kSteps steps of the model trained whole in this process.
+std::vector<double> reference_losses() {
+  torch::manual_seed(0);
+  auto model = make_layers();
+  torch::optim::AdamW opt(model->parameters(), kAdamW);
+  std::vector<double> out;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    auto loss = mse(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    out.push_back(loss.item<double>());
+  }
+  return out;
+}
+
+// Steps [first, last) of the schedule at `stages` stages (0: no pipeline, FULL_SHARD over
+// the world), from the checkpoint under `dir` when first > 0; saves after `last` when
+// `save`. Each step's loss (the whole batch's) must equal the reference's.
+void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
+                const std::string& dir, bool save) {
+  const std::vector<double> ref = reference_losses();
+  torch::manual_seed(first == 0 ? 0 : 123);  // a resumed run starts from other weights
+  ShardingOptions sharding;
+  sharding.process_group = pg;
+  std::optional<PipelinedModel> pm;
+  std::optional<Sharded<torch::nn::Sequential>> whole;
+  if (stages > 0) {
+    PipelineOptions o;
+    o.stages = stages;
+    o.micro_batches = 4;
+    o.sharding = sharding;
+    pm = pipeline(make_layers(), o);
+  } else {
+    whole = shard_sequential(make_layers(), sharding);
+  }
+  torch::optim::AdamW opt(pm ? pm->sharded_parameters() : whole->sharded_parameters(), kAdamW);
+  if (first > 0) {
+    TrainingState st;
+    const LoadReport r = pm ? load_sharded_checkpoint(dir, *pm, &opt, &st)
+                            : load_sharded_checkpoint(dir, *whole, &opt, &st);
+    EXPECT_EQ(st.step, first);
+    EXPECT_TRUE(r.missing.empty());
+  }
+  const int dp = pm ? pm->data_parallel_size() : pg.size();
+  const int dp_rank = pm ? pm->data_parallel_rank() : pg.rank();
+  const int64_t per = kRows / dp;
+  for (int64_t step = first; step < last; ++step) {
+    auto [x, y] = batch(step);
+    auto mx = x.narrow(0, dp_rank * per, per), my = y.narrow(0, dp_rank * per, per);
+    double loss = 0;
+    if (pm) {
+      loss = pm->train_step(mx, my, mse).item<double>();
+    } else {
+      auto l = mse((*whole)->forward(mx), my);
+      l.backward();
+      // The whole batch's loss: the replicas' equal parts averaged.
+      auto all = l.detach().reshape({1});
+      fsdp::detail::shard_group_all_reduce(*whole, all, /*max=*/false);
+      loss = all.item<double>() / dp;
+    }
+    opt.step();
+    opt.zero_grad();
+    const double want = ref[static_cast<size_t>(step)];
+    EXPECT_LT(std::abs(loss - want) / std::abs(want), 1e-6)
+        << "step " << step << " at " << stages << " stage(s): " << loss << ", whole " << want;
+  }
+  if (save) {
+    TrainingState st;
+    st.step = last;
+    if (pm) {
+      save_sharded_checkpoint(dir, *pm, &opt, st);
+    } else {
+      save_sharded_checkpoint(dir, *whole, &opt, st);
+    }
+  }
+}
+
+// Two steps at `from` (stages over `from_world` ranks), saved; two more at `to` from
+// the checkpoint: the four losses are the whole model's.
+void resume(int from_world, int from, int to_world, int to) {
+  const std::string dir = scratch_dir("pipeline_resume");
+  run_ranks(from_world, [&](const ProcessGroup& pg) { train_span(pg, from, 0, 2, dir, true); });
+  run_ranks(to_world, [&](const ProcessGroup& pg) { train_span(pg, to, 2, kSteps, dir, false); });
+}
+
+}  // namespace
+
+TEST(PipelineCheckpoint, TwoStagesTimesFullShardTwoResumeAtFourStages) { resume(4, 2, 4, 4); }
+TEST(PipelineCheckpoint, FourStagesResumeAtTwoStagesTimesFullShardTwo) { resume(4, 4, 4, 2); }
+TEST(PipelineCheckpoint, TwoStagesResumeWithoutAPipelineAtWorldFour) { resume(2, 2, 4, 0); }
+TEST(PipelineCheckpoint, WithoutAPipelineResumesAtTwoStages) { resume(2, 0, 2, 2); }
+
+// The files: one per rank of the job, each stage's part laid out as a checkpoint of its
+// own (fsdp-inspect --verify checks every file's slices), format_version 2.
+TEST(PipelineCheckpoint, FilesAreOnePartPerStageThatInspectVerifies) {
+  const std::string dir = scratch_dir("pipeline_files");
+  run_ranks(4, [&](const ProcessGroup& pg) { train_span(pg, 2, 0, 1, dir, true); });
+  const std::string report = inspect_checkpoint(dir, /*verify=*/true);
+  EXPECT_NE(report.find("format_version = 2"), std::string::npos) << report;
+  EXPECT_NE(report.find("world_size = 4, shard_group_size = 2"), std::string::npos) << report;
+  EXPECT_NE(report.find("pipeline_stages = 2: rank files of 2 ranks each"), std::string::npos)
+      << report;
+  EXPECT_NE(report.find("verified: 4 rank files complete"), std::string::npos) << report;
+  // Every layer's parameters once: 6 Linear layers, weight and bias.
+  for (const char* name : {"0.weight", "2.bias", "3.weight", "5.weight", "6.bias", "7.weight"})
+    EXPECT_NE(report.find(std::string("      ") + name + " "), std::string::npos) << name;
+}
+
+// PipelineOptions::parameter_names: the stage's checkpoints and state dicts use the
+// whole model's names; two parameters given one name is refused, naming both.
+TEST(PipelineCheckpoint, ParameterNamesRenameTheStageAndRefuseCollisions) {
+  PipelineOptions o;
+  o.stages = 1;
+  o.micro_batches = 1;
+  o.parameter_names = [](const std::string& n) { return "net." + n; };
+  PipelinedModel pm = pipeline(make_layers(), o);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : full_state_dict(pm.stage_model())) names.push_back(name);
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names.front(), "net.0.weight");
+  o.parameter_names = [](const std::string& n) { return n.substr(n.find('.') + 1); };
+  EXPECT_EQ(error_of([&] { pipeline(make_layers(), o); }),
+            "renaming parameters: '0.weight' and '2.weight' would both be named 'weight'; give "
+            "each parameter a name of its own");
+}
