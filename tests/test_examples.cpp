@@ -263,9 +263,10 @@ TEST(TrainGpt, PipelineStagesGiveTheLossesOfOneProcess) {
 
 // What a pipelined run does not do yet is refused by flag, before any rank starts.
 TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
-  expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2", "--save-dir", "/tmp/x"},
-                     "--pipeline-stages 2 with --save-dir: pipelined runs do not do that yet; "
-                     "leave it out, or use --pipeline-stages 1");
+  expect_usage_error(
+      {bin("train_gpt"), "--pipeline-stages", "2", "--save-dir", "/tmp/x", "--async-save"},
+      "--pipeline-stages 2 with --async-save: pipelined runs do not do that yet; leave it out, "
+      "or use --pipeline-stages 1");
   expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2", "--grad-accum", "2"},
                      "--grad-accum 2 with --pipeline-stages 2: a pipeline's micro-batches are its "
                      "gradient accumulation; give --micro-batches 2 instead");
@@ -280,6 +281,54 @@ TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
   expect_usage_error({bin("train_llama"), "--pipeline-stages", "2", "--tie-embeddings"},
                      "--pipeline-stages 2 with --tie-embeddings (the embedding would be the first "
                      "stage's and lm_head the last's)");
+}
+
+// A pipelined run's checkpoint holds the GPT's own names (the checkpoint contract), and
+// resumes without a pipeline at another world size, and the reverse, with the losses of
+// one uninterrupted process.
+TEST(TrainGpt, PipelinedCheckpointsResumeAtAnotherLayout) {
+  auto run_at = [&](int nproc, const std::vector<std::string>& extra, const std::string& log) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", std::to_string(nproc), "--"};
+    auto args = small_run(log, 4);
+    args[6] = "16";  // --batch-size: 2 replicas x 4 micro-batches divide it
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    auto r = run_command(cmd);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  const std::string log1 = temp_path("ppck_w1");
+  run_at(1, {}, log1);
+  const auto one = losses(log1);
+  ASSERT_EQ(one.size(), 4u);
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> layouts = {
+      {{"4", "--pipeline-stages", "2"}, {"2"}},   // 2 stages x FULL_SHARD 2, then FULL_SHARD 2
+      {{"2"}, {"2", "--pipeline-stages", "2"}}};  // FULL_SHARD 2, then 2 stages
+  for (const auto& [first, second] : layouts) {
+    const std::string dir = temp_path("ppck_dir"), log_a = temp_path("ppck_a"),
+                      log_b = temp_path("ppck_b");
+    std::filesystem::remove(dir);  // a name for the checkpoints' directory, which the run makes
+    std::vector<std::string> a(first.begin() + 1, first.end()), b(second.begin() + 1, second.end());
+    for (auto* v : {&a, &b}) v->insert(v->end(), {"--save-dir", dir});
+    a.insert(a.end(), {"--stop-at", "2"});
+    b.push_back("--resume");
+    run_at(std::stoi(first[0]), a, log_a);
+    if (first.size() > 1) {
+      auto r = run_command({bin("fsdp-inspect"), dir});
+      EXPECT_NE(r.output.find("pipeline_stages = 2"), std::string::npos) << r.output;
+      for (const char* name : {"      wte.weight ", "      blocks.1.attn.qkv.weight ",
+                               "      ln_f.bias ", "      lm_head.weight "})
+        EXPECT_NE(r.output.find(name), std::string::npos) << name << "\n" << r.output;
+    }
+    const std::string out = run_at(std::stoi(second[0]), b, log_b);
+    EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+    const auto got = losses(log_b);
+    ASSERT_EQ(got.size(), 2u) << out;
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_NEAR(got[i], one[i + 2], 1e-6 * one[i + 2])
+          << "step " << i + 3 << " after " << first.back() << " then " << second.back();
+    std::filesystem::remove_all(dir);
+  }
 }
 
 // train_llama's layers (embedding, decoder layers, norm and head) in two stages give the
@@ -864,7 +913,8 @@ TEST(TrainGpt, DataHoldsOutItsLastFractionForTheValidationLoss) {
 
 // fp16 on CPU (LibTorch 2.x has the kernels): train_gpt trains at world 2 with the
 // dynamic loss scaler.
-TEST(TrainGpt, Fp16TrainsWithTheLossScaler) {
+// With `extra` (--pipeline-stages 2: the skip agreed across the stages too).
+void fp16_trains_with_the_loss_scaler(const std::vector<std::string>& extra) {
   auto log = temp_path("fp16");
   std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
   auto args = small_run(log, 40);
@@ -872,6 +922,7 @@ TEST(TrainGpt, Fp16TrainsWithTheLossScaler) {
   // 2^24 makes the first steps' scaled gradients overflow fp16 on purpose, so steps are
   // skipped and the scale comes down.
   cmd.insert(cmd.end(), {"--precision", "fp16", "--loss-scale-power", "24"});
+  cmd.insert(cmd.end(), extra.begin(), extra.end());
   auto r = run_command(cmd, {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto steps = read_jsonl(log);
@@ -896,6 +947,12 @@ TEST(TrainGpt, Fp16TrainsWithTheLossScaler) {
                              std::to_string(skipped_before) + tail;
     EXPECT_NE(r.output.find(line), std::string::npos) << "missing: " << line << "\n" << r.output;
   }
+}
+
+TEST(TrainGpt, Fp16TrainsWithTheLossScaler) { fp16_trains_with_the_loss_scaler({}); }
+
+TEST(TrainGpt, Fp16TrainsWithTheLossScalerInPipelineStages) {
+  fp16_trains_with_the_loss_scaler({"--pipeline-stages", "2"});
 }
 
 TEST(TrainGpt, BatchNotDivisibleByTheWorldSaysWhatToUse) {

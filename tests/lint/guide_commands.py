@@ -75,6 +75,15 @@ def shrink(cmd):
         return f"--steps {k}"
 
     out = re.sub(r"--steps (\d+)", steps, cmd)
+
+    def stop_at(m):  # scaled as --steps is, so that it stays before the last step
+        n = int(m.group(1))
+        k = max(1, n // 100) if n >= 100 else n
+        if k != n:
+            changed.append(f"--stop-at {n} -> {k}")
+        return f"--stop-at {k}"
+
+    out = re.sub(r"--stop-at (\d+)", stop_at, out)
     out2 = re.sub(r"--save-every (\d+)", "--save-every 1", out)
     if out2 != out:
         changed.append("--save-every 1")

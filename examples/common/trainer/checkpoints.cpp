@@ -21,6 +21,13 @@ CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model,
   save_opts_.verbose = true;
 }
 
+CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::PipelinedModel& pipeline,
+                                   torch::optim::Optimizer& opt, fsdp::LossScaler* scaler,
+                                   fsdp::ProcessGroup pg)
+    : CheckpointPolicy(flags, pipeline.stage_model(), opt, scaler, std::move(pg)) {
+  pipeline_ = &pipeline;
+}
+
 // Enough for generate (the architecture) and for an exact resume (the step; batches are
 // a function of the step and the seed).
 fsdp::TrainingState CheckpointPolicy::training_state(int64_t step) const {
@@ -49,8 +56,10 @@ int64_t CheckpointPolicy::resume() {
     return last_saved_ = 0;
   }
   fsdp::TrainingState st;
-  io_log_.timed("load",
-                [&] { return fsdp::load_sharded_checkpoint(dir, model_, &opt_, &st).path; });
+  io_log_.timed("load", [&] {
+    return pipeline_ ? fsdp::load_sharded_checkpoint(dir, *pipeline_, &opt_, &st).path
+                     : fsdp::load_sharded_checkpoint(dir, model_, &opt_, &st).path;
+  });
   const std::string seed = std::to_string(flags_.training.seed);
   if (st.extra.count("seed") && st.extra.at("seed") != seed && main_rank_) {
     std::cout << program() << ": warning: the checkpoint was trained with --seed "
@@ -73,6 +82,10 @@ bool CheckpointPolicy::due(int64_t steps_done) const {
 
 void CheckpointPolicy::save(int64_t steps_done) {
   io_log_.timed("save", [&] {
+    if (pipeline_) {  // (--async-save is refused with --pipeline-stages)
+      return fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_,
+                                           training_state(steps_done), save_opts_);
+    }
     if (!ckpt_.async_save) {
       return fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_,
                                            training_state(steps_done), save_opts_);

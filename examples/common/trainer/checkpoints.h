@@ -19,6 +19,10 @@ class CheckpointPolicy {
   /// Opens --io-log. `scaler` (fp16) may be null; what it points to must outlive this.
   CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model, torch::optim::Optimizer& opt,
                    fsdp::LossScaler* scaler, fsdp::ProcessGroup pg);
+  /// A pipelined run (--pipeline-stages): `pipeline`'s checkpoints, of every stage at
+  /// once; `opt` steps this rank's stage. `pipeline` must outlive this.
+  CheckpointPolicy(const Flags& flags, fsdp::PipelinedModel& pipeline, torch::optim::Optimizer& opt,
+                   fsdp::LossScaler* scaler, fsdp::ProcessGroup pg);
 
   /// --resume: loads the newest checkpoint, if any, into the model, optimizer and loss
   /// scaler. Returns the step to start from (0 for a fresh start).
@@ -43,6 +47,7 @@ class CheckpointPolicy {
   fsdp::ShardedModel model_;
   torch::optim::Optimizer& opt_;
   fsdp::LossScaler* scaler_;
+  fsdp::PipelinedModel* pipeline_ = nullptr;  ///< a pipelined run's model; null otherwise
   bool main_rank_;
   IoLog io_log_;
   fsdp::SaveOptions save_opts_;

@@ -292,6 +292,13 @@ std::pair<torch::Tensor, torch::Tensor> replica_rows(const torch::Tensor& rows,
 
 /// Validation loss through the pipeline: the same batches as val_loss, the mean over the
 /// replicas, on every rank.
+/// Every rank reports: skipping is agreed across ranks (and stages), so these lines match.
+void report_fp16_skips(const fsdp::LossScaler& scaler, int rank, int64_t steps) {
+  std::cout << program() << ": rank " << rank << ": fp16 skipped " << scaler.state().skipped_steps
+            << " of " << steps << " steps, loss scale "
+            << static_cast<int64_t>(scaler.state().scale) << std::endl;
+}
+
 double pipelined_val_loss(fsdp::PipelinedModel& pm, const Data& data, const Flags& f) {
   constexpr int64_t kValBatches = 4;
   const torch::Device device = f.sharding.options.device;
@@ -324,9 +331,16 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
   po.partition = f.pipeline.partition;
   po.sharding = f.sharding.options;
   po.sharding.process_group = pg;
+  po.parameter_names = program_info().layer_names;  // checkpoints under the model's names
   torch::manual_seed(f.training.seed);
   fsdp::PipelinedModel pm = fsdp::pipeline(program_info().layers(f.model), po);
   auto opt = make_optimizer(f, pm.stage_model(), pg.rank());
+  // fp16: the loss scaled in the last stage, the skip agreed by every stage.
+  std::optional<fsdp::LossScaler> scaler;
+  if (f.sharding.precision == "fp16") scaler.emplace(pm, f.sharding.loss_scaler);
+  CheckpointPolicy checkpoints(f, pm, *opt, scaler ? &*scaler : nullptr, pg);
+  const int64_t first_step = checkpoints.resume();
+  const int64_t last_step = checkpoints.last_step(first_step);
   const torch::Device device = f.sharding.options.device;
   if (main_rank) {
     std::cout << program() << ": pipeline of " << pm.stages() << " stages ("
@@ -338,20 +352,35 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     std::cout << std::endl;
   }
   TrainLog log(f.output, f.training.steps, main_rank);
-  log.start(0, f.training.steps);
+  log.start(first_step, last_step);
   const int64_t batch = f.training.batch_size, block = f.model.block_size;
-  for (int64_t step = 0; step < f.training.steps; ++step) {
+  for (int64_t step = first_step; step < last_step; ++step) {
     StepRecord r;
     r.step = step + 1;
-    r.lr = lr_at(f.training, step, 0);
+    r.lr = lr_at(f.training, step, scaler ? scaler->state().skipped_steps : 0);
     set_lr(*opt, r.lr);
     const auto start = std::chrono::steady_clock::now();
     {
       fsdp::TraceScope span("train step " + std::to_string(r.step));
       auto [x, y] = replica_rows(data.batch(step, batch, block), pm, device);
-      r.loss = pm.train_step(x, y, token_loss).item<double>();
-      if (f.training.clip_grad > 0) fsdp::clip_grad_norm_(pm, f.training.clip_grad);
-      opt->step();
+      const double scale = scaler ? scaler->state().scale : 1.0;
+      r.loss = pm.train_step(x, y,
+                             [&](const torch::Tensor& out, const torch::Tensor& target) {
+                               auto loss = token_loss(out, target);
+                               return scaler ? scaler->scale(loss) : loss;
+                             })
+                   .item<double>() /
+               scale;
+      if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
+      if (f.training.clip_grad > 0 && !(scaler && scaler->overflowed()))
+        fsdp::clip_grad_norm_(pm, f.training.clip_grad);
+      if (scaler) {
+        scaler->step(*opt);  // skipped on every stage alike when a gradient is inf or nan
+        scaler->update();
+        r.loss_scaler = scaler->state();
+      } else {
+        opt->step();
+      }
       opt->zero_grad();
     }
     r.step_s = seconds_since(start);
@@ -360,7 +389,10 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     if (data.validates() && log.progress_after(r.step))
       r.val_loss = pipelined_val_loss(pm, data, f);
     log.write(r);
+    if (checkpoints.due(r.step)) checkpoints.save(r.step);
   }
+  checkpoints.finish(std::max(first_step, last_step));
+  if (scaler) report_fp16_skips(*scaler, pg.rank(), std::max(first_step, last_step));
   if (main_rank) std::cout << program() << ": done" << std::endl;
   return 0;
 }
@@ -376,8 +408,8 @@ int run(const Program& prog, int argc, char** argv) {
   const Data data(f.training.seed, f.training.data, f.training.val_fraction);
   data.check(f.model.block_size);
   check_batch_for_world(f.training, pg.size(), f.pipeline);
-  if (f.pipeline.stages > 1) return run_pipelined(f, pg, data, deepspeed);
   check_checkpoint_flags(f.checkpoint, f.training.steps);
+  if (f.pipeline.stages > 1) return run_pipelined(f, pg, data, deepspeed);
   const bool main_rank = pg.rank() == 0;
 
   Training t = make_training(f, pg);
@@ -398,12 +430,7 @@ int run(const Program& prog, int argc, char** argv) {
   eval_text(t, f, pg, final_step, eval);
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(t, f, pg, final_step);
-  if (t.scaler) {
-    // Every rank reports: skipping is agreed across ranks, so these lines must match.
-    std::cout << program() << ": rank " << pg.rank() << ": fp16 skipped "
-              << t.scaler->state().skipped_steps << " of " << final_step << " steps, loss scale "
-              << static_cast<int64_t>(t.scaler->state().scale) << std::endl;
-  }
+  if (t.scaler) report_fp16_skips(*t.scaler, pg.rank(), final_step);
   if (main_rank) {
     std::cout << program() << ": peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";
     if (f.sharding.options.device.is_cuda()) {
