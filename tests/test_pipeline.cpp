@@ -3,6 +3,7 @@
 // unpipelined in one process; 1F1B's bound on the micro-batches in flight; the partition
 // methods; and every refusal's message.
 #include <fsdp/full_params.h>
+#include <fsdp/loss_scaler.h>
 #include <fsdp/pipeline.h>
 
 #include "support/multirank.h"
@@ -182,6 +183,73 @@ TEST(Pipeline, RefusesStagesThatDoNotDivideTheWorldAndTooFewMicroBatches) {
     EXPECT_NE(error(o).find("micro_batches=1 is fewer than stages=2 under the 1F1B schedule"),
               std::string::npos)
         << error(o);
+  });
+}
+
+// fp16's loss scaler over a pipeline: an inf in one stage's gradients skips the step on
+// every stage (the other stage's gradients are finite), and the scale comes down on both.
+TEST(Pipeline, LossScalerSkipsTheStepOnEveryStageWhenOneOverflows) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    PipelineOptions o;
+    o.sharding.process_group = pg;
+    o.micro_batches = 2;
+    PipelinedModel pm = pipeline(make_layers(), o);
+    LossScalerOptions so;
+    so.hysteresis = 1;
+    LossScaler scaler(pm, so);
+    torch::optim::SGD opt(pm.sharded_parameters(), torch::optim::SGDOptions(0.1));
+    auto [x, y] = batch(0, 4);
+    const double scale = scaler.state().scale;
+    pm.train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
+      return scaler.scale(mse(out, t));
+    });
+    if (pm.stage() == 0) {  // only the first stage's gradients overflow
+      for (auto& p : pm.sharded_parameters()) p.grad().fill_(INFINITY);
+    }
+    std::vector<torch::Tensor> before;
+    for (const auto& p : pm.sharded_parameters()) before.push_back(p.detach().clone());
+    EXPECT_FALSE(scaler.step(opt)) << "stage " << pm.stage() << " stepped";
+    EXPECT_TRUE(scaler.overflowed());
+    scaler.update();
+    EXPECT_EQ(scaler.state().skipped_steps, 1);
+    EXPECT_EQ(scaler.state().scale, scale / 2);
+    const auto params = pm.sharded_parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i]));
+  });
+}
+
+// A layer whose output has more dimensions than a message's header holds, at a stage
+// boundary: the sending stage fails, and so does the receiving one (the header tells it),
+// instead of waiting for data that never comes.
+struct NineDimsImpl : torch::nn::Module {
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.reshape({x.size(0), 1, 1, 1, 1, 1, 1, 1, -1});
+  }
+};
+TORCH_MODULE(NineDims);
+
+TEST(Pipeline, AnOutputOfNineDimensionsFailsBothStages) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    PipelineOptions o;
+    o.sharding.process_group = pg;
+    o.micro_batches = 2;
+    o.partition = "1";  // the boundary right after NineDims
+    PipelinedModel pm = pipeline(
+        torch::nn::Sequential(NineDims(), torch::nn::Flatten(), torch::nn::Linear(kIn, kOut)), o);
+    auto [x, y] = batch(0, 4);
+    std::string error = "<no error>";
+    try {
+      pm.train_step(x, y, mse);
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    }
+    const std::string why =
+        "output has 9 dimensions; at most 8 travel between stages: flatten it in the layer that "
+        "makes it and restore the shape in the next stage's first layer";
+    EXPECT_EQ(error, (pg.rank() == 0 ? "pipeline: a stage's "
+                                     : "pipeline: rank 0 could not send micro-batch 0: its "
+                                       "stage's ") +
+                         why);
   });
 }
 

@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include <optional>
+
 namespace fsdp {
 
 /// DeepSpeed's fp16 knobs, with its defaults.
@@ -32,9 +34,16 @@ struct LossScalerState {
 
 /// Use as:  scaler.scale(loss).backward(); scaler.unscale_(); clip...; scaler.step(opt);
 /// scaler.update();
+class PipelinedModel;  // fsdp/pipeline.h
+
 class LossScaler {
  public:
   explicit LossScaler(ShardedModel model, LossScalerOptions options = {});
+  /// For a pipelined model: its stage's gradients, and the decision to skip a step
+  /// agreed over every stage (PipelinedModel::world), so that all stages step together.
+  /// Scale the loss in the PipelineLossFn (scale(loss)); the mean loss train_step returns
+  /// is then scaled too.
+  explicit LossScaler(PipelinedModel& model, LossScalerOptions options = {});
 
   /// loss * scale.
   torch::Tensor scale(const torch::Tensor& loss) const;
@@ -56,6 +65,8 @@ class LossScaler {
 
  private:
   ShardedModel model_;
+  /// The group that agrees on skipping: the model's, or a pipeline's whole world.
+  std::optional<ProcessGroup> agree_;
   LossScalerOptions options_;
   LossScalerState state_;
   bool unscaled_ = false;  ///< unscale_ ran in this step

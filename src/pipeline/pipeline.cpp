@@ -1,8 +1,10 @@
 // Pipeline parallelism (Note [Pipeline schedules]): stages over ranks, micro-batches moved
 // between them point to point, sharding inside each stage.
+#include <fsdp/loss_scaler.h>
 #include <fsdp/pipeline.h>
 
 #include "comm/backend.h"
+#include "internal/sharded_model.h"
 #include "trace/trace.h"
 #include "train/clip_grad.h"
 
@@ -171,6 +173,7 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
   m.seq_ = std::make_shared<Sharded<torch::nn::Sequential>>(
       shard_sequential(torch::nn::Sequential(std::move(mine)), sharding));
   m.model_ = *m.seq_;
+  if (options.parameter_names) detail::rename_parameters(m.model_, options.parameter_names);
   if (detail::trace::on()) {
     // The stages' models met at barriers of their own groups; the merge aligns the ranks'
     // clocks at their last common mark, which must be one barrier of the whole world.
@@ -178,6 +181,22 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
     detail::trace::mark_sync();
   }
   return m;
+}
+
+namespace {
+// The message for a tensor of `dims` dimensions, more than a header holds.
+std::string dims_error(const char* what, int64_t dims) {
+  return std::string(what) + " has " + std::to_string(dims) + " dimensions; at most " +
+         std::to_string(kHeader - 2) +
+         " travel between stages: flatten it in the layer that makes it and restore the shape "
+         "in the next stage's first layer";
+}
+}  // namespace
+
+// fp16 over a pipeline: the stage's gradients, the skip agreed by every stage.
+LossScaler::LossScaler(PipelinedModel& model, LossScalerOptions options)
+    : LossScaler(model.stage_model(), options) {
+  agree_ = model.world();
 }
 
 // One step on one rank: the stage's messages and what its backwards need.
@@ -210,14 +229,20 @@ struct PipelinedModel::Step {
   }
 
   void send(const torch::Tensor& t, int peer, int mb, int dir) {
-    TORCH_CHECK(t.dim() <= kHeader - 2, "pipeline: a stage's output has ", t.dim(),
-                " dimensions; at most ", kHeader - 2, " travel between stages");
     auto header = torch::zeros({kHeader}, torch::TensorOptions(torch::kLong).device(t.device()));
     std::vector<int64_t> h(kHeader, 0);
-    h[0] = t.dim();
-    h[1] = static_cast<int64_t>(t.scalar_type());
-    for (int64_t d = 0; d < t.dim(); ++d) h[static_cast<size_t>(d + 2)] = t.size(d);
+    const bool fits = t.dim() <= kHeader - 2;
+    // A tensor the header cannot describe: the header says so (-1, its dimensions), so
+    // that the receiver fails with this rank instead of waiting for data that never comes.
+    h[0] = fits ? t.dim() : -1;
+    h[1] = fits ? static_cast<int64_t>(t.scalar_type()) : t.dim();
+    for (int64_t d = 0; fits && d < t.dim(); ++d) h[static_cast<size_t>(d + 2)] = t.size(d);
     header.copy_(torch::tensor(h, torch::kLong));
+    if (!fits) {
+      pending.push_back({world.send(header, peer, tag_of(mb, dir, 0)), header});
+      TORCH_CHECK(false, "pipeline: a stage's ",
+                  dims_error(dir == 0 ? "output" : "input gradient", t.dim()));
+    }
     torch::Tensor data = t.detach().contiguous();
     pending.push_back({world.send(header, peer, tag_of(mb, dir, 0)), header});
     pending.push_back({world.send(data, peer, tag_of(mb, dir, 1)), data});
@@ -231,6 +256,8 @@ struct PipelinedModel::Step {
     world.recv(header, peer, tag_of(mb, dir, 0))->wait();
     const auto h = header.cpu();
     const int64_t* v = h.data_ptr<int64_t>();
+    TORCH_CHECK(v[0] >= 0, "pipeline: rank ", peer, " could not send micro-batch ", mb,
+                ": its stage's ", dims_error(dir == 0 ? "output" : "input gradient", v[1]));
     std::vector<int64_t> sizes(v + 2, v + 2 + v[0]);
     auto data = torch::empty(
         sizes, torch::TensorOptions(static_cast<torch::ScalarType>(v[1])).device(device));

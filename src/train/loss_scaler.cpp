@@ -37,10 +37,11 @@ void LossScaler::unscale_() {
   for (auto& g : grads) {
     if (!bad && !g.isfinite().all().item<bool>()) bad = true;
   }
-  // Every rank must skip the same steps: agree over the whole world.
+  // Every rank must skip the same steps: agree over the whole world (a pipeline's, whose
+  // stages hold different gradients).
   const ShardingOptions& options = model_.sharding_options();
   auto flag = at::full({1}, bad ? 1.0f : 0.0f, at::TensorOptions().device(options.device));
-  options.process_group.all_reduce_max(flag);
+  (agree_ ? *agree_ : options.process_group).all_reduce_max(flag);
   overflow_ = flag.item<float>() > 0;
   if (!overflow_) {
     for (auto& g : grads) g.div_(state_.scale);
