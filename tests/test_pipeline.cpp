@@ -9,10 +9,12 @@
 #include "support/multirank.h"
 
 #include "../src/comm/backend.h"  // the single process's backend refuses point to point
+#include "../src/internal/sharded_model.h"  // flat_params
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 
 namespace fsdp {
 // Test names read "GetParam() = gpipe" (Names.EveryParameterisedTestIsListedReadably).
@@ -53,7 +55,7 @@ double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 
 // (each data-parallel replica's rows are its slice of the global batch); the losses and
 // the parameters of this rank's layers must agree within `tol` (relative).
 void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int micro,
-            ShardingStrategy strategy, double tol) {
+            ShardingStrategy strategy, double tol, bool reduce_once = true) {
   constexpr int64_t kRows = 16;
   torch::manual_seed(0);
   auto reference = make_layers();
@@ -64,6 +66,7 @@ void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int m
   o.schedule = schedule;
   o.sharding.process_group = pg;
   o.sharding.strategy = strategy;
+  o.reduce_once = reduce_once;
   PipelinedModel pm = pipeline(make_layers(), o);
   const auto adamw = torch::optim::AdamWOptions(1e-2).eps(1e-6);
   torch::optim::AdamW opt(pm.sharded_parameters(), adamw);
@@ -311,11 +314,52 @@ TEST_P(PipelineParity, TwoStagesTimesFullShardTwoTrainLikeOneProcess) {
   });
 }
 
+TEST_P(PipelineParity, ReducingEveryMicroBatchTrainsLikeOneProcess) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    parity(pg, 2, GetParam(), 2, ShardingStrategy::kFullShard, 1e-6, /*reduce_once=*/false);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineParity,
                          ::testing::Values(PipelineSchedule::kGPipe, PipelineSchedule::k1F1B),
                          [](const auto& info) {
                            return info.param == PipelineSchedule::kGPipe ? "GPipe" : "OneFOneB";
                          });
+
+// PipelineOptions::reduce_once: one reduce-scatter per unit a step, in the last
+// micro-batch's backward, and each unit gathered once for all the backwards; false: each
+// micro-batch's backward gathers and reduces.
+TEST(Pipeline, ReduceOnceReducesEachUnitOnceAStep) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    std::map<bool, int64_t> gathers;
+    for (bool once : {true, false}) {
+      PipelineOptions o;
+      o.sharding.process_group = pg;
+      o.micro_batches = 4;
+      o.reduce_once = once;
+      PipelinedModel pm = pipeline(make_layers(), o);
+      torch::optim::SGD opt(pm.sharded_parameters(), torch::optim::SGDOptions(0.1));
+      int64_t units = 0;  // units with parameters: each reduces
+      for (const auto& f : fsdp::detail::flat_params(pm.stage_model())) units += f.requires_grad;
+      auto [x, y] = batch(0, 16);
+      const int64_t per = 16 / pm.data_parallel_size();
+      const CommStats before = pm.stage_model().comm_stats().total;
+      pm.train_step(x.narrow(0, pm.data_parallel_rank() * per, per),
+                    y.narrow(0, pm.data_parallel_rank() * per, per), mse);
+      const CommStats after = pm.stage_model().comm_stats().total;
+      EXPECT_EQ(after.reduce_scatter_calls - before.reduce_scatter_calls, once ? units : 4 * units)
+          << "reduce_once " << once << ", stage " << pm.stage();
+      gathers[once] = after.all_gather_calls - before.all_gather_calls;
+      opt.step();
+    }
+    // FULL_SHARD frees a unit after each forward and each backward: 4 + 4 gathers a
+    // unit; kept gathered from one backward to the next, fewer.
+    const int64_t units = gathers[false] / 8;
+    EXPECT_EQ(gathers[false], 8 * units);
+    EXPECT_GT(units, 0);
+    EXPECT_LT(gathers[true], gathers[false]);
+  });
+}
 
 // 1F1B holds at most stages - stage micro-batches' activations on each stage; GPipe all.
 TEST(Pipeline, OneFOneBBoundsTheMicroBatchesInFlight) {

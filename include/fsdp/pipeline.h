@@ -57,6 +57,13 @@ struct PipelineOptions {
   /// into the model unpipelined and the reverse. Empty: the layers' names as they are (a
   /// torch::nn::Sequential pipelined keeps its own names).
   std::function<std::string(const std::string&)> parameter_names;
+  /// true: a step reduces each stage's gradients once, in the last micro-batch's backward;
+  /// the backwards before it accumulate unsharded gradients and keep their units gathered
+  /// (set_requires_gradient_sync / set_reshard_after_backward false, as PyTorch's pipeline
+  /// schedules do with FSDP2). Fewer collectives, for the memory of the stage's full
+  /// parameters and gradients during the step. false: every micro-batch's backward
+  /// gathers anew and reduces into the shards.
+  bool reduce_once = true;
 };
 
 /// Computes a micro-batch's loss from the last stage's output and its targets.

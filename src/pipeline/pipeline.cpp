@@ -312,6 +312,10 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
   };
   auto backward_mb = [&](int mb) {
     detail::trace::Scope b("pipeline", span("B", mb));
+    // Both schedules end with micro-batch M - 1's backward: it reduces (reduce_once).
+    const bool reduce = !options_.reduce_once || mb == M - 1;
+    model_.set_requires_gradient_sync(reduce);
+    model_.set_reshard_after_backward(reduce);
     torch::Tensor out = std::move(st.outputs[static_cast<size_t>(mb)]);
     if (last) {
       out.backward();
