@@ -8,7 +8,7 @@
 
 #include "support/multirank.h"
 
-#include "../src/comm/backend.h"  // the single process's backend refuses point to point
+#include "../src/comm/backend.h"            // the single process's backend refuses point to point
 #include "../src/internal/sharded_model.h"  // flat_params
 
 #include <gtest/gtest.h>
