@@ -7,12 +7,17 @@
 #include <fsdp/full_params.h>
 #include <fsdp/pipeline.h>
 
+#include "../examples/gpt/gpt_model.h"
+#include "../examples/llama/llama_model.h"
+
 #include "support/checkpoint_helpers.h"
 #include "support/multirank.h"
+#include "support/pipeline_layers.h"
 
 #include "../src/internal/sharded_model.h"  // shard_group_all_reduce
 
 #include <gtest/gtest.h>
+#include <hdf5.h>
 
 #include <cmath>
 #include <optional>
@@ -22,38 +27,19 @@ using namespace fsdp::testing;
 
 namespace {
 
-constexpr int64_t kIn = 12, kOut = 6, kRows = 16, kSteps = 4;
-
-// Eight layers, uneven in size, one without parameters (test_pipeline.cpp's).
-torch::nn::Sequential make_layers() {
-  return torch::nn::Sequential(torch::nn::Linear(kIn, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 24), torch::nn::Linear(24, 24),
-                               torch::nn::Tanh(), torch::nn::Linear(24, 40),
-                               torch::nn::Linear(40, 16), torch::nn::Linear(16, kOut));
-}
-
-std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  auto x = torch::randn({kRows, kIn}, g);
-  auto y = torch::randn({kRows, kOut}, g);
-  return {x, y};
-}
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
+constexpr int64_t kRows = 16, kSteps = 4;
 
 const torch::optim::AdamWOptions kAdamW = torch::optim::AdamWOptions(1e-2).eps(1e-6);
 
 // The losses of kSteps steps of the model trained whole in this process.
 std::vector<double> reference_losses() {
   torch::manual_seed(0);
-  auto model = make_layers();
+  auto model = pipeline_layers();
   torch::optim::AdamW opt(model->parameters(), kAdamW);
   std::vector<double> out;
   for (int64_t step = 0; step < kSteps; ++step) {
-    auto [x, y] = batch(step);
-    auto loss = mse(model->forward(x), y);
+    auto [x, y] = pipeline_batch(step, kRows);
+    auto loss = pipeline_mse(model->forward(x), y);
     loss.backward();
     opt.step();
     opt.zero_grad();
@@ -78,9 +64,9 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
     o.stages = stages;
     o.micro_batches = 4;
     o.sharding = sharding;
-    pm = pipeline(make_layers(), o);
+    pm = pipeline(pipeline_layers(), o);
   } else {
-    whole = shard_sequential(make_layers(), sharding);
+    whole = shard_sequential(pipeline_layers(), sharding);
   }
   torch::optim::AdamW opt(pm ? pm->sharded_parameters() : whole->sharded_parameters(), kAdamW);
   if (first > 0) {
@@ -94,13 +80,13 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
   const int dp_rank = pm ? pm->data_parallel_rank() : pg.rank();
   const int64_t per = kRows / dp;
   for (int64_t step = first; step < last; ++step) {
-    auto [x, y] = batch(step);
+    auto [x, y] = pipeline_batch(step, kRows);
     auto mx = x.narrow(0, dp_rank * per, per), my = y.narrow(0, dp_rank * per, per);
     double loss = 0;
     if (pm) {
-      loss = pm->train_step(mx, my, mse).item<double>();
+      loss = pm->train_step(mx, my, pipeline_mse).item<double>();
     } else {
-      auto l = mse((*whole)->forward(mx), my);
+      auto l = pipeline_mse((*whole)->forward(mx), my);
       l.backward();
       // The whole batch's loss: the replicas' equal parts averaged.
       auto all = l.detach().reshape({1});
@@ -162,13 +148,58 @@ TEST(PipelineCheckpoint, ParameterNamesRenameTheStageAndRefuseCollisions) {
   o.stages = 1;
   o.micro_batches = 1;
   o.parameter_names = [](const std::string& n) { return "net." + n; };
-  PipelinedModel pm = pipeline(make_layers(), o);
+  PipelinedModel pm = pipeline(pipeline_layers(), o);
   std::vector<std::string> names;
   for (const auto& [name, t] : full_state_dict(pm.stage_model())) names.push_back(name);
   ASSERT_FALSE(names.empty());
   EXPECT_EQ(names.front(), "net.0.weight");
   o.parameter_names = [](const std::string& n) { return n.substr(n.find('.') + 1); };
-  EXPECT_EQ(error_of([&] { pipeline(make_layers(), o); }),
+  EXPECT_EQ(error_of([&] { pipeline(pipeline_layers(), o); }),
             "renaming parameters: '0.weight' and '2.weight' would both be named 'weight'; give "
             "each parameter a name of its own");
+}
+
+// The reader refuses a pipelined checkpoint whose files disagree on the stages, naming
+// the file and what it says.
+TEST(PipelineCheckpoint, FilesThatDisagreeOnTheStagesAreRefused) {
+  const std::string dir = scratch_dir("pipeline_bad");
+  run_ranks(2, [&](const ProcessGroup& pg) { train_span(pg, 2, 0, 1, dir, true); });
+  const std::string ckpt = *latest_checkpoint(dir);
+  auto set = [&](int rank, const char* attr, int64_t v) {
+    const std::string p = ckpt + "/rank_0000" + std::to_string(rank) + ".h5";
+    hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(f, 0) << p;
+    hid_t a = H5Aopen(f, attr, H5P_DEFAULT);
+    H5Awrite(a, H5T_NATIVE_INT64, &v);
+    H5Aclose(a);
+    H5Fclose(f);
+  };
+  auto error = [&] { return error_of([&] { inspect_checkpoint(ckpt, false); }); };
+  const std::string f0 = ckpt + "/rank_00000.h5", f1 = ckpt + "/rank_00001.h5";
+  set(0, "pipeline_stages", 3);
+  EXPECT_EQ(error(), f0 + ": pipeline_stages 3 does not divide world_size 2");
+  set(0, "pipeline_stages", 2);
+  set(1, "pipeline_stage", 0);
+  EXPECT_EQ(error(), f1 + " says it holds pipeline stage 0 but sits where stage 1 begins");
+  set(1, "pipeline_stage", 1);
+  set(1, "shard_group_size", 2);
+  EXPECT_EQ(error(), f1 + ": shard_group_size 2 does not fit a pipeline stage of 1 ranks");
+}
+
+// The examples' maps from their pipeline layers' names to the models' own, and the
+// error for a name that is not one of those layers'.
+TEST(PipelineCheckpoint, TheExamplesMapLayerNamesToTheirModelsNames) {
+  EXPECT_EQ(gpt::layer_param_name("embed.wte.weight"), "wte.weight");
+  EXPECT_EQ(gpt::layer_param_name("block12.attn.qkv.bias"), "blocks.12.attn.qkv.bias");
+  EXPECT_EQ(gpt::layer_param_name("head.lm_head.weight"), "lm_head.weight");
+  EXPECT_EQ(error_of([] { gpt::layer_param_name("blocks.1.ln1.weight"); }),
+            "gpt::layer_param_name: 'blocks.1.ln1.weight' is not a parameter of as_layers' "
+            "layers");
+  EXPECT_EQ(llama::layer_param_name("embed_tokens.weight"), "model.embed_tokens.weight");
+  EXPECT_EQ(llama::layer_param_name("layer3.mlp.up_proj.weight"),
+            "model.layers.3.mlp.up_proj.weight");
+  EXPECT_EQ(llama::layer_param_name("head.norm.weight"), "model.norm.weight");
+  EXPECT_EQ(llama::layer_param_name("head.lm_head.weight"), "lm_head.weight");
+  EXPECT_EQ(error_of([] { llama::layer_param_name("layer.x"); }),
+            "llama::layer_param_name: 'layer.x' is not a parameter of as_layers' layers");
 }

@@ -7,6 +7,7 @@
 #include <fsdp/pipeline.h>
 
 #include "support/multirank.h"
+#include "support/pipeline_layers.h"
 
 #include "../src/comm/backend.h"            // the single process's backend refuses point to point
 #include "../src/internal/sharded_model.h"  // flat_params
@@ -28,27 +29,6 @@ using namespace fsdp::testing;
 
 namespace {
 
-constexpr int64_t kIn = 12, kOut = 6;
-
-// Eight layers, uneven in size, one without parameters.
-torch::nn::Sequential make_layers() {
-  return torch::nn::Sequential(torch::nn::Linear(kIn, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 24), torch::nn::Linear(24, 24),
-                               torch::nn::Tanh(), torch::nn::Linear(24, 40),
-                               torch::nn::Linear(40, 16), torch::nn::Linear(16, kOut));
-}
-
-std::pair<torch::Tensor, torch::Tensor> batch(int64_t step, int64_t rows) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  auto x = torch::randn({rows, kIn}, g);
-  auto y = torch::randn({rows, kOut}, g);
-  return {x, y};
-}
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::mse_loss(out, target);
-}
-
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
 
 // Trains `steps` steps pipelined and, in this process, unpipelined on the same batches
@@ -58,7 +38,7 @@ void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int m
             ShardingStrategy strategy, double tol, bool reduce_once = true) {
   constexpr int64_t kRows = 16;
   torch::manual_seed(0);
-  auto reference = make_layers();
+  auto reference = pipeline_layers();
   torch::manual_seed(0);
   PipelineOptions o;
   o.stages = stages;
@@ -67,22 +47,22 @@ void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int m
   o.sharding.process_group = pg;
   o.sharding.strategy = strategy;
   o.reduce_once = reduce_once;
-  PipelinedModel pm = pipeline(make_layers(), o);
+  PipelinedModel pm = pipeline(pipeline_layers(), o);
   const auto adamw = torch::optim::AdamWOptions(1e-2).eps(1e-6);
   torch::optim::AdamW opt(pm.sharded_parameters(), adamw);
   torch::optim::AdamW ref_opt(reference->parameters(), adamw);
   const int64_t dp = pm.data_parallel_size(), per = kRows / dp;
   for (int64_t step = 0; step < 4; ++step) {
-    auto [x, y] = batch(step, kRows);
+    auto [x, y] = pipeline_batch(step, kRows);
     auto mx = x.narrow(0, pm.data_parallel_rank() * per, per);
     auto my = y.narrow(0, pm.data_parallel_rank() * per, per);
-    const double loss = pm.train_step(mx, my, mse).item<double>();
+    const double loss = pm.train_step(mx, my, pipeline_mse).item<double>();
     // Clipped at a bound below the norm, so every step scales: the norm is the whole
     // model's, across the stages.
     const double norm = clip_grad_norm_(pm, 0.05);
     opt.step();
     opt.zero_grad();
-    auto ref_loss = mse(reference->forward(x), y);
+    auto ref_loss = pipeline_mse(reference->forward(x), y);
     ref_loss.backward();
     const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
     EXPECT_LT(rel(norm, ref_norm), tol)
@@ -110,7 +90,7 @@ void parity(const ProcessGroup& pg, int stages, PipelineSchedule schedule, int m
 }  // namespace
 
 TEST(PipelinePartition, ByParametersUniformAndExplicitBoundaries) {
-  // Layer sizes as make_layers() has them.
+  // Layer sizes as pipeline_layers() has them.
   const std::vector<int64_t> params{
       12 * 32 + 32, 0, 32 * 24 + 24, 24 * 24 + 24, 0, 24 * 40 + 40, 40 * 16 + 16, 16 * 6 + 6};
   PipelineOptions o;
@@ -169,7 +149,7 @@ TEST(Pipeline, RefusesStagesThatDoNotDivideTheWorldAndTooFewMicroBatches) {
   run_ranks(2, [](const ProcessGroup& pg) {
     auto error = [&](const PipelineOptions& o) {
       try {
-        pipeline(make_layers(), o);
+        pipeline(pipeline_layers(), o);
       } catch (const c10::Error& e) {
         return std::string(e.what_without_backtrace());
       }
@@ -196,15 +176,15 @@ TEST(Pipeline, LossScalerSkipsTheStepOnEveryStageWhenOneOverflows) {
     PipelineOptions o;
     o.sharding.process_group = pg;
     o.micro_batches = 2;
-    PipelinedModel pm = pipeline(make_layers(), o);
+    PipelinedModel pm = pipeline(pipeline_layers(), o);
     LossScalerOptions so;
     so.hysteresis = 1;
     LossScaler scaler(pm, so);
     torch::optim::SGD opt(pm.sharded_parameters(), torch::optim::SGDOptions(0.1));
-    auto [x, y] = batch(0, 4);
+    auto [x, y] = pipeline_batch(0, 4);
     const double scale = scaler.state().scale;
     pm.train_step(x, y, [&](const torch::Tensor& out, const torch::Tensor& t) {
-      return scaler.scale(mse(out, t));
+      return scaler.scale(pipeline_mse(out, t));
     });
     if (pm.stage() == 0) {  // only the first stage's gradients overflow
       for (auto& p : pm.sharded_parameters()) p.grad().fill_(INFINITY);
@@ -237,12 +217,13 @@ TEST(Pipeline, AnOutputOfNineDimensionsFailsBothStages) {
     o.sharding.process_group = pg;
     o.micro_batches = 2;
     o.partition = "1";  // the boundary right after NineDims
-    PipelinedModel pm = pipeline(
-        torch::nn::Sequential(NineDims(), torch::nn::Flatten(), torch::nn::Linear(kIn, kOut)), o);
-    auto [x, y] = batch(0, 4);
+    PipelinedModel pm = pipeline(torch::nn::Sequential(NineDims(), torch::nn::Flatten(),
+                                                       torch::nn::Linear(kPipeIn, kPipeOut)),
+                                 o);
+    auto [x, y] = pipeline_batch(0, 4);
     std::string error = "<no error>";
     try {
-      pm.train_step(x, y, mse);
+      pm.train_step(x, y, pipeline_mse);
     } catch (const c10::Error& e) {
       error = e.what_without_backtrace();
     }
@@ -272,12 +253,12 @@ TEST(Pipeline, RefusesAnEmptyModelABatchThatDoesNotSplitAndPointToPointAlone) {
   o.micro_batches = 4;
   EXPECT_EQ(error([&] { pipeline(torch::nn::Sequential(), o); }),
             "pipeline: the Sequential is empty; give it the model's layers in order");
-  PipelinedModel pm = pipeline(make_layers(), o);
-  auto [x, y] = batch(0, 6);
-  EXPECT_EQ(error([&] { pm.train_step(x, batch(0, 8).second, mse); }),
+  PipelinedModel pm = pipeline(pipeline_layers(), o);
+  auto [x, y] = pipeline_batch(0, 6);
+  EXPECT_EQ(error([&] { pm.train_step(x, pipeline_batch(0, 8).second, pipeline_mse); }),
             "PipelinedModel::train_step: the input's 6 rows do not split into micro_batches=4 "
             "equal parts: give a batch whose first dimension is a multiple of 4");
-  EXPECT_EQ(error([&] { pm.train_step(batch(0, 8).first, y, mse); }),
+  EXPECT_EQ(error([&] { pm.train_step(pipeline_batch(0, 8).first, y, pipeline_mse); }),
             "PipelinedModel::train_step: the target's 6 rows do not split into micro_batches=4 "
             "equal parts: give a batch whose first dimension is a multiple of 4");
   EXPECT_EQ(error([&] { pm.forward(x); }),
@@ -332,20 +313,21 @@ INSTANTIATE_TEST_SUITE_P(Schedules, PipelineParity,
 TEST(Pipeline, ReduceOnceReducesEachUnitOnceAStep) {
   run_ranks(4, [](const ProcessGroup& pg) {
     std::map<bool, int64_t> gathers;
+    int64_t units = 0;  // this stage's units with parameters: each gathers and reduces
     for (bool once : {true, false}) {
       PipelineOptions o;
       o.sharding.process_group = pg;
       o.micro_batches = 4;
       o.reduce_once = once;
-      PipelinedModel pm = pipeline(make_layers(), o);
+      PipelinedModel pm = pipeline(pipeline_layers(), o);
       torch::optim::SGD opt(pm.sharded_parameters(), torch::optim::SGDOptions(0.1));
-      int64_t units = 0;  // units with parameters: each reduces
+      units = 0;
       for (const auto& f : fsdp::detail::flat_params(pm.stage_model())) units += f.requires_grad;
-      auto [x, y] = batch(0, 16);
+      auto [x, y] = pipeline_batch(0, 16);
       const int64_t per = 16 / pm.data_parallel_size();
       const CommStats before = pm.stage_model().comm_stats().total;
       pm.train_step(x.narrow(0, pm.data_parallel_rank() * per, per),
-                    y.narrow(0, pm.data_parallel_rank() * per, per), mse);
+                    y.narrow(0, pm.data_parallel_rank() * per, per), pipeline_mse);
       const CommStats after = pm.stage_model().comm_stats().total;
       EXPECT_EQ(after.reduce_scatter_calls - before.reduce_scatter_calls, once ? units : 4 * units)
           << "reduce_once " << once << ", stage " << pm.stage();
@@ -354,9 +336,8 @@ TEST(Pipeline, ReduceOnceReducesEachUnitOnceAStep) {
     }
     // FULL_SHARD frees a unit after each forward and each backward: 4 + 4 gathers a
     // unit; kept gathered from one backward to the next, fewer.
-    const int64_t units = gathers[false] / 8;
-    EXPECT_EQ(gathers[false], 8 * units);
     EXPECT_GT(units, 0);
+    EXPECT_EQ(gathers[false], 8 * units);
     EXPECT_LT(gathers[true], gathers[false]);
   });
 }
@@ -371,9 +352,9 @@ TEST(Pipeline, OneFOneBBoundsTheMicroBatchesInFlight) {
       o.schedule = schedule;
       o.sharding.process_group = pg;
       torch::manual_seed(0);
-      PipelinedModel pm = pipeline(make_layers(), o);
-      auto [x, y] = batch(0, 16);
-      pm.train_step(x, y, mse);
+      PipelinedModel pm = pipeline(pipeline_layers(), o);
+      auto [x, y] = pipeline_batch(0, 16);
+      pm.train_step(x, y, pipeline_mse);
       const int expected = schedule == PipelineSchedule::k1F1B ? 4 - pm.stage() : 8;
       EXPECT_EQ(pm.peak_micro_batches_in_flight(), expected) << "stage " << pm.stage();
     }
