@@ -369,7 +369,8 @@ inline std::string layer_param_name(const std::string& name) {
     return "model." + (name[0] == 'h' ? name.substr(5) : name);
   if (name.rfind("head.", 0) == 0) return name.substr(5);
   const size_t dot = name.find('.');
-  TORCH_CHECK(name.rfind("layer", 0) == 0 && dot != std::string::npos && dot > 5,
+  TORCH_CHECK(name.rfind("layer", 0) == 0 && dot != std::string::npos && dot > 5 &&
+                  name.find_first_not_of("0123456789", 5) == dot,
               "llama::layer_param_name: '", name, "' is not a parameter of as_layers' layers");
   return "model.layers." + name.substr(5, dot - 5) + name.substr(dot);
 }
