@@ -59,16 +59,6 @@ run_world4() {  # LABEL EXTRA...
   median_step "$OUT/$label.jsonl"
 }
 
-shape() {  # a root qdisc and its arguments (tbf ..., netem ...), or "none"
-  local dev h ns
-  for h in 1 2; do
-    if [ "$h" = 1 ]; then dev="$L1" && ns="$H1"; else dev="$L2" && ns="$H2"; fi
-    ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
-    # shellcheck disable=SC2086
-    [ "$1" = none ] || ip netns exec "$ns" tc qdisc add dev "$dev" root $1
-  done
-}
-
 # Compute-only: 4 world-1 processes, 2 a host, each with a quarter of the global batch.
 BATCH=16
 for ((i = 0; i < ${#MODEL[@]}; i++)); do
@@ -101,13 +91,13 @@ fi
 ip netns exec "$H1" tc qdisc del dev "$L1" root 2>/dev/null || true
 for s in "veth (unshaped)|none" "10gbit|tbf rate 10gbit burst 1mb latency 50ms" "$SLOW"; do
   name="${s%%|*}"
-  shape "${s#*|}"
+  mh_shape "${s#*|}"
   on="$(run_world4 on)"
   off="$(run_world4 off --no-prefetch)"
   echo "$name: prefetch on ${on} s, off ${off} s" >&2
   echo "$name|$on|$off" >>"$RESULTS"
 done
-shape none
+mh_shape none
 
 "$PY" - "$RESULTS" "$COMPUTE" "$SVG" "${MODEL[*]}" "$STEPS" <<'PY'
 import sys

@@ -44,13 +44,11 @@ link_bytes() {  # bytes sent both ways over the link so far (host 1's end)
   echo $((tx + rx))
 }
 
-shape() {  # a root qdisc and its arguments, or "none"
-  local dev h ns
-  for h in 1 2; do
-    if [ "$h" = 1 ]; then dev="$L1" && ns="$H1"; else dev="$L2" && ns="$H2"; fi
-    ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
-    # shellcheck disable=SC2086
-    [ "$1" = none ] || ip netns exec "$ns" tc qdisc add dev "$dev" root $1
+ranks_ok() {  # LABEL: whether the 4 ranks of run LABEL exited 0; else says which did not
+  local r rc
+  for r in 0 1 2 3; do
+    read -r rc _ _ <"$OUT/$1.$r.log.exit"
+    [ "$rc" = 0 ] || { echo "bench-pipeline-links: $1 rank $r failed:" >&2; tail -5 "$OUT/$1.$r.log" >&2; return 1; }
   done
 }
 
@@ -70,10 +68,7 @@ run_layout() {  # LABEL FLAGS...: prints "median_step_s bytes_per_step waited_ms
   done
   mh_wait_all
   after=$(link_bytes)
-  for r in 0 1 2 3; do
-    read -r rc _ _ <"$OUT/$label.$r.log.exit"
-    [ "$rc" = 0 ] || { echo "bench-pipeline-links: $label rank $r failed:" >&2; tail -5 "$OUT/$label.$r.log" >&2; exit 1; }
-  done
+  ranks_ok "$label" || exit 1
   "$BIN/fsdp-trace" merge "$OUT/$label.trace" >/dev/null
   "$BIN/fsdp-trace" summary "$OUT/$label.trace/trace.json" >"$OUT/$label.summary.txt"
   "$PY" - "$OUT/$label.jsonl" "$OUT/$label.summary.txt" "$((after - before))" "$STEPS" <<'PY'
@@ -104,15 +99,7 @@ run_torch() {  # LABEL [FLAGS]: PyTorch's pipelining + FSDP2, the layout of PP 2
   done
   mh_wait_all
   after=$(link_bytes)
-  for r in 0 1 2 3; do
-    read -r rc _ _ <"$OUT/$label.$r.log.exit"
-    if [ "$rc" != 0 ]; then
-      echo "bench-pipeline-links: $label rank $r failed:" >&2
-      tail -5 "$OUT/$label.$r.log" >&2
-      echo "- - -"
-      return
-    fi
-  done
+  ranks_ok "$label" || { echo "- - -" && return; }
   "$PY" - "$OUT/$label.jsonl" "$((after - before))" "$STEPS" <<'PY'
 import json, statistics, sys
 steps = [json.loads(l)["step_s"] for l in open(sys.argv[1]) if '"step_s"' in l]
@@ -129,8 +116,8 @@ fi
 ip netns exec "$H1" tc qdisc del dev "$L1" root 2>/dev/null || true
 for link in $LINKS; do
   case "$link" in
-    veth) name="veth (unshaped)" && shape none ;;
-    1gbit) name="$SLOW_NAME" && shape "$SLOW" ;;
+    veth) name="veth (unshaped)" && mh_shape none ;;
+    1gbit) name="$SLOW_NAME" && mh_shape "$SLOW" ;;
     *) echo "bench-pipeline-links: unknown link '$link' (veth, 1gbit)" >&2 && exit 2 ;;
   esac
   for layout in "FULL_SHARD 4|--sharding full" \
@@ -151,7 +138,7 @@ for link in $LINKS; do
     echo "$name|$label|$step|$bytes|$waited" >>"$RESULTS"
   done
 done
-shape none
+mh_shape none
 
 "$PY" - "$RESULTS" "${MODEL[*]}" "$STEPS" "$MICRO" <<'PY'
 import sys

@@ -67,23 +67,18 @@ def shrink(cmd):
     """The command at a size for 2 cores, and what changed."""
     changed = []
 
-    def steps(m):
-        n = int(m.group(1))
-        k = max(2, n // 100) if n >= 100 else n
-        if k != n:
-            changed.append(f"--steps {n} -> {k}")
-        return f"--steps {k}"
+    def scaled(flag, least):  # N >= 100 becomes N // 100 (at least `least`); smaller stay
+        def sub(m):
+            n = int(m.group(1))
+            k = max(least, n // 100) if n >= 100 else n
+            if k != n:
+                changed.append(f"{flag} {n} -> {k}")
+            return f"{flag} {k}"
+        return sub
 
-    out = re.sub(r"--steps (\d+)", steps, cmd)
-
-    def stop_at(m):  # scaled as --steps is, so that it stays before the last step
-        n = int(m.group(1))
-        k = max(1, n // 100) if n >= 100 else n
-        if k != n:
-            changed.append(f"--stop-at {n} -> {k}")
-        return f"--stop-at {k}"
-
-    out = re.sub(r"--stop-at (\d+)", stop_at, out)
+    out = re.sub(r"--steps (\d+)", scaled("--steps", 2), cmd)
+    # --stop-at scaled as --steps is, so that it stays before the last step.
+    out = re.sub(r"--stop-at (\d+)", scaled("--stop-at", 1), out)
     out2 = re.sub(r"--save-every (\d+)", "--save-every 1", out)
     if out2 != out:
         changed.append("--save-every 1")

@@ -64,6 +64,18 @@ mh_run() {
   MH_PIDS+=($!)
 }
 
+# Shapes both ends of the link with a root qdisc and its arguments ("tbf rate 1gbit ...",
+# "netem ..."), or removes it ("none").
+mh_shape() {
+  local dev h ns
+  for h in 1 2; do
+    if [ "$h" = 1 ]; then dev="$L1" && ns="$H1"; else dev="$L2" && ns="$H2"; fi
+    ip netns exec "$ns" tc qdisc del dev "$dev" root 2>/dev/null || true
+    # shellcheck disable=SC2086
+    [ "$1" = none ] || ip netns exec "$ns" tc qdisc add dev "$dev" root $1
+  done
+}
+
 # mh_now_ms: milliseconds since the epoch.
 mh_now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
