@@ -11,11 +11,20 @@
 
 #include "../src/comm/backend.h"            // the single process's backend refuses point to point
 #include "../src/internal/sharded_model.h"  // flat_params
+#include "../src/trace/trace.h"             // flush
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <string>
+#include <thread>
 
 namespace fsdp {
 // Test names read "GetParam() = gpipe" (Names.EveryParameterisedTestIsListedReadably).
@@ -359,4 +368,67 @@ TEST(Pipeline, OneFOneBBoundsTheMicroBatchesInFlight) {
       EXPECT_EQ(pm.peak_micro_batches_in_flight(), expected) << "stage " << pm.stage();
     }
   });
+}
+
+namespace {
+
+// A layer that takes `ms` milliseconds: the stage that holds it is the slow one.
+struct SlowImpl : torch::nn::Module {
+  explicit SlowImpl(int ms) : ms(ms) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return x;
+  }
+  int ms;
+};
+TORCH_MODULE(Slow);
+
+}  // namespace
+
+// A receive's wait is split in the trace (Note [Pipeline schedules]): the time until the
+// sender posted is the bubble, the rest the link. Stage 0 takes 60 ms a forward, so stage
+// 1 waits that long for each activation before the sender posts it: a bubble of about
+// 60 ms, followed at once by the transfer's short "wait" span.
+TEST(Pipeline, TheTraceSplitsAReceiveIntoBubbleAndTransfer) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("pipeline_trace_" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::remove_all(dir);
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    PipelineOptions o;
+    o.stages = 2;
+    o.micro_batches = 2;
+    o.partition = "2";
+    o.sharding.process_group = pg;
+    o.sharding.trace = dir;
+    torch::manual_seed(0);
+    PipelinedModel pm = pipeline(torch::nn::Sequential(torch::nn::Linear(kPipeIn, 16), Slow(60),
+                                                       torch::nn::Linear(16, kPipeOut)),
+                                 o);
+    auto [x, y] = pipeline_batch(0, 8);
+    pm.train_step(x, y, pipeline_mse);
+    fsdp::detail::trace::flush();
+    if (pg.rank() != 1) return;
+    std::ifstream f(std::filesystem::path(dir) / "trace_rank1.json");
+    ASSERT_TRUE(f.good());
+    const auto trace = nlohmann::json::parse(f);
+    std::map<std::string, std::pair<double, double>> spans;  // name -> (begin, end) µs
+    for (const auto& e : trace.at("traceEvents")) {
+      if (e.value("ph", "") != "X") continue;
+      const double ts = e.at("ts").get<double>();
+      spans[e.at("name").get<std::string>() + "|" + e.at("cat").get<std::string>()] = {
+          ts, ts + e.at("dur").get<double>()};
+    }
+    for (int mb = 0; mb < 2; ++mb) {
+      const std::string name = "recv activation " + std::to_string(mb);
+      ASSERT_TRUE(spans.count("bubble: " + name + "|bubble")) << name;
+      ASSERT_TRUE(spans.count(name + "|wait")) << name;
+      const auto bubble = spans["bubble: " + name + "|bubble"];
+      const auto link = spans[name + "|wait"];
+      EXPECT_GE(bubble.second - bubble.first, 40e3) << name << ": stage 0 took 60 ms";
+      EXPECT_NEAR(link.first, bubble.second, 1.0) << name << ": the link's part follows";
+      EXPECT_LT(link.second - link.first, bubble.second - bubble.first) << name;
+    }
+  });
+  std::filesystem::remove_all(dir);
 }

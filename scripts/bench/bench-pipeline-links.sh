@@ -13,10 +13,12 @@
 # each unshaped and at 1 Gbit/s (tc's token bucket, or netem with 1 ms each way where the
 # kernel has it). Per row: the median step (all but the first 3), the bytes across the link
 # per step (the veth's counters over the run, setup included, over the steps), and from the
-# trace (--trace, fsdp-trace summary) the time each rank's compute track waited per step,
-# the mean of the ranks: exposed communication, and for the pipeline its bubble too (the
-# first stage waits for the gradients of its last micro-batches, the last for the first
-# activations). The pipeline's schedule bubble, (S - 1) / (M + S - 1), is printed beside.
+# trace (--trace, fsdp-trace summary), per step and the mean of the ranks, what each rank's
+# compute track spent in "wait" spans: exposed communication (collective waits, and a
+# pipeline receive's time after the sender posted the message), and in "bubble" spans: a
+# pipeline receive's time before the sender posted, waiting on the neighbour's compute
+# (Note [Pipeline schedules]). The schedule's bubble, (S - 1) / (M + S - 1), is printed
+# beside.
 # PyTorch's torch.distributed.pipelining with FSDP2 (tests/bench/torch_pipeline_fsdp.py)
 # runs the same layout on the same hosts: its step and bytes (no trace).
 #   sudo scripts/bench/bench-pipeline-links.sh [BIN_DIR]   (default build/bin)
@@ -52,7 +54,7 @@ ranks_ok() {  # LABEL: whether the 4 ranks of run LABEL exited 0; else says whic
   done
 }
 
-run_layout() {  # LABEL FLAGS...: prints "median_step_s bytes_per_step waited_ms_per_step"
+run_layout() {  # LABEL FLAGS...: prints "median_step_s bytes_per_step wait_ms bubble_ms" (per step)
   local label="$1" r h before after
   shift
   rm -rf "$OUT/$label.trace"
@@ -75,10 +77,12 @@ run_layout() {  # LABEL FLAGS...: prints "median_step_s bytes_per_step waited_ms
 import json, re, statistics, sys
 steps = [json.loads(l)["step_s"] for l in open(sys.argv[1]) if '"step_s"' in l]
 text = open(sys.argv[2]).read()
-waited = [float(w) for w in re.findall(r"^  wait\s+([0-9.]+) ms", text, re.M)]
 n = int(sys.argv[4])
-w = statistics.mean(waited) / n if waited else 0.0
-print(f"{statistics.median(steps[3:]):.4f} {int(sys.argv[3]) // n} {w:.1f}")
+def per_step(cat):  # the mean over the ranks of the category's time, per step
+    ms = [float(w) for w in re.findall(r"^  " + cat + r"\s+([0-9.]+) ms", text, re.M)]
+    return statistics.mean(ms) / n if ms else 0.0
+print(f"{statistics.median(steps[3:]):.4f} {int(sys.argv[3]) // n} "
+      f"{per_step('wait'):.1f} {per_step('bubble'):.1f}")
 PY
 }
 
@@ -99,11 +103,11 @@ run_torch() {  # LABEL [FLAGS]: PyTorch's pipelining + FSDP2, the layout of PP 2
   done
   mh_wait_all
   after=$(link_bytes)
-  ranks_ok "$label" || { echo "- - -" && return; }
+  ranks_ok "$label" || { echo "- - - -" && return; }
   "$PY" - "$OUT/$label.jsonl" "$((after - before))" "$STEPS" <<'PY'
 import json, statistics, sys
 steps = [json.loads(l)["step_s"] for l in open(sys.argv[1]) if '"step_s"' in l]
-print(f"{statistics.median(steps[3:]):.4f} {int(sys.argv[2]) // int(sys.argv[3])} -")
+print(f"{statistics.median(steps[3:]):.4f} {int(sys.argv[2]) // int(sys.argv[3])} - -")
 PY
 }
 
@@ -126,16 +130,16 @@ for link in $LINKS; do
     "PP 2 x SHARD_GRAD_OP 2 (1F1B, $MICRO micro-batches)|--sharding grad_op --pipeline-stages 2 --micro-batches $MICRO"; do
     label="${layout%%|*}"
     # shellcheck disable=SC2086
-    read -r step bytes waited <<<"$(run_layout "$(echo "$link-$label" | tr -c 'a-zA-Z0-9\n' _)" ${layout#*|})"
-    echo "$name / $label: step ${step} s, ${bytes} B across the link per step, waited ${waited} ms per step" >&2
-    echo "$name|$label|$step|$bytes|$waited" >>"$RESULTS"
+    read -r step bytes waited bubble <<<"$(run_layout "$(echo "$link-$label" | tr -c 'a-zA-Z0-9\n' _)" ${layout#*|})"
+    echo "$name / $label: step ${step} s, ${bytes} B across the link per step, waited ${waited} ms, bubble ${bubble} ms per step" >&2
+    echo "$name|$label|$step|$bytes|$waited|$bubble" >>"$RESULTS"
   done
   for t in "FSDP2 defaults|" "reshard_after_forward=False, torchtitan's with PP|--no-reshard-after-forward"; do
     label="PyTorch pipelining + FSDP2, PP 2 x 2 (1F1B, $MICRO micro-batches; ${t%%|*})"
     # shellcheck disable=SC2086
-    read -r step bytes waited <<<"$(run_torch "$link-torch${t#*|}" ${t#*|})"
+    read -r step bytes waited bubble <<<"$(run_torch "$link-torch${t#*|}" ${t#*|})"
     echo "$name / $label: step ${step} s, ${bytes} B across the link per step" >&2
-    echo "$name|$label|$step|$bytes|$waited" >>"$RESULTS"
+    echo "$name|$label|$step|$bytes|$waited|$bubble" >>"$RESULTS"
   done
 done
 mh_shape none
@@ -145,21 +149,23 @@ import sys
 rows = [l.strip().split("|") for l in open(sys.argv[1]) if l.strip()]
 model, steps, micro = sys.argv[2], sys.argv[3], int(sys.argv[4])
 print(f"train_gpt {model}, 4 ranks on 2 namespace hosts (2 each); median step of {steps} "
-      f"(first 3 dropped); waited: the compute track's wait spans per step, mean of the ranks "
+      f"(first 3 dropped); exposed communication and bubble: the compute track's wait and bubble spans per step, mean of the ranks "
       f"(fsdp-trace summary). The pipeline's schedule bubble at 2 stages and {micro} "
       f"micro-batches: 1/{micro + 1} = {1 / (micro + 1):.0%} of a step.\n")
-print("| link | layout | step (ms) | across the link per step (MB) | waited per step (ms) | waited / FULL_SHARD's |")
-print("|---|---|---:|---:|---:|---:|")
+print("| link | layout | step (ms) | across the link per step (MB) | exposed communication per step (ms) | exposed / FULL_SHARD's | bubble per step (ms) | bubble / step |")
+print("|---|---|---:|---:|---:|---:|---:|---:|")
 base = {}
-for link, layout, step, b, w in rows:
-    if layout.startswith("FULL_SHARD"):
+for link, layout, step, b, w, bub in rows:
+    if layout.startswith("FULL_SHARD") and w != "-":
         base[link] = float(w)
-for link, layout, step, b, w in rows:
+for link, layout, step, b, w, bub in rows:
     if step == "-":
-        print(f"| {link} | {layout} | failed (see the log above) | | | |")
+        print(f"| {link} | {layout} | failed (see the log above) | | | | | |")
         continue
-    known = w != "-"
-    ratio = f"{float(w) / base[link]:.2f}" if known and base.get(link) else "-"
-    waited = f"{float(w):.0f}" if known else "- (no trace)"
-    print(f"| {link} | {layout} | {float(step) * 1000:.0f} | {int(b) / 1e6:.1f} | {waited} | {ratio} |")
+    if w == "-":
+        print(f"| {link} | {layout} | {float(step) * 1000:.0f} | {int(b) / 1e6:.1f} | - (no trace) | - | - | - |")
+        continue
+    ratio = f"{float(w) / base[link]:.2f}" if base.get(link) else "-"
+    share = f"{float(bub) / (float(step) * 1000):.2f}"
+    print(f"| {link} | {layout} | {float(step) * 1000:.0f} | {int(b) / 1e6:.1f} | {float(w):.0f} | {ratio} | {float(bub):.0f} | {share} |")
 PY

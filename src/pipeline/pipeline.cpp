@@ -9,7 +9,9 @@
 #include "train/clip_grad.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 namespace fsdp {
@@ -30,12 +32,19 @@ namespace fsdp {
 // runs min(S - s - 1, M) forwards, then alternates F and B, then drains the backwards, so
 // stage s holds at most S - s micro-batches' activations.
 //
-// Each message is a header (dimensions, dtype, sizes: 10 int64s) and the data, both sent
-// without waiting (the sends of a step are waited for at its end), so two neighbours that
-// send to each other at once do not deadlock; receives block. Tags number the micro-batch
-// and the direction; they are reused step after step, in the same order on both sides.
+// Each message is a header (dimensions, dtype, sizes, the sender's clock: 11 int64s) and
+// the data, both sent without waiting (the sends of a step are waited for at its end), so two
+// neighbours that send to each other at once do not deadlock; receives block. Tags number the
+// micro-batch and the direction; they are reused step after step, in the same order on both sides.
 // The messages travel over the world group's backend, which no sharding collective uses
 // (the stages shard over their own groups).
+//
+// A receive's wait is split in the trace (Note [Per-unit trace]): until the sender posted
+// the message (the header carries the sender's wall clock then), the stage waited for its
+// neighbour's compute, the schedule's bubble ("bubble" spans); from then until the data
+// arrived, for the link ("wait" spans, like every other exposed communication). The split
+// is exact where both ranks read one clock (one host, or namespaces on it) and as good as
+// the hosts' clock agreement otherwise. The end of a step's wait for its sends is "wait".
 //
 // Every micro-batch's backward reduces its gradients into the shards (as gradient
 // accumulation does without no_sync), so the step's gradients are those of the mean loss
@@ -43,7 +52,17 @@ namespace fsdp {
 
 namespace {
 
-constexpr int kHeader = 10;  // ndim, dtype, up to 8 sizes
+constexpr int kMaxDims = 8;
+constexpr int kSentAt = 2 + kMaxDims;  // the header's slot for the sender's clock
+constexpr int kHeader = kSentAt + 1;   // ndim, dtype, up to 8 sizes, the sender's clock
+
+// Nanoseconds on the wall clock, which ranks on different hosts share (the steady clock
+// starts at each host's boot).
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 int tag_of(int micro_batch, int direction, int part) {
   return (1 << 30) + (micro_batch * 2 + direction) * 2 + part;  // Note [Pipeline schedules]
@@ -187,7 +206,7 @@ namespace {
 // The message for a tensor of `dims` dimensions, more than a header holds.
 std::string dims_error(const char* what, int64_t dims) {
   return std::string(what) + " has " + std::to_string(dims) + " dimensions; at most " +
-         std::to_string(kHeader - 2) +
+         std::to_string(kMaxDims) +
          " travel between stages: flatten it in the layer that makes it and restore the shape "
          "in the next stage's first layer";
 }
@@ -231,12 +250,13 @@ struct PipelinedModel::Step {
   void send(const torch::Tensor& t, int peer, int mb, int dir) {
     auto header = torch::zeros({kHeader}, torch::TensorOptions(torch::kLong).device(t.device()));
     std::vector<int64_t> h(kHeader, 0);
-    const bool fits = t.dim() <= kHeader - 2;
+    const bool fits = t.dim() <= kMaxDims;
     // A tensor the header cannot describe: the header says so (-1, its dimensions), so
     // that the receiver fails with this rank instead of waiting for data that never comes.
     h[0] = fits ? t.dim() : -1;
     h[1] = fits ? static_cast<int64_t>(t.scalar_type()) : t.dim();
     for (int64_t d = 0; fits && d < t.dim(); ++d) h[static_cast<size_t>(d + 2)] = t.size(d);
+    h[kSentAt] = wall_ns();
     header.copy_(torch::tensor(h, torch::kLong));
     if (!fits) {
       pending.push_back({world.send(header, peer, tag_of(mb, dir, 0)), header});
@@ -249,9 +269,13 @@ struct PipelinedModel::Step {
   }
 
   torch::Tensor recv(int peer, int mb, int dir, const torch::Device& device) {
-    detail::trace::Scope waiting("wait", [&]() {
+    auto name = [&]() {
       return std::string(dir == 0 ? "recv activation " : "recv gradient ") + std::to_string(mb);
-    });
+    };
+    const bool tracing = detail::trace::on();
+    std::optional<detail::trace::Scope> range;  // the profiler's range when only it listens
+    if (!tracing) range.emplace("wait", name);
+    const int64_t began = tracing ? detail::trace::now_ns() : 0;
     auto header = torch::empty({kHeader}, torch::TensorOptions(torch::kLong).device(device));
     world.recv(header, peer, tag_of(mb, dir, 0))->wait();
     const auto h = header.cpu();
@@ -262,7 +286,25 @@ struct PipelinedModel::Step {
     auto data = torch::empty(
         sizes, torch::TensorOptions(static_cast<torch::ScalarType>(v[1])).device(device));
     world.recv(data, peer, tag_of(mb, dir, 1))->wait();
+    if (tracing) trace_wait(name(), began, v[kSentAt]);
     return data;
+  }
+
+  // The wait [began, now) as the bubble until the sender posted (`sent_wall`, its wall
+  // clock), and the link after (Note [Pipeline schedules]).
+  static void trace_wait(const std::string& name, int64_t began, int64_t sent_wall) {
+    const int64_t now = detail::trace::now_ns();
+    const int64_t sent = std::clamp(sent_wall - (wall_ns() - now), began, now);
+    if (sent > began)
+      detail::trace::span("bubble: " + name, "bubble", detail::trace::Track::kCompute, began, sent);
+    detail::trace::span(name, "wait", detail::trace::Track::kCompute, sent, now);
+  }
+
+  // The step's sends, done before it returns.
+  void finish_sends() {
+    detail::trace::Scope waiting("wait", [] { return std::string("pipeline sends"); });
+    for (auto& p : pending) p.work->wait();
+    pending.clear();
   }
 };
 
@@ -339,8 +381,7 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
     }
     for (int mb = M - warmup; mb < M; ++mb) backward_mb(mb);
   }
-  for (auto& p : st.pending) p.work->wait();
-  st.pending.clear();
+  st.finish_sends();
 
   // The mean loss: over the micro-batches on the last stage, over its data-parallel
   // replicas, then to every rank from the last stage's first rank.
@@ -390,8 +431,7 @@ torch::Tensor PipelinedModel::forward(const torch::Tensor& input) {
       st.send(out, st.next, mb, 0);
     }
   }
-  for (auto& p : st.pending) p.work->wait();
-  st.pending.clear();
+  st.finish_sends();
   return last ? torch::cat(outs, 0) : torch::Tensor();
 }
 
