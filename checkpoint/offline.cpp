@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 
@@ -234,52 +235,123 @@ void write_hf_config(const std::string& dir, const std::map<std::string, AttrVal
   write_atomically(std::filesystem::path(dir) / "config.json", *text);
 }
 
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
-                                     ExportDtype export_dtype, uint64_t max_shard_size,
-                                     const Progress& progress) {
-  const h5::Elem dtype = elem_of(export_dtype);
-  ShardedReader src(sharded, 4u << 20);
-  const std::map<std::string, AttrValue> attrs = model_attrs(src);
-  // Every tensor, in the live export's order: each flat's table, then the buffers.
-  std::vector<st::Spec> specs;
-  for (const auto& sf : src.flats()) {
-    for (const auto& e : sf.table) specs.push_back({e.fqn, safetensors_dtype(dtype), e.shape});
+namespace {
+
+size_t elem_bytes(h5::Elem e) {
+  switch (e) {
+    case h5::Elem::kF64:
+    case h5::Elem::kI64:
+      return 8;
+    case h5::Elem::kF32:
+      return 4;
+    case h5::Elem::kF16:
+    case h5::Elem::kBF16:
+      return 2;
+    case h5::Elem::kU8:
+      return 1;
   }
+  return 1;
+}
+
+// `in`, a (rows, cols) row-major matrix of `elem`-byte elements, as its transpose in `out`.
+template <class T>
+void transpose_2d(const T* in, std::vector<T>& out, int64_t rows, int64_t cols,
+                  size_t elem = sizeof(T)) {
+  const size_t per = elem / sizeof(T);  // T units per element
+  out.resize(static_cast<size_t>(rows * cols) * per);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      std::copy_n(in + static_cast<size_t>(r * cols + c) * per, per,
+                  out.data() + static_cast<size_t>(c * rows + r) * per);
+    }
+  }
+}
+
+// A layout applied, as export_safetensors applies SafetensorsOptions' to the live model.
+struct Applied {
+  const Layout& layout;
+  std::string name(const std::string& fqn) const {
+    return layout.name_for ? layout.name_for(fqn) : fqn;
+  }
+  bool transposed(const std::string& fqn, const std::vector<int64_t>& shape) const {
+    if (!layout.transpose || !layout.transpose(fqn)) return false;
+    TORCH_CHECK(shape.size() == 2, "consolidate_checkpoint: the layout transposes '", fqn,
+                "', which has ", shape.size(), " dimensions; only 2-D tensors transpose");
+    return true;
+  }
+  std::vector<int64_t> shape(const std::string& fqn, std::vector<int64_t> s) const {
+    if (transposed(fqn, s)) std::swap(s[0], s[1]);
+    return s;
+  }
+};
+
+// The buffers of a sharded checkpoint (each pipeline stage's in its first file, rank 0's
+// alone without stages), in the live export's order, with their specs appended.
+struct Buffers {
   struct Buffer {
     std::string name;
     std::vector<int64_t> shape;
     h5::Elem stored, mem, out;
-    size_t group;  ///< in bgs
+    size_t group;  ///< in groups
   };
-  std::vector<Buffer> buffers;
-  // Each pipeline stage's buffers are in its first file (rank 0's alone without stages).
-  std::vector<std::pair<std::unique_ptr<h5::Obj>, std::string>> bgs;
-  for (int part = 0; part < src.parts(); ++part) {
-    const int r = src.part_first(part);
-    if (!h5::exists(src.file(r), "buffers")) continue;
-    const std::string bwhere = src.file_path(r) + ":/buffers";
-    bgs.emplace_back(
-        std::make_unique<h5::Obj>(h5::open_group(src.file(r), "buffers", src.file_path(r))),
-        bwhere);
-    const h5::Obj& bg = *bgs.back().first;
-    for (const auto& n : h5::children(bg, bwhere)) {
-      Buffer b{n, h5::shape_of(bg, n, bwhere), h5::elem_of(bg, n, bwhere), {}, {}, bgs.size() - 1};
-      const bool floating = b.stored == h5::Elem::kF32 || b.stored == h5::Elem::kF64;
-      b.mem = floating ? h5::Elem::kF32 : b.stored;
-      b.out = floating ? dtype : b.stored;
-      specs.push_back({n, safetensors_dtype(b.out), b.shape});
-      buffers.push_back(std::move(b));
+  std::vector<Buffer> list;
+  std::vector<std::pair<std::unique_ptr<h5::Obj>, std::string>> groups;  ///< (group, where)
+
+  Buffers(ShardedReader& src, h5::Elem dtype, const Applied& at, std::vector<st::Spec>& specs) {
+    for (int part = 0; part < src.parts(); ++part) {
+      const int r = src.part_first(part);
+      if (!h5::exists(src.file(r), "buffers")) continue;
+      const std::string where = src.file_path(r) + ":/buffers";
+      groups.emplace_back(
+          std::make_unique<h5::Obj>(h5::open_group(src.file(r), "buffers", src.file_path(r))),
+          where);
+      const h5::Obj& bg = *groups.back().first;
+      for (const auto& n : h5::children(bg, where)) {
+        Buffer b{n,  h5::shape_of(bg, n, where), h5::elem_of(bg, n, where), {},
+                 {}, groups.size() - 1};
+        const bool floating = b.stored == h5::Elem::kF32 || b.stored == h5::Elem::kF64;
+        b.mem = floating ? h5::Elem::kF32 : b.stored;
+        b.out = floating ? dtype : b.stored;
+        if (at.name(n).empty()) continue;
+        specs.push_back({at.name(n), safetensors_dtype(b.out), at.shape(n, b.shape)});
+        list.push_back(std::move(b));
+      }
     }
   }
+};
+
+}  // namespace
+
+void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
+                                     ExportDtype export_dtype, uint64_t max_shard_size,
+                                     const Progress& progress, const Layout& layout) {
+  const h5::Elem dtype = elem_of(export_dtype);
+  ShardedReader src(sharded, 4u << 20);
+  const std::map<std::string, AttrValue> attrs = model_attrs(src);
+  const Applied at{layout};
+  // Every tensor, in the live export's order: each flat's table, then the buffers.
+  std::vector<st::Spec> specs;
+  for (const auto& sf : src.flats()) {
+    for (const auto& e : sf.table) {
+      if (!at.name(e.fqn).empty())
+        specs.push_back({at.name(e.fqn), safetensors_dtype(dtype), at.shape(e.fqn, e.shape)});
+    }
+  }
+  const Buffers buffers(src, dtype, at, specs);
   const size_t total = specs.size();
   st::DirWriter w(out_dir, specs, safetensors_metadata(dtype, src.step(), attrs), max_shard_size);
-  std::vector<float> buf;
-  std::vector<uint8_t> out;
+  std::vector<float> buf, turned;
+  std::vector<uint8_t> out, raw, raw_turned;
   size_t i = 0;
   for (size_t k = 0; k < src.flats().size(); ++k) {
     for (const auto& e : src.flats()[k].table) {
+      if (at.name(e.fqn).empty()) continue;
       buf.assign(static_cast<size_t>(e.numel), 0.0f);
       src.read(k, "param", e.offset, e.numel, buf.data());
+      if (at.transposed(e.fqn, e.shape)) {
+        transpose_2d(buf.data(), turned, e.shape[0], e.shape[1]);
+        buf.swap(turned);
+      }
       const uint64_t n = st::nbytes(specs[i]);
       if (dtype == h5::Elem::kF32) {
         w.add(i, buf.data(), n);
@@ -293,13 +365,17 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
     }
   }
   buf = std::vector<float>();
-  for (const auto& b : buffers) {
-    const h5::Obj& bg = *bgs[b.group].first;
-    const std::string& bwhere = bgs[b.group].second;
-    const int64_t numel = h5::numel_of(b.shape, bwhere, b.name);
-    h5::check_fits_in_file(bg, b.name, numel, 1, bwhere);  // before sizing `raw` by it
-    std::vector<uint8_t> raw(static_cast<size_t>(numel) * 8);
-    h5::read_range(bg, b.name, 0, numel, raw.data(), b.mem, bwhere);
+  for (const auto& b : buffers.list) {
+    const h5::Obj& bg = *buffers.groups[b.group].first;
+    const std::string& where = buffers.groups[b.group].second;
+    const int64_t numel = h5::numel_of(b.shape, where, b.name);
+    h5::check_fits_in_file(bg, b.name, numel, 1, where);  // before sizing `raw` by it
+    raw.assign(static_cast<size_t>(numel) * 8, 0);
+    h5::read_range(bg, b.name, 0, numel, raw.data(), b.mem, where);
+    if (at.transposed(b.name, b.shape)) {
+      transpose_2d(raw.data(), raw_turned, b.shape[0], b.shape[1], elem_bytes(b.mem));
+      raw.swap(raw_turned);
+    }
     const uint64_t n = st::nbytes(specs[i]);
     out.resize(n);
     h5::convert(raw.data(), b.mem, out.data(), b.out, static_cast<size_t>(numel));

@@ -20,12 +20,20 @@ using Progress = std::function<void(size_t, size_t, const std::string&)>;
 /// parameter at a time.
 void consolidate_offline(const std::string& sharded, const std::string& out_file, ExportDtype dtype,
                          bool with_optimizer, const Progress& progress);
+/// Another framework's layout for safetensors (SafetensorsOptions::name_for, ::transpose):
+/// the name each tensor is written under ("" leaves it out), and which 2-D ones are
+/// written transposed. Unset: clean FQNs, as they are.
+struct Layout {
+  std::function<std::string(const std::string&)> name_for;
+  std::function<bool(const std::string&)> transpose;
+};
+
 /// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
-/// directory `out_dir` gets what export_safetensors writes from the live model, byte for
-/// byte, reading one parameter at a time.
+/// directory `out_dir` gets what export_safetensors writes from the live model with the
+/// same layout, byte for byte, reading one parameter at a time.
 void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
                                      ExportDtype dtype, uint64_t max_shard_size,
-                                     const Progress& progress);
+                                     const Progress& progress, const Layout& layout = {});
 
 /// Describes and verifies a sharded checkpoint directory or a consolidated file.
 std::string inspect(const std::string& path, bool verify);
