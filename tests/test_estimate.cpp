@@ -3,11 +3,13 @@
 // gathered-unit and buffer terms must bound the counters' peaks. Then the CLI: its
 // table, its JSON (equal to the library's figures) and its bad-input errors.
 #include <fsdp/checkpoint_format.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/tools/estimate.h>
 #include <fsdp/version.h>
 
 #include "support/models.h"
 #include "support/multirank.h"
+#include "support/pipeline_layers.h"
 
 #include <gtest/gtest.h>
 
@@ -928,4 +930,180 @@ TEST(EstimateRules, PureBf16HalvesTheShardedStateAndActivationOffloadMovesBlockI
               "--offload-activations moves the inputs activation checkpointing keeps; add "
               "--activation-checkpointing");
   }
+}
+
+// ---- Pipeline stages (estimate_pipeline, fsdp-estimate --pipeline-stages) ----------------
+
+// By hand: layers of 100, 200, 300 and 400 at world 4 in 2 stages, fp32. By parameters
+// the halves of 1000 fall after layer 3 (600 against 400): stage 0 holds [0, 3), stage 1
+// [3, 4), each sharded over 2 ranks. Stage 0's shards are 50 + 100 + 150 elements; with
+// reduce_once it keeps all three units gathered (600 elements, of which the prefetch
+// bound, root + 2 units, counts 500) and their gradients unsharded (600).
+TEST(EstimateRules, PipelineStagesByHand) {
+  EstimateInput in;
+  in.unit_params = {100, 200, 300, 400};
+  in.world_size = 4;
+  PipelineShape p;
+  p.stages = 2;
+  p.micro_batches = 4;
+  const auto st = estimate_pipeline(in, p);
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(st[0].first_layer, 0);
+  EXPECT_EQ(st[0].last_layer, 3);
+  EXPECT_EQ(st[1].first_layer, 3);
+  EXPECT_EQ(st[1].last_layer, 4);
+  EXPECT_EQ(st[0].micro_batches_in_flight, 2);  // 1F1B: stages - stage
+  EXPECT_EQ(st[1].micro_batches_in_flight, 1);
+  EXPECT_EQ(st[0].memory.shard_group_size, 2);
+  EXPECT_EQ(st[0].memory.total_params, 600);
+  EXPECT_EQ(st[0].memory.term("parameters").device_bytes, 4 * 300);
+  EXPECT_EQ(st[1].memory.term("parameters").device_bytes, 4 * 200);
+  EXPECT_EQ(st[0].memory.term("gathered_units").device_bytes, 4 * 500);
+  EXPECT_EQ(st[0].memory.term("stage_full_parameters").device_bytes, 4 * 100);
+  EXPECT_EQ(st[0].memory.term("stage_full_gradients").device_bytes, 4 * 600);
+  p.reduce_once = false;
+  EXPECT_THROW(estimate_pipeline(in, p)[0].memory.term("stage_full_gradients"),
+               std::invalid_argument);
+  p.gpipe = true;
+  EXPECT_EQ(estimate_pipeline(in, p)[1].micro_batches_in_flight, 4);  // GPipe: all
+  p.partition = "1";
+  EXPECT_EQ(estimate_pipeline(in, p)[1].memory.total_params, 900);
+  auto error = [&](const PipelineShape& q) {
+    try {
+      estimate_pipeline(in, q);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("<no error>");
+  };
+  PipelineShape q;
+  q.stages = 3;
+  EXPECT_EQ(error(q),
+            "--pipeline-stages 3 does not divide --world-size 4: the world is stages x "
+            "data-parallel ranks; use a divisor of 4");
+  q.stages = 4;
+  q.micro_batches = 2;
+  EXPECT_EQ(error(q),
+            "--micro-batches 2 is fewer than --pipeline-stages 4 under the 1F1B "
+            "schedule; use at least 4, or --pipeline-schedule gpipe");
+  q.micro_batches = 4;
+  q.partition = "1,x,3";
+  EXPECT_EQ(error(q).rfind("--partition '1,x,3': 'x' is not a layer index", 0), 0u) << error(q);
+}
+
+// Each stage's estimate against its engine's counters, at world 4 in 2 stages x
+// FULL_SHARD 2 (the pipeline layers of tests/support/pipeline_layers.h, 4 micro-batches):
+// the model-state terms exactly, the micro-batches in flight as the schedule counted them,
+// and with reduce_once the gathered parameters and the reduce buffers reach the terms that
+// bound them.
+TEST(EstimateStrategies, PipelineStagesMatchTheirCountersAtWorld4) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    for (const bool reduce_once : {true, false}) {
+      SCOPED_TRACE(reduce_once ? "reduce_once" : "every micro-batch reduced");
+      PipelineOptions o;
+      o.stages = 2;
+      o.micro_batches = 4;
+      o.reduce_once = reduce_once;
+      o.sharding.process_group = pg;
+      torch::manual_seed(0);
+      auto layers = pipeline_layers();
+      std::vector<int64_t> params;
+      for (const auto& c : layers->children()) {
+        int64_t n = 0;
+        for (const auto& t : c->parameters()) n += t.numel();
+        params.push_back(n);
+      }
+      PipelinedModel pm = pipeline(layers, o);
+      torch::optim::AdamW opt(pm.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
+      for (int64_t step = 0; step < 2; ++step) {
+        auto [x, y] = pipeline_batch(step, 16);
+        const int64_t per = 16 / pm.data_parallel_size();
+        pm.train_step(x.narrow(0, pm.data_parallel_rank() * per, per),
+                      y.narrow(0, pm.data_parallel_rank() * per, per), pipeline_mse);
+        opt.step();
+        opt.zero_grad(false);
+      }
+      EstimateInput in;
+      in.unit_params = params;
+      in.world_size = pg.size();
+      PipelineShape p;
+      p.stages = 2;
+      p.micro_batches = 4;
+      p.reduce_once = reduce_once;
+      const auto stages = estimate_pipeline(in, p);
+      const StageEstimate& st = stages[static_cast<size_t>(pm.stage())];
+      EXPECT_EQ(st.first_layer, pm.layer_range().first);
+      EXPECT_EQ(st.last_layer, pm.layer_range().second);
+      EXPECT_EQ(st.micro_batches_in_flight, pm.peak_micro_batches_in_flight());
+      const MemoryStats mem = pm.stage_model().memory_stats();
+      const MemoryEstimate& est = st.memory;
+      EXPECT_EQ(est.term("parameters").device_bytes, mem.sharded_params.current);
+      EXPECT_EQ(est.term("gradients").device_bytes, mem.grad_shards.current);
+      EXPECT_EQ(est.term("optimizer_state").device_bytes, adam_state_bytes(opt));
+      int64_t full = 0;  // every unit of the stage, padded to the shard group, fp32
+      for (int64_t i = st.first_layer; i < st.last_layer; ++i)
+        full += 4 * ((params[static_cast<size_t>(i)] + 1) / 2 * 2);
+      if (reduce_once) {
+        EXPECT_EQ(est.term("gathered_units").device_bytes +
+                      est.term("stage_full_parameters").device_bytes,
+                  full);
+        EXPECT_EQ(mem.gathered_params.peak, full);
+        EXPECT_EQ(est.term("stage_full_gradients").device_bytes, full);
+        EXPECT_GE(
+            est.term("comm_buffers").device_bytes + est.term("stage_full_gradients").device_bytes,
+            mem.comm_buffers.peak);
+        EXPECT_GT(mem.comm_buffers.peak, est.term("comm_buffers").device_bytes);
+      } else {
+        EXPECT_GE(est.term("gathered_units").device_bytes, mem.gathered_params.peak);
+        EXPECT_GE(est.term("comm_buffers").device_bytes, mem.comm_buffers.peak);
+      }
+    }
+  });
+}
+
+// The tool: one estimate per stage of a GPT's pipeline layers (embeddings, blocks, head),
+// the library's figures in its JSON, and its table.
+TEST(EstimateTool, PipelineStagesOneEstimateEach) {
+  const std::vector<std::string> shape = {
+      "--n-layer",    "4", "--n-head",          "4", "--d-model",     "64", "--block-size", "32",
+      "--world-size", "4", "--pipeline-stages", "2", "--micro-batch", "2"};
+  auto args = shape;
+  args.push_back("--json");
+  auto r = run_command(tool(args));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const auto layers = fsdp::tools::gpt_layer_params(4, 64, 32);
+  EXPECT_EQ(j.at("layers").get<std::vector<int64_t>>(), layers);
+  EstimateInput in;
+  in.unit_params = layers;
+  in.world_size = 4;
+  in.activations = {4, 4, 64, 32, 256, 2};
+  PipelineShape p;
+  p.stages = 2;
+  const auto want = estimate_pipeline(in, p);
+  ASSERT_EQ(j.at("stages").size(), 2u);
+  int64_t total = 0;
+  for (size_t s = 0; s < 2; ++s) {
+    const auto& js = j.at("stages")[s];
+    EXPECT_EQ(js.at("first_layer").get<int64_t>(), want[s].first_layer);
+    EXPECT_EQ(js.at("micro_batches_in_flight").get<int>(), want[s].micro_batches_in_flight);
+    EXPECT_EQ(js.at("device_total_bytes").get<int64_t>(), want[s].memory.device_total());
+    EXPECT_GT(want[s].memory.term("activations").device_bytes, 0) << "stage " << s;
+    total += js.at("params").get<int64_t>();
+  }
+  int64_t gpt = 0;
+  for (int64_t n : gpt_unit_params(4, 64, 32)) gpt += n;
+  EXPECT_EQ(total, gpt);  // the same parameters, cut into stages
+  auto t = run_command(tool(shape));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  for (const char* want_line :
+       {"Pipeline: 2 stages over 4 ranks (2 a stage), 1f1b, 4 micro-batches",
+        "Stage 0: layers [0, ", "2 micro-batches in flight", "Stage 1: layers",
+        "the stage's unsharded gradients (reduce_once)"})
+    EXPECT_NE(t.output.find(want_line), std::string::npos) << want_line << "\n" << t.output;
+  auto bad = run_command(tool({"--params", "1e6", "--units", "2", "--pipeline-stages", "4"}));
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("--pipeline-stages 4 does not divide --world-size 1"),
+            std::string::npos)
+      << bad.output;
 }

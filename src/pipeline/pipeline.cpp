@@ -2,6 +2,7 @@
 // between them point to point, sharding inside each stage.
 #include <fsdp/loss_scaler.h>
 #include <fsdp/pipeline.h>
+#include <fsdp/tools/estimate.h>
 
 #include "comm/backend.h"
 #include "internal/sharded_model.h"
@@ -10,9 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <optional>
-#include <sstream>
+#include <stdexcept>
 
 namespace fsdp {
 
@@ -46,9 +46,11 @@ namespace fsdp {
 // is exact where both ranks read one clock (one host, or namespaces on it) and as good as
 // the hosts' clock agreement otherwise. The end of a step's wait for its sends is "wait".
 //
-// Every micro-batch's backward reduces its gradients into the shards (as gradient
-// accumulation does without no_sync), so the step's gradients are those of the mean loss
-// over the micro-batches, up to the order of the additions.
+// With PipelineOptions::reduce_once (the default) the backwards before the last
+// micro-batch's keep their units gathered and their gradients unsharded (no sync), and the
+// last reduces each unit once; without it every micro-batch's backward reduces into the
+// shards (as gradient accumulation does without no_sync). Either way the step's gradients
+// are those of the mean loss over the micro-batches, up to the order of the additions.
 
 namespace {
 
@@ -70,56 +72,6 @@ int tag_of(int micro_batch, int direction, int part) {
 
 detail::Backend& backend_of(const ProcessGroup& pg) { return *detail::GroupAccess::backend(pg); }
 
-std::string list(const std::vector<int64_t>& v) {
-  std::ostringstream s;
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
-  return s.str();
-}
-
-std::vector<int64_t> explicit_bounds(const std::string& spec, int64_t layers, int stages) {
-  std::vector<int64_t> b{0};
-  std::stringstream in(spec);
-  for (std::string item; std::getline(in, item, ',');) {
-    char* end = nullptr;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    TORCH_CHECK(!item.empty() && end && *end == 0, "PipelineOptions::partition='", spec, "': '",
-                item,
-                "' is not a layer index; expected parameters, uniform, or the first layer of "
-                "stages 1..",
-                stages - 1, " as a comma-separated list such as '", layers / 2, "'");
-    b.push_back(v);
-  }
-  TORCH_CHECK(static_cast<int>(b.size()) == stages, "PipelineOptions::partition='", spec,
-              "' gives ", b.size() - 1, " boundaries, but stages=", stages, " needs ", stages - 1,
-              " (the first layer of each stage after the first)");
-  b.push_back(layers);
-  for (size_t i = 1; i < b.size(); ++i)
-    TORCH_CHECK(b[i] > b[i - 1], "PipelineOptions::partition='", spec,
-                "': boundaries must rise from 1 to ", layers - 1,
-                " (each stage at least one layer of the ", layers, "); got ", list(b));
-  return b;
-}
-
-std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& weight, int stages) {
-  const auto layers = static_cast<int64_t>(weight.size());
-  std::vector<int64_t> prefix(weight.size() + 1, 0);
-  std::partial_sum(weight.begin(), weight.end(), prefix.begin() + 1);
-  const double total = static_cast<double>(prefix.back());
-  std::vector<int64_t> b{0};
-  for (int s = 1; s < stages; ++s) {
-    const double target = total * s / stages;
-    const int64_t lo = b.back() + 1, hi = layers - (stages - s);  // a layer left for each stage
-    int64_t i = lo;
-    while (i < hi && static_cast<double>(prefix[i]) < target) ++i;
-    if (i > lo &&
-        target - static_cast<double>(prefix[i - 1]) <= static_cast<double>(prefix[i]) - target)
-      --i;
-    b.push_back(i);
-  }
-  b.push_back(layers);
-  return b;
-}
-
 }  // namespace
 
 PipelineSchedule parse_pipeline_schedule(const std::string& name, const std::string& what) {
@@ -130,21 +82,11 @@ PipelineSchedule parse_pipeline_schedule(const std::string& name, const std::str
 
 std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
                                       const PipelineOptions& options) {
-  const auto layers = static_cast<int64_t>(params.size());
-  const int stages = options.stages;
-  TORCH_CHECK(stages >= 1, "PipelineOptions::stages=", stages, " must be at least 1");
-  TORCH_CHECK(layers >= stages, "PipelineOptions::stages=", stages, " but the model has ", layers,
-              " layer(s), and each stage needs at least one: use at most ", layers,
-              " stages, or split the model into more layers");
-  const std::string& p = options.partition;
-  if (p == "uniform") return balanced_bounds(std::vector<int64_t>(params.size(), 1), stages);
-  if (p == "parameters") {
-    // A layer without parameters weighs a little, so stages still split between them.
-    std::vector<int64_t> w(params);
-    for (auto& x : w) x = std::max<int64_t>(x, 1);
-    return balanced_bounds(w, stages);
+  try {  // the estimator's, so that fsdp-estimate splits as the engine does
+    return pipeline_partition(params, options.stages, options.partition);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
   }
-  return explicit_bounds(p, layers, stages);
 }
 
 PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options) {
@@ -409,10 +351,12 @@ double clip_grad_norm_(PipelinedModel& pm, double max_norm, double norm_type) {
                                        });
 }
 
-torch::Tensor PipelinedModel::forward(const torch::Tensor& input) {
+torch::Tensor PipelinedModel::forward(const torch::Tensor& input, int micro_batches) {
   TORCH_CHECK(seq_, "PipelinedModel::forward: an empty model; build it with fsdp::pipeline");
+  TORCH_CHECK(micro_batches >= 0, "PipelinedModel::forward: micro_batches=", micro_batches,
+              " must be 0 (PipelineOptions::micro_batches) or positive");
   torch::NoGradGuard no_grad;
-  const int M = options_.micro_batches;
+  const int M = micro_batches > 0 ? micro_batches : options_.micro_batches;
   const bool first = stage_ == 0, last = stage_ + 1 == stages_;
   const auto in_chunks = first ? input.chunk(M, 0) : std::vector<torch::Tensor>{};
   TORCH_CHECK(!first || (input.dim() > 0 && input.size(0) % M == 0),

@@ -74,7 +74,12 @@ are upper bounds ("bound"); activations are a formula (Korthikanti et al. 2022),
 measured ("rough"). The construction peaks come before gradients and optimizer state
 exist: eager (the model built in full on every rank, then fully_shard) holds every
 parameter in fp32 on the host; sharded (fsdp::make_sharded, train_gpt's default) the
-shards, plus the root unit and the largest other unit on the host. Exit status: 0, or 2 for bad input.
+shards, plus the root unit and the largest other unit on the host.
+--pipeline-stages S estimates each stage: its layers (split by --partition, as
+fsdp::pipeline splits them), sharded over world/S ranks, with the activations of the
+micro-batches it holds at once (1F1B: S - stage; gpipe: all --micro-batches) and, unless
+--reduce-every-micro-batch, its layers' full parameters and gradients, which it keeps
+from its first backward of a step to its last. Exit status: 0, or 2 for bad input.
 )";
 
 cxxopts::Options make_options() {
@@ -129,6 +134,21 @@ cxxopts::Options make_options() {
                            cxxopts::value<int64_t>()->default_value("1"))(
       "max-gathered-units", "ShardingOptions::max_gathered_units",
       cxxopts::value<int>()->default_value("2"));
+  o.add_options("Pipeline (train_gpt --pipeline-stages)")(
+      "pipeline-stages",
+      "stages over the ranks (divides --world-size; each stage sharded over world/stages "
+      "ranks): one estimate per stage, of the model's layers (a GPT's: embeddings, blocks, "
+      "head; else the units as given)",
+      cxxopts::value<int>()->default_value("1"))(
+      "micro-batches",
+      "micro-batches per step (0: 2 x --pipeline-stages); --micro-batch is "
+      "the sequences in each",
+      cxxopts::value<int>()->default_value("0"))(
+      "pipeline-schedule", "1f1b|gpipe", cxxopts::value<std::string>()->default_value("1f1b"))(
+      "partition", "parameters|uniform|B1,B2,... (the first layer of stages 1..)",
+      cxxopts::value<std::string>()->default_value("parameters"))(
+      "reduce-every-micro-batch",
+      "each micro-batch's backward reduces (PipelineOptions::reduce_once = false)");
   o.add_options("Output")("json", "print JSON instead of a table")(
       "deepspeed-table",
       "DeepSpeed's model-state table (offload_param x offload_optimizer x zero_init) with this "
@@ -524,6 +544,77 @@ void print_table(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est)
       strategy, precision);
 }
 
+// --pipeline-stages: each stage's estimate (fsdp::estimate_pipeline), as a table each or
+// one JSON document.
+int run_pipeline(const cxxopts::ParseResult& r, fsdp::EstimateInput in) {
+  fsdp::PipelineShape p;
+  p.stages = r["pipeline-stages"].as<int>();
+  p.micro_batches = r["micro-batches"].as<int>();
+  const std::string schedule = r["pipeline-schedule"].as<std::string>();
+  if (schedule != "1f1b" && schedule != "gpipe")
+    bad_input("--pipeline-schedule '" + schedule + "' is unknown; use 1f1b or gpipe");
+  p.gpipe = schedule == "gpipe";
+  p.partition = r["partition"].as<std::string>();
+  p.reduce_once = r.count("reduce-every-micro-batch") == 0;
+  if (r.count("deepspeed-table"))
+    bad_input(
+        "--deepspeed-table has no pipeline stages (DeepSpeed estimates ZeRO alone); leave "
+        "out one or the other");
+  const fsdp::TransformerShape& m = in.activations;
+  if (m.n_layer > 0)  // a GPT: its pipeline layers, not its units
+    in.unit_params =
+        fsdp::tools::gpt_layer_params(m.n_layer, m.d_model, m.block_size, m.vocab_size);
+  std::vector<fsdp::StageEstimate> stages;
+  try {
+    stages = fsdp::estimate_pipeline(in, p);
+  } catch (const std::invalid_argument& e) {
+    bad_input(e.what());
+  }
+  if (r.count("json")) {
+    nlohmann::json j = {{"pipeline_stages", p.stages},
+                        {"micro_batches", p.micro_batches > 0 ? p.micro_batches : 2 * p.stages},
+                        {"schedule", schedule},
+                        {"partition", p.partition},
+                        {"reduce_once", p.reduce_once},
+                        {"layers", in.unit_params},
+                        {"world_size", in.world_size},
+                        {"stages", nlohmann::json::array()}};
+    for (const auto& st : stages) {
+      j["stages"].push_back({{"stage", st.stage},
+                             {"first_layer", st.first_layer},
+                             {"last_layer", st.last_layer},
+                             {"micro_batches_in_flight", st.micro_batches_in_flight},
+                             {"params", st.memory.total_params},
+                             {"shard_group_size", st.memory.shard_group_size},
+                             {"device_total_bytes", st.memory.device_total()},
+                             {"host_total_bytes", st.memory.host_total()},
+                             {"nvme_total_bytes", st.memory.nvme_total()},
+                             {"terms", terms_json(st.memory.terms)},
+                             {"construction", terms_json(st.memory.construction)}});
+    }
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+  std::printf(
+      "Pipeline: %d stages over %d ranks (%d a stage), %s, %d micro-batches, partition "
+      "%s%s; %zu layers\n",
+      p.stages, in.world_size, in.world_size / p.stages, schedule.c_str(),
+      p.micro_batches > 0 ? p.micro_batches : 2 * p.stages, p.partition.c_str(),
+      p.reduce_once ? "" : ", every micro-batch reduced", in.unit_params.size());
+  for (const auto& st : stages) {
+    std::printf("\nStage %d: layers [%lld, %lld), %s parameters, %d micro-batch%s in flight\n",
+                st.stage, static_cast<long long>(st.first_layer),
+                static_cast<long long>(st.last_layer), millions(st.memory.total_params).c_str(),
+                st.micro_batches_in_flight, st.micro_batches_in_flight == 1 ? "" : "es");
+    std::printf("  %-36s %-6s %12s %12s %12s\n", "term", "basis", "device", "host", "nvme");
+    for (const auto& t : st.memory.terms)
+      print_row(t.label, t.basis, t.device_bytes, t.host_bytes, t.nvme_bytes);
+    print_row("total per rank", "", st.memory.device_total(), st.memory.host_total(),
+              st.memory.nvme_total());
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   auto options = make_options();
   const auto r = options.parse(argc, argv);
@@ -536,6 +627,9 @@ int run(int argc, char** argv) {
     return 0;
   }
   const auto in = read_input(r);
+  if (r["pipeline-stages"].as<int>() != 1 || r.count("micro-batches") ||
+      r.count("pipeline-schedule") || r.count("partition") || r.count("reduce-every-micro-batch"))
+    return run_pipeline(r, in);
   fsdp::MemoryEstimate est;
   try {
     est = fsdp::estimate_memory(in);

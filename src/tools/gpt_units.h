@@ -23,4 +23,15 @@ inline std::vector<int64_t> gpt_unit_params(int64_t n_layer, int64_t d_model, in
   return units;
 }
 
+/// Trainable parameters per pipeline layer (train_gpt --pipeline-stages; gpt::as_layers):
+/// the embeddings (wte, wpe), one per block, then the head (ln_f, lm_head).
+inline std::vector<int64_t> gpt_layer_params(int64_t n_layer, int64_t d_model, int64_t block_size,
+                                             int64_t vocab_size = 256) {
+  const int64_t d = d_model;
+  std::vector<int64_t> units = gpt_unit_params(n_layer, d_model, block_size, vocab_size);
+  units.front() = vocab_size * d + block_size * d;  // the embeddings
+  units.push_back(2 * d + d * vocab_size);          // ln_f and lm_head
+  return units;
+}
+
 }  // namespace fsdp::tools

@@ -153,4 +153,45 @@ struct DeepSpeedRow {
 std::vector<DeepSpeedRow> deepspeed_table(const EstimateInput& in, int* stage = nullptr,
                                           double additional_buffer_factor = 1.5);
 
+/// Pipeline stages (fsdp::pipeline, train_gpt --pipeline-stages) for estimate_pipeline.
+struct PipelineShape {
+  int stages = 1;           ///< PipelineOptions::stages; the world size is a multiple
+  int micro_batches = 0;    ///< PipelineOptions::micro_batches; 0: 2 x stages (train_gpt's)
+  bool gpipe = false;       ///< GPipe: every micro-batch's activations at once; else 1F1B
+  bool reduce_once = true;  ///< PipelineOptions::reduce_once
+  std::string partition = "parameters";  ///< PipelineOptions::partition
+};
+
+/// The layer boundaries a partition asks for (PipelineOptions::partition: "parameters",
+/// "uniform", or the first layer of each stage after the first, "3,6,9"): stages + 1
+/// values from 0 to the number of layers, each stage at least one layer. `layer_params`:
+/// each layer's parameter count. Errors (std::invalid_argument) name the value, as
+/// `stages_name` and `partition_name` call them, and the fix.
+std::vector<int64_t> pipeline_partition(
+    const std::vector<int64_t>& layer_params, int stages, const std::string& partition,
+    const std::string& stages_name = "PipelineOptions::stages=",
+    const std::string& partition_name = "PipelineOptions::partition=");
+
+/// One stage's estimate: its ranks' memory.
+struct StageEstimate {
+  int stage = 0;
+  int64_t first_layer = 0, last_layer = 0;  ///< the layers [first, last) it holds
+  int micro_batches_in_flight = 1;  ///< most micro-batches whose activations it holds at once
+  MemoryEstimate memory;            ///< per rank of the stage
+};
+
+/// Per-stage memory of a pipelined run. `in.unit_params` are the pipeline's layers in
+/// order (each one unit, behind shard_sequential's wrap points; the stage's root holds
+/// none); `in.world_size` is the job's, and each stage shards over world / stages ranks.
+/// `in.activations` describes one micro-batch of one data-parallel replica, its n_layer
+/// blocks being layers 1 .. n_layer between the embeddings (layer 0) and the head (the
+/// last layer), as the GPT's pipeline layers are: a stage's activation term counts its
+/// own blocks (the logits on the last stage only), times the micro-batches in flight
+/// (1F1B: stages - stage, at most micro_batches; GPipe: micro_batches). With reduce_once
+/// and more than one micro-batch, a stage holds all its units' full parameters
+/// (param_dtype) and unsharded gradients (reduce dtype) from its first backward to its
+/// last: the terms stage_full_parameters and stage_full_gradients. Throws
+/// std::invalid_argument naming the value and the fix.
+std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const PipelineShape& p);
+
 }  // namespace fsdp

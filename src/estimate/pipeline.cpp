@@ -1,0 +1,197 @@
+// Pipeline stages in the memory estimator (include/fsdp/tools/estimate.h): the partition
+// fsdp::pipeline uses (src/pipeline/pipeline.cpp calls pipeline_partition), and each
+// stage's memory as the engine holds it under the schedules (Note [Pipeline schedules]).
+#include <fsdp/tools/estimate.h>
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+namespace fsdp {
+namespace {
+
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
+
+std::string list(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
+  return s.str();
+}
+
+std::vector<int64_t> explicit_bounds(const std::string& spec, int64_t layers, int stages,
+                                     const std::string& name) {
+  std::vector<int64_t> b{0};
+  std::stringstream in(spec);
+  for (std::string item; std::getline(in, item, ',');) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || end == nullptr || *end != 0) {
+      bad(name + "'" + spec + "': '" + item +
+          "' is not a layer index; expected parameters, uniform, or the first layer of stages "
+          "1.." +
+          std::to_string(stages - 1) + " as a comma-separated list such as '" +
+          std::to_string(layers / 2) + "'");
+    }
+    b.push_back(v);
+  }
+  if (static_cast<int>(b.size()) != stages) {
+    bad(name + "'" + spec + "' gives " + std::to_string(b.size() - 1) +
+        " boundaries, but stages=" + std::to_string(stages) + " needs " +
+        std::to_string(stages - 1) + " (the first layer of each stage after the first)");
+  }
+  b.push_back(layers);
+  for (size_t i = 1; i < b.size(); ++i) {
+    if (b[i] <= b[i - 1]) {
+      bad(name + "'" + spec + "': boundaries must rise from 1 to " + std::to_string(layers - 1) +
+          " (each stage at least one layer of the " + std::to_string(layers) + "); got " + list(b));
+    }
+  }
+  return b;
+}
+
+std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& weight, int stages) {
+  const auto layers = static_cast<int64_t>(weight.size());
+  std::vector<int64_t> prefix(weight.size() + 1, 0);
+  std::partial_sum(weight.begin(), weight.end(), prefix.begin() + 1);
+  const double total = static_cast<double>(prefix.back());
+  std::vector<int64_t> b{0};
+  for (int s = 1; s < stages; ++s) {
+    const double target = total * s / stages;
+    const int64_t lo = b.back() + 1, hi = layers - (stages - s);  // a layer left for each stage
+    int64_t i = lo;
+    while (i < hi && static_cast<double>(prefix[i]) < target) ++i;
+    if (i > lo &&
+        target - static_cast<double>(prefix[i - 1]) <= static_cast<double>(prefix[i]) - target)
+      --i;
+    b.push_back(i);
+  }
+  b.push_back(layers);
+  return b;
+}
+
+int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
+
+int64_t precision_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
+
+// Stage s's input: its layers as units under an empty root, its data-parallel ranks, and
+// its share of the activations (blocks 1 .. n_layer among the layers; the logits on the
+// last stage).
+EstimateInput stage_input(const EstimateInput& in, int stages, int64_t first, int64_t last) {
+  EstimateInput si = in;
+  const int dp = in.world_size / stages;
+  si.world_size = dp;
+  si.gpus_per_node = in.gpus_per_node > 0 && dp % in.gpus_per_node == 0 ? in.gpus_per_node : 0;
+  si.unit_params = {0};  // shard_sequential's root: the stage's Sequential holds nothing itself
+  si.unit_params.insert(si.unit_params.end(), in.unit_params.begin() + first,
+                        in.unit_params.begin() + last);
+  TransformerShape& a = si.activations;
+  if (a.n_layer > 0) {
+    // Blocks are the layers 1 .. n_layer: those of [first, last).
+    a.n_layer = std::max<int64_t>(0, std::min(last, a.n_layer + 1) - std::max<int64_t>(first, 1));
+  }
+  return si;
+}
+
+// The logits and their gradient in fp32, which estimate_memory's activation term counts
+// with the blocks (s*b*V*4 each): only the last stage computes them.
+int64_t logits_bytes(const TransformerShape& a) {
+  return a.micro_batch > 0 ? 2 * a.block_size * a.micro_batch * a.vocab_size * 4 : 0;
+}
+
+}  // namespace
+
+std::vector<int64_t> pipeline_partition(const std::vector<int64_t>& layer_params, int stages,
+                                        const std::string& partition,
+                                        const std::string& stages_name,
+                                        const std::string& partition_name) {
+  const auto layers = static_cast<int64_t>(layer_params.size());
+  if (stages < 1) bad(stages_name + std::to_string(stages) + " must be at least 1");
+  if (layers < stages) {
+    bad(stages_name + std::to_string(stages) + " but the model has " + std::to_string(layers) +
+        " layer(s), and each stage needs at least one: use at most " + std::to_string(layers) +
+        " stages, or split the model into more layers");
+  }
+  if (partition == "uniform")
+    return balanced_bounds(std::vector<int64_t>(layer_params.size(), 1), stages);
+  if (partition == "parameters") {
+    // A layer without parameters weighs a little, so stages still split between them.
+    std::vector<int64_t> w(layer_params);
+    for (auto& x : w) x = std::max<int64_t>(x, 1);
+    return balanced_bounds(w, stages);
+  }
+  return explicit_bounds(partition, layers, stages, partition_name);
+}
+
+std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const PipelineShape& p) {
+  const int stages = p.stages;
+  if (stages < 1 || in.world_size % stages != 0) {
+    bad("--pipeline-stages " + std::to_string(stages) + " does not divide --world-size " +
+        std::to_string(in.world_size) +
+        ": the world is stages x data-parallel ranks; use a "
+        "divisor of " +
+        std::to_string(in.world_size));
+  }
+  if (p.micro_batches < 0) {
+    bad("--micro-batches " + std::to_string(p.micro_batches) +
+        " must be 0 (2 x --pipeline-stages) or positive");
+  }
+  const int m = p.micro_batches > 0 ? p.micro_batches : 2 * stages;
+  if (!p.gpipe && m < stages) {
+    bad("--micro-batches " + std::to_string(m) + " is fewer than --pipeline-stages " +
+        std::to_string(stages) + " under the 1F1B schedule; use at least " +
+        std::to_string(stages) + ", or --pipeline-schedule gpipe");
+  }
+  if (in.unit_params.empty()) bad("the model has no layers; give --unit-sizes or a GPT shape");
+  const std::vector<int64_t> bounds =
+      pipeline_partition(in.unit_params, stages, p.partition, "--pipeline-stages ", "--partition ");
+  std::vector<StageEstimate> out;
+  for (int s = 0; s < stages; ++s) {
+    StageEstimate st;
+    st.stage = s;
+    st.first_layer = bounds[static_cast<size_t>(s)];
+    st.last_layer = bounds[static_cast<size_t>(s) + 1];
+    st.micro_batches_in_flight = p.gpipe ? m : std::min(stages - s, m);
+    const EstimateInput si = stage_input(in, stages, st.first_layer, st.last_layer);
+    st.memory = estimate_memory(si);
+    MemoryEstimate& est = st.memory;
+    const int64_t k = st.micro_batches_in_flight;
+    const bool last = s + 1 == stages, blocks = si.activations.n_layer > 0;
+    for (auto& t : est.terms) {
+      if (t.key != "activations") continue;
+      if (in.activations.n_layer > 0) {  // the logits are the last stage's alone
+        if (blocks && !last) t.device_bytes -= logits_bytes(si.activations);
+        if (!blocks && last) t.device_bytes += logits_bytes(si.activations);
+      }
+      t.device_bytes *= k;
+      t.host_bytes *= k;
+      t.label += ", " + std::to_string(k) + " micro-batch" + (k == 1 ? "" : "es") + " in flight";
+    }
+    // reduce_once (Note [Pipeline schedules]): the backwards before the last keep every
+    // unit gathered (set_reshard_after_backward(false)) and its gradient unsharded in the
+    // no-sync buffer (GradBuffer, reduce dtype, padded), until the last reduces them.
+    const bool full = in.strategy == ShardingStrategy::kZero1 ||
+                      in.strategy == ShardingStrategy::kZero2 ||
+                      in.strategy == ShardingStrategy::kNoShard;  // already every unit's
+    if (p.reduce_once && m > 1 && est.shard_group_size > 1) {
+      const int64_t elem = precision_bytes(in.precision);
+      int64_t padded = 0;
+      for (int64_t n : si.unit_params) padded += round_up(n, est.shard_group_size);
+      if (!full) {  // beyond the units the prefetch bound already counts
+        const int64_t gathered = est.term("gathered_units").device_bytes;
+        est.terms.push_back({"stage_full_parameters",
+                             "the stage's other units kept gathered (reduce_once)", "bound",
+                             std::max<int64_t>(0, padded * elem - gathered), 0, 0});
+      }
+      if (in.strategy != ShardingStrategy::kZero1) {
+        est.terms.push_back({"stage_full_gradients",
+                             "the stage's unsharded gradients (reduce_once)", "bound",
+                             padded * elem, 0, 0});
+      }
+    }
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+}  // namespace fsdp
