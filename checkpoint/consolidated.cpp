@@ -9,6 +9,7 @@
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>
+#include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 
 #include "internal/sharded_model.h"
@@ -353,8 +354,14 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
   }
 }
 
-LoadReport import_consolidated(const std::string& file, ShardedModel& root,
-                               const LoadOptions& options) {
+namespace ckpt {
+namespace {
+
+// import_consolidated; `stage`: `root` is a pipeline stage, and the file's names it lacks
+// are the other stages' (reported as unexpected, never an error here). `apply` false:
+// only matches the names and shapes (throwing as the load would), and loads nothing.
+LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOptions& options,
+                       bool stage, bool apply = true) {
   detail::trace::Scope span("checkpoint", []() { return std::string("consolidated import"); });
   using namespace ckpt;
   const auto src = open_weights(file);
@@ -400,7 +407,9 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root,
   TORCH_CHECK(mismatched.empty(), "checkpoint ", file,
               " does not match this model: shapes differ for ", shapes,
               ". Was it saved from another model?");
-  report_mismatch("checkpoint " + file, report.missing, report.unexpected, options.strict);
+  report_mismatch("checkpoint " + file, report.missing,
+                  stage ? std::vector<std::string>{} : report.unexpected, options.strict);
+  if (!apply) return report;
 
   at::NoGradGuard no_grad;
   for (const auto& ls : shards) {
@@ -424,6 +433,64 @@ LoadReport import_consolidated(const std::string& file, ShardedModel& root,
   for (const auto& [name, b] : buffers) {
     if (names.count(name)) src->read_into(name, b);
   }
+  return report;
+}
+
+}  // namespace
+}  // namespace ckpt
+
+LoadReport import_consolidated(const std::string& file, ShardedModel& root,
+                               const LoadOptions& options) {
+  return ckpt::import_into(file, root, options, /*stage=*/false);
+}
+
+LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
+                               const LoadOptions& options) {
+  using namespace ckpt;
+  const ProcessGroup& job = model.world();
+  const bool staged = model.stages() > 1;
+  const std::string what = "import_consolidated of " + file + " into a pipeline of " +
+                           std::to_string(model.stages()) + " stages";
+  // First the names, on every rank, so that nothing is loaded unless every stage matches.
+  LoadReport report;
+  std::string error;
+  std::vector<std::string> names;
+  try {
+    report = import_into(file, model.stage_model(), options, staged, /*apply=*/false);
+    const auto all = open_weights(file)->names();
+    names.assign(all.begin(), all.end());
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  TORCH_CHECK(!any_rank_failed(job, error), what, " failed",
+              failure_detail(error, " on another rank (see its error)"));
+  if (staged) {
+    // The names no stage takes: each stage's first rank marks the names it uses.
+    const std::set<std::string> unused(report.unexpected.begin(), report.unexpected.end());
+    auto taken = at::zeros({static_cast<int64_t>(names.size()) + 1}, at::kFloat);
+    auto mark = taken.accessor<float, 1>();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (model.data_parallel_rank() == 0 && !unused.count(names[i]))
+        mark[static_cast<int64_t>(i)] = 1.0f;
+    }
+    // On the model's device: the job's backend may be NCCL.
+    auto summed = taken.to(model.stage_model().sharding_options().device);
+    job.all_reduce_sum(summed);
+    taken = summed.cpu();
+    mark = taken.accessor<float, 1>();
+    report.unexpected.clear();
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (mark[static_cast<int64_t>(i)] == 0.0f) report.unexpected.push_back(names[i]);
+    }
+    report_mismatch("checkpoint " + file, {}, report.unexpected, options.strict);  // alike
+  }
+  try {
+    import_into(file, model.stage_model(), options, staged);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  TORCH_CHECK(!any_rank_failed(job, error), what, " failed",
+              failure_detail(error, " on another rank (see its error)"));
   return report;
 }
 
@@ -501,7 +568,8 @@ void consolidate_checkpoint(const std::string& sharded, const std::string& out_f
                 "consolidate_checkpoint: safetensors holds weights only; "
                 "with_optimizer needs the HDF5 format");
     ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_dtype(options.dtype),
-                                          options.max_shard_size, options.progress);
+                                          options.max_shard_size, options.progress,
+                                          {options.name_for, options.transpose});
     return;
   }
   ckpt::consolidate_offline(sharded, out_file, ckpt::export_dtype(options.dtype),

@@ -38,6 +38,17 @@ void export_safetensors(const std::string&, const ShardedModel&, const TrainingS
   no_hdf5();
 }
 LoadReport import_consolidated(const std::string&, ShardedModel&, const LoadOptions&) { no_hdf5(); }
+void export_consolidated(const std::string&, const PipelinedModel&, torch::optim::Optimizer*,
+                         const TrainingState&, const ExportOptions&) {
+  no_hdf5();
+}
+void export_safetensors(const std::string&, const PipelinedModel&, const TrainingState&,
+                        const SafetensorsOptions&) {
+  no_hdf5();
+}
+LoadReport import_consolidated(const std::string&, PipelinedModel&, const LoadOptions&) {
+  no_hdf5();
+}
 LoadReport load_consolidated(const std::string&, torch::nn::Module&, const LoadOptions&) {
   no_hdf5();
 }

@@ -15,6 +15,8 @@
 #include "internal/sharded_model.h"
 
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -109,15 +111,17 @@ std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel
       "save_sharded_checkpoint");
 }
 
-AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
-                                        torch::optim::Optimizer* optimizer,
-                                        const TrainingState& state, const SaveOptions& options) {
+namespace ckpt {
+namespace {
+
+AsyncSave save_async(const std::string& dir, const ShardedModel& root,
+                     torch::optim::Optimizer* optimizer, const TrainingState& state,
+                     const SaveOptions& options, const Placement& at, const char* fn,
+                     const std::function<AsyncSave(std::shared_ptr<AsyncSaveJob>)>& handle) {
   detail::trace::Scope span("checkpoint",
                             []() { return std::string("checkpoint save (async: staging)"); });
-  using namespace ckpt;
-  const char* fn = "save_sharded_checkpoint_async";
   check_save_args(state, options, fn);
-  const ProcessGroup& pg = root.sharding_options().process_group;
+  const ProcessGroup& pg = *at.job;
   const int rank = pg.rank(), world = pg.size();
   settle_previous(pg, fn);
   const SavePlan plan = plan_save(dir, state.step, pg, fn);
@@ -129,7 +133,11 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
   {
     Stager stager(root, std::exchange(detail::checkpoint_staging_pool(root), {}));
     try {
-      snap = take_snapshot(root, optimizer, state, rank, world, &stager);
+      snap = take_snapshot(root, optimizer, state, at.local_rank, at.local_world, &stager);
+      snap.rank = rank;
+      snap.world = world;
+      snap.stages = at.stages;
+      snap.stage = at.stage;
     } catch (const std::exception& e) {
       error = e.what();
       snap = RankSnapshot();
@@ -146,8 +154,33 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
     }
     throw;
   }
-  return AsyncSave(
+  return handle(
       start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options));
+}
+
+}  // namespace
+}  // namespace ckpt
+
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state, const SaveOptions& options) {
+  const ProcessGroup& pg = root.sharding_options().process_group;
+  return ckpt::save_async(dir, root, optimizer, state, options, {&pg, pg.rank(), pg.size()},
+                          "save_sharded_checkpoint_async", [](std::shared_ptr<AsyncSaveJob> job) {
+                            return AsyncSave(std::move(job));
+                          });
+}
+
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state, const SaveOptions& options) {
+  // Note [Pipelined checkpoints]: the files of the synchronous save, staged on every rank.
+  const ProcessGroup& stage = model.stage_group();
+  return ckpt::save_async(
+      dir, model.stage_model(), optimizer, state, options,
+      {&model.world(), stage.rank(), stage.size(), model.stages(), model.stage()},
+      "save_sharded_checkpoint_async",
+      [](std::shared_ptr<AsyncSaveJob> job) { return AsyncSave(std::move(job)); });
 }
 
 }  // namespace fsdp

@@ -20,6 +20,8 @@
 #include <hdf5.h>
 
 #include <cmath>
+#include <filesystem>
+#include <map>
 #include <optional>
 
 using namespace fsdp;
@@ -52,7 +54,7 @@ std::vector<double> reference_losses() {
 // the world), from the checkpoint under `dir` when first > 0; saves after `last` when
 // `save`. Each step's loss (the whole batch's) must equal the reference's.
 void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
-                const std::string& dir, bool save) {
+                const std::string& dir, bool save, bool async = false) {
   const std::vector<double> ref = reference_losses();
   torch::manual_seed(first == 0 ? 0 : 123);  // a resumed run starts from other weights
   ShardingOptions sharding;
@@ -102,7 +104,16 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
   if (save) {
     TrainingState st;
     st.step = last;
-    if (pm) {
+    if (pm && async) {
+      AsyncSave pending = save_sharded_checkpoint_async(dir, *pm, &opt, st);
+      // Training may go on: the background save holds a copy.
+      auto [x, y] = pipeline_batch(99, kRows);
+      pm->train_step(x.narrow(0, 0, kRows / pm->data_parallel_size()),
+                     y.narrow(0, 0, kRows / pm->data_parallel_size()), pipeline_mse);
+      opt.step();
+      const std::string path = pending.path();
+      EXPECT_EQ(pending.wait(), path);
+    } else if (pm) {
       save_sharded_checkpoint(dir, *pm, &opt, st);
     } else {
       save_sharded_checkpoint(dir, *whole, &opt, st);
@@ -112,9 +123,10 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
 
 // Two steps at `from` (stages over `from_world` ranks), saved; two more at `to` from
 // the checkpoint: the four losses are the whole model's.
-void resume(int from_world, int from, int to_world, int to) {
+void resume(int from_world, int from, int to_world, int to, bool async = false) {
   const std::string dir = scratch_dir("pipeline_resume");
-  run_ranks(from_world, [&](const ProcessGroup& pg) { train_span(pg, from, 0, 2, dir, true); });
+  run_ranks(from_world,
+            [&](const ProcessGroup& pg) { train_span(pg, from, 0, 2, dir, true, async); });
   run_ranks(to_world, [&](const ProcessGroup& pg) { train_span(pg, to, 2, kSteps, dir, false); });
 }
 
@@ -124,6 +136,10 @@ TEST(PipelineCheckpoint, TwoStagesTimesFullShardTwoResumeAtFourStages) { resume(
 TEST(PipelineCheckpoint, FourStagesResumeAtTwoStagesTimesFullShardTwo) { resume(4, 4, 4, 2); }
 TEST(PipelineCheckpoint, TwoStagesResumeWithoutAPipelineAtWorldFour) { resume(2, 2, 4, 0); }
 TEST(PipelineCheckpoint, WithoutAPipelineResumesAtTwoStages) { resume(2, 0, 2, 2); }
+// Saved in the background while the stages train on: the same checkpoint.
+TEST(PipelineCheckpoint, TwoStagesTimesFullShardTwoSavedInTheBackgroundResumeAtFourStages) {
+  resume(4, 2, 4, 4, /*async=*/true);
+}
 
 // The files: one per rank of the job, each stage's part laid out as a checkpoint of its
 // own (fsdp-inspect --verify checks every file's slices), format_version 2.
@@ -202,4 +218,132 @@ TEST(PipelineCheckpoint, TheExamplesMapLayerNamesToTheirModelsNames) {
   EXPECT_EQ(llama::layer_param_name("head.lm_head.weight"), "lm_head.weight");
   EXPECT_EQ(error_of([] { llama::layer_param_name("layer.x"); }),
             "llama::layer_param_name: 'layer.x' is not a parameter of as_layers' layers");
+}
+
+namespace {
+
+// The pipeline layers at seed `seed`, in two stages over `pg` and whole (FULL_SHARD over
+// `pg`): the same weights.
+struct BothWays {
+  PipelinedModel pm;
+  Sharded<torch::nn::Sequential> whole;
+  BothWays(const ProcessGroup& pg, uint64_t seed, int stages = 2)
+      : pm([&] {
+          PipelineOptions o;
+          o.stages = stages;
+          o.sharding.process_group = pg;
+          torch::manual_seed(seed);
+          return pipeline(pipeline_layers(), o);
+        }()),
+        whole([&] {
+          ShardingOptions so;
+          so.process_group = pg;
+          torch::manual_seed(seed);
+          return shard_sequential(pipeline_layers(), so);
+        }()) {}
+};
+
+// Every file under `dir`, by name, with its bytes.
+std::map<std::string, std::string> files_of(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    out[e.path().filename().string()] = file_bytes_of(e.path().string());
+  return out;
+}
+
+}  // namespace
+
+// Note [Pipelined exports]: a pipelined model's safetensors export is, byte for byte, the
+// unpipelined model's, under another framework's layout too (names, one left out, one
+// transposed, bf16, several files); its consolidated file holds the same weights; and
+// the temporary checkpoint is gone.
+TEST(PipelineCheckpoint, ExportsWriteWhatTheModelWritesUnpipelined) {
+  const std::string dir = scratch_dir("pipeline_export");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    BothWays m(pg, 7);
+    TrainingState st;
+    st.step = 3;
+    st.model_attrs["hf_config"] = std::string("{\"model_type\": \"test\"}\n");
+    SafetensorsOptions o;
+    o.dtype = torch::kBFloat16;
+    o.max_shard_size = 1500;  // several files and an index
+    o.name_for = [](const std::string& n) { return n == "3.bias" ? "" : "net." + n; };
+    o.transpose = [](const std::string& n) { return n == "5.weight"; };
+    export_safetensors(dir + "/whole", m.whole, st, o);
+    export_safetensors(dir + "/stages/", m.pm, st, o);
+    export_consolidated(dir + "/whole.h5", m.whole, nullptr, st);
+    export_consolidated(dir + "/stages.h5", m.pm, nullptr, st);
+  });
+  const auto whole = files_of(dir + "/whole"), stages = files_of(dir + "/stages");
+  EXPECT_GT(whole.size(), 3u);  // shards, the index and config.json
+  ASSERT_EQ(whole.size(), stages.size());
+  for (const auto& [name, bytes] : whole) {
+    ASSERT_TRUE(stages.count(name)) << name;
+    EXPECT_TRUE(stages.at(name) == bytes) << name << " differs";
+  }
+  EXPECT_EQ(whole.count("config.json"), 1u);
+  auto a = pipeline_layers(), b = pipeline_layers();
+  load_consolidated(dir + "/whole.h5", *a);
+  load_consolidated(dir + "/stages.h5", *b);
+  torch::manual_seed(7);
+  auto seeded = pipeline_layers();
+  for (const auto& p : seeded->named_parameters()) {
+    EXPECT_TRUE(torch::equal(a->named_parameters()[p.key()], p.value())) << p.key();
+    EXPECT_TRUE(torch::equal(b->named_parameters()[p.key()], p.value())) << p.key();
+  }
+  for (const char* tmp : {"/stages.stages.tmp", "/stages.h5.stages.tmp"})
+    EXPECT_FALSE(std::filesystem::exists(dir + tmp)) << tmp;
+}
+
+// import_consolidated into stages: each stage takes its own names from a file of the
+// whole model; a name no stage takes, or one a stage lacks, fails every rank alike.
+TEST(PipelineCheckpoint, ImportConsolidatedFillsEachStageAndRefusesNamesNoStageTakes) {
+  const std::string dir = scratch_dir("pipeline_import");
+  const std::string file = dir + "/w.h5", more = dir + "/more.h5", less = dir + "/less.h5";
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    TrainingState st;
+    ShardingOptions so;
+    so.process_group = pg;
+    torch::manual_seed(5);
+    export_consolidated(file, shard_sequential(pipeline_layers(), so), nullptr, st);
+    auto longer = pipeline_layers();
+    longer->push_back(torch::nn::Linear(kPipeOut, kPipeOut));
+    export_consolidated(more, shard_sequential(longer, so), nullptr, st);
+    auto all = pipeline_layers();  // without its last layer
+    torch::nn::Sequential shorter;
+    for (size_t i = 0; i + 1 < all->size(); ++i)
+      shorter->push_back(std::to_string(i), *(all->begin() + static_cast<int64_t>(i)));
+    export_consolidated(less, shard_sequential(shorter, so), nullptr, st);
+
+    BothWays m(pg, 11, 2);
+    const LoadReport r = import_consolidated(file, m.pm);
+    EXPECT_TRUE(r.missing.empty());
+    EXPECT_TRUE(r.unexpected.empty());
+    torch::manual_seed(5);
+    auto want = pipeline_layers()->named_parameters();
+    int64_t n = 0;
+    for (const auto& [name, full] : full_state_dict(m.pm.stage_model())) {
+      EXPECT_TRUE(torch::equal(full, want[name])) << name;
+      ++n;
+    }
+    EXPECT_GT(n, 0);
+    const std::string extra = error_of([&] { import_consolidated(more, m.pm); });
+    EXPECT_NE(extra.find("checkpoint " + more +
+                         " does not match this model. Not in the model: 8.bias, 8.weight (2)."),
+              std::string::npos)
+        << extra;
+    LoadOptions lenient;
+    lenient.strict = false;
+    EXPECT_EQ(import_consolidated(more, m.pm, lenient).unexpected,
+              (std::vector<std::string>{"8.bias", "8.weight"}));
+    const std::string lacking = error_of([&] { import_consolidated(less, m.pm); });
+    EXPECT_NE(
+        lacking.find("import_consolidated of " + less + " into a pipeline of 2 stages failed"),
+        std::string::npos)
+        << lacking;
+    if (m.pm.stage() == 1)
+      EXPECT_NE(lacking.find("7.bias"), std::string::npos) << lacking;
+    else
+      EXPECT_NE(lacking.find("on another rank (see its error)"), std::string::npos) << lacking;
+  });
 }

@@ -14,8 +14,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
 #include <tuple>
 
 using namespace fsdp::testing;
@@ -263,10 +266,6 @@ TEST(TrainGpt, PipelineStagesGiveTheLossesOfOneProcess) {
 
 // What a pipelined run does not do yet is refused by flag, before any rank starts.
 TEST(TrainGpt, PipelineStagesRefuseWhatTheyDoNotDoYet) {
-  expect_usage_error(
-      {bin("train_gpt"), "--pipeline-stages", "2", "--save-dir", "/tmp/x", "--async-save"},
-      "--pipeline-stages 2 with --async-save: pipelined runs do not do that yet; leave it out, "
-      "or use --pipeline-stages 1");
   expect_usage_error({bin("train_gpt"), "--pipeline-stages", "2", "--grad-accum", "2"},
                      "--grad-accum 2 with --pipeline-stages 2: a pipeline's micro-batches are its "
                      "gradient accumulation; give --micro-batches 2 instead");
@@ -329,6 +328,112 @@ TEST(TrainGpt, PipelinedCheckpointsResumeAtAnotherLayout) {
           << "step " << i + 3 << " after " << first.back() << " then " << second.back();
     std::filesystem::remove_all(dir);
   }
+}
+
+namespace {
+
+// The "eval loss at step N: X" lines of a run, by step.
+std::map<int64_t, double> eval_losses(const std::string& output) {
+  std::map<int64_t, double> out;
+  const std::regex line("eval loss at step ([0-9]+): ([-+.eE0-9]+)");
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), line);
+       it != std::sregex_iterator(); ++it)
+    out[std::stoll((*it)[1])] = std::stod((*it)[2]);
+  return out;
+}
+
+std::string file_contents(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  EXPECT_TRUE(f.good()) << path;
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// A safetensors file's header (its JSON) and its data as floats (an fp32 export).
+std::pair<std::string, std::vector<float>> safetensors_of(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  std::vector<char> rest((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<float> data(rest.size() / sizeof(float));
+  std::memcpy(data.data(), rest.data(), data.size() * sizeof(float));
+  return {header, data};
+}
+
+}  // namespace
+
+// A pipelined run evaluates (--eval-text), starts from consolidated weights
+// (--init-from), saves in the background (--async-save) and exports (--consolidate-to,
+// and --export-hf in GPT-2's layout) as the same run without stages does: the same eval
+// losses, and the same files holding the same weights.
+TEST(TrainGpt, PipelineStagesEvaluateImportSaveInTheBackgroundAndExportAsOneProcess) {
+  const std::string text = temp_path("ppx_text");
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 200; ++i) f << "a pipeline evaluates this line, number " << i << "\n";
+  }
+  auto run_at = [&](int nproc, const std::vector<std::string>& extra) {
+    std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", std::to_string(nproc), "--"};
+    auto args = small_run(temp_path("ppx_log"), 2);
+    args[6] = "16";  // --batch-size: 4 micro-batches
+    cmd.insert(cmd.end(), args.begin(), args.end());
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    cmd.insert(cmd.end(), {"--eval-text", text});
+    auto r = run_command(cmd);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return std::make_pair(eval_losses(r.output), r.output);
+  };
+  const std::string ca = temp_path("ppx_ca") + ".h5", cb = temp_path("ppx_cb") + ".h5",
+                    ea = temp_path("ppx_ea"), eb = temp_path("ppx_eb"), sd = temp_path("ppx_sd");
+  for (const auto& d : {ea, eb, sd}) std::filesystem::remove(d);  // names for what the runs make
+  const auto [a, out_a] = run_at(1, {"--consolidate-to", ca, "--export-hf", ea});
+  const auto [b, out_b] = run_at(2, {"--pipeline-stages", "2", "--consolidate-to", cb,
+                                     "--export-hf", eb, "--save-dir", sd, "--async-save"});
+  ASSERT_EQ(a.size(), 2u) << out_a;  // steps 0 and 2
+  ASSERT_EQ(b.size(), 2u) << out_b;
+  for (const auto& [step, loss] : a) EXPECT_NEAR(b.at(step), loss, 1e-6 * loss) << step;
+  // The Hugging Face exports: the same tensors (names, shapes, dtypes; the order of the
+  // stages' units may differ), the same metadata and config.json, and the same weights up
+  // to the order of additions.
+  const auto [ha, da] = safetensors_of(ea + "/model.safetensors");
+  const auto [hb, db] = safetensors_of(eb + "/model.safetensors");
+  const auto ja = nlohmann::json::parse(ha), jb = nlohmann::json::parse(hb);
+  EXPECT_EQ(ja.at("__metadata__"), jb.at("__metadata__"));
+  ASSERT_EQ(ja.size(), jb.size());
+  EXPECT_TRUE(ja.contains("transformer.h.1.attn.c_attn.weight")) << ha;
+  double worst = 0;
+  for (const auto& [name, t] : ja.items()) {
+    if (name == "__metadata__") continue;
+    ASSERT_TRUE(jb.contains(name)) << name;
+    const auto& u = jb.at(name);
+    EXPECT_EQ(t.at("dtype"), u.at("dtype")) << name;
+    EXPECT_EQ(t.at("shape"), u.at("shape")) << name;
+    const auto oa = t.at("data_offsets").get<std::vector<size_t>>();
+    const auto ob = u.at("data_offsets").get<std::vector<size_t>>();
+    ASSERT_EQ(oa[1] - oa[0], ob[1] - ob[0]) << name;
+    for (size_t i = 0; i < (oa[1] - oa[0]) / 4; ++i)
+      worst = std::max(worst, std::abs(double(da[oa[0] / 4 + i]) - db[ob[0] / 4 + i]));
+  }
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_EQ(file_contents(ea + "/config.json"), file_contents(eb + "/config.json"));
+  EXPECT_FALSE(std::filesystem::exists(eb + ".stages.tmp"));
+  // The background save: a checkpoint of both stages.
+  auto inspect = run_command({bin("fsdp-inspect"), sd});
+  EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_NE(inspect.output.find("pipeline_stages = 2"), std::string::npos) << inspect.output;
+  // The consolidated files hold those weights: started from them, both layouts evaluate
+  // as the runs ended, and train alike.
+  const auto [c, out_c] = run_at(2, {"--pipeline-stages", "2", "--init-from", cb});
+  const auto [d, out_d] = run_at(1, {"--init-from", ca});
+  EXPECT_NE(out_c.find("initial weights from " + cb), std::string::npos) << out_c;
+  ASSERT_EQ(c.size(), 2u) << out_c;
+  ASSERT_EQ(d.size(), 2u) << out_d;
+  EXPECT_NEAR(c.at(0), b.at(2), 1e-6 * b.at(2));
+  EXPECT_NEAR(d.at(0), a.at(2), 1e-6 * a.at(2));
+  EXPECT_NEAR(c.at(2), d.at(2), 1e-6 * d.at(2));
+  for (const auto& p : {ca, cb, text}) std::filesystem::remove(p);
+  for (const auto& p : {ea, eb, sd}) std::filesystem::remove_all(p);
 }
 
 // train_llama's layers (embedding, decoder layers, norm and head) in two stages give the

@@ -119,6 +119,9 @@ class [[nodiscard]] AsyncSave {
   friend AsyncSave save_sharded_checkpoint_async(const std::string&, const ShardedModel&,
                                                  torch::optim::Optimizer*, const TrainingState&,
                                                  const SaveOptions&);
+  friend AsyncSave save_sharded_checkpoint_async(const std::string&, const PipelinedModel&,
+                                                 torch::optim::Optimizer*, const TrainingState&,
+                                                 const SaveOptions&);
   std::shared_ptr<AsyncSaveJob> job_;
 };
 
@@ -136,6 +139,13 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
                                         const TrainingState& state,
                                         const SaveOptions& options = {});
 
+/// The same for a pipelined model: the files of save_sharded_checkpoint(PipelinedModel),
+/// staged on every rank of the job, written and published in the background.
+AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
+                                        torch::optim::Optimizer* optimizer,
+                                        const TrainingState& state,
+                                        const SaveOptions& options = {});
+
 /// Waits for the asynchronous save in flight, if any, and frees the staging buffers that
 /// `model`'s asynchronous saves keep for the next one (SaveOptions::keep_staging). Not
 /// collective; the next asynchronous save allocates afresh.
@@ -146,8 +156,8 @@ void release_checkpoint_staging(const ShardedModel& model);
 /// reads only the slices it keeps. Collective. `state` (may be null) receives the
 /// training state; `optimizer` (may be null) its state and hyperparameters.
 LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& model,
-                                   torch::optim::Optimizer* optimizer, TrainingState* state,
-                                   const LoadOptions& options = {});
+                                   torch::optim::Optimizer* optimizer = nullptr,
+                                   TrainingState* state = nullptr, const LoadOptions& options = {});
 
 /// The same for a pipelined model: every stage reads its own parameters (by the names
 /// PipelineOptions::parameter_names gives them) from a checkpoint of the model saved with
@@ -155,8 +165,8 @@ LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& model,
 /// is an error (the checkpoint's other names are the other stages'). Collective over the
 /// job.
 LoadReport load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
-                                   torch::optim::Optimizer* optimizer, TrainingState* state,
-                                   const LoadOptions& options = {});
+                                   torch::optim::Optimizer* optimizer = nullptr,
+                                   TrainingState* state = nullptr, const LoadOptions& options = {});
 
 /// The newest complete checkpoint under `dir` (from its `latest` marker), or nullopt when
 /// `dir` holds none. Throws when the marker exists but is bad.
@@ -179,12 +189,30 @@ void export_consolidated(const std::string& file, const ShardedModel& model,
                          torch::optim::Optimizer* optimizer, const TrainingState& state,
                          const ExportOptions& options = {});
 
+/// The same for a pipelined model (fsdp::pipeline): one file of the whole model, the
+/// stages' parameters under the names PipelineOptions::parameter_names gives them.
+/// Collective over the job. Written in two passes: a sharded checkpoint of every stage
+/// into `file`.stages.tmp beside it (so that much disk, the parameters in fp32 and, with
+/// ExportOptions::with_optimizer, the optimizer state), then consolidated by job rank 0
+/// (consolidate_checkpoint, one parameter at a time); the temporary checkpoint is removed
+/// either way, and every rank throws alike if either pass failed.
+void export_consolidated(const std::string& file, const PipelinedModel& model,
+                         torch::optim::Optimizer* optimizer, const TrainingState& state,
+                         const ExportOptions& options = {});
+
 /// Loads consolidated weights into a sharded model: each rank reads only its own slice
 /// (HDF5 hyperslabs, or byte ranges of safetensors), no full copy anywhere, no
 /// communication. `file` is the HDF5 file of export_consolidated, or safetensors: a
 /// .safetensors file, a model.safetensors.index.json, or a directory holding either
 /// (what export_safetensors writes, or any other writer's, in F32, BF16, F16 or F64).
 LoadReport import_consolidated(const std::string& file, ShardedModel& model,
+                               const LoadOptions& options = {});
+
+/// The same for a pipelined model: each stage reads its own parameters (by the names
+/// PipelineOptions::parameter_names gives them); the file's other names are the other
+/// stages'. Under LoadOptions::strict a name no stage finds is an error. Collective over
+/// the job: every rank throws alike when any rank's stage does not match the file.
+LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
                                const LoadOptions& options = {});
 
 /// Loads consolidated weights (HDF5 or safetensors, as import_consolidated) into a plain
@@ -222,6 +250,14 @@ struct SafetensorsOptions {
 void export_safetensors(const std::string& dir, const ShardedModel& model,
                         const TrainingState& state, const SafetensorsOptions& options = {});
 
+/// The same for a pipelined model, in two passes as export_consolidated(PipelinedModel)
+/// (a temporary sharded checkpoint in `dir`.stages.tmp, then consolidate_checkpoint on
+/// job rank 0 with the options' layout): the tensors, names, dtypes and metadata that
+/// export_safetensors writes from the model unpipelined, in the order of the stages' units
+/// (byte for byte where that order is the unpipelined model's).
+void export_safetensors(const std::string& dir, const PipelinedModel& model,
+                        const TrainingState& state, const SafetensorsOptions& options = {});
+
 /// The formats consolidated weights are written in.
 enum class WeightsFormat {
   kHdf5,         ///< one HDF5 file (docs/design.md, "Contracts"), optionally with optimizer state
@@ -239,6 +275,11 @@ struct ConsolidateOptions {
   uint64_t max_shard_size = 5'000'000'000;
   /// Called after each parameter: (done, total, fqn).
   std::function<void(size_t, size_t, const std::string&)> progress;
+  /// kSafetensors: another framework's layout, as SafetensorsOptions::name_for and
+  /// ::transpose (the name each tensor is written under, "" leaving it out; which 2-D ones
+  /// are written transposed). Unset: clean FQNs, as they are.
+  std::function<std::string(const std::string& fqn)> name_for;
+  std::function<bool(const std::string& fqn)> transpose;
 };
 
 /// Offline: turns a sharded checkpoint into a consolidated file with no process group,

@@ -96,8 +96,10 @@ class PipelinedModel {
   torch::Tensor train_step(const torch::Tensor& input, const torch::Tensor& target,
                            const PipelineLossFn& loss_fn);
   /// Forward only (no graph), micro-batch by micro-batch: the last stage's output for
-  /// `input`, concatenated; an undefined tensor on the other stages.
-  torch::Tensor forward(const torch::Tensor& input);
+  /// `input`, concatenated; an undefined tensor on the other stages. `micro_batches`: how
+  /// many parts `input` is split into (dim 0, a divisor of its rows), the same on every
+  /// rank; 0 takes PipelineOptions::micro_batches.
+  torch::Tensor forward(const torch::Tensor& input, int micro_batches = 0);
 
   /// This stage's trainable shards: give them to the optimizer on this rank.
   std::vector<torch::Tensor> sharded_parameters() const { return model_.sharded_parameters(); }

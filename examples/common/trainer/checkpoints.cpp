@@ -82,16 +82,16 @@ bool CheckpointPolicy::due(int64_t steps_done) const {
 
 void CheckpointPolicy::save(int64_t steps_done) {
   io_log_.timed("save", [&] {
-    if (pipeline_) {  // (--async-save is refused with --pipeline-stages)
-      return fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_,
-                                           training_state(steps_done), save_opts_);
-    }
+    const fsdp::TrainingState st = training_state(steps_done);
     if (!ckpt_.async_save) {
-      return fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_,
-                                           training_state(steps_done), save_opts_);
+      return pipeline_
+                 ? fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
+                 : fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_, st, save_opts_);
     }
-    pending_ = fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, model_, &opt_,
-                                                   training_state(steps_done), save_opts_);
+    pending_ =
+        pipeline_
+            ? fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
+            : fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, model_, &opt_, st, save_opts_);
     return pending_.path();
   });
   last_saved_ = steps_done;
@@ -110,8 +110,13 @@ void CheckpointPolicy::finish(int64_t final_step) {
   if (!ckpt_.consolidate_to.empty()) {
     fsdp::ExportOptions eo;
     io_log_.timed("export", [&] {
-      fsdp::export_consolidated(ckpt_.consolidate_to, model_, nullptr, training_state(final_step),
-                                eo);
+      if (pipeline_) {  // Note [Pipelined exports]: through a sharded checkpoint
+        fsdp::export_consolidated(ckpt_.consolidate_to, *pipeline_, nullptr,
+                                  training_state(final_step), eo);
+      } else {
+        fsdp::export_consolidated(ckpt_.consolidate_to, model_, nullptr, training_state(final_step),
+                                  eo);
+      }
       return ckpt_.consolidate_to;
     });
     if (main_rank_)

@@ -691,11 +691,6 @@ void check_pipeline_flags(const Flags& f) {
                      ": a pipeline's micro-batches are its gradient accumulation; give "
                      "--micro-batches " +
                      std::to_string(f.training.grad_accum) + " instead");
-  refuse(f.checkpoint.async_save, "--async-save");
-  refuse(!f.checkpoint.init_from.empty(), "--init-from");
-  refuse(!f.checkpoint.consolidate_to.empty(), "--consolidate-to");
-  refuse(!f.checkpoint.export_hf.empty(), "--export-hf");
-  refuse(!f.training.eval_text.empty(), "--eval-text");
   refuse(f.model.tie_embeddings,
          "--tie-embeddings (the embedding would be the first stage's and lm_head the last's)");
 }

@@ -240,8 +240,16 @@ torch::Tensor eval_rows(const std::string& file, int64_t block) {
   return t;
 }
 
+/// Prints an --eval-text loss on rank 0, with 9 significant digits.
+void print_eval(const Flags& f, int rank, int64_t step, double loss, int64_t rows) {
+  if (rank != 0) return;
+  std::cout << program() << ": eval loss at step " << step << ": " << std::setprecision(9) << loss
+            << std::setprecision(6) << " (" << rows << " rows of " << f.training.eval_text << ")"
+            << std::endl;
+}
+
 /// The mean next-token loss on the --eval-text rows, every rank all of them (collective:
-/// every rank runs the forward), printed by rank 0 with 9 significant digits.
+/// every rank runs the forward), printed by rank 0.
 void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step,
                const torch::Tensor& rows) {
   if (!rows.defined()) return;
@@ -249,17 +257,40 @@ void eval_text(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   t.model.as_module().eval();
   const double loss = loss_of(t, rows.to(f.sharding.options.device)).item<double>();
   t.model.as_module().train();
-  if (pg.rank() == 0) {
-    std::cout << program() << ": eval loss at step " << step << ": " << std::setprecision(9) << loss
-              << std::setprecision(6) << " (" << rows.size(0) << " rows of " << f.training.eval_text
-              << ")" << std::endl;
-  }
+  print_eval(f, pg.rank(), step, loss, rows.size(0));
+}
+
+/// The same through a pipeline: every replica runs all the rows, in as many micro-batches
+/// as divide them (at most --micro-batches); the last stage's loss reaches every rank.
+void eval_text(fsdp::PipelinedModel& pm, const Flags& f, int64_t step, const torch::Tensor& rows) {
+  if (!rows.defined()) return;
+  const torch::Device device = f.sharding.options.device;
+  torch::NoGradGuard no_grad;
+  int64_t m = std::min<int64_t>(std::max(1, f.pipeline.micro_batches), rows.size(0));
+  while (rows.size(0) % m != 0) --m;
+  pm.stage_model().as_module().eval();
+  const auto x = rows.narrow(1, 0, rows.size(1) - 1).to(device);
+  const torch::Tensor logits = pm.forward(x, static_cast<int>(m));
+  pm.stage_model().as_module().train();
+  auto loss = torch::zeros({1}, torch::TensorOptions(torch::kFloat).device(device));
+  if (logits.defined())
+    loss = token_loss(logits, rows.narrow(1, 1, rows.size(1) - 1).to(device)).reshape({1});
+  pm.world().broadcast(loss, (pm.stages() - 1) * pm.data_parallel_size());
+  print_eval(f, pm.world().rank(), step, loss.item<double>(), rows.size(0));
+}
+
+/// --eval-text's rows, or an undefined tensor without it.
+torch::Tensor eval_rows_of(const Flags& f) {
+  return f.training.eval_text.empty() ? torch::Tensor()
+                                      : eval_rows(f.training.eval_text, f.model.block_size);
 }
 
 /// --export-hf DIR: the weights as transformers saves them (model.safetensors, or shards
 /// and an index, under the model's own names, which are transformers'), and config.json.
-/// Collective; rank 0 writes, one unit's full parameters at a time.
-void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
+/// Collective; `model` is the sharded model (rank 0 writes, one unit's full parameters at
+/// a time) or the pipeline (Note [Pipelined exports]: through a sharded checkpoint).
+template <class Model>
+void export_hf(const Model& model, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const std::string& d = f.checkpoint.export_dtype;
   fsdp::TrainingState st;
@@ -274,7 +305,7 @@ void export_hf(Training& t, const Flags& f, const fsdp::ProcessGroup& pg, int64_
   fsdp::SafetensorsOptions o;
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
   if (program_info().hf_layout) program_info().hf_layout(o);
-  fsdp::export_safetensors(f.checkpoint.export_hf, t.model, st, o);
+  fsdp::export_safetensors(f.checkpoint.export_hf, model, st, o);
   if (pg.rank() == 0) {
     std::cout << program() << ": wrote a Hugging Face model (" << d << ") to "
               << f.checkpoint.export_hf << " in " << seconds_since(start) << " s" << std::endl;
@@ -318,12 +349,34 @@ double pipelined_val_loss(fsdp::PipelinedModel& pm, const Data& data, const Flag
   return sum.item<double>() / static_cast<double>(pm.data_parallel_size() * kValBatches);
 }
 
-/// --pipeline-stages N > 1: the model's layers in stages over the ranks (fsdp::pipeline),
-/// each stage sharded over its world/N ranks; the same steps, logs and progress lines.
-int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data,
-                  const std::string& deepspeed) {
-  const bool main_rank = pg.rank() == 0;
-  if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
+/// One pipelined training step: the micro-batches through the stages, clipping, and
+/// the optimizer (skipped on every stage alike under fp16 when a gradient overflowed).
+double pipelined_step(fsdp::PipelinedModel& pm, torch::optim::Optimizer& opt,
+                      fsdp::LossScaler* scaler, const Flags& f, const torch::Tensor& rows) {
+  auto [x, y] = replica_rows(rows, pm, f.sharding.options.device);
+  const double scale = scaler ? scaler->state().scale : 1.0;
+  const double loss = pm.train_step(x, y,
+                                    [&](const torch::Tensor& out, const torch::Tensor& target) {
+                                      auto l = token_loss(out, target);
+                                      return scaler ? scaler->scale(l) : l;
+                                    })
+                          .item<double>() /
+                      scale;
+  if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
+  if (f.training.clip_grad > 0 && !(scaler && scaler->overflowed()))
+    fsdp::clip_grad_norm_(pm, f.training.clip_grad);
+  if (scaler) {
+    scaler->step(opt);
+    scaler->update();
+  } else {
+    opt.step();
+  }
+  opt.zero_grad();
+  return loss;
+}
+
+/// The stages as the flags ask, on `pg` (--init-from's weights loaded when given).
+fsdp::PipelinedModel build_pipeline(const Flags& f, const fsdp::ProcessGroup& pg) {
   fsdp::PipelineOptions po;
   po.stages = f.pipeline.stages;
   po.micro_batches = f.pipeline.micro_batches;
@@ -334,15 +387,12 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
   po.parameter_names = program_info().layer_names;  // checkpoints under the model's names
   torch::manual_seed(f.training.seed);
   fsdp::PipelinedModel pm = fsdp::pipeline(program_info().layers(f.model), po);
-  auto opt = make_optimizer(f, pm.stage_model(), pg.rank());
-  // fp16: the loss scaled in the last stage, the skip agreed by every stage.
-  std::optional<fsdp::LossScaler> scaler;
-  if (f.sharding.precision == "fp16") scaler.emplace(pm, f.sharding.loss_scaler);
-  CheckpointPolicy checkpoints(f, pm, *opt, scaler ? &*scaler : nullptr, pg);
-  const int64_t first_step = checkpoints.resume();
-  const int64_t last_step = checkpoints.last_step(first_step);
-  const torch::Device device = f.sharding.options.device;
-  if (main_rank) {
+  if (!f.checkpoint.init_from.empty()) {  // each stage reads its own names
+    fsdp::import_consolidated(f.checkpoint.init_from, pm);
+    if (pg.rank() == 0)
+      std::cout << program() << ": initial weights from " << f.checkpoint.init_from << std::endl;
+  }
+  if (pg.rank() == 0) {
     std::cout << program() << ": pipeline of " << pm.stages() << " stages ("
               << (f.pipeline.schedule == fsdp::PipelineSchedule::kGPipe ? "gpipe" : "1f1b") << ", "
               << f.pipeline.micro_batches << " micro-batches), " << pm.data_parallel_size()
@@ -351,8 +401,28 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     for (size_t s = 0; s + 1 < b.size(); ++s) std::cout << " [" << b[s] << ", " << b[s + 1] << ")";
     std::cout << std::endl;
   }
+  return pm;
+}
+
+/// --pipeline-stages N > 1: the model's layers in stages over the ranks (fsdp::pipeline),
+/// each stage sharded over its world/N ranks; the same steps, logs, progress lines,
+/// checkpoints, evaluations and exports.
+int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data,
+                  const std::string& deepspeed) {
+  const bool main_rank = pg.rank() == 0;
+  if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
+  fsdp::PipelinedModel pm = build_pipeline(f, pg);
+  auto opt = make_optimizer(f, pm.stage_model(), pg.rank());
+  // fp16: the loss scaled in the last stage, the skip agreed by every stage.
+  std::optional<fsdp::LossScaler> scaler;
+  if (f.sharding.precision == "fp16") scaler.emplace(pm, f.sharding.loss_scaler);
+  CheckpointPolicy checkpoints(f, pm, *opt, scaler ? &*scaler : nullptr, pg);
+  const int64_t first_step = checkpoints.resume();
+  const int64_t last_step = checkpoints.last_step(first_step);
   TrainLog log(f.output, f.training.steps, main_rank);
   log.start(first_step, last_step);
+  const torch::Tensor eval = eval_rows_of(f);
+  eval_text(pm, f, first_step, eval);
   const int64_t batch = f.training.batch_size, block = f.model.block_size;
   for (int64_t step = first_step; step < last_step; ++step) {
     StepRecord r;
@@ -362,27 +432,10 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     const auto start = std::chrono::steady_clock::now();
     {
       fsdp::TraceScope span("train step " + std::to_string(r.step));
-      auto [x, y] = replica_rows(data.batch(step, batch, block), pm, device);
-      const double scale = scaler ? scaler->state().scale : 1.0;
-      r.loss = pm.train_step(x, y,
-                             [&](const torch::Tensor& out, const torch::Tensor& target) {
-                               auto loss = token_loss(out, target);
-                               return scaler ? scaler->scale(loss) : loss;
-                             })
-                   .item<double>() /
-               scale;
-      if (scaler) scaler->unscale_();  // before clipping: the norm is of the true gradients
-      if (f.training.clip_grad > 0 && !(scaler && scaler->overflowed()))
-        fsdp::clip_grad_norm_(pm, f.training.clip_grad);
-      if (scaler) {
-        scaler->step(*opt);  // skipped on every stage alike when a gradient is inf or nan
-        scaler->update();
-        r.loss_scaler = scaler->state();
-      } else {
-        opt->step();
-      }
-      opt->zero_grad();
+      r.loss =
+          pipelined_step(pm, *opt, scaler ? &*scaler : nullptr, f, data.batch(step, batch, block));
     }
+    if (scaler) r.loss_scaler = scaler->state();
     r.step_s = seconds_since(start);
     r.tokens_per_s = static_cast<double>(batch * block) / r.step_s;
     read_engine_stats(pm.stage_model(), r);
@@ -391,8 +444,11 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     log.write(r);
     if (checkpoints.due(r.step)) checkpoints.save(r.step);
   }
-  checkpoints.finish(std::max(first_step, last_step));
-  if (scaler) report_fp16_skips(*scaler, pg.rank(), std::max(first_step, last_step));
+  const int64_t final_step = std::max(first_step, last_step);
+  eval_text(pm, f, final_step, eval);
+  checkpoints.finish(final_step);
+  if (!f.checkpoint.export_hf.empty()) export_hf(pm, f, pg, final_step);
+  if (scaler) report_fp16_skips(*scaler, pg.rank(), final_step);
   if (main_rank) std::cout << program() << ": done" << std::endl;
   return 0;
 }
@@ -420,16 +476,14 @@ int run(const Program& prog, int argc, char** argv) {
   if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   if (main_rank) print_summary(t.model, f, data, pg.size());
   log.start(first_step, last_step);
-  const torch::Tensor eval = f.training.eval_text.empty()
-                                 ? torch::Tensor()
-                                 : eval_rows(f.training.eval_text, f.model.block_size);
+  const torch::Tensor eval = eval_rows_of(f);
   eval_text(t, f, pg, first_step, eval);
   train(t, f, data, pg, log, checkpoints, first_step, last_step);
 
   const int64_t final_step = std::max(first_step, last_step);
   eval_text(t, f, pg, final_step, eval);
   checkpoints.finish(final_step);
-  if (!f.checkpoint.export_hf.empty()) export_hf(t, f, pg, final_step);
+  if (!f.checkpoint.export_hf.empty()) export_hf(t.model, f, pg, final_step);
   if (t.scaler) report_fp16_skips(*t.scaler, pg.rank(), final_step);
   if (main_rank) {
     std::cout << program() << ": peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";

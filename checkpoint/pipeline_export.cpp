@@ -1,0 +1,102 @@
+// Consolidated and safetensors exports of a pipelined model (include/fsdp/checkpoint.h).
+#include "agree.h"
+#include "trace/trace.h"
+
+#include <fsdp/checkpoint.h>
+#include <fsdp/pipeline.h>
+
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <system_error>
+
+namespace fs = std::filesystem;
+
+namespace fsdp {
+namespace {
+
+// Note [Pipelined exports]
+// A stage holds its own parameters and knows nothing of the other stages' (their flat
+// tables, shapes, names), so no rank can gather the whole model as the live exports do.
+// The export goes through a sharded checkpoint instead: every rank saves its stage
+// (save_sharded_checkpoint(PipelinedModel): parallel writes, nothing moved between ranks),
+// then job rank 0 consolidates it offline, one parameter at a time (consolidate_checkpoint,
+// which writes what the live exports write from the model unpipelined: the checkpoint's
+// flats are in the model's order, stage after stage). The temporary checkpoint sits beside
+// the output, as `out`.stages.tmp (every rank must see it, as for a checkpoint
+// directory), and is removed whether the export succeeded or not.
+
+std::string stages_dir(const std::string& out) {
+  fs::path p(out);
+  while (!p.empty() && !p.has_filename()) p = p.parent_path();  // "dir/" names dir
+  return p.string() + ".stages.tmp";
+}
+
+void remove_quietly(const std::string& dir) {
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+void through_checkpoint(const std::string& out, const PipelinedModel& model,
+                        torch::optim::Optimizer* optimizer, const TrainingState& state,
+                        const char* fn,
+                        const std::function<void(const std::string&)>& consolidate) {
+  const ProcessGroup& job = model.world();
+  const std::string tmp = stages_dir(out);
+  ckpt::rank0_tries(job, std::string(fn) + ": clearing " + tmp, [&] { fs::remove_all(tmp); });
+  std::string saved;
+  try {
+    saved = save_sharded_checkpoint(tmp, model, optimizer, state);
+  } catch (...) {  // every rank throws alike
+    if (job.rank() == 0) remove_quietly(tmp);
+    throw;
+  }
+  ckpt::rank0_tries(job, std::string(fn) + " to " + out, [&] {
+    struct Cleanup {
+      const std::string& dir;
+      ~Cleanup() { remove_quietly(dir); }
+    } cleanup{tmp};
+    consolidate(saved);
+  });
+}
+
+}  // namespace
+
+void export_consolidated(const std::string& file, const PipelinedModel& model,
+                         torch::optim::Optimizer* optimizer, const TrainingState& state,
+                         const ExportOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("consolidated export"); });
+  ConsolidateOptions co;
+  co.dtype = options.dtype;
+  co.with_optimizer = options.with_optimizer;
+  if (options.verbose) {
+    co.progress = [](size_t done, size_t total, const std::string& fqn) {
+      std::cout << "[fsdp] consolidated export: " << done << "/" << total << " " << fqn
+                << std::endl;
+    };
+  }
+  through_checkpoint(file, model, options.with_optimizer ? optimizer : nullptr, state,
+                     "export_consolidated",
+                     [&](const std::string& saved) { consolidate_checkpoint(saved, file, co); });
+}
+
+void export_safetensors(const std::string& dir, const PipelinedModel& model,
+                        const TrainingState& state, const SafetensorsOptions& options) {
+  detail::trace::Scope span("checkpoint", []() { return std::string("safetensors export"); });
+  ConsolidateOptions co;
+  co.dtype = options.dtype;
+  co.format = WeightsFormat::kSafetensors;
+  co.max_shard_size = options.max_shard_size;
+  co.name_for = options.name_for;
+  co.transpose = options.transpose;
+  if (options.verbose) {
+    co.progress = [](size_t done, size_t total, const std::string& fqn) {
+      std::cout << "[fsdp] safetensors export: " << done << "/" << total << " " << fqn << std::endl;
+    };
+  }
+  through_checkpoint(dir, model, nullptr, state, "export_safetensors",
+                     [&](const std::string& saved) { consolidate_checkpoint(saved, dir, co); });
+}
+
+}  // namespace fsdp
