@@ -347,3 +347,39 @@ TEST(PipelineCheckpoint, ImportConsolidatedFillsEachStageAndRefusesNamesNoStageT
       EXPECT_NE(lacking.find("on another rank (see its error)"), std::string::npos) << lacking;
   });
 }
+
+// The examples' layer factories make, layer by layer, the weights of the whole model
+// built from the same seed (so a pipelined train_gpt or train_llama starts where the
+// unpipelined one does), under the names the checkpoints use.
+TEST(PipelineCheckpoint, TheExamplesLayerFactoriesMakeTheWholeModelsWeights) {
+  auto check = [](const fsdp::PipelineLayers& layers, const torch::nn::Module& whole,
+                  const std::function<std::string(const std::string&)>& rename) {
+    torch::manual_seed(3);
+    std::map<std::string, torch::Tensor> got;
+    for (int64_t i = 0; i < layers.count; ++i) {
+      auto [name, module] = layers.make(i);
+      for (const auto& p : module.ptr()->named_parameters())
+        got[rename(name + "." + p.key())] = p.value();
+    }
+    const auto want = named_parameters_clean(whole);
+    EXPECT_EQ(got.size(), want.size());
+    for (const auto& [name, t] : want) {
+      ASSERT_TRUE(got.count(name)) << name;
+      EXPECT_TRUE(torch::equal(got[name], t)) << name;
+    }
+  };
+  lm::Config c;
+  c.n_layer = 3;
+  c.d_model = 32;
+  c.n_head = 2;
+  c.block_size = 16;
+  c.n_kv_head = 1;  // llama's fields
+  c.intermediate_size = 64;
+  torch::manual_seed(3);
+  gpt::GPT g(c);
+  check(gpt::layer_factory(c), *g, gpt::layer_param_name);
+  const llama::Config lc = llama::from_lm(c);
+  torch::manual_seed(3);
+  llama::Llama l(lc);
+  check(llama::layer_factory(lc), *l, llama::layer_param_name);
+}

@@ -432,3 +432,52 @@ TEST(Pipeline, TheTraceSplitsAReceiveIntoBubbleAndTransfer) {
   });
   std::filesystem::remove_all(dir);
 }
+
+// Note [Building one stage]: from a layer factory, each rank keeps only its stage's
+// layers (the others' modules are gone once pipeline() returns), which hold the whole
+// model's weights from the same seed, and the CPU generator ends where building the whole
+// model leaves it; by parameters (a counting pass) and uniform (one pass), at 2 stages
+// x FULL_SHARD 2 and at 4 stages.
+TEST(Pipeline, ALayerFactoryBuildsOnlyTheStageWithTheWholeModelsWeights) {
+  run_ranks(4, [](const ProcessGroup& pg) {
+    for (const auto& [stages, partition] : std::vector<std::pair<int, std::string>>{
+             {2, "parameters"}, {4, "uniform"}, {4, "parameters"}}) {
+      SCOPED_TRACE(std::to_string(stages) + " stages by " + partition);
+      torch::manual_seed(21);
+      auto whole = pipeline_layers();
+      const auto after_whole = torch::rand({4});
+      std::vector<std::weak_ptr<torch::nn::Module>> made(kPipeLayers);
+      PipelineLayers layers;
+      layers.count = kPipeLayers;
+      layers.make = [&](int64_t i) {
+        auto m = pipeline_layer(i);
+        made[static_cast<size_t>(i)] = m.ptr();
+        return std::make_pair(std::to_string(i), m);
+      };
+      PipelineOptions o;
+      o.stages = stages;
+      o.partition = partition;
+      o.sharding.process_group = pg;
+      torch::manual_seed(21);
+      PipelinedModel pm = pipeline(layers, o);
+      EXPECT_TRUE(torch::equal(torch::rand({4}), after_whole))
+          << "the generator is where building the whole model leaves it";
+      const auto [first, last] = pm.layer_range();
+      for (int64_t i = 0; i < kPipeLayers; ++i) {
+        EXPECT_EQ(made[static_cast<size_t>(i)].expired(), i < first || i >= last)
+            << "layer " << i << " on stage " << pm.stage();
+      }
+      auto want = whole->named_parameters();
+      int64_t n = 0;
+      for (const auto& [name, full] : full_state_dict(pm.stage_model())) {
+        ASSERT_NE(want.find(name), nullptr) << name;
+        EXPECT_TRUE(torch::equal(full, want[name])) << name;
+        ++n;
+      }
+      EXPECT_GT(n, 0);
+      // The same boundaries as the Sequential's.
+      torch::manual_seed(21);
+      EXPECT_EQ(pipeline(pipeline_layers(), o).boundaries(), pm.boundaries());
+    }
+  });
+}

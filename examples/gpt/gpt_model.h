@@ -6,6 +6,7 @@
 // ln_f.weight, lm_head.weight, so other frameworks can load the weights.
 
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/pipeline.h>
 
 #include "../common/attention.h"
 #include "../common/trainer/lm_config.h"
@@ -22,10 +23,11 @@ namespace gpt {
 using Config = lm::Config;
 
 /// GPT-2 style initial weights for the parameters under `m`: N(0, 0.02) weights, zero
-/// biases, LayerNorms left at one and zero. Each block initialises itself in its
-/// constructor, before its wrap point is built (fsdp::make_sharded shards it then), and
-/// the model its own embeddings and head last; so the same seed gives the same weights
-/// whether the model is constructed in full or sharded, at any world size.
+/// biases, LayerNorms left at one and zero. Every part initialises itself as it is built,
+/// in layer order (the embeddings, each block before its wrap point is built, which
+/// fsdp::make_sharded shards then, the head): so the same seed gives the same weights
+/// whether the model is constructed in full, sharded, or one pipeline stage at a time
+/// (layer_factory), at any world size.
 inline void init_gpt2(torch::nn::Module& m) {
   torch::NoGradGuard g;
   for (auto& p : m.named_parameters()) {
@@ -121,6 +123,8 @@ class GPTImpl : public torch::nn::Module {
       : config(c),
         wte(register_module("wte", torch::nn::Embedding(c.vocab_size, c.d_model))),
         wpe(register_module("wpe", torch::nn::Embedding(c.block_size, c.d_model))) {
+    init_gpt2(*wte);
+    init_gpt2(*wpe);
     auto list = register_module("blocks", torch::nn::ModuleList());
     for (int64_t i = 0; i < c.n_layer; ++i) {
       blocks.emplace_back(Block(c));
@@ -131,11 +135,7 @@ class GPTImpl : public torch::nn::Module {
     lm_head = register_module(
         "lm_head",
         torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
-    for (auto* m :
-         {static_cast<torch::nn::Module*>(wte.get()), static_cast<torch::nn::Module*>(wpe.get()),
-          static_cast<torch::nn::Module*>(lm_head.get())}) {
-      init_gpt2(*m);
-    }
+    init_gpt2(*lm_head);
   }
 
   /// idx: (B, T) int64 tokens -> (B, T, vocab) logits.
@@ -194,6 +194,28 @@ inline torch::nn::Sequential as_layers(const GPT& model) {
     seq->push_back("block" + std::to_string(i), model->blocks[i]->module());
   seq->push_back("head", Head(model->ln_f, model->lm_head));
   return seq;
+}
+
+/// The GPT's pipeline layers (as_layers' names and modules) made one at a time, for
+/// fsdp::pipeline to build only a rank's own stage: layer i draws from the generator what
+/// GPT(c) draws for it, so every layout of stages starts from GPT(c)'s weights.
+inline fsdp::PipelineLayers layer_factory(const Config& c) {
+  fsdp::PipelineLayers layers;
+  layers.count = c.n_layer + 2;
+  layers.make = [c](int64_t i) -> std::pair<std::string, torch::nn::AnyModule> {
+    if (i == 0) {
+      torch::nn::Embedding wte(c.vocab_size, c.d_model), wpe(c.block_size, c.d_model);
+      init_gpt2(*wte);
+      init_gpt2(*wpe);
+      return {"embed", torch::nn::AnyModule(Embed(wte, wpe))};
+    }
+    if (i <= c.n_layer) return {"block" + std::to_string(i - 1), torch::nn::AnyModule(Block(c))};
+    torch::nn::LayerNorm ln_f(torch::nn::LayerNormOptions({c.d_model}).eps(1e-5));
+    torch::nn::Linear lm_head(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false));
+    init_gpt2(*lm_head);
+    return {"head", torch::nn::AnyModule(Head(ln_f, lm_head))};
+  };
+  return layers;
 }
 
 /// A parameter's name among as_layers' layers as the GPT names it (the checkpoint

@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
   p.description = "Train the GPT example, fully sharded over the job's ranks.";
   p.block_policy = fsdp::module_type_policy<gpt::Block>();
   p.build = lm::build_sharded<gpt::GPT, lm::Config>;
-  p.layers = [](const lm::Config& c) { return gpt::as_layers(gpt::GPT(c)); };
+  p.layers = [](const lm::Config& c) { return gpt::layer_factory(c); };
   p.layer_names = gpt::layer_param_name;
   // --export-hf: as transformers' GPT2LMHeadModel (gpt2_export.h).
   p.hf_config_json = gpt::gpt2_config_json;

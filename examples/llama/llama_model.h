@@ -16,6 +16,7 @@
 // it appends each new position's keys and values and attends over the cache.
 
 #include <fsdp/fully_sharded_module.h>
+#include <fsdp/pipeline.h>
 
 #include "../common/attention.h"
 #include "../common/trainer/lm_config.h"
@@ -266,6 +267,7 @@ class ModelImpl : public torch::nn::Module {
   explicit ModelImpl(const Config& c)
       : embed_tokens(
             register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.d_model))) {
+    init_llama(*embed_tokens);  // in layer order (layer_factory draws the same)
     auto list = register_module("layers", torch::nn::ModuleList());
     auto rope = std::make_shared<RopeTables>(c);
     for (int64_t i = 0; i < c.n_layer; ++i) {
@@ -294,7 +296,6 @@ TORCH_MODULE(Head);
 class LlamaImpl : public torch::nn::Module {
  public:
   explicit LlamaImpl(const Config& c) : config(c), model(register_module("model", Model(c))) {
-    init_llama(*model->embed_tokens);
     lm_head = register_module("lm_head",
                               Head(c.tie_embeddings ? model->embed_tokens->weight
                                                     : torch::empty({c.vocab_size, c.d_model})));
@@ -358,6 +359,31 @@ inline torch::nn::Sequential as_layers(const Llama& model) {
     seq->push_back("layer" + std::to_string(i), model->model->layers[i]->module());
   seq->push_back("head", NormHead(model->model->norm, model->lm_head));
   return seq;
+}
+
+/// The pipeline layers of Llama(c) (as_layers' names and modules) made one at a time, for
+/// fsdp::pipeline to build only a rank's own stage: layer i draws from the generator what
+/// Llama(c) draws for it. Untied embeddings only, as as_layers.
+inline fsdp::PipelineLayers layer_factory(const Config& c) {
+  TORCH_CHECK(!c.tie_embeddings,
+              "pipeline stages need untied embeddings (the embedding is the first stage's, "
+              "lm_head the last's)");
+  fsdp::PipelineLayers layers;
+  layers.count = c.n_layer + 2;
+  auto rope = std::make_shared<RopeTables>(c);  // shared by the layers a rank makes
+  layers.make = [c, rope](int64_t i) -> std::pair<std::string, torch::nn::AnyModule> {
+    if (i == 0) {
+      torch::nn::Embedding embed(c.vocab_size, c.d_model);
+      init_llama(*embed);
+      return {"embed_tokens", torch::nn::AnyModule(embed)};
+    }
+    if (i <= c.n_layer)
+      return {"layer" + std::to_string(i - 1), torch::nn::AnyModule(DecoderLayer(c, rope))};
+    Head lm_head(torch::empty({c.vocab_size, c.d_model}));
+    init_llama(*lm_head);
+    return {"head", torch::nn::AnyModule(NormHead(RMSNorm(c.d_model, c.rms_norm_eps), lm_head))};
+  };
+  return layers;
 }
 
 /// A parameter's name among as_layers' layers as transformers' LlamaForCausalLM names it:

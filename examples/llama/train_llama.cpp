@@ -21,7 +21,7 @@ int main(int argc, char** argv) {
   p.build = [](const lm::Config& c, const fsdp::ShardingOptions& so, bool sharded) {
     return lm::build_sharded<llama::Llama>(llama::from_lm(c), so, sharded);
   };
-  p.layers = [](const lm::Config& c) { return llama::as_layers(llama::Llama(llama::from_lm(c))); };
+  p.layers = [](const lm::Config& c) { return llama::layer_factory(llama::from_lm(c)); };
   p.layer_names = llama::layer_param_name;
   p.read_hf_config = llama::read_hf_config;
   p.hf_config_json = llama::hf_config_json;

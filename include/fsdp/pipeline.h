@@ -70,6 +70,8 @@ struct PipelineOptions {
 using PipelineLossFn =
     std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
+struct PipelineLayers;  // below
+
 /// This rank's stage of a pipelined model: its layers, sharded over its data-parallel
 /// ranks, and the schedule that moves micro-batches between stages.
 class PipelinedModel {
@@ -114,6 +116,12 @@ class PipelinedModel {
 
  private:
   friend PipelinedModel pipeline(const torch::nn::Sequential&, const PipelineOptions&);
+  friend PipelinedModel pipeline(const PipelineLayers&, const PipelineOptions&);
+  /// Everything of pipeline() but the stage's layers: the groups and the boundaries.
+  static PipelinedModel place(const std::vector<int64_t>& layer_params,
+                              const PipelineOptions& options);
+  /// The stage's layers, sharded; then the names, and the trace's mark.
+  void adopt(Sharded<torch::nn::Sequential> seq);
   struct Step;  // one step's schedule (src/pipeline/pipeline.cpp)
 
   std::shared_ptr<Sharded<torch::nn::Sequential>> seq_;  ///< this stage's layers, sharded
@@ -138,11 +146,37 @@ double clip_grad_norm_(PipelinedModel& model, double max_norm, double norm_type 
 std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
                                       const PipelineOptions& options);
 
+/// A model's layers made one at a time, so that each rank builds only its own stage's
+/// (fsdp::pipeline(PipelineLayers, ...)).
+struct PipelineLayers {
+  /// How many layers the model has.
+  int64_t count = 0;
+  /// Makes layer i (0-based): its name among the layers ("embed", "block3", ...) and the
+  /// module (one Tensor in, one Tensor out). Its random initialisation must draw from the
+  /// default CPU generator as building the whole model draws for that layer, after the
+  /// layers before it: then every layout of stages gets the whole model's weights.
+  std::function<std::pair<std::string, torch::nn::AnyModule>(int64_t i)> make;
+  /// Each layer's trainable parameter count, for the "parameters" partition without
+  /// building every layer twice; empty: counted by building each layer once and dropping
+  /// it (one layer at a time).
+  std::vector<int64_t> params;
+};
+
 /// Splits `layers` (every entry a module of one Tensor input and one Tensor output) into
 /// options.stages stages and keeps this rank's, sharded over its stage's ranks with
 /// options.sharding (shard_sequential: each layer behind a wrap point, units as the
 /// auto-wrap policy picks). Every rank of the world calls it with the same layers and
 /// options. The layers of other stages are dropped on this rank.
 PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options);
+
+/// The same from a layer factory, building only this rank's stage: every rank makes the
+/// layers before its stage's and drops each at once (their draws from the CPU generator
+/// keep the weights those of the whole model), then makes its own layers under sharded
+/// construction (each sharded as soon as it is built, as fsdp::make_sharded does), and
+/// leaves the generator where building every layer would. A rank holds its stage's shards
+/// and the one layer being built, never the model or its stage in full. With the
+/// "parameters" partition and no layers.params, a first pass makes each layer once to
+/// count its parameters (one at a time; the generator's state is restored after it).
+PipelinedModel pipeline(const PipelineLayers& layers, const PipelineOptions& options);
 
 }  // namespace fsdp

@@ -71,7 +71,9 @@ torch::nn::Sequential wrap_sequential_entries(const torch::nn::Sequential& seq);
 /// shard_sequential puts around each entry.
 class SequentialEntryImpl : public WrapPointImpl {
  public:
-  explicit SequentialEntryImpl(torch::nn::AnyModule module);
+  /// `at_construction`: inside a ConstructionScope, shard the entry now (sharded
+  /// construction of layers made one at a time, detail::shard_layers_as_built).
+  explicit SequentialEntryImpl(torch::nn::AnyModule module, bool at_construction = false);
   torch::Tensor forward(torch::Tensor x);
   std::shared_ptr<torch::nn::Module> wrapped() const override { return module_.ptr(); }
 

@@ -3,6 +3,7 @@
 #include <fsdp/activation_checkpoint.h>
 
 #include "engine_access.h"
+#include "internal/sharded_model.h"
 
 namespace fsdp {
 
@@ -161,9 +162,26 @@ Sharded<torch::nn::Sequential> shard_sequential(const torch::nn::Sequential& seq
   return fully_shard(detail::wrap_sequential_entries(seq), options);
 }
 
-detail::SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module)
+detail::SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module, bool at_construction)
     : WrapPointImpl("fsdp::SequentialEntry"), module_(std::move(module)) {
   register_module("module", module_.ptr());
+  if (at_construction) constructed();
+}
+
+Sharded<torch::nn::Sequential> detail::shard_layers_as_built(
+    int64_t first, int64_t last,
+    const std::function<std::pair<std::string, torch::nn::AnyModule>(int64_t)>& make,
+    const ShardingOptions& options) {
+  torch::OrderedDict<std::string, torch::nn::AnyModule> entries;
+  detail::ConstructionScope scope(options);
+  for (int64_t i = first; i < last; ++i) {
+    auto [name, module] = make(i);
+    TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i);
+    entries.insert(name, torch::nn::AnyModule(std::make_shared<SequentialEntryImpl>(
+                             std::move(module), /*at_construction=*/true)));
+  }
+  scope.finish();
+  return fully_shard(torch::nn::Sequential(std::move(entries)), options);
 }
 
 torch::Tensor detail::SequentialEntryImpl::forward(torch::Tensor x) {

@@ -46,6 +46,15 @@ struct LocalShard {
 
 namespace detail {
 
+/// shard_sequential over the layers [first, last) that `make(i)` builds one at a time
+/// (name and module), under sharded construction (make_sharded's ConstructionScope):
+/// each layer shards as soon as it is built, so a rank holds its shards and the one
+/// layer being built (src/engine/wrap_point.cpp; fsdp::pipeline's layer factory).
+Sharded<torch::nn::Sequential> shard_layers_as_built(
+    int64_t first, int64_t last,
+    const std::function<std::pair<std::string, torch::nn::AnyModule>(int64_t)>& make,
+    const ShardingOptions& options);
+
 /// Every flat parameter, in unit order (root first, then units in module order).
 std::vector<FlatParamInfo> flat_params(const ShardedModel& model);
 /// Renames every original parameter (and alias) of `model` to `name(its clean FQN)`, for

@@ -89,9 +89,8 @@ std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
   }
 }
 
-PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options) {
-  TORCH_CHECK(!layers.is_empty() && layers->size() > 0,
-              "pipeline: the Sequential is empty; give it the model's layers in order");
+PipelinedModel PipelinedModel::place(const std::vector<int64_t>& layer_params,
+                                     const PipelineOptions& options) {
   const ProcessGroup& world = options.sharding.process_group;
   const int w = world.size(), stages = options.stages;
   TORCH_CHECK(stages >= 1 && w % stages == 0, "PipelineOptions::stages=", stages,
@@ -115,7 +114,27 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
   std::vector<std::vector<int>> groups(static_cast<size_t>(stages));
   for (int r = 0; r < w; ++r) groups[static_cast<size_t>(r / m.dp_size_)].push_back(r);
   m.stage_group_ = stages == 1 ? world : world.split(groups);
+  m.bounds_ = partition_layers(layer_params, options);
+  m.first_ = m.bounds_[static_cast<size_t>(m.stage_)];
+  m.last_ = m.bounds_[static_cast<size_t>(m.stage_) + 1];
+  return m;
+}
 
+void PipelinedModel::adopt(Sharded<torch::nn::Sequential> seq) {
+  seq_ = std::make_shared<Sharded<torch::nn::Sequential>>(std::move(seq));
+  model_ = *seq_;
+  if (options_.parameter_names) detail::rename_parameters(model_, options_.parameter_names);
+  if (detail::trace::on()) {
+    // The stages' models met at barriers of their own groups; the merge aligns the ranks'
+    // clocks at their last common mark, which must be one barrier of the whole world.
+    world_.barrier();
+    detail::trace::mark_sync();
+  }
+}
+
+PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptions& options) {
+  TORCH_CHECK(!layers.is_empty() && layers->size() > 0,
+              "pipeline: the Sequential is empty; give it the model's layers in order");
   const auto children = layers->named_children();
   std::vector<int64_t> params;
   for (const auto& c : children) {
@@ -123,23 +142,89 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
     for (const auto& p : c.value()->parameters()) n += p.numel();
     params.push_back(n);
   }
-  m.bounds_ = partition_layers(params, options);
-  m.first_ = m.bounds_[static_cast<size_t>(m.stage_)];
-  m.last_ = m.bounds_[static_cast<size_t>(m.stage_) + 1];
+  PipelinedModel m = PipelinedModel::place(params, options);
   torch::OrderedDict<std::string, torch::nn::AnyModule> mine;
   for (int64_t i = m.first_; i < m.last_; ++i)
     mine.insert(children[static_cast<size_t>(i)].key(), *(layers->begin() + i));
   ShardingOptions sharding = options.sharding;
   sharding.process_group = m.stage_group_;
-  m.seq_ = std::make_shared<Sharded<torch::nn::Sequential>>(
-      shard_sequential(torch::nn::Sequential(std::move(mine)), sharding));
-  m.model_ = *m.seq_;
-  if (options.parameter_names) detail::rename_parameters(m.model_, options.parameter_names);
-  if (detail::trace::on()) {
-    // The stages' models met at barriers of their own groups; the merge aligns the ranks'
-    // clocks at their last common mark, which must be one barrier of the whole world.
-    world.barrier();
-    detail::trace::mark_sync();
+  m.adopt(shard_sequential(torch::nn::Sequential(std::move(mine)), sharding));
+  return m;
+}
+
+namespace {
+
+// Note [Building one stage]
+// A layer's initial weights are drawn from the default CPU generator, in layer order: the
+// factory's layer i draws what building the whole model draws for it, after layers
+// 0 .. i-1. So a rank makes the layers before its stage and drops each at once (their
+// draws move the generator on), makes its own under sharded construction, and sets the
+// generator to the state after the last layer, which it learned by making every layer
+// once when the "parameters" partition needed their sizes (that pass saves the state
+// before each layer, so the second one starts at the stage's first), or by making the
+// layers after its stage and dropping them too.
+
+using Generator = at::Generator;
+
+Generator cpu_generator() { return at::detail::getDefaultCPUGenerator(); }
+
+at::Tensor rng_state() {
+  Generator g = cpu_generator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+void set_rng_state(const at::Tensor& state) {
+  Generator g = cpu_generator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
+// Makes layer i and drops it; returns its trainable parameter count.
+int64_t make_and_drop(const PipelineLayers& layers, int64_t i) {
+  auto [name, module] = layers.make(i);
+  TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i, " ('",
+              name, "')");
+  int64_t n = 0;
+  for (const auto& p : module.ptr()->parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace
+
+PipelinedModel pipeline(const PipelineLayers& layers, const PipelineOptions& options) {
+  TORCH_CHECK(layers.count >= 1 && layers.make, "pipeline: PipelineLayers needs count >= 1 (got ",
+              layers.count, ") and a factory `make` for layer 0 .. count - 1");
+  TORCH_CHECK(layers.params.empty() || static_cast<int64_t>(layers.params.size()) == layers.count,
+              "pipeline: PipelineLayers::params has ", layers.params.size(), " entries for ",
+              layers.count, " layers; give one count per layer, or none");
+  // Note [Building one stage]
+  std::vector<int64_t> params = layers.params;
+  std::vector<at::Tensor> before;  // the generator's state before each layer (counting pass)
+  if (params.empty()) {
+    if (options.partition == "parameters") {
+      for (int64_t i = 0; i < layers.count; ++i) {
+        before.push_back(rng_state());
+        params.push_back(make_and_drop(layers, i));
+      }
+      before.push_back(rng_state());
+    } else {
+      params.assign(static_cast<size_t>(layers.count), 1);  // only their number matters
+    }
+  }
+  PipelinedModel m = PipelinedModel::place(params, options);
+  if (before.empty()) {
+    for (int64_t i = 0; i < m.first_; ++i) make_and_drop(layers, i);
+  } else {
+    set_rng_state(before[static_cast<size_t>(m.first_)]);
+  }
+  ShardingOptions sharding = options.sharding;
+  sharding.process_group = m.stage_group_;
+  m.adopt(detail::shard_layers_as_built(m.first_, m.last_, layers.make, sharding));
+  if (before.empty()) {
+    for (int64_t i = m.last_; i < layers.count; ++i) make_and_drop(layers, i);
+  } else {
+    set_rng_state(before.back());
   }
   return m;
 }

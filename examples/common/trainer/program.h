@@ -35,9 +35,10 @@ struct Program {
   /// The family's repeated block: what --wrap block and --activation-checkpointing pick.
   fsdp::WrapPolicy block_policy;
   std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
-  /// The model as a Sequential of layers for pipeline stages (--pipeline-stages), with the
-  /// weights `build` would give from the same seed; empty for a family that cannot split yet.
-  std::function<torch::nn::Sequential(const Config&)> layers;
+  /// The model's layers for pipeline stages (--pipeline-stages), made one at a time so
+  /// that a rank builds only its stage, with the weights `build` would give from the same
+  /// seed; empty for a family that cannot split yet.
+  std::function<fsdp::PipelineLayers(const Config&)> layers;
   /// A layer parameter's name in the whole model (fsdp::PipelineOptions::parameter_names),
   /// so that pipelined checkpoints use the model's own names.
   std::function<std::string(const std::string&)> layer_names;
