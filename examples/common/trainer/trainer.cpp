@@ -449,7 +449,10 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(pm, f, pg, final_step);
   if (scaler) report_fp16_skips(*scaler, pg.rank(), final_step);
-  if (main_rank) std::cout << program() << ": done" << std::endl;
+  if (main_rank) {
+    std::cout << program() << ": peak RSS of rank 0 (stage 0): " << peak_rss_mib() << " MiB\n"
+              << program() << ": done" << std::endl;
+  }
   return 0;
 }
 
