@@ -1099,7 +1099,7 @@ TEST(EstimateTool, PipelineStagesOneEstimateEach) {
   for (const char* want_line :
        {"Pipeline: 2 stages over 4 ranks (2 a stage), 1f1b, 4 micro-batches",
         "Stage 0: layers [0, ", "2 micro-batches in flight", "Stage 1: layers",
-        "the stage's unsharded gradients (reduce_once)"})
+        "full gradients (reduce_once)"})
     EXPECT_NE(t.output.find(want_line), std::string::npos) << want_line << "\n" << t.output;
   auto bad = run_command(tool({"--params", "1e6", "--units", "2", "--pipeline-stages", "4"}));
   EXPECT_EQ(bad.exit_code, 2);

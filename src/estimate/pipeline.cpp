@@ -165,7 +165,7 @@ std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const Pipe
       }
       t.device_bytes *= k;
       t.host_bytes *= k;
-      t.label += ", " + std::to_string(k) + " micro-batch" + (k == 1 ? "" : "es") + " in flight";
+      t.label += ", " + std::to_string(k) + " in flight";
     }
     // reduce_once (Note [Pipeline schedules]): the backwards before the last keep every
     // unit gathered (set_reshard_after_backward(false)) and its gradient unsharded in the
@@ -179,14 +179,12 @@ std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const Pipe
       for (int64_t n : si.unit_params) padded += round_up(n, est.shard_group_size);
       if (!full) {  // beyond the units the prefetch bound already counts
         const int64_t gathered = est.term("gathered_units").device_bytes;
-        est.terms.push_back({"stage_full_parameters",
-                             "the stage's other units kept gathered (reduce_once)", "bound",
+        est.terms.push_back({"stage_full_parameters", "units kept gathered (reduce_once)", "bound",
                              std::max<int64_t>(0, padded * elem - gathered), 0, 0});
       }
       if (in.strategy != ShardingStrategy::kZero1) {
-        est.terms.push_back({"stage_full_gradients",
-                             "the stage's unsharded gradients (reduce_once)", "bound",
-                             padded * elem, 0, 0});
+        est.terms.push_back(
+            {"stage_full_gradients", "full gradients (reduce_once)", "bound", padded * elem, 0, 0});
       }
     }
     out.push_back(std::move(st));

@@ -95,9 +95,11 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--only", default="", help="comma-separated mode names (default: all)")
     ap.add_argument("--expect-learning", action="store_true",
-                    help="exit 1 unless every mode's last loss is below 0.98 of its first (a "
+                    help="exit 1 unless every mode's last loss is below 0.99 of its first (a "
                          "mode whose updates do not reach the gathered parameters stays flat: "
-                         "ZeRO-1/2 on a GPU before the fused AdamW's version-counter fix)")
+                         "ZeRO-1/2 on a GPU before the fused AdamW's version-counter fix; at "
+                         "initialisation every batch's loss is near ln 256, so 1%% is learning, "
+                         "whatever the seed draws: 4 steps at lr 1e-4 fall by about 2%%)")
     ap.add_argument("--expect-parity", action="store_true",
                     help="exit 1 unless the modes of one precision (bf16 with fp32 masters; "
                          "pure bf16) give bit-identical losses, as they do on the CPU")
@@ -138,7 +140,7 @@ def main():
                "tokens_per_s": round(r["tokens_per_s"], 1), "peak_allocated_mib": r["peak_mib"],
                "unit": unit, "model_states_mib": states and round(states, 1),
                "first_loss": r["first_loss"], "last_loss": r["last_loss"],
-               "learned": r["last_loss"] < 0.98 * r["first_loss"]}
+               "learned": r["last_loss"] < 0.99 * r["first_loss"]}
         if base:
             if base["peak_mib"] and r["peak_mib"]:
                 out["vs_fp32_peak"] = round(r["peak_mib"] / base["peak_mib"], 4)
@@ -160,7 +162,7 @@ def main():
             if not o["learned"]:
                 failed += 1
                 print(f"memory modes: {o['mode']} did not learn: loss {o['first_loss']:.4f} -> "
-                      f"{o['last_loss']:.4f} (must fall below 0.98 of the first)", flush=True)
+                      f"{o['last_loss']:.4f} (must fall below 0.99 of the first)", flush=True)
     if args.expect_parity:
         for precision, runs in losses_by_precision.items():
             first_name, first = runs[0]
