@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -518,6 +519,17 @@ TEST(Pipeline, BuildingOneStageHoldsItsShardsAndOneLayer) {
     const int64_t peak = counter.peak() - base;
     const int64_t shards = pm.stage_model().memory_stats().sharded_params.current;
     const int64_t states = (kLayers + 1) * rng_state_bytes();  // the counting pass's
+    if (pg.rank() == 0) {
+      std::printf(
+          "[report] building stage %d of 2: peak %lld B <= shards %lld + one layer %lld + "
+          "generator states %lld = %lld B; the stage in full %lld B, the model %lld B\n",
+          pm.stage(), static_cast<long long>(peak), static_cast<long long>(shards),
+          static_cast<long long>(layer_bytes), static_cast<long long>(states),
+          static_cast<long long>(shards + layer_bytes + states),
+          static_cast<long long>(kLayers / 2 * layer_bytes),
+          static_cast<long long>(kLayers * layer_bytes));
+      std::fflush(stdout);
+    }
     EXPECT_EQ(shards, kLayers / 2 * layer_bytes / 2);
     EXPECT_LE(peak, shards + layer_bytes + states)
         << "peak " << peak << " B: shards " << shards << " + one layer " << layer_bytes

@@ -22,6 +22,7 @@ COLOURS = {
     "recompute": "#8fd19e",
     "backward": "#c44e52",
     "wait": "#222222",
+    "bubble": "#f2c744",
     "optimizer": "#8172b3",
     "clip_grad_norm": "#b3a2e0",
     "checkpoint": "#da8bc3",
@@ -31,8 +32,8 @@ COLOURS = {
 
 
 def colour(name, cat):
-    if cat == "wait":
-        return COLOURS["wait"]
+    if cat in ("wait", "bubble"):
+        return COLOURS[cat]
     for key, c in COLOURS.items():
         if name.startswith(key):
             return c
@@ -103,7 +104,7 @@ def main(argv=None):
             w = (min(e["ts"] + e["dur"], t1) - max(e["ts"], t0)) / 1e3
             ax.barh(y, w, left=x0, height=0.8, color=colour(e["name"], e.get("cat", "")),
                     edgecolor="white", linewidth=0.3)
-            if w > width / 1e3 * 0.04 and e.get("cat") != "wait":
+            if w > width / 1e3 * 0.04 and e.get("cat") not in ("wait", "bubble"):
                 ax.text(x0 + w / 2, y, e["name"].replace("all_gather ", "AG ").replace("reduce_scatter ", "RS "),
                         ha="center", va="center", fontsize=6, clip_on=True)
         ax.set_yticks(range(len(rows)))
