@@ -1,0 +1,172 @@
+// Block quantization for the wire (Note [Block quantization] in src/comm/quantize.cpp):
+// every element within scale / 2 of its value, with fp32 and bf16 scales, int8 and int4;
+// the cases built on purpose: the largest element at a block's ends, a block of zeros, one
+// nonzero element, a partial last block, one element, values the scale represents exactly,
+// non-finite elements; and the bytes that travel.
+#include "../src/comm/quantize.h"
+
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+using fsdp::detail::dequantize_blocks;
+using fsdp::detail::quantize_blocks;
+using fsdp::detail::quantized_bytes;
+
+namespace {
+
+// Data with the edge cases in fixed places: blocks of 16; block 0 has its largest
+// magnitude first (negative), block 1 last, block 2 is zeros, block 3 one nonzero
+// element, block 4 tiny values (1e-30), then random values, and 5 elements of a last
+// partial block.
+torch::Tensor edge_data(int64_t blocks) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto x = torch::randn({blocks * 16 + 5}, g);
+  x.narrow(0, 0, 16).clamp_(-1, 1);
+  x[0] = -3.0f;
+  x.narrow(0, 16, 16).clamp_(-1, 1);
+  x[31] = 2.5f;
+  x.narrow(0, 32, 16).zero_();
+  x.narrow(0, 48, 16).zero_();
+  x[53] = 0.75f;
+  x.narrow(0, 64, 16).mul_(1e-30f);
+  return x;
+}
+
+// Every element within half its block's scale (the scale that travels).
+void expect_within_half_scale(const torch::Tensor& x, int64_t block, int bits,
+                              at::ScalarType scale_dtype) {
+  const auto q = quantize_blocks(x, block, bits, scale_dtype);
+  const auto y = dequantize_blocks(q);
+  ASSERT_EQ(y.numel(), x.numel());
+  const auto s = q.scales.to(torch::kFloat);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float scale = s[i / block].item<float>();
+    const float err = std::abs(y[i].item<float>() - x[i].item<float>());
+    ASSERT_LE(err, scale / 2 * (1 + 1e-6f) + 1e-37f)
+        << "element " << i << " of block " << i / block << ": " << x[i].item<float>()
+        << " came back " << y[i].item<float>() << ", scale " << scale << ", " << bits << " bits, "
+        << scale_dtype;
+  }
+}
+
+}  // namespace
+
+TEST(BlockQuantization, EveryElementWithinHalfItsBlocksScale) {
+  const auto x = edge_data(12);
+  for (int bits : {8, 4}) {
+    for (auto scale_dtype : {at::kFloat, at::kBFloat16}) {
+      expect_within_half_scale(x, 16, bits, scale_dtype);
+      expect_within_half_scale(x, 2048, bits, scale_dtype);  // one partial block
+      expect_within_half_scale(x, 1, bits, scale_dtype);     // every element its own scale
+    }
+  }
+}
+
+TEST(BlockQuantization, TheLargestElementAndZerosComeBackExactly) {
+  const auto x = edge_data(6);
+  for (int bits : {8, 4}) {
+    const auto q = quantize_blocks(x, 16, bits);
+    const auto y = dequantize_blocks(q);
+    const int qmax = bits == 8 ? 127 : 7;
+    EXPECT_FLOAT_EQ(q.scales[0].item<float>(), 3.0f / qmax);
+    EXPECT_FLOAT_EQ(y[0].item<float>(), -3.0f) << "the block's extreme is ±qmax × scale";
+    EXPECT_FLOAT_EQ(y[31].item<float>(), 2.5f);
+    EXPECT_EQ(q.scales[2].item<float>(), 0.0f) << "a block of zeros";
+    EXPECT_TRUE(torch::equal(y.narrow(0, 32, 16), torch::zeros({16})));
+    EXPECT_FLOAT_EQ(y[53].item<float>(), 0.75f);  // the one nonzero element of block 3
+    EXPECT_TRUE(torch::equal(y.narrow(0, 48, 5), torch::zeros({5})));
+  }
+  // Multiples of a power-of-two scale are represented exactly.
+  auto exact = torch::arange(-127, 128, torch::kFloat) * 0.25f;
+  EXPECT_TRUE(torch::equal(dequantize_blocks(quantize_blocks(exact, 255, 8)), exact));
+}
+
+TEST(BlockQuantization, OneElementAndPartialBlocks) {
+  for (int bits : {8, 4}) {
+    auto one = torch::tensor({-0.3f});
+    auto q = quantize_blocks(one, 2048, bits);
+    EXPECT_EQ(q.data.numel(), 1);
+    EXPECT_EQ(q.scales.numel(), 1);
+    EXPECT_FLOAT_EQ(dequantize_blocks(q)[0].item<float>(), -0.3f);
+    // 5 elements in blocks of 2: three blocks, the last of one element; int4 packs 3 bytes.
+    auto five = torch::tensor({1.0f, -2.0f, 0.5f, 0.25f, -4.0f});
+    q = quantize_blocks(five, 2, bits);
+    EXPECT_EQ(q.scales.numel(), 3);
+    EXPECT_EQ(q.data.numel(), bits == 8 ? 5 : 3);
+    EXPECT_FLOAT_EQ(dequantize_blocks(q)[4].item<float>(), -4.0f);
+  }
+}
+
+TEST(BlockQuantization, ANonFiniteElementMakesItsBlockNaNAndLeavesTheOthers) {
+  auto x = edge_data(6);
+  x[17] = std::numeric_limits<float>::infinity();
+  x[70] = std::nanf("");
+  for (int bits : {8, 4}) {
+    const auto y = dequantize_blocks(quantize_blocks(x, 16, bits));
+    EXPECT_TRUE(y.narrow(0, 16, 16).isnan().all().item<bool>()) << "the block with the inf";
+    EXPECT_TRUE(y.narrow(0, 64, 16).isnan().all().item<bool>()) << "the block with the NaN";
+    EXPECT_TRUE(y.narrow(0, 0, 16).isfinite().all().item<bool>());
+    EXPECT_TRUE(y.narrow(0, 32, 32).isfinite().all().item<bool>());
+  }
+}
+
+TEST(BlockQuantization, Bf16ScalesAreNeverBelowTheFp32Ones) {
+  // Maxima whose fp32 scale falls between two bf16 values: rounding to nearest would go
+  // below for some, and push |x| / scale past qmax.
+  auto x = torch::zeros({64 * 4});
+  for (int64_t b = 0; b < 64; ++b) x[b * 4] = 1.0f + static_cast<float>(b) / 97.0f;
+  const auto q32 = quantize_blocks(x, 4, 8, at::kFloat);
+  const auto q16 = quantize_blocks(x, 4, 8, at::kBFloat16);
+  EXPECT_EQ(q16.scales.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE((q16.scales.to(at::kFloat) >= q32.scales).all().item<bool>());
+  int64_t rounded_up = 0;
+  for (int64_t b = 0; b < 64; ++b)
+    rounded_up += q16.scales[b].item<float>() > q32.scales[b].item<float>();
+  EXPECT_GT(rounded_up, 0) << "the data must reach the case where rounding goes up";
+  expect_within_half_scale(x, 4, 8, at::kBFloat16);
+}
+
+TEST(BlockQuantization, BytesOnTheWireAreTheDataAndTheScales) {
+  for (int64_t n : {int64_t{1}, int64_t{2047}, int64_t{2048}, int64_t{2049}, int64_t{10000}}) {
+    for (int bits : {8, 4}) {
+      for (auto sd : {at::kFloat, at::kBFloat16}) {
+        const auto q = quantize_blocks(torch::randn({n}), 2048, bits, sd);
+        EXPECT_EQ(quantized_bytes(n, 2048, bits, sd),
+                  static_cast<int64_t>(q.data.nbytes() + q.scales.nbytes()))
+            << n << " elements, " << bits << " bits";
+      }
+    }
+  }
+  EXPECT_EQ(quantized_bytes(2048, 2048, 8, at::kFloat), 2048 + 4);
+  EXPECT_EQ(quantized_bytes(4097, 2048, 4, at::kBFloat16), 2049 + 3 * 2);
+}
+
+TEST(BlockQuantization, BadArgumentsNameTheValue) {
+  auto error = [](auto fn) {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("<no error>");
+  };
+  EXPECT_NE(error([] {
+              quantize_blocks(torch::ones({4}), 0, 8);
+            }).find("block=0 must be at least 1 element"),
+            std::string::npos);
+  EXPECT_NE(error([] { quantize_blocks(torch::ones({4}), 2, 2); }).find("bits=2 must be 8 or 4"),
+            std::string::npos);
+  EXPECT_NE(error([] {
+              quantize_blocks(torch::ones({2, 2}), 2, 8);
+            }).find("a 1-D floating tensor is quantized, got 2 dimension(s)"),
+            std::string::npos);
+  EXPECT_NE(error([] {
+              quantize_blocks(torch::ones({4}), 2, 8, at::kHalf);
+            }).find("scales are kFloat or kBFloat16"),
+            std::string::npos);
+}
