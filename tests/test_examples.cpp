@@ -469,6 +469,9 @@ TEST(TrainGpt, PipelineStagesCheckpointOffloadAndComputeInBf16AsOneProcess) {
     EXPECT_EQ(summary.exit_code, 0) << summary.output;
     const bool recomputed = summary.output.find("recompute") != std::string::npos;
     EXPECT_EQ(recomputed, mode[0] == "--activation-checkpointing") << summary.output;
+    EXPECT_NE(summary.output.find(" ms waiting for the link (receives after the sender posted"),
+              std::string::npos)
+        << summary.output;
     std::filesystem::remove_all(trace);
   }
 }
