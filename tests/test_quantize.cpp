@@ -3,7 +3,9 @@
 // the cases built on purpose: the largest element at a block's ends, a block of zeros, one
 // nonzero element, a partial last block, one element, values the scale represents exactly,
 // non-finite elements; and the bytes that travel.
+#include "../src/comm/backend.h"
 #include "../src/comm/quantize.h"
+#include "support/multirank.h"
 
 #include <gtest/gtest.h>
 
@@ -16,6 +18,7 @@
 using fsdp::detail::dequantize_blocks;
 using fsdp::detail::quantize_blocks;
 using fsdp::detail::quantized_bytes;
+using fsdp::testing::run_ranks;
 
 namespace {
 
@@ -169,4 +172,84 @@ TEST(BlockQuantization, BadArgumentsNameTheValue) {
               quantize_blocks(torch::ones({4}), 2, 8, at::kHalf);
             }).find("scales are kFloat or kBFloat16"),
             std::string::npos);
+}
+
+// ---- Note [Quantized collectives], over Gloo at worlds 2 to 4 -------------------------
+
+namespace {
+
+// Rank r's data of n elements: its own seed, with a block of zeros and a large element
+// placed on purpose.
+torch::Tensor rank_data(int r, int64_t n) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+  auto x = torch::randn({n}, g);
+  if (n >= 8) x.narrow(0, 0, 4).zero_();
+  x[n - 1] = 5.0f + static_cast<float>(r);
+  return x;
+}
+
+fsdp::detail::Backend& backend(const fsdp::ProcessGroup& pg) {
+  return *fsdp::detail::GroupAccess::backend(pg);
+}
+
+}  // namespace
+
+// qwZ: every rank gets every shard as its quantization dequantized (its own too), each
+// element within half its block's scale of the value, and sends (N - 1) quantized shards;
+// with shards of 1 element and of 1000 (blocks of 64: a partial last block).
+TEST(QuantizedCollectives, AllGatherGivesEveryRankTheSameDequantizedShards) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](const fsdp::ProcessGroup& pg) {
+      for (int64_t part : {int64_t{1}, int64_t{1000}}) {
+        for (int bits : {8, 4}) {
+          auto full = torch::empty({world * part});
+          const int64_t sent = fsdp::detail::quantized_all_gather(
+              backend(pg), full, rank_data(pg.rank(), part), 64, bits, at::kBFloat16);
+          EXPECT_EQ(sent, (world - 1) * quantized_bytes(part, 64, bits, at::kBFloat16));
+          for (int r = 0; r < world; ++r) {
+            const auto want =
+                dequantize_blocks(quantize_blocks(rank_data(r, part), 64, bits, at::kBFloat16));
+            EXPECT_TRUE(torch::equal(full.narrow(0, r * part, part), want))
+                << "rank " << r << "'s part, " << part << " elements, " << bits << " bits";
+          }
+        }
+      }
+    });
+  }
+}
+
+// qgZ: rank j's chunk is the sum, in fp32 and rank order, of its own part as it is and
+// the others' parts dequantized; the same twice; within the sum of the parts' half
+// scales of the exact sum; (N - 1) quantized chunks sent; chunks of 1 element too.
+TEST(QuantizedCollectives, ReduceScatterSumsTheDequantizedPartsInRankOrder) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](const fsdp::ProcessGroup& pg) {
+      int tag = 0;
+      for (int64_t chunk : {int64_t{1}, int64_t{1000}}) {
+        for (int bits : {8, 4}) {
+          const int me = pg.rank();
+          auto shard = torch::empty({chunk});
+          const int64_t sent = fsdp::detail::quantized_reduce_scatter(
+              backend(pg), rank_data(me, world * chunk), shard, 64, bits, tag++);
+          EXPECT_EQ(sent, (world - 1) * quantized_bytes(chunk, 64, bits));
+          auto want = torch::zeros({chunk});
+          auto exact = torch::zeros({chunk});
+          auto bound = torch::zeros({chunk});
+          for (int r = 0; r < world; ++r) {
+            const auto part = rank_data(r, world * chunk).narrow(0, me * chunk, chunk);
+            const auto q = quantize_blocks(part.contiguous(), 64, bits);
+            want.add_(r == me ? part : dequantize_blocks(q));
+            exact.add_(part);
+            if (r != me) bound.add_(q.scales.repeat_interleave(64).narrow(0, 0, chunk) / 2);
+          }
+          EXPECT_TRUE(torch::equal(shard, want)) << chunk << " elements, " << bits << " bits";
+          EXPECT_TRUE(((shard - exact).abs() <= bound * (1 + 1e-5) + 1e-6).all().item<bool>());
+          auto again = torch::empty({chunk});
+          fsdp::detail::quantized_reduce_scatter(backend(pg), rank_data(me, world * chunk), again,
+                                                 64, bits, tag++);
+          EXPECT_TRUE(torch::equal(again, shard)) << "deterministic";
+        }
+      }
+    });
+  }
 }

@@ -1,6 +1,8 @@
 // Block quantization for the wire (quantize.h).
 #include "quantize.h"
 
+#include "backend.h"
+
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -99,6 +101,75 @@ at::Tensor dequantize_blocks(const Quantized& q, at::ScalarType dtype) {
   if (blocks * q.block != q.numel) v = at::constant_pad_nd(v, {0, blocks * q.block - q.numel}, 0);
   at::Tensor out = (v.view({blocks, q.block}) * s.unsqueeze(1)).view({-1}).narrow(0, 0, q.numel);
   return out.to(dtype);
+}
+
+// Note [Quantized collectives]
+// qwZ gathers weights quantized: each rank quantizes its shard by blocks (blocks never
+// cross shards; each shard's last block may be partial) and the data and the scales
+// travel in two all-gathers of the backend's own (a ring: (N - 1) parts leave each rank).
+// Every rank then dequantizes all N parts, its own too, so the ranks agree on the
+// weights. qgZ reduces gradients quantized: DeepSpeed's all-to-all, over point to point
+// here: chunk j goes to rank j quantized, and rank j sums the parts of its chunk in fp32
+// in rank order, its own part as it is (it never travels), then rounds once.
+
+int64_t quantized_all_gather(Backend& group, const at::Tensor& full, const at::Tensor& shard,
+                             int64_t block, int bits, at::ScalarType scale_dtype) {
+  const int n = group.size();
+  TORCH_CHECK(full.dim() == 1 && full.numel() == n * shard.numel(),
+              "quantized_all_gather: full has ", full.numel(), " elements, not ", n, " x ",
+              shard.numel());
+  at::NoGradGuard no_grad;
+  const Quantized mine = quantize_blocks(shard.detach().reshape({-1}), block, bits, scale_dtype);
+  at::Tensor data = at::empty({n * mine.data.numel()}, mine.data.options());
+  at::Tensor scales = at::empty({n * mine.scales.numel()}, mine.scales.options());
+  auto w1 = group.all_gather(data, mine.data);
+  auto w2 = group.all_gather(scales, mine.scales);
+  w1->wait();
+  w2->wait();
+  const int64_t part = shard.numel();
+  for (int r = 0; r < n; ++r) {
+    Quantized q = mine;
+    q.data = data.narrow(0, r * mine.data.numel(), mine.data.numel());
+    q.scales = scales.narrow(0, r * mine.scales.numel(), mine.scales.numel());
+    full.narrow(0, r * part, part).copy_(dequantize_blocks(q, full.scalar_type()));
+  }
+  return static_cast<int64_t>(n - 1) * quantized_bytes(part, block, bits, scale_dtype);
+}
+
+int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const at::Tensor& shard,
+                                 int64_t block, int bits, int tag, at::ScalarType scale_dtype) {
+  const int n = group.size(), me = group.rank();
+  const int64_t chunk = shard.numel();
+  TORCH_CHECK(full.dim() == 1 && full.numel() == n * chunk, "quantized_reduce_scatter: full has ",
+              full.numel(), " elements, not ", n, " x ", chunk);
+  TORCH_CHECK(tag >= 0 && tag < (1 << 28), "quantized_reduce_scatter: tag=", tag,
+              " must be in [0, 2^28)");
+  at::NoGradGuard no_grad;
+  const int data_tag = 3 * (1 << 29) + 2 * tag, scales_tag = data_tag + 1;
+  std::vector<Quantized> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
+  std::vector<std::shared_ptr<Work>> works;
+  const Quantized shape = quantize_blocks(at::zeros({chunk}), block, bits, scale_dtype);
+  for (int k = 1; k < n; ++k) {
+    const int from = (me - k + n) % n, to = (me + k) % n;
+    Quantized& q = in[static_cast<size_t>(from)];
+    q = shape;
+    q.data = at::empty_like(shape.data);
+    q.scales = at::empty_like(shape.scales);
+    works.push_back(group.recv(q.data, from, data_tag));
+    works.push_back(group.recv(q.scales, from, scales_tag));
+    Quantized& o = out[static_cast<size_t>(to)];
+    o = quantize_blocks(full.narrow(0, to * chunk, chunk).detach(), block, bits, scale_dtype);
+    works.push_back(group.send(o.data, to, data_tag));
+    works.push_back(group.send(o.scales, to, scales_tag));
+  }
+  for (auto& w : works) w->wait();
+  at::Tensor acc = at::zeros({chunk}, at::kFloat);
+  for (int r = 0; r < n; ++r) {
+    acc.add_(r == me ? full.narrow(0, me * chunk, chunk).to(at::kFloat)
+                     : dequantize_blocks(in[static_cast<size_t>(r)]));
+  }
+  shard.copy_(acc);
+  return static_cast<int64_t>(n - 1) * quantized_bytes(chunk, block, bits, scale_dtype);
 }
 
 }  // namespace fsdp::detail

@@ -38,4 +38,27 @@ at::Tensor dequantize_blocks(const Quantized& q, at::ScalarType dtype = at::kFlo
 int64_t quantized_bytes(int64_t numel, int64_t block, int bits,
                         at::ScalarType scale_dtype = at::kFloat);
 
+class Backend;  // backend.h
+
+/// qwZ's gather: `full` (size() × shard.numel() elements, floating) <- every rank's
+/// `shard` (1-D, floating), each quantized by blocks on the wire and dequantized into
+/// `full` in rank order, this rank's own part too (so every rank holds the same values).
+/// Two all-gathers: the data (int8, or int4 packed) and the scales. Returns the bytes
+/// this rank sends in a ring all-gather of them: (size() - 1) × quantized_bytes(shard).
+/// Collective; waits.
+int64_t quantized_all_gather(Backend& group, const at::Tensor& full, const at::Tensor& shard,
+                             int64_t block, int bits, at::ScalarType scale_dtype = at::kFloat);
+
+/// qgZ's reduction: `shard` <- this rank's chunk of the sum of `full` over the ranks, with
+/// every chunk that travels quantized by blocks: chunk j of `full` goes to rank j (an
+/// all-to-all over point to point, posted at once), and each rank dequantizes the parts
+/// of its chunk and sums them in fp32 in rank order (its own part unquantized), then
+/// rounds once into `shard`: the same result on every run for a given world size.
+/// `tag`: the same on every rank for one call, unique among the calls in flight on
+/// `group`, in [0, 2^28) (point-to-point tags from 3 × 2^29 up are these). Returns the bytes this
+/// rank sends: (size() - 1) × quantized_bytes(chunk). Collective; waits.
+int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const at::Tensor& shard,
+                                 int64_t block, int bits, int tag,
+                                 at::ScalarType scale_dtype = at::kFloat);
+
 }  // namespace fsdp::detail
