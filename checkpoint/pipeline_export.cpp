@@ -5,8 +5,10 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/pipeline.h>
 
+#include <chrono>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <string>
 #include <system_error>
@@ -25,12 +27,41 @@ namespace {
 // which writes what the live exports write from the model unpipelined: the checkpoint's
 // flats are in the model's order, stage after stage). The temporary checkpoint sits beside
 // the output, as `out`.stages.tmp (every rank must see it, as for a checkpoint
-// directory), and is removed whether the export succeeded or not.
+// directory), and is removed whether the export succeeded or not. Rank 0 consolidates on
+// a thread while the ranks ask it, a second at a time, whether it is done (rank0_runs).
 
 std::string stages_dir(const std::string& out) {
-  fs::path p(out);
-  while (!p.empty() && !p.has_filename()) p = p.parent_path();  // "dir/" names dir
+  fs::path p = fs::path(out).lexically_normal();
+  while (!p.empty() && !p.has_filename() && p.parent_path() != p)
+    p = p.parent_path();  // "dir/" names dir
   return p.string() + ".stages.tmp";
+}
+
+// Job rank 0 runs `fn` on a thread of its own while every rank asks it, about once a
+// second, whether it has finished: no collective waits for the whole consolidation, which
+// on a large model outlasts the group's timeout. Then every rank throws alike if it failed.
+void rank0_runs(const ProcessGroup& job, const std::string& what, const std::function<void()>& fn) {
+  std::future<void> work;
+  if (job.rank() == 0) work = std::async(std::launch::async, fn);
+  for (;;) {
+    const bool done =
+        job.rank() == 0 && work.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
+    at::Tensor flag = at::full({1}, done ? 1.0f : 0.0f);
+    job.broadcast(flag, 0);
+    if (flag.item<float>() != 0) break;
+  }
+  std::string error;
+  if (job.rank() == 0) {
+    try {
+      work.get();
+    } catch (const c10::Error& e) {
+      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  TORCH_CHECK(!ckpt::rank0_failed(job, error), what, " failed",
+              ckpt::failure_detail(error, " on rank 0 (see its error)"));
 }
 
 void remove_quietly(const std::string& dir) {
@@ -52,7 +83,7 @@ void through_checkpoint(const std::string& out, const PipelinedModel& model,
     if (job.rank() == 0) remove_quietly(tmp);
     throw;
   }
-  ckpt::rank0_tries(job, std::string(fn) + " to " + out, [&] {
+  rank0_runs(job, std::string(fn) + " to " + out, [&] {
     struct Cleanup {
       const std::string& dir;
       ~Cleanup() { remove_quietly(dir); }

@@ -987,6 +987,19 @@ TEST(EstimateRules, PipelineStagesByHand) {
             "--micro-batches 2 is fewer than --pipeline-stages 4 under the 1F1B "
             "schedule; use at least 4, or --pipeline-schedule gpipe");
   q.micro_batches = 4;
+  EstimateInput hybrid = in;
+  hybrid.strategy = ShardingStrategy::kHybridShard;
+  hybrid.hybrid_group_size = 4;
+  PipelineShape two;
+  two.stages = 2;
+  try {
+    estimate_pipeline(hybrid, two);
+    ADD_FAILURE() << "a hybrid group larger than a stage was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--hybrid-group-size 4 is larger than a stage's 2 ranks (--world-size / "
+              "--pipeline-stages): each stage shards over its own ranks; use a divisor of 2");
+  }
   q.partition = "1,x,3";
   EXPECT_EQ(error(q).rfind("--partition '1,x,3': 'x' is not a layer index", 0), 0u) << error(q);
 }
@@ -1101,6 +1114,12 @@ TEST(EstimateTool, PipelineStagesOneEstimateEach) {
         "Stage 0: layers [0, ", "2 micro-batches in flight", "Stage 1: layers",
         "full gradients (reduce_once)"})
     EXPECT_NE(t.output.find(want_line), std::string::npos) << want_line << "\n" << t.output;
+  auto units = run_command(tool({"--params", "1e6", "--units", "4", "--world-size", "2",
+                                 "--pipeline-stages", "2", "--json"}));
+  ASSERT_EQ(units.exit_code, 0) << units.output;
+  EXPECT_EQ(nlohmann::json::parse(units.output).at("layers").get<std::vector<int64_t>>(),
+            (std::vector<int64_t>{250000, 250000, 250000, 250000}))
+      << "--params' equal units are the layers, without the empty root";
   auto bad = run_command(tool({"--params", "1e6", "--units", "2", "--pipeline-stages", "4"}));
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("--pipeline-stages 4 does not divide --world-size 1"),

@@ -148,7 +148,10 @@ int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const a
   const int data_tag = 3 * (1 << 29) + 2 * tag, scales_tag = data_tag + 1;
   std::vector<Quantized> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
   std::vector<std::shared_ptr<Work>> works;
-  const Quantized shape = quantize_blocks(at::zeros({chunk}), block, bits, scale_dtype);
+  // The receive buffers and the sum on `full`'s device. (Over NCCL the point-to-point
+  // calls would need grouping; the engine does not call this there yet.)
+  const Quantized shape = quantize_blocks(at::zeros({chunk}, full.options().dtype(at::kFloat)),
+                                          block, bits, scale_dtype);
   for (int k = 1; k < n; ++k) {
     const int from = (me - k + n) % n, to = (me + k) % n;
     Quantized& q = in[static_cast<size_t>(from)];
@@ -163,7 +166,7 @@ int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const a
     works.push_back(group.send(o.scales, to, scales_tag));
   }
   for (auto& w : works) w->wait();
-  at::Tensor acc = at::zeros({chunk}, at::kFloat);
+  at::Tensor acc = at::zeros({chunk}, full.options().dtype(at::kFloat));
   for (int r = 0; r < n; ++r) {
     acc.add_(r == me ? full.narrow(0, me * chunk, chunk).to(at::kFloat)
                      : dequantize_blocks(in[static_cast<size_t>(r)]));

@@ -143,6 +143,16 @@ std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const Pipe
         std::to_string(stages) + ", or --pipeline-schedule gpipe");
   }
   if (in.unit_params.empty()) bad("the model has no layers; give --unit-sizes or a GPT shape");
+  const int dp = in.world_size / stages;
+  if (in.strategy == ShardingStrategy::kHybridShard && in.hybrid_group_size > dp) {
+    bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) +
+        " is larger than a "
+        "stage's " +
+        std::to_string(dp) +
+        " ranks (--world-size / --pipeline-stages): each "
+        "stage shards over its own ranks; use a divisor of " +
+        std::to_string(dp));
+  }
   const std::vector<int64_t> bounds =
       pipeline_partition(in.unit_params, stages, p.partition, "--pipeline-stages ", "--partition ");
   std::vector<StageEstimate> out;

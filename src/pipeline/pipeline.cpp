@@ -32,12 +32,12 @@ namespace fsdp {
 // runs min(S - s - 1, M) forwards, then alternates F and B, then drains the backwards, so
 // stage s holds at most S - s micro-batches' activations.
 //
-// Each message is a header (dimensions, dtype, sizes, the sender's clock: 11 int64s) and
-// the data, both sent without waiting (the sends of a step are waited for at its end), so two
-// neighbours that send to each other at once do not deadlock; receives block. Tags number the
-// micro-batch and the direction; they are reused step after step, in the same order on both sides.
-// The messages travel over the world group's backend, which no sharding collective uses
-// (the stages shard over their own groups).
+// Each message is a header (dimensions, dtype, sizes, the sender's clock, its call's
+// micro-batch count: 12 int64s) and the data, both sent without waiting (the sends of a step are
+// waited for at its end), so two neighbours that send to each other at once do not deadlock;
+// receives block. Tags number the micro-batch and the direction; they are reused step after step,
+// in the same order on both sides. The messages travel over the world group's backend, which no
+// sharding collective uses (the stages shard over their own groups).
 //
 // A receive's wait is split in the trace (Note [Per-unit trace]): until the sender posted
 // the message (the header carries the sender's wall clock then), the stage waited for its
@@ -56,7 +56,8 @@ namespace {
 
 constexpr int kMaxDims = 8;
 constexpr int kSentAt = 2 + kMaxDims;  // the header's slot for the sender's clock
-constexpr int kHeader = kSentAt + 1;   // ndim, dtype, up to 8 sizes, the sender's clock
+constexpr int kCount = kSentAt + 1;    // the micro-batches of the sender's call
+constexpr int kHeader = kCount + 1;    // ndim, dtype, up to 8 sizes, the clock, the count
 
 // Nanoseconds on the wall clock, which ranks on different hosts share (the steady clock
 // starts at each host's boot).
@@ -257,12 +258,14 @@ struct PipelinedModel::Step {
   std::vector<Pending> pending;
   std::vector<torch::Tensor> inputs, outputs;  // per micro-batch, until its backward
   int in_flight = 0;
+  int micro_batches;  // this call's, which every message carries
 
-  explicit Step(PipelinedModel& model)
+  Step(PipelinedModel& model, int micro)
       : m(model),
         world(backend_of(model.world_)),
         prev(model.stage_ > 0 ? model.world_.rank() - model.dp_size_ : -1),
-        next(model.stage_ + 1 < model.stages_ ? model.world_.rank() + model.dp_size_ : -1) {
+        next(model.stage_ + 1 < model.stages_ ? model.world_.rank() + model.dp_size_ : -1),
+        micro_batches(micro) {
     m.peak_in_flight_ = 0;
   }
   ~Step() {
@@ -284,6 +287,7 @@ struct PipelinedModel::Step {
     h[1] = fits ? static_cast<int64_t>(t.scalar_type()) : t.dim();
     for (int64_t d = 0; fits && d < t.dim(); ++d) h[static_cast<size_t>(d + 2)] = t.size(d);
     h[kSentAt] = wall_ns();
+    h[kCount] = micro_batches;
     header.copy_(torch::tensor(h, torch::kLong));
     if (!fits) {
       pending.push_back({world.send(header, peer, tag_of(mb, dir, 0)), header});
@@ -309,6 +313,10 @@ struct PipelinedModel::Step {
     const int64_t* v = h.data_ptr<int64_t>();
     TORCH_CHECK(v[0] >= 0, "pipeline: rank ", peer, " could not send micro-batch ", mb,
                 ": its stage's ", dims_error(dir == 0 ? "output" : "input gradient", v[1]));
+    TORCH_CHECK(v[kCount] == micro_batches, "pipeline: rank ", peer, " runs this step in ",
+                v[kCount], " micro-batches and this rank in ", micro_batches,
+                ": every rank must split the step alike (PipelinedModel::forward's "
+                "micro_batches, the same on every rank)");
     std::vector<int64_t> sizes(v + 2, v + 2 + v[0]);
     auto data = torch::empty(
         sizes, torch::TensorOptions(static_cast<torch::ScalarType>(v[1])).device(device));
@@ -351,7 +359,7 @@ torch::Tensor PipelinedModel::train_step(const torch::Tensor& input, const torch
               " rows do not split into micro_batches=", M,
               " equal parts: give a batch whose first dimension is a multiple of ", M);
   const torch::Device device = options_.sharding.device;
-  Step st(*this);
+  Step st(*this, M);
   st.inputs.resize(static_cast<size_t>(M));
   st.outputs.resize(static_cast<size_t>(M));
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(torch::kFloat).device(device));
@@ -448,7 +456,7 @@ torch::Tensor PipelinedModel::forward(const torch::Tensor& input, int micro_batc
               "PipelinedModel::forward: the input's ", input.dim() ? input.size(0) : 0,
               " rows do not split into micro_batches=", M,
               " equal parts: give a batch whose first dimension is a multiple of ", M);
-  Step st(*this);
+  Step st(*this, M);
   std::vector<torch::Tensor> outs;
   for (int mb = 0; mb < M; ++mb) {
     torch::Tensor x = first ? in_chunks[static_cast<size_t>(mb)]

@@ -561,9 +561,12 @@ int run_pipeline(const cxxopts::ParseResult& r, fsdp::EstimateInput in) {
         "--deepspeed-table has no pipeline stages (DeepSpeed estimates ZeRO alone); leave "
         "out one or the other");
   const fsdp::TransformerShape& m = in.activations;
-  if (m.n_layer > 0)  // a GPT: its pipeline layers, not its units
+  if (m.n_layer > 0) {  // a GPT: its pipeline layers, not its units
     in.unit_params =
         fsdp::tools::gpt_layer_params(m.n_layer, m.d_model, m.block_size, m.vocab_size);
+  } else if (r.count("params") && in.unit_params.size() > 1) {
+    in.unit_params.erase(in.unit_params.begin());  // --units equal layers, no empty root
+  }
   std::vector<fsdp::StageEstimate> stages;
   try {
     stages = fsdp::estimate_pipeline(in, p);

@@ -274,7 +274,9 @@ void eval_text(fsdp::PipelinedModel& pm, const Flags& f, int64_t step, const tor
   pm.stage_model().as_module().train();
   auto loss = torch::zeros({1}, torch::TensorOptions(torch::kFloat).device(device));
   if (logits.defined())
-    loss = token_loss(logits, rows.narrow(1, 1, rows.size(1) - 1).to(device)).reshape({1});
+    loss = token_loss(logits, rows.narrow(1, 1, rows.size(1) - 1).to(device))
+               .to(torch::kFloat)
+               .reshape({1});
   pm.world().broadcast(loss, (pm.stages() - 1) * pm.data_parallel_size());
   print_eval(f, pm.world().rank(), step, loss.item<double>(), rows.size(0));
 }
