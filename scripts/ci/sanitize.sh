@@ -4,8 +4,9 @@
 # undefined behaviour in this project's code fails the test that ran it.
 #
 #   scripts/ci/sanitize.sh                          # the whole suite
-#   scripts/ci/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's and the
-#                                                # checkpoints' test binaries only
+#   scripts/ci/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's, the
+#                                                # checkpoints', the pipeline's and the
+#                                                # quantization's test binaries only
 #   scripts/ci/sanitize.sh -R Desync                # extra arguments go to ctest
 #
 # Not run here: the Consumer.* tests, which build separate projects against the
@@ -22,7 +23,7 @@ if [ "${1:-}" = "--engine-and-checkpoint" ]; then
            test_fsdp2_options test_offload test_nvme_params test_trace test_process_group
            test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash test_checkpoint_consolidated
            test_checkpoint_safetensors test_checkpoint_errors test_checkpoint_integrity test_safetensors
-           test_reshard_plan)
+           test_reshard_plan test_pipeline test_checkpoint_pipeline test_quantize)
   labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
 fi
 # The preset "sanitize" (CMakePresets.json: -O1 with line tables), with the LibTorch and
