@@ -279,30 +279,20 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
   // Every tensor, in order: each flat parameter's original parameters (aliases as copies
   // of their own), then the buffers. Every rank knows them; rank 0 writes.
   // SafetensorsOptions::name_for and ::transpose: another framework's names and layout.
-  auto name_of = [&](const std::string& fqn) {
-    return options.name_for ? options.name_for(fqn) : fqn;
-  };
-  auto transposed = [&](const std::string& fqn, const std::vector<int64_t>& shape) {
-    if (!options.transpose || !options.transpose(fqn)) return false;
-    TORCH_CHECK(shape.size() == 2, "export_safetensors: SafetensorsOptions::transpose picks '", fqn,
-                "', which has ", shape.size(), " dimensions; only 2-D tensors transpose");
-    return true;
-  };
-  auto file_shape = [&](const std::string& fqn, std::vector<int64_t> shape) {
-    if (transposed(fqn, shape)) std::swap(shape[0], shape[1]);
-    return shape;
-  };
+  const Layout layout{options.name_for, options.transpose,
+                      "export_safetensors: SafetensorsOptions::transpose picks"};
   std::vector<st::Spec> specs;
   for (const auto& ls : shards) {
     for (const auto& p : ls.params) {
-      if (!name_of(p.fqn).empty())
-        specs.push_back({name_of(p.fqn), safetensors_dtype(elem), file_shape(p.fqn, p.shape)});
+      if (!layout.name(p.fqn).empty())
+        specs.push_back(
+            {layout.name(p.fqn), safetensors_dtype(elem), layout.file_shape(p.fqn, p.shape)});
     }
   }
   for (const auto& [name, b] : buffers) {
-    if (!name_of(name).empty()) {
-      specs.push_back({name_of(name), safetensors_dtype(buffer_elem(b, elem)),
-                       file_shape(name, b.sizes().vec())});
+    if (!layout.name(name).empty()) {
+      specs.push_back({layout.name(name), safetensors_dtype(buffer_elem(b, elem)),
+                       layout.file_shape(name, b.sizes().vec())});
     }
   }
   std::unique_ptr<st::DirWriter> w;
@@ -321,9 +311,10 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
       TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn,
                   "' gathered ", full.numel(), " elements, its table has ", ls.info.numel);
       for (const auto& p : ls.params) {
-        if (name_of(p.fqn).empty()) continue;
+        if (layout.name(p.fqn).empty()) continue;
         at::Tensor value = full.narrow(0, p.offset, p.numel);
-        if (transposed(p.fqn, p.shape)) value = value.view(p.shape).t().contiguous().view(-1);
+        if (layout.transposed(p.fqn, p.shape))
+          value = value.view(p.shape).t().contiguous().view(-1);
         at::Tensor v = file_bytes(value, elem);
         TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ",
                     v.numel(), " elements, its shape needs ", p.numel);
@@ -337,8 +328,8 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
   }
   guarded([&] {
     for (const auto& [name, b] : buffers) {
-      if (name_of(name).empty()) continue;
-      at::Tensor v = file_bytes(transposed(name, b.sizes().vec()) ? b.t().contiguous() : b,
+      if (layout.name(name).empty()) continue;
+      at::Tensor v = file_bytes(layout.transposed(name, b.sizes().vec()) ? b.t().contiguous() : b,
                                 buffer_elem(b, elem));
       w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
     }
@@ -363,7 +354,6 @@ namespace {
 LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOptions& options,
                        bool stage, bool apply = true) {
   detail::trace::Scope span("checkpoint", []() { return std::string("consolidated import"); });
-  using namespace ckpt;
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();
   LoadReport report;

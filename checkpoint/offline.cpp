@@ -235,6 +235,20 @@ void write_hf_config(const std::string& dir, const std::map<std::string, AttrVal
   write_atomically(std::filesystem::path(dir) / "config.json", *text);
 }
 
+std::string Layout::name(const std::string& fqn) const { return name_for ? name_for(fqn) : fqn; }
+
+bool Layout::transposed(const std::string& fqn, const std::vector<int64_t>& shape) const {
+  if (!transpose || !transpose(fqn)) return false;
+  TORCH_CHECK(shape.size() == 2, what, " '", fqn, "', which has ", shape.size(),
+              " dimensions; only 2-D tensors transpose");
+  return true;
+}
+
+std::vector<int64_t> Layout::file_shape(const std::string& fqn, std::vector<int64_t> shape) const {
+  if (transposed(fqn, shape)) std::swap(shape[0], shape[1]);
+  return shape;
+}
+
 namespace {
 
 size_t elem_bytes(h5::Elem e) {
@@ -267,24 +281,6 @@ void transpose_2d(const T* in, std::vector<T>& out, int64_t rows, int64_t cols,
   }
 }
 
-// A layout applied, as export_safetensors applies SafetensorsOptions' to the live model.
-struct Applied {
-  const Layout& layout;
-  std::string name(const std::string& fqn) const {
-    return layout.name_for ? layout.name_for(fqn) : fqn;
-  }
-  bool transposed(const std::string& fqn, const std::vector<int64_t>& shape) const {
-    if (!layout.transpose || !layout.transpose(fqn)) return false;
-    TORCH_CHECK(shape.size() == 2, "consolidate_checkpoint: the layout transposes '", fqn,
-                "', which has ", shape.size(), " dimensions; only 2-D tensors transpose");
-    return true;
-  }
-  std::vector<int64_t> shape(const std::string& fqn, std::vector<int64_t> s) const {
-    if (transposed(fqn, s)) std::swap(s[0], s[1]);
-    return s;
-  }
-};
-
 // The buffers of a sharded checkpoint (each pipeline stage's in its first file, rank 0's
 // alone without stages), in the live export's order, with their specs appended.
 struct Buffers {
@@ -297,7 +293,7 @@ struct Buffers {
   std::vector<Buffer> list;
   std::vector<std::pair<std::unique_ptr<h5::Obj>, std::string>> groups;  ///< (group, where)
 
-  Buffers(ShardedReader& src, h5::Elem dtype, const Applied& at, std::vector<st::Spec>& specs) {
+  Buffers(ShardedReader& src, h5::Elem dtype, const Layout& at, std::vector<st::Spec>& specs) {
     for (int part = 0; part < src.parts(); ++part) {
       const int r = src.part_first(part);
       if (!h5::exists(src.file(r), "buffers")) continue;
@@ -313,7 +309,7 @@ struct Buffers {
         b.mem = floating ? h5::Elem::kF32 : b.stored;
         b.out = floating ? dtype : b.stored;
         if (at.name(n).empty()) continue;
-        specs.push_back({at.name(n), safetensors_dtype(b.out), at.shape(n, b.shape)});
+        specs.push_back({at.name(n), safetensors_dtype(b.out), at.file_shape(n, b.shape)});
         list.push_back(std::move(b));
       }
     }
@@ -328,13 +324,13 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
   const h5::Elem dtype = elem_of(export_dtype);
   ShardedReader src(sharded, 4u << 20);
   const std::map<std::string, AttrValue> attrs = model_attrs(src);
-  const Applied at{layout};
+  const Layout& at = layout;
   // Every tensor, in the live export's order: each flat's table, then the buffers.
   std::vector<st::Spec> specs;
   for (const auto& sf : src.flats()) {
     for (const auto& e : sf.table) {
       if (!at.name(e.fqn).empty())
-        specs.push_back({at.name(e.fqn), safetensors_dtype(dtype), at.shape(e.fqn, e.shape)});
+        specs.push_back({at.name(e.fqn), safetensors_dtype(dtype), at.file_shape(e.fqn, e.shape)});
     }
   }
   const Buffers buffers(src, dtype, at, specs);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace fsdp::ckpt {
 
@@ -26,6 +27,16 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
 struct Layout {
   std::function<std::string(const std::string&)> name_for;
   std::function<bool(const std::string&)> transpose;
+  /// How a transpose of a tensor that is not 2-D is reported: "<what> '<fqn>', which has
+  /// N dimensions; only 2-D tensors transpose".
+  std::string what = "consolidate_checkpoint: the layout transposes";
+
+  /// The name `fqn` is written under ("" leaves it out).
+  std::string name(const std::string& fqn) const;
+  /// Whether `fqn` is written transposed; throws if it is picked and `shape` is not 2-D.
+  bool transposed(const std::string& fqn, const std::vector<int64_t>& shape) const;
+  /// `shape` as written.
+  std::vector<int64_t> file_shape(const std::string& fqn, std::vector<int64_t> shape) const;
 };
 
 /// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the

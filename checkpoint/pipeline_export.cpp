@@ -50,18 +50,7 @@ void rank0_runs(const ProcessGroup& job, const std::string& what, const std::fun
     job.broadcast(flag, 0);
     if (flag.item<float>() != 0) break;
   }
-  std::string error;
-  if (job.rank() == 0) {
-    try {
-      work.get();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
-  TORCH_CHECK(!ckpt::rank0_failed(job, error), what, " failed",
-              ckpt::failure_detail(error, " on rank 0 (see its error)"));
+  ckpt::rank0_tries(job, what, [&] { work.get(); });  // its error, on every rank alike
 }
 
 void remove_quietly(const std::string& dir) {

@@ -15,7 +15,6 @@
 #include "internal/sharded_model.h"
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -114,10 +113,10 @@ std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel
 namespace ckpt {
 namespace {
 
-AsyncSave save_async(const std::string& dir, const ShardedModel& root,
-                     torch::optim::Optimizer* optimizer, const TrainingState& state,
-                     const SaveOptions& options, const Placement& at, const char* fn,
-                     const std::function<AsyncSave(std::shared_ptr<AsyncSaveJob>)>& handle) {
+std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedModel& root,
+                                         torch::optim::Optimizer* optimizer,
+                                         const TrainingState& state, const SaveOptions& options,
+                                         const Placement& at, const char* fn) {
   detail::trace::Scope span("checkpoint",
                             []() { return std::string("checkpoint save (async: staging)"); });
   check_save_args(state, options, fn);
@@ -154,8 +153,7 @@ AsyncSave save_async(const std::string& dir, const ShardedModel& root,
     }
     throw;
   }
-  return handle(
-      start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options));
+  return start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options);
 }
 
 }  // namespace
@@ -165,10 +163,8 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedMod
                                         torch::optim::Optimizer* optimizer,
                                         const TrainingState& state, const SaveOptions& options) {
   const ProcessGroup& pg = root.sharding_options().process_group;
-  return ckpt::save_async(dir, root, optimizer, state, options, {&pg, pg.rank(), pg.size()},
-                          "save_sharded_checkpoint_async", [](std::shared_ptr<AsyncSaveJob> job) {
-                            return AsyncSave(std::move(job));
-                          });
+  return AsyncSave(ckpt::save_async(dir, root, optimizer, state, options,
+                                    {&pg, pg.rank(), pg.size()}, "save_sharded_checkpoint_async"));
 }
 
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
@@ -176,11 +172,10 @@ AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedM
                                         const TrainingState& state, const SaveOptions& options) {
   // Note [Pipelined checkpoints]: the files of the synchronous save, staged on every rank.
   const ProcessGroup& stage = model.stage_group();
-  return ckpt::save_async(
-      dir, model.stage_model(), optimizer, state, options,
-      {&model.world(), stage.rank(), stage.size(), model.stages(), model.stage()},
-      "save_sharded_checkpoint_async",
-      [](std::shared_ptr<AsyncSaveJob> job) { return AsyncSave(std::move(job)); });
+  return AsyncSave(
+      ckpt::save_async(dir, model.stage_model(), optimizer, state, options,
+                       {&model.world(), stage.rank(), stage.size(), model.stages(), model.stage()},
+                       "save_sharded_checkpoint_async"));
 }
 
 }  // namespace fsdp

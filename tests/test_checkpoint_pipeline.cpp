@@ -273,7 +273,18 @@ TEST(PipelineCheckpoint, ExportsWriteWhatTheModelWritesUnpipelined) {
     export_safetensors(dir + "/stages/", m.pm, st, o);
     export_consolidated(dir + "/whole.h5", m.whole, nullptr, st);
     export_consolidated(dir + "/stages.h5", m.pm, nullptr, st);
+    // A layout that transposes a 1-D tensor fails on every rank, naming it, and leaves no
+    // temporary checkpoint behind.
+    o.transpose = [](const std::string& n) { return n == "0.bias"; };
+    EXPECT_NE(error_of([&] { export_safetensors(dir + "/bad", m.pm, st, o); })
+                  .find("export_safetensors to " + dir + "/bad failed" +
+                        (pg.rank() == 0 ? ": consolidate_checkpoint: the layout transposes "
+                                          "'0.bias', which has 1 dimensions; only 2-D tensors "
+                                          "transpose"
+                                        : " on rank 0 (see its error)")),
+              std::string::npos);
   });
+  EXPECT_FALSE(std::filesystem::exists(dir + "/bad.stages.tmp"));
   const auto whole = files_of(dir + "/whole"), stages = files_of(dir + "/stages");
   EXPECT_GT(whole.size(), 3u);  // shards, the index and config.json
   ASSERT_EQ(whole.size(), stages.size());

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -536,4 +537,42 @@ TEST(Pipeline, BuildingOneStageHoldsItsShardsAndOneLayer) {
         << " + generator states " << states;
     EXPECT_LT(peak, kLayers / 2 * layer_bytes) << "never the stage in full";
   });
+}
+
+// A layer factory and a forward given what they cannot use: each refusal names the value.
+TEST(Pipeline, ALayerFactoryAndForwardRefuseWhatTheyCannotUse) {
+  auto error = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("<no error>");
+  };
+  PipelineOptions o;
+  o.stages = 1;
+  o.micro_batches = 1;
+  PipelineLayers layers;
+  EXPECT_NE(error([&] {
+              pipeline(layers, o);
+            }).find("PipelineLayers needs count >= 1 (got 0) and a factory `make`"),
+            std::string::npos);
+  layers.count = 2;
+  layers.make = [](int64_t i) {
+    return std::make_pair(std::to_string(i), i == 0 ? pipeline_layer(0) : torch::nn::AnyModule());
+  };
+  layers.params = {1};
+  EXPECT_NE(
+      error([&] { pipeline(layers, o); }).find("PipelineLayers::params has 1 entries for 2 layers"),
+      std::string::npos);
+  layers.params.clear();
+  EXPECT_NE(error([&] {
+              pipeline(layers, o);
+            }).find("the layer factory made no module for layer 1 ('1')"),
+            std::string::npos);
+  PipelinedModel pm = pipeline(pipeline_layers(), o);
+  EXPECT_NE(error([&] {
+              pm.forward(torch::zeros({2, kPipeIn}), -1);
+            }).find("micro_batches=-1 must be 0 (PipelineOptions::micro_batches) or positive"),
+            std::string::npos);
 }

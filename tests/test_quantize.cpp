@@ -172,6 +172,23 @@ TEST(BlockQuantization, BadArgumentsNameTheValue) {
               quantize_blocks(torch::ones({4}), 2, 8, at::kHalf);
             }).find("scales are kFloat or kBFloat16"),
             std::string::npos);
+  // The collectives, on the single process's group: sizes and tags before any message.
+  auto single = fsdp::detail::make_single_backend();
+  auto& one = *single;
+  EXPECT_NE(error([&] {
+              fsdp::detail::quantized_all_gather(one, torch::empty({3}), torch::ones({2}), 2, 8);
+            }).find("quantized_all_gather: full has 3 elements, not 1 x 2"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              fsdp::detail::quantized_reduce_scatter(one, torch::ones({3}), torch::empty({2}), 2, 8,
+                                                     0);
+            }).find("quantized_reduce_scatter: full has 3 elements, not 1 x 2"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              fsdp::detail::quantized_reduce_scatter(one, torch::ones({2}), torch::empty({2}), 2, 8,
+                                                     1 << 28);
+            }).find("tag=268435456 must be in [0, 2^28)"),
+            std::string::npos);
 }
 
 // ---- Note [Quantized collectives], over Gloo at worlds 2 to 4 -------------------------

@@ -150,14 +150,16 @@ int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const a
   std::vector<std::shared_ptr<Work>> works;
   // The receive buffers and the sum on `full`'s device. (Over NCCL the point-to-point
   // calls would need grouping; the engine does not call this there yet.)
-  const Quantized shape = quantize_blocks(at::zeros({chunk}, full.options().dtype(at::kFloat)),
-                                          block, bits, scale_dtype);
+  const auto on = full.options();
   for (int k = 1; k < n; ++k) {
     const int from = (me - k + n) % n, to = (me + k) % n;
     Quantized& q = in[static_cast<size_t>(from)];
-    q = shape;
-    q.data = at::empty_like(shape.data);
-    q.scales = at::empty_like(shape.scales);
+    q.numel = chunk;
+    q.block = block;
+    q.bits = bits;
+    q.data = at::empty({bits == 8 ? chunk : (chunk + 1) / 2},
+                       on.dtype(bits == 8 ? at::kChar : at::kByte));
+    q.scales = at::empty({(chunk + block - 1) / block}, on.dtype(scale_dtype));
     works.push_back(group.recv(q.data, from, data_tag));
     works.push_back(group.recv(q.scales, from, scales_tag));
     Quantized& o = out[static_cast<size_t>(to)];

@@ -2,6 +2,8 @@
 // the engine; the comments name it, so that a change there shows what to change here.
 #include <fsdp/tools/estimate.h>
 
+#include "rules.h"
+
 #include <algorithm>
 #include <functional>
 #include <stdexcept>
@@ -9,10 +11,9 @@
 namespace fsdp {
 namespace {
 
-// Messages name the command-line flag too: fsdp-estimate passes them on as they are.
-[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
-
-int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
+using estimate_rules::bad;
+using estimate_rules::precision_bytes;
+using estimate_rules::round_up;
 
 // Ranks each flat parameter is split over (src/engine/fully_shard.cpp: FULL_SHARD and
 // SHARD_GRAD_OP shard over the world, HYBRID_SHARD within groups, NO_SHARD not at all).
@@ -37,19 +38,6 @@ int shard_group_size(const EstimateInput& in) {
   }
   bad("strategy " + std::to_string(static_cast<int>(in.strategy)) +
       " is not a ShardingStrategy; use one of its enumerators");
-}
-
-// Bytes per element of the gathered parameters and reduced gradients.
-int64_t precision_bytes(Precision precision) {
-  switch (precision) {
-    case Precision::kFp32:
-      return 4;
-    case Precision::kBf16:
-    case Precision::kFp16:
-      return 2;
-  }
-  bad("precision " + std::to_string(static_cast<int>(precision)) +
-      " is not a Precision; use one of its enumerators");
 }
 
 // DeepSpeed's offload_optimizer / offload_param as the engine resolves them: the legacy

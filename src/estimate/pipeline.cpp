@@ -3,6 +3,8 @@
 // stage's memory as the engine holds it under the schedules (Note [Pipeline schedules]).
 #include <fsdp/tools/estimate.h>
 
+#include "rules.h"
+
 #include <algorithm>
 #include <numeric>
 #include <sstream>
@@ -11,7 +13,9 @@
 namespace fsdp {
 namespace {
 
-[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument(msg); }
+using estimate_rules::bad;
+using estimate_rules::precision_bytes;
+using estimate_rules::round_up;
 
 std::string list(const std::vector<int64_t>& v) {
   std::ostringstream s;
@@ -69,10 +73,6 @@ std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& weight, int sta
   b.push_back(layers);
   return b;
 }
-
-int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
-
-int64_t precision_bytes(Precision p) { return p == Precision::kFp32 ? 4 : 2; }
 
 // Stage s's input: its layers as units under an empty root, its data-parallel ranks, and
 // its share of the activations (blocks 1 .. n_layer among the layers; the logits on the

@@ -33,11 +33,12 @@ namespace fsdp {
 // stage s holds at most S - s micro-batches' activations.
 //
 // Each message is a header (dimensions, dtype, sizes, the sender's clock, its call's
-// micro-batch count: 12 int64s) and the data, both sent without waiting (the sends of a step are
-// waited for at its end), so two neighbours that send to each other at once do not deadlock;
-// receives block. Tags number the micro-batch and the direction; they are reused step after step,
-// in the same order on both sides. The messages travel over the world group's backend, which no
-// sharding collective uses (the stages shard over their own groups).
+// micro-batch count: 12 int64s) and the data, both sent without waiting (the sends of a
+// step are waited for at its end), so two neighbours that send to each other at once do
+// not deadlock; receives block. Tags number the micro-batch and the direction; they are
+// reused step after step, in the same order on both sides. The messages travel over the
+// world group's backend, which no sharding collective uses (the stages shard over their
+// own groups).
 //
 // A receive's wait is split in the trace (Note [Per-unit trace]): until the sender posted
 // the message (the header carries the sender's wall clock then), the stage waited for its
@@ -72,6 +73,13 @@ int tag_of(int micro_batch, int direction, int part) {
 }
 
 detail::Backend& backend_of(const ProcessGroup& pg) { return *detail::GroupAccess::backend(pg); }
+
+// A layer's weight for the "parameters" partition.
+int64_t parameter_count(const torch::nn::Module& layer) {
+  int64_t n = 0;
+  for (const auto& p : layer.parameters()) n += p.numel();
+  return n;
+}
 
 }  // namespace
 
@@ -138,11 +146,7 @@ PipelinedModel pipeline(const torch::nn::Sequential& layers, const PipelineOptio
               "pipeline: the Sequential is empty; give it the model's layers in order");
   const auto children = layers->named_children();
   std::vector<int64_t> params;
-  for (const auto& c : children) {
-    int64_t n = 0;
-    for (const auto& p : c.value()->parameters()) n += p.numel();
-    params.push_back(n);
-  }
+  for (const auto& c : children) params.push_back(parameter_count(*c.value()));
   PipelinedModel m = PipelinedModel::place(params, options);
   torch::OrderedDict<std::string, torch::nn::AnyModule> mine;
   for (int64_t i = m.first_; i < m.last_; ++i)
@@ -186,9 +190,7 @@ int64_t make_and_drop(const PipelineLayers& layers, int64_t i) {
   auto [name, module] = layers.make(i);
   TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i, " ('",
               name, "')");
-  int64_t n = 0;
-  for (const auto& p : module.ptr()->parameters()) n += p.numel();
-  return n;
+  return parameter_count(*module.ptr());
 }
 
 }  // namespace
