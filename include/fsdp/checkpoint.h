@@ -275,10 +275,10 @@ struct ConsolidateOptions {
   uint64_t max_shard_size = 5'000'000'000;
   /// Called after each parameter: (done, total, fqn).
   std::function<void(size_t, size_t, const std::string&)> progress;
-  /// kSafetensors: another framework's layout, as SafetensorsOptions::name_for and
-  /// ::transpose (the name each tensor is written under, "" leaving it out; which 2-D ones
-  /// are written transposed). Unset: clean FQNs, as they are.
+  /// kSafetensors: another framework's layout, as SafetensorsOptions has it. Unset: clean
+  /// FQNs, as they are. The name each tensor is written under ("" leaves it out):
   std::function<std::string(const std::string& fqn)> name_for;
+  /// Which 2-D tensors are written transposed (e.g. GPT-2's Conv1D weights).
   std::function<bool(const std::string& fqn)> transpose;
 };
 

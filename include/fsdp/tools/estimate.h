@@ -174,7 +174,7 @@ std::vector<int64_t> pipeline_partition(
 
 /// One stage's estimate: its ranks' memory.
 struct StageEstimate {
-  int stage = 0;
+  int stage = 0;                            ///< its index, 0 first
   int64_t first_layer = 0, last_layer = 0;  ///< the layers [first, last) it holds
   int micro_batches_in_flight = 1;  ///< most micro-batches whose activations it holds at once
   MemoryEstimate memory;            ///< per rank of the stage
