@@ -172,22 +172,32 @@ TEST(BlockQuantization, BadArgumentsNameTheValue) {
               quantize_blocks(torch::ones({4}), 2, 8, at::kHalf);
             }).find("scales are kFloat or kBFloat16"),
             std::string::npos);
-  // The collectives, on the single process's group: sizes and tags before any message.
+  // The collectives, on the single process's group: sizes and the spec before any message.
   auto single = fsdp::detail::make_single_backend();
   auto& one = *single;
+  const fsdp::detail::QuantizeSpec spec{2, 8, at::kFloat};
   EXPECT_NE(error([&] {
-              fsdp::detail::quantized_all_gather(one, torch::empty({3}), torch::ones({2}), 2, 8);
+              fsdp::detail::quantized_all_gather(one, torch::empty({3}), torch::ones({2}), spec);
             }).find("quantized_all_gather: full has 3 elements, not 1 x 2"),
             std::string::npos);
   EXPECT_NE(error([&] {
-              fsdp::detail::quantized_reduce_scatter(one, torch::ones({3}), torch::empty({2}), 2, 8,
-                                                     0);
+              fsdp::detail::quantized_reduce_scatter(one, torch::ones({3}), torch::empty({2}),
+                                                     spec);
             }).find("quantized_reduce_scatter: full has 3 elements, not 1 x 2"),
             std::string::npos);
   EXPECT_NE(error([&] {
-              fsdp::detail::quantized_reduce_scatter(one, torch::ones({2}), torch::empty({2}), 2, 8,
-                                                     1 << 28);
-            }).find("tag=268435456 must be in [0, 2^28)"),
+              fsdp::detail::quantized_reduce_scatter(one, torch::ones({2}), torch::empty({2}),
+                                                     {2, 3, at::kFloat});
+            }).find("bits=3 must be 8 or 4"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              fsdp::detail::hierarchical_quantized_reduce_scatter(one, one, torch::ones({3}),
+                                                                  torch::empty({2}), spec);
+            }).find("full has 3 elements, not 1 x 1 x 2"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              fsdp::detail::quantized_all_reduce(one, torch::ones({2, 2}), spec);
+            }).find("quantized_all_reduce: a 1-D floating tensor, got 2 dimension(s)"),
             std::string::npos);
 }
 
@@ -220,8 +230,10 @@ TEST(QuantizedCollectives, AllGatherGivesEveryRankTheSameDequantizedShards) {
       for (int64_t part : {int64_t{1}, int64_t{1000}}) {
         for (int bits : {8, 4}) {
           auto full = torch::empty({world * part});
-          const int64_t sent = fsdp::detail::quantized_all_gather(
-              backend(pg), full, rank_data(pg.rank(), part), 64, bits, at::kBFloat16);
+          int64_t sent = -1;
+          fsdp::detail::quantized_all_gather(backend(pg), full, rank_data(pg.rank(), part),
+                                             {64, bits, at::kBFloat16}, &sent)
+              ->wait();
           EXPECT_EQ(sent, (world - 1) * quantized_bytes(part, 64, bits, at::kBFloat16));
           for (int r = 0; r < world; ++r) {
             const auto want =
@@ -241,13 +253,14 @@ TEST(QuantizedCollectives, AllGatherGivesEveryRankTheSameDequantizedShards) {
 TEST(QuantizedCollectives, ReduceScatterSumsTheDequantizedPartsInRankOrder) {
   for (int world : {2, 3, 4}) {
     run_ranks(world, [world](const fsdp::ProcessGroup& pg) {
-      int tag = 0;
       for (int64_t chunk : {int64_t{1}, int64_t{1000}}) {
         for (int bits : {8, 4}) {
           const int me = pg.rank();
           auto shard = torch::empty({chunk});
-          const int64_t sent = fsdp::detail::quantized_reduce_scatter(
-              backend(pg), rank_data(me, world * chunk), shard, 64, bits, tag++);
+          int64_t sent = -1;
+          fsdp::detail::quantized_reduce_scatter(backend(pg), rank_data(me, world * chunk), shard,
+                                                 {64, bits, at::kFloat}, &sent)
+              ->wait();
           EXPECT_EQ(sent, (world - 1) * quantized_bytes(chunk, 64, bits));
           auto want = torch::zeros({chunk});
           auto exact = torch::zeros({chunk});
@@ -263,10 +276,107 @@ TEST(QuantizedCollectives, ReduceScatterSumsTheDequantizedPartsInRankOrder) {
           EXPECT_TRUE(((shard - exact).abs() <= bound * (1 + 1e-5) + 1e-6).all().item<bool>());
           auto again = torch::empty({chunk});
           fsdp::detail::quantized_reduce_scatter(backend(pg), rank_data(me, world * chunk), again,
-                                                 64, bits, tag++);
+                                                 {64, bits, at::kFloat})
+              ->wait();
           EXPECT_TRUE(torch::equal(again, shard)) << "deterministic";
         }
       }
     });
   }
+}
+
+// ZeRO++'s hierarchical qgZ at world 4 as 2 hosts of 2 (and as 4 hosts of 1, and 1 of 4):
+// rank h*k + l gets, from a reference built here from quantize_blocks alone, its chunk:
+// inside its host, the m chunks its outer group owns quantized as one part per sender and
+// summed in fp32 in local order (its own as it is), then across hosts each of those
+// partial sums quantized per chunk and summed in host order. Within the bound of the exact
+// sum; the same twice; what crosses hosts is (m - 1) quantized chunks; chunks of 1 element.
+TEST(QuantizedCollectives, HierarchicalReduceScatterReducesInsideThenAcrossHosts) {
+  run_ranks(4, [](const fsdp::ProcessGroup& pg) {
+    for (int k : {2, 1, 4}) {
+      const int m = 4 / k, me = pg.rank(), h = me / k, l = me % k;
+      std::vector<std::vector<int>> inner_groups(m), outer_groups(k);
+      for (int r = 0; r < 4; ++r) {
+        inner_groups[r / k].push_back(r);
+        outer_groups[r % k].push_back(r);
+      }
+      auto inner = backend(pg).split(inner_groups);
+      auto outer = backend(pg).split(outer_groups);
+      for (int64_t c : {int64_t{1}, int64_t{300}}) {
+        const fsdp::detail::QuantizeSpec spec{64, 8, at::kFloat};
+        auto q = [&](const torch::Tensor& x) {
+          return dequantize_blocks(quantize_blocks(x.contiguous(), 64, 8));
+        };
+        // Rank r's contribution to the chunks local index l owns, h' = 0..m-1.
+        auto owned_by = [&](int r, int local) {
+          return rank_data(r, 4 * c).view({m, k, c}).select(1, local).reshape({-1});
+        };
+        auto partial_of = [&](int host, int local) {  // fp32, m * c elements
+          auto acc = torch::zeros({m * c});
+          for (int j = 0; j < k; ++j) {
+            const auto x = owned_by(host * k + j, local);
+            acc.add_(j == local ? x : q(x));
+          }
+          return acc;
+        };
+        auto want = torch::zeros({c});
+        auto exact = torch::zeros({c});
+        for (int hh = 0; hh < m; ++hh) {
+          const auto chunk = partial_of(hh, l).narrow(0, h * c, c);
+          want.add_(hh == h ? chunk : q(chunk));
+        }
+        for (int r = 0; r < 4; ++r) exact.add_(rank_data(r, 4 * c).narrow(0, me * c, c));
+        auto shard = torch::empty({c});
+        int64_t wire = -1, across = -1;
+        fsdp::detail::hierarchical_quantized_reduce_scatter(*inner, *outer, rank_data(me, 4 * c),
+                                                            shard, spec, &wire, &across)
+            ->wait();
+        EXPECT_TRUE(torch::allclose(shard, want, 0, 0)) << "k=" << k << ", c=" << c;
+        EXPECT_LT((shard - exact).abs().max().item<float>(), 0.2f) << "k=" << k << ", c=" << c;
+        EXPECT_EQ(across, (m - 1) * quantized_bytes(c, 64, 8));
+        EXPECT_EQ(wire, across + (k - 1) * quantized_bytes(m * c, 64, 8));
+        auto again = torch::empty({c});
+        fsdp::detail::hierarchical_quantized_reduce_scatter(*inner, *outer, rank_data(me, 4 * c),
+                                                            again, spec)
+            ->wait();
+        EXPECT_TRUE(torch::equal(again, shard)) << "deterministic";
+      }
+    }
+  });
+}
+
+// A quantized all-reduce leaves every rank with the same values, within the quantization
+// bound of the exact sum, for lengths that do not divide by the world (padding), 1 too.
+TEST(QuantizedCollectives, AllReduceAgreesOnEveryRank) {
+  for (int world : {2, 3, 4}) {
+    run_ranks(world, [world](const fsdp::ProcessGroup& pg) {
+      for (int64_t n : {int64_t{1}, int64_t{1001}}) {
+        auto x = rank_data(pg.rank(), n);
+        auto exact = torch::zeros({n});
+        for (int r = 0; r < world; ++r) exact.add_(rank_data(r, n));
+        const int64_t sent =
+            fsdp::detail::quantized_all_reduce(backend(pg), x, {64, 8, at::kFloat});
+        EXPECT_GT(sent, 0);
+        auto all = torch::empty({world * n});
+        backend(pg).all_gather(all, x)->wait();
+        for (int r = 0; r < world; ++r) {
+          EXPECT_TRUE(torch::equal(all.narrow(0, r * n, n), x)) << "rank " << r << " differs";
+        }
+        EXPECT_LT((x - exact).abs().max().item<float>(), 0.3f);
+      }
+    });
+  }
+}
+
+// Note [Quantization faults]: with scales off by one block, a dequantized tensor leaves the
+// bound (so the accuracy checks of the engine's tests can fail), and without it comes back.
+TEST(BlockQuantization, TheScaleFaultBreaksTheBound) {
+  const auto x = edge_data(8);
+  const auto q = quantize_blocks(x, 16, 8);
+  fsdp::detail::set_quantization_fault(fsdp::detail::QuantizationFault::kScalesOffByOneBlock);
+  const auto broken = dequantize_blocks(q);
+  fsdp::detail::set_quantization_fault(fsdp::detail::QuantizationFault::kNone);
+  const auto fine = dequantize_blocks(q);
+  EXPECT_GT((broken - x).abs().max().item<float>(), 1.0f);
+  EXPECT_LT((fine - x).abs().max().item<float>(), 3.0f / 127);
 }

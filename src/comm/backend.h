@@ -72,6 +72,9 @@ class ThenWork : public Work {
 
 enum class ReduceKind { kSum, kMax };
 
+/// The collectives whose bytes on the wire a backend can tell (Backend::wire_bytes).
+enum class WireOp { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kAllToAll };
+
 class Backend : public BackendCore {
  public:
   virtual int rank() const = 0;
@@ -90,7 +93,15 @@ class Backend : public BackendCore {
                                                    const at::Tensor& shard) = 0;
   virtual std::shared_ptr<Work> all_reduce(const at::Tensor& tensor, ReduceKind kind) = 0;
   virtual void broadcast(const at::Tensor& tensor, int root) = 0;
+  /// out <- chunk i of `in` from every rank i, in rank order: `in` and `out` hold size()
+  /// equal chunks (1-D, the same dtype); chunk j of `in` goes to rank j. Asynchronous.
+  virtual std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in) = 0;
   virtual void barrier() = 0;
+  /// Note [Wire bytes]: the bytes this rank sends to the other ranks for one `op` over a
+  /// buffer of `bytes` bytes of `dtype` (an all-gather's output, a reduce-scatter's input,
+  /// an all-reduce's or a broadcast's tensor, an all-to-all's input), by the algorithm
+  /// this backend runs. `root`: a broadcast's. 0 for a group of one.
+  virtual int64_t wire_bytes(WireOp op, int64_t bytes, at::ScalarType dtype, int root) const;
   /// The subgroup this rank belongs to, from disjoint rank lists covering the world.
   virtual std::shared_ptr<Backend> split(const std::vector<std::vector<int>>& groups) = 0;
   /// Point to point (the pipeline's stages, Note [Pipeline schedules]): sends the

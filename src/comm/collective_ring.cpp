@@ -210,6 +210,13 @@ class RingBackend : public Backend {
       return std::make_shared<DoneWork>();
     })->wait();
   }
+  std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in) override {
+    auto e = begin("all_to_all", in, -1);
+    return traced(e, [&]() { return inner_->all_to_all(out, in); });
+  }
+  int64_t wire_bytes(WireOp op, int64_t bytes, at::ScalarType dtype, int root) const override {
+    return inner_->wire_bytes(op, bytes, dtype, root);
+  }
   void barrier() override {
     auto e = begin("barrier", at::Tensor(), -1);
     traced(e, [&]() {

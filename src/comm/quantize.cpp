@@ -5,7 +5,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cmath>
+#include <functional>
+#include <vector>
 
 namespace fsdp::detail {
 
@@ -23,6 +26,8 @@ namespace fsdp::detail {
 namespace {
 
 int qmax_of(int bits) { return bits == 8 ? 127 : 7; }
+
+std::atomic<int> g_fault{0};  // Note [Quantization faults]
 
 void check_args(const at::Tensor& flat, int64_t block, int bits, at::ScalarType scale_dtype) {
   TORCH_CHECK(flat.dim() == 1 && flat.is_floating_point(),
@@ -44,6 +49,12 @@ at::Tensor bf16_not_below(const at::Tensor& scale) {
 }
 
 }  // namespace
+
+// Note [Quantization faults]
+// The suite must show that its accuracy checks would catch broken quantization, so one
+// fault can be switched on for the process: dequantization with each block's neighbour's
+// scale, the kind of off-by-one an indexing bug makes. Nothing but tests sets it.
+void set_quantization_fault(QuantizationFault fault) { g_fault = static_cast<int>(fault); }
 
 int64_t quantized_bytes(int64_t numel, int64_t block, int bits, at::ScalarType scale_dtype) {
   const int64_t blocks = (numel + block - 1) / block;
@@ -98,6 +109,9 @@ at::Tensor dequantize_blocks(const Quantized& q, at::ScalarType dtype) {
   at::Tensor s = q.scales.to(at::kFloat);
   // A non-finite scale (a block that held an inf or a NaN): NaN throughout the block.
   s = at::where(s.isfinite(), s, at::full_like(s, NAN));
+  if (g_fault.load() == static_cast<int>(QuantizationFault::kScalesOffByOneBlock) && blocks > 1) {
+    s = at::cat({s.narrow(0, 1, blocks - 1), s.narrow(0, blocks - 1, 1)});
+  }
   if (blocks * q.block != q.numel) v = at::constant_pad_nd(v, {0, blocks * q.block - q.numel}, 0);
   at::Tensor out = (v.view({blocks, q.block}) * s.unsqueeze(1)).view({-1}).narrow(0, 0, q.numel);
   return out.to(dtype);
@@ -105,76 +119,191 @@ at::Tensor dequantize_blocks(const Quantized& q, at::ScalarType dtype) {
 
 // Note [Quantized collectives]
 // qwZ gathers weights quantized: each rank quantizes its shard by blocks (blocks never
-// cross shards; each shard's last block may be partial) and the data and the scales
-// travel in two all-gathers of the backend's own (a ring: (N - 1) parts leave each rank).
-// Every rank then dequantizes all N parts, its own too, so the ranks agree on the
-// weights. qgZ reduces gradients quantized: DeepSpeed's all-to-all, over point to point
-// here: chunk j goes to rank j quantized, and rank j sums the parts of its chunk in fp32
-// in rank order, its own part as it is (it never travels), then rounds once.
+// cross shards; each shard's last block may be partial) and packs the data and the scales
+// into one byte buffer, so one all-gather of the backend's own carries them (a ring:
+// (N - 1) parts leave each rank). Every rank then dequantizes all N parts, its own too, so
+// the ranks agree on the weights. qgZ reduces gradients quantized: DeepSpeed's all-to-all,
+// one packed part per destination: chunk j goes to rank j quantized, and rank j sums the
+// parts of its chunk in fp32 in rank order, its own part as it is (its copy to itself is
+// not used), then rounds once. Both return a Work at once and finish in wait(), so a
+// prefetched gather and an overlapped reduction overlap compute as the unquantized ones
+// do. Gloo and NCCL both run the all-to-all (c10d's alltoall_base), and the arithmetic is
+// ATen's on the tensors' device.
 
-int64_t quantized_all_gather(Backend& group, const at::Tensor& full, const at::Tensor& shard,
-                             int64_t block, int bits, at::ScalarType scale_dtype) {
+namespace {
+
+// One part's bytes: its data, then its scales.
+int64_t data_bytes(int64_t numel, int bits) { return bits == 8 ? numel : (numel + 1) / 2; }
+
+at::Tensor pack(const Quantized& q) {
+  return at::cat({q.data.view(at::kByte).reshape({-1}), q.scales.view(at::kByte).reshape({-1})});
+}
+
+// The part of `numel` elements packed at the start of `bytes`.
+Quantized unpack(const at::Tensor& bytes, int64_t numel, const QuantizeSpec& spec) {
+  Quantized q;
+  q.numel = numel;
+  q.block = spec.block;
+  q.bits = spec.bits;
+  const int64_t d = data_bytes(numel, spec.bits);
+  const int64_t blocks = (numel + spec.block - 1) / spec.block;
+  q.data = bytes.narrow(0, 0, d);
+  if (spec.bits == 8) q.data = q.data.view(at::kChar);
+  // A copy: a view as a wider dtype needs an aligned offset.
+  q.scales = bytes.narrow(0, d, blocks * static_cast<int64_t>(c10::elementSize(spec.scale_dtype)))
+                 .clone()
+                 .view(spec.scale_dtype);
+  return q;
+}
+
+int64_t part_bytes(int64_t numel, const QuantizeSpec& spec) {
+  return quantized_bytes(numel, spec.block, spec.bits, spec.scale_dtype);
+}
+
+// Chunk j of `x` (n equal chunks), each quantized and packed, one after another.
+at::Tensor pack_chunks(const at::Tensor& x, int n, const QuantizeSpec& spec) {
+  const int64_t c = x.numel() / n;
+  std::vector<at::Tensor> parts;
+  for (int j = 0; j < n; ++j) {
+    parts.push_back(pack(
+        quantize_blocks(x.narrow(0, j * c, c).detach(), spec.block, spec.bits, spec.scale_dtype)));
+  }
+  return at::cat(parts);
+}
+
+// The fp32 sum, in rank order, of the n parts of `c` elements packed in `received`, rank
+// `me`'s taken from `own` as it is.
+at::Tensor sum_parts(const at::Tensor& received, int n, int me, const at::Tensor& own, int64_t c,
+                     const QuantizeSpec& spec) {
+  const int64_t p = part_bytes(c, spec);
+  at::Tensor acc = at::zeros({c}, own.options().dtype(at::kFloat));
+  for (int r = 0; r < n; ++r) {
+    acc.add_(r == me ? own.to(at::kFloat)
+                     : dequantize_blocks(unpack(received.narrow(0, r * p, p), c, spec)));
+  }
+  return acc;
+}
+
+class FinishWork : public Work {
+ public:
+  FinishWork(std::shared_ptr<Work> inner, std::function<void()> finish)
+      : inner_(std::move(inner)), finish_(std::move(finish)) {}
+  void wait() override {
+    if (!finish_) return;
+    inner_->wait();
+    auto f = std::move(finish_);
+    finish_ = {};
+    at::NoGradGuard no_grad;
+    f();
+  }
+  void on_completion(std::function<void()> f) override { inner_->on_completion(std::move(f)); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  std::function<void()> finish_;
+};
+
+void check_spec(const QuantizeSpec& spec) {
+  check_args(at::empty({1}), spec.block, spec.bits, spec.scale_dtype);
+}
+
+}  // namespace
+
+std::shared_ptr<Work> quantized_all_gather(Backend& group, const at::Tensor& full,
+                                           const at::Tensor& shard, const QuantizeSpec& spec,
+                                           int64_t* wire) {
   const int n = group.size();
   TORCH_CHECK(full.dim() == 1 && full.numel() == n * shard.numel(),
               "quantized_all_gather: full has ", full.numel(), " elements, not ", n, " x ",
               shard.numel());
+  check_spec(spec);
   at::NoGradGuard no_grad;
-  const Quantized mine = quantize_blocks(shard.detach().reshape({-1}), block, bits, scale_dtype);
-  at::Tensor data = at::empty({n * mine.data.numel()}, mine.data.options());
-  at::Tensor scales = at::empty({n * mine.scales.numel()}, mine.scales.options());
-  auto w1 = group.all_gather(data, mine.data);
-  auto w2 = group.all_gather(scales, mine.scales);
-  w1->wait();
-  w2->wait();
   const int64_t part = shard.numel();
-  for (int r = 0; r < n; ++r) {
-    Quantized q = mine;
-    q.data = data.narrow(0, r * mine.data.numel(), mine.data.numel());
-    q.scales = scales.narrow(0, r * mine.scales.numel(), mine.scales.numel());
-    full.narrow(0, r * part, part).copy_(dequantize_blocks(q, full.scalar_type()));
-  }
-  return static_cast<int64_t>(n - 1) * quantized_bytes(part, block, bits, scale_dtype);
+  const at::Tensor mine =
+      pack(quantize_blocks(shard.detach().reshape({-1}), spec.block, spec.bits, spec.scale_dtype));
+  const int64_t p = mine.numel();
+  at::Tensor gathered = at::empty({n * p}, mine.options());
+  if (wire != nullptr) *wire = group.wire_bytes(WireOp::kAllGather, n * p, at::kByte, 0);
+  auto work = group.all_gather(gathered, mine);
+  return std::make_shared<FinishWork>(std::move(work), [=]() {
+    for (int r = 0; r < n; ++r) {
+      full.narrow(0, r * part, part)
+          .copy_(dequantize_blocks(unpack(gathered.narrow(0, r * p, p), part, spec),
+                                   full.scalar_type()));
+    }
+  });
 }
 
-int64_t quantized_reduce_scatter(Backend& group, const at::Tensor& full, const at::Tensor& shard,
-                                 int64_t block, int bits, int tag, at::ScalarType scale_dtype) {
+std::shared_ptr<Work> quantized_reduce_scatter(Backend& group, const at::Tensor& full,
+                                               const at::Tensor& shard, const QuantizeSpec& spec,
+                                               int64_t* wire) {
   const int n = group.size(), me = group.rank();
-  const int64_t chunk = shard.numel();
-  TORCH_CHECK(full.dim() == 1 && full.numel() == n * chunk, "quantized_reduce_scatter: full has ",
-              full.numel(), " elements, not ", n, " x ", chunk);
-  TORCH_CHECK(tag >= 0 && tag < (1 << 28), "quantized_reduce_scatter: tag=", tag,
-              " must be in [0, 2^28)");
+  const int64_t c = shard.numel();
+  TORCH_CHECK(full.dim() == 1 && full.numel() == n * c, "quantized_reduce_scatter: full has ",
+              full.numel(), " elements, not ", n, " x ", c);
+  check_spec(spec);
   at::NoGradGuard no_grad;
-  const int data_tag = 3 * (1 << 29) + 2 * tag, scales_tag = data_tag + 1;
-  std::vector<Quantized> in(static_cast<size_t>(n)), out(static_cast<size_t>(n));
-  std::vector<std::shared_ptr<Work>> works;
-  // The receive buffers and the sum on `full`'s device. (Over NCCL the point-to-point
-  // calls would need grouping; the engine does not call this there yet.)
-  const auto on = full.options();
-  for (int k = 1; k < n; ++k) {
-    const int from = (me - k + n) % n, to = (me + k) % n;
-    Quantized& q = in[static_cast<size_t>(from)];
-    q.numel = chunk;
-    q.block = block;
-    q.bits = bits;
-    q.data = at::empty({bits == 8 ? chunk : (chunk + 1) / 2},
-                       on.dtype(bits == 8 ? at::kChar : at::kByte));
-    q.scales = at::empty({(chunk + block - 1) / block}, on.dtype(scale_dtype));
-    works.push_back(group.recv(q.data, from, data_tag));
-    works.push_back(group.recv(q.scales, from, scales_tag));
-    Quantized& o = out[static_cast<size_t>(to)];
-    o = quantize_blocks(full.narrow(0, to * chunk, chunk).detach(), block, bits, scale_dtype);
-    works.push_back(group.send(o.data, to, data_tag));
-    works.push_back(group.send(o.scales, to, scales_tag));
-  }
-  for (auto& w : works) w->wait();
-  at::Tensor acc = at::zeros({chunk}, full.options().dtype(at::kFloat));
-  for (int r = 0; r < n; ++r) {
-    acc.add_(r == me ? full.narrow(0, me * chunk, chunk).to(at::kFloat)
-                     : dequantize_blocks(in[static_cast<size_t>(r)]));
-  }
-  shard.copy_(acc);
-  return static_cast<int64_t>(n - 1) * quantized_bytes(chunk, block, bits, scale_dtype);
+  const at::Tensor out = pack_chunks(full, n, spec);
+  at::Tensor in = at::empty_like(out);
+  if (wire != nullptr) *wire = group.wire_bytes(WireOp::kAllToAll, out.numel(), at::kByte, 0);
+  auto work = group.all_to_all(in, out);
+  return std::make_shared<FinishWork>(std::move(work), [=]() {
+    (void)out;  // alive until the exchange is done
+    shard.copy_(sum_parts(in, n, me, full.narrow(0, me * c, c), c, spec));
+  });
+}
+
+std::shared_ptr<Work> hierarchical_quantized_reduce_scatter(Backend& inner, Backend& outer,
+                                                            const at::Tensor& full,
+                                                            const at::Tensor& shard,
+                                                            const QuantizeSpec& spec, int64_t* wire,
+                                                            int64_t* outer_wire) {
+  const int k = inner.size(), m = outer.size(), l = inner.rank(), h = outer.rank();
+  const int64_t c = shard.numel();
+  TORCH_CHECK(full.dim() == 1 && full.numel() == int64_t{m} * k * c,
+              "hierarchical_quantized_reduce_scatter: full has ", full.numel(), " elements, not ",
+              m, " x ", k, " x ", c);
+  check_spec(spec);
+  at::NoGradGuard no_grad;
+  // Inner destination l' gets the m chunks its outer group owns: h' * k + l' for every h'.
+  const at::Tensor by_local = full.view({m, k, c}).transpose(0, 1).reshape({-1});
+  const at::Tensor out = pack_chunks(by_local, k, spec);
+  at::Tensor in = at::empty_like(out);
+  const int64_t inner_bytes = inner.wire_bytes(WireOp::kAllToAll, out.numel(), at::kByte, 0);
+  const int64_t second = m * part_bytes(c, spec);
+  const int64_t outer_bytes = outer.wire_bytes(WireOp::kAllToAll, second, at::kByte, 0);
+  if (wire != nullptr) *wire = inner_bytes + outer_bytes;
+  if (outer_wire != nullptr) *outer_wire = outer_bytes;
+  auto work = inner.all_to_all(in, out);
+  Backend* across = &outer;
+  return std::make_shared<FinishWork>(std::move(work), [=]() {
+    (void)out;
+    // This rank's m chunks, summed over its inner group, then chunk h' to outer rank h'.
+    const at::Tensor partial =
+        sum_parts(in, k, l, by_local.narrow(0, l * m * c, m * c), m * c, spec);
+    const at::Tensor out2 = pack_chunks(partial, m, spec);
+    at::Tensor in2 = at::empty_like(out2);
+    across->all_to_all(in2, out2)->wait();
+    shard.copy_(sum_parts(in2, m, h, partial.narrow(0, h * c, c), c, spec));
+  });
+}
+
+int64_t quantized_all_reduce(Backend& group, const at::Tensor& tensor, const QuantizeSpec& spec) {
+  const int n = group.size();
+  TORCH_CHECK(tensor.dim() == 1 && tensor.is_floating_point(),
+              "quantized_all_reduce: a 1-D floating tensor, got ", tensor.dim(),
+              " dimension(s) of ", tensor.scalar_type());
+  if (n == 1) return 0;
+  at::NoGradGuard no_grad;
+  const int64_t c = (tensor.numel() + n - 1) / n;
+  at::Tensor padded = at::constant_pad_nd(tensor.detach(), {0, n * c - tensor.numel()}, 0);
+  at::Tensor mine = at::empty({c}, tensor.options().dtype(at::kFloat));
+  int64_t sent_rs = 0, sent_ag = 0;
+  quantized_reduce_scatter(group, padded, mine, spec, &sent_rs)->wait();
+  at::Tensor all = at::empty({n * c}, mine.options());
+  quantized_all_gather(group, all, mine, spec, &sent_ag)->wait();
+  tensor.copy_(all.narrow(0, 0, tensor.numel()));
+  return sent_rs + sent_ag;
 }
 
 }  // namespace fsdp::detail

@@ -3,6 +3,7 @@
 // tensors]).
 #include "comm/backend.h"
 #include "comm/route.h"
+#include "comm/wire.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -320,6 +321,38 @@ class GlooBackend : public C10dBackend<GlooBackend, c10d::ProcessGroupGloo> {
     o.rootRank = root;
     pg_->broadcast(ts, o)->wait();
     if (auto back = copy_back(host, tensor)) back();
+  }
+
+  std::shared_ptr<Work> all_to_all(const at::Tensor& out, const at::Tensor& in) override {
+    // Note [Gloo with CUDA tensors]; bytes travel as bytes, in equal chunks.
+    at::Tensor host_in = to_host(in).view(at::kByte);
+    const at::Tensor host_out = host_buffer(out);
+    at::Tensor bytes_out = host_out.view(at::kByte);
+    std::vector<int64_t> equal;
+    return std::make_shared<C10dWork>(pg_->alltoall_base(bytes_out, host_in, equal, equal),
+                                      copy_back(host_out, out));
+  }
+
+  // Note [Wire bytes]: what this backend's algorithms send.
+  int64_t wire_bytes(WireOp op, int64_t bytes, at::ScalarType dtype, int root) const override {
+    const int n = init_.size;
+    const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+    // Gloo sums in the tensor's dtype, or in fp32 (gloo_reduces).
+    const int64_t summed = gloo_reduces(dtype) ? bytes : bytes / element * 4;
+    const int64_t summed_element = gloo_reduces(dtype) ? element : 4;
+    switch (op) {
+      case WireOp::kReduceScatter:
+        if (rs_algorithm_ == RsAlgorithm::kDirect) return ring_share_bytes(bytes, n);
+        return gloo_ring_all_reduce_bytes(summed, summed_element, n, init_.rank);
+      case WireOp::kAllReduce:
+        return gloo_ring_all_reduce_bytes(summed, summed_element, n, init_.rank);
+      case WireOp::kBroadcast:
+        return gloo_broadcast_bytes(bytes, n, init_.rank, root);
+      case WireOp::kAllGather:
+      case WireOp::kAllToAll:
+        break;
+    }
+    return ring_share_bytes(bytes, n);
   }
 
   std::shared_ptr<Work> send(const at::Tensor& tensor, int dst, int tag) override {
