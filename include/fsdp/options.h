@@ -53,6 +53,32 @@ struct OffloadConfig {
   int64_t buffer_bytes = int64_t{64} << 20;
 };
 
+/// ZeRO++'s quantized communication (DeepSpeed's zero_quantized_weights and
+/// zero_quantized_gradients; its hpZ, zero_hpz_partition_size, is
+/// ShardingOptions::reshard_after_forward_group_size). Values travel as int8 or int4 with
+/// one symmetric scale per block of elements, and are dequantized on arrival; every
+/// element comes back within half its block's scale. docs/design.md, "Quantized
+/// communication".
+struct QuantizedCommunication {
+  /// qwZ: the training all-gathers from the shards carry the parameters quantized, and
+  /// every rank computes with the dequantized values (its own shard's too). Gathers from
+  /// the hpZ group's slices travel unquantized: they hold those values already. Exports
+  /// and checkpoints never quantize.
+  bool weights = false;
+  /// qgZ: gradients are reduced through an all-to-all of quantized chunks, summed in fp32
+  /// in rank order: deterministic for a world size. With reshard_after_forward_group_size
+  /// = k (hpZ) it is hierarchical: inside each group of k ranks first, then across groups,
+  /// so 1/k as much crosses nodes. Under kHybridShard (or kNoShard) the all-reduce across
+  /// replicas is quantized too.
+  bool gradients = false;
+  int weight_bits = 8;    ///< 8 or 4
+  int gradient_bits = 8;  ///< 8 or 4
+  /// Elements per scale; blocks never cross a rank's part.
+  int64_t block_size = 2048;
+  /// kFloat32, or kBFloat16 (rounded up, so the error bound holds).
+  torch::Dtype scale_dtype = torch::kFloat32;
+};
+
 // Its own (implicit) constructors and assignments copy the deprecated cpu_offload
 // without a warning; a program that names the field gets one.
 #pragma GCC diagnostic push
@@ -73,6 +99,8 @@ struct ShardingOptions {
   /// instead of the whole shard group. k must divide the shard group size and be smaller
   /// than it; for kFullShard and kHybridShard only.
   int reshard_after_forward_group_size = 0;
+  /// ZeRO++'s qwZ and qgZ; nothing is quantized by default.
+  QuantizedCommunication quantized_communication;
   /// The ranks to shard over; defaults to a single process.
   ProcessGroup process_group = ProcessGroup();
   /// Device on which gathered parameters live and compute runs.

@@ -49,10 +49,15 @@ struct MemoryStats {
   MemoryCounter nvme_params;
 };
 
-/// Bytes moved by collectives. A collective is counted by the size of its full
-/// (unsharded) buffer: an all-gather by its output, a reduce-scatter by its input, an
-/// all-reduce and a broadcast by their tensor. This is what NCCL reads or writes per
-/// rank and does not depend on the algorithm a backend picks.
+/// Bytes moved by collectives, counted twice. The *_bytes figures count a collective by
+/// the size of its full (unsharded) buffer: an all-gather by its output, a reduce-scatter
+/// by its input, an all-reduce and a broadcast by their tensor. This is what NCCL reads or
+/// writes per rank and does not depend on the algorithm a backend picks, nor on
+/// quantization. The *_wire_bytes figures count what this rank sends to the other ranks,
+/// by the algorithm its backend runs (Gloo: a ring all-gather, a direct reduce-scatter, a
+/// ring all-reduce, a binomial-tree broadcast; NCCL: its ring's figures), quantized where
+/// ShardingOptions::quantized_communication says so; transport headers not included.
+/// docs/design.md, "Wire bytes".
 struct CommStats {
   int64_t all_gather_bytes = 0;
   int64_t reduce_scatter_bytes = 0;
@@ -64,6 +69,20 @@ struct CommStats {
   int64_t all_gather_calls = 0;
   int64_t reduce_scatter_calls = 0;
   int64_t all_reduce_calls = 0;
+  /// Bytes this rank sent, per kind (Note [Wire bytes] in src/comm/wire.cpp).
+  int64_t all_gather_wire_bytes = 0;
+  int64_t reduce_scatter_wire_bytes = 0;
+  int64_t all_reduce_wire_bytes = 0;
+  int64_t broadcast_wire_bytes = 0;
+  /// Of all_gather_wire_bytes: gathers from the reshard_after_forward group (inside one
+  /// node under hpZ).
+  int64_t reshard_group_all_gather_wire_bytes = 0;
+  /// Of reduce_scatter_wire_bytes: the cross-group exchange of hierarchical quantized
+  /// reductions (QuantizedCommunication::gradients with hpZ: what crosses nodes).
+  int64_t hierarchical_outer_wire_bytes = 0;
+  /// Of the calls above: those that travelled quantized (int8 or int4 with scales).
+  int64_t quantized_all_gather_calls = 0;
+  int64_t quantized_reduce_scatter_calls = 0;
   /// offload_optimizer: bytes copied from the host shards to the device for gathers (in
   /// param_dtype), and fp32 gradient shards copied back to the host. Not collectives:
   /// not in total_bytes(). An explicit copy even when the device is the CPU.
@@ -78,9 +97,14 @@ struct CommStats {
   /// was prefetched, so the read ran beside compute) rather than when they were issued.
   int64_t nvme_reads_ahead = 0;
 
-  /// Bytes moved by collectives.
+  /// Bytes moved by collectives (full buffers).
   int64_t total_bytes() const {
     return all_gather_bytes + reduce_scatter_bytes + all_reduce_bytes + broadcast_bytes;
+  }
+  /// Bytes this rank sent for collectives.
+  int64_t wire_bytes() const {
+    return all_gather_wire_bytes + reduce_scatter_wire_bytes + all_reduce_wire_bytes +
+           broadcast_wire_bytes;
   }
 };
 

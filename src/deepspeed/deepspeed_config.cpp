@@ -156,6 +156,7 @@ class ConfigReader {
   void zero_tuning(const json& z, int stage);
   void offload(const json& o, const std::string& path, OffloadConfig& c, bool param);
   void prefetch(const json& z, int stage);
+  void zero_plus_plus(const json& z, int stage);
 
   const DeepSpeedProgramValues& p_;
   DeepSpeedConfig& out_;
@@ -675,7 +676,10 @@ void ConfigReader::zero(const json& z_in) {
               "stage3_param_persistence_threshold",
               "stage3_gather_16bit_weights_on_model_save",
               "stage3_gather_fp16_weights_on_model_save",
-              "sub_group_size"});
+              "sub_group_size",
+              "zero_quantized_weights",
+              "zero_quantized_gradients",
+              "zero_hpz_partition_size"});
   ShardingOptions& so = out_.sharding;
   int stage = 0;
   if (z.contains("stage")) {
@@ -693,6 +697,54 @@ void ConfigReader::zero(const json& z_in) {
   zero_offload(z);
   zero_tuning(z, stage);
   prefetch(z, stage);
+  zero_plus_plus(z, stage);
+}
+
+// ZeRO++'s three keys (Note [Quantized training]): qwZ, qgZ and hpZ, at stage 3 as in
+// DeepSpeed.
+void ConfigReader::zero_plus_plus(const json& z, int stage) {
+  ShardingOptions& so = out_.sharding;
+  const std::string only3 = "stage 3 only (DeepSpeed's ZeRO++ is a ZeRO-3 feature)";
+  if (z.contains("zero_quantized_weights")) {
+    const std::string path = "zero_optimization.zero_quantized_weights";
+    const bool on = boolean(path, z["zero_quantized_weights"]) && stage == 3;
+    so.quantized_communication.weights = on;
+    note(path, z["zero_quantized_weights"], stage == 3,
+         stage != 3 ? only3
+                    : std::string("ShardingOptions::quantized_communication.weights = ") +
+                          (on ? "true: parameter all-gathers carry int8 with one scale per " +
+                                    std::to_string(so.quantized_communication.block_size) +
+                                    " elements (qwZ)"
+                              : "false"));
+  }
+  if (z.contains("zero_quantized_gradients")) {
+    const std::string path = "zero_optimization.zero_quantized_gradients";
+    const bool on = boolean(path, z["zero_quantized_gradients"]) && stage == 3;
+    so.quantized_communication.gradients = on;
+    note(path, z["zero_quantized_gradients"], stage == 3,
+         stage != 3 ? only3
+                    : std::string("ShardingOptions::quantized_communication.gradients = ") +
+                          (on ? "true: gradients reduce through an all-to-all of int8 chunks, "
+                                "summed in fp32 in rank order (qgZ; hierarchical with "
+                                "zero_hpz_partition_size)"
+                              : "false"));
+  }
+  if (z.contains("zero_hpz_partition_size")) {
+    const std::string path = "zero_optimization.zero_hpz_partition_size";
+    const int64_t k = integer(path, z["zero_hpz_partition_size"], {}, 1);
+    const int64_t world = p_.world_size / std::max(1, out_.pipeline_stages);
+    TORCH_CHECK(k == 1 || (k < world && world % k == 0), "ds_config: ", path, " ", k,
+                " must divide the data-parallel world size ", world,
+                " and be smaller than it (the ranks of one node, e.g. 8); 1 turns hpZ off");
+    if (stage == 3) so.reshard_after_forward_group_size = k == 1 ? 0 : static_cast<int>(k);
+    note(path, z["zero_hpz_partition_size"], stage == 3,
+         stage != 3 ? only3
+         : k == 1   ? "1: no secondary shard (DeepSpeed's default)"
+                    : "ShardingOptions::reshard_after_forward_group_size = " + std::to_string(k) +
+                        ": after forward each unit keeps a 1/" + std::to_string(k) +
+                        " slice in its group of " + std::to_string(k) +
+                        " ranks, and backward gathers from there (hpZ)");
+  }
 }
 
 // zero_optimization's offload sections and the deprecated switches for them.

@@ -1,6 +1,7 @@
 #include "comm_context.h"
 
 #include "comm/collective_ring.h"
+#include "comm/quantize.h"
 
 #include <algorithm>
 
@@ -49,12 +50,27 @@ std::shared_ptr<Work> CommContext::all_gather(FlatParam& flat) {
   CollectiveLabel label(flat.label());
   std::shared_ptr<Work> work;
   std::function<void()> join;
-  if (in.from_slice) {  // Note [Post-forward slices]
-    acct_->count_reshard_group_gather(flat.full_bytes());
+  const int64_t full_bytes = flat.full_bytes();
+  const auto dtype = flat.full().scalar_type();
+  if (in.from_slice) {  // Note [Post-forward slices]: unquantized (Note [Quantized training])
+    acct_->count_reshard_group_gather(
+        full_bytes, cfg.reshard_group->wire_bytes(WireOp::kAllGather, full_bytes, dtype, 0));
     work = cfg.reshard_group->all_gather(flat.full(), in.input);
   } else {
-    if (cfg.shard_group->size() > 1) acct_->count(Collective::kAllGather, flat.full_bytes());
-    auto issue = [&]() { work = cfg.shard_group->all_gather(flat.full(), in.input); };
+    Backend& group = *cfg.shard_group;
+    const bool quantized = cfg.quantize_weights.has_value() && group.size() > 1;
+    auto issue = [&]() {
+      if (!quantized) {
+        work = group.all_gather(flat.full(), in.input);
+        return;
+      }
+      int64_t wire = 0;
+      work = quantized_all_gather(group, flat.full(), in.input, *cfg.quantize_weights, &wire);
+      acct_->count(Collective::kAllGather, full_bytes, wire, /*quantized=*/true);
+    };
+    if (group.size() > 1 && !quantized)
+      acct_->count(Collective::kAllGather, full_bytes,
+                   group.wire_bytes(WireOp::kAllGather, full_bytes, dtype, 0));
     if (in.staging.defined() && cfg.offload) {
       join = cfg.transfers->on_stream(issue, in.staging);
     } else if (in.copied.defined()) {
@@ -90,11 +106,7 @@ void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
     const FlatConfig& cfg = flat.config();
     Reduction r{&flat, grad, grad, nullptr};
     if (cfg.shard_group->size() > 1) {
-      at::NoGradGuard no_grad;
-      r.out = at::empty({flat.shard_numel()}, grad.options());
-      acct_->count(Collective::kReduceScatter, static_cast<int64_t>(grad.nbytes()));
-      CollectiveLabel label(flat.label());
-      r.work = cfg.shard_group->reduce_scatter_sum(r.in, r.out);
+      issue_reduction(r);
     } else {
       r.work = std::make_shared<DoneWork>();
     }
@@ -109,6 +121,34 @@ void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
   park(flat);  // its own earlier reduction may have finished above
 }
 
+// Note [Quantized training]: with qgZ the reduction travels quantized, flat or
+// hierarchical, and sums into an fp32 shard.
+void CommContext::issue_reduction(Reduction& r) {
+  FlatParam& flat = *r.flat;
+  const FlatConfig& cfg = flat.config();
+  at::NoGradGuard no_grad;
+  CollectiveLabel label(flat.label());
+  const auto bytes = static_cast<int64_t>(r.in.nbytes());
+  if (!cfg.quantize_gradients) {
+    r.out = at::empty({flat.shard_numel()}, r.in.options());
+    acct_->count(Collective::kReduceScatter, bytes,
+                 cfg.shard_group->wire_bytes(WireOp::kReduceScatter, bytes, r.in.scalar_type(), 0));
+    r.work = cfg.shard_group->reduce_scatter_sum(r.in, r.out);
+    return;
+  }
+  r.out = at::empty({flat.shard_numel()}, r.in.options().dtype(at::kFloat));
+  int64_t wire = 0, outer = 0;
+  if (cfg.hierarchy_outer) {
+    r.work = hierarchical_quantized_reduce_scatter(*cfg.hierarchy_inner, *cfg.hierarchy_outer, r.in,
+                                                   r.out, *cfg.quantize_gradients, &wire, &outer);
+    acct_->count_hierarchical_outer(outer);
+  } else {
+    r.work =
+        quantized_reduce_scatter(*cfg.shard_group, r.in, r.out, *cfg.quantize_gradients, &wire);
+  }
+  acct_->count(Collective::kReduceScatter, bytes, wire, /*quantized=*/true);
+}
+
 void CommContext::finish_oldest() {
   Reduction r = std::move(reductions_.front());
   reductions_.erase(reductions_.begin());
@@ -117,10 +157,17 @@ void CommContext::finish_oldest() {
   const FlatConfig& cfg = flat.config();
   at::NoGradGuard no_grad;
   at::Tensor out = std::move(r.out);
-  if (cfg.replicate_group->size() > 1) {
-    acct_->count(Collective::kAllReduce, static_cast<int64_t>(out.nbytes()));
+  if (Backend& across = *cfg.replicate_group; across.size() > 1) {
+    const auto bytes = static_cast<int64_t>(out.nbytes());
     CollectiveLabel label(flat.label());
-    cfg.replicate_group->all_reduce(out, ReduceKind::kSum)->wait();
+    if (cfg.quantize_gradients) {  // Note [Quantized training]
+      acct_->count(Collective::kAllReduce, bytes,
+                   quantized_all_reduce(across, out, *cfg.quantize_gradients));
+    } else {
+      acct_->count(Collective::kAllReduce, bytes,
+                   across.wire_bytes(WireOp::kAllReduce, bytes, out.scalar_type(), 0));
+      across.all_reduce(out, ReduceKind::kSum)->wait();
+    }
   }
   Accounting::release(acct_->mem.comm_buffers, static_cast<int64_t>(r.in.nbytes()));
   r.in = at::Tensor();

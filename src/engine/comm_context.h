@@ -86,6 +86,8 @@ class CommContext {
     std::function<void()> first;              ///< the copy that became the gradient shard
     std::vector<Transfers::HostCopy> to_add;  ///< copies to add into it once landed
   };
+  /// Issues `r`'s reduce-scatter over its flat parameter's shard group (sets out, work).
+  void issue_reduction(Reduction& r);
   /// Waits for the oldest reduction and adds its result into the gradient shard.
   void finish_oldest();
   Landing& landing_of(FlatParam& flat);

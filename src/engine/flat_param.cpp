@@ -66,7 +66,9 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
     if (sync) {
       CollectiveLabel label(this->label());
       broadcast_group->broadcast(v, 0);
-      cfg_.acct->count(Collective::kBroadcast, bytes_of(s.numel, at::kFloat));
+      const int64_t bytes = bytes_of(s.numel, at::kFloat);
+      cfg_.acct->count(Collective::kBroadcast, bytes,
+                       broadcast_group->wire_bytes(WireOp::kBroadcast, bytes, at::kFloat, 0));
     }
     const int64_t a = std::max(lo, s.offset), b = std::min(hi, s.offset + s.numel);
     if (a < b) shard_.narrow(0, a - lo, b - a).copy_(v.narrow(0, a - s.offset, b - a));
@@ -471,8 +473,11 @@ at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   // On the compute device, where the collectives run (with offload the shard is on the host).
   auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
   at::Tensor out = at::empty({padded_}, opts);
-  if (cfg_.shard_group->size() > 1)
-    cfg_.acct->count(Collective::kAllGather, bytes_of(padded_, at::kFloat));
+  if (cfg_.shard_group->size() > 1) {
+    const int64_t bytes = bytes_of(padded_, at::kFloat);
+    cfg_.acct->count(Collective::kAllGather, bytes,
+                     cfg_.shard_group->wire_bytes(WireOp::kAllGather, bytes, at::kFloat, 0));
+  }
   CollectiveLabel label(this->label());
   cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
   return out;

@@ -5,6 +5,7 @@
 
 #include "accounting.h"
 #include "comm/backend.h"
+#include "comm/quantize.h"
 #include "transfers.h"
 
 namespace fsdp::detail::nvme {
@@ -17,6 +18,7 @@ class IoEngine;
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +47,12 @@ struct FlatConfig {
   /// Groups of k consecutive ranks inside the shard group that units reshard to after a
   /// training forward (ShardingOptions::reshard_after_forward_group_size); null: none.
   std::shared_ptr<Backend> reshard_group;
+  /// ShardingOptions::quantized_communication (Note [Quantized training]): set when that
+  /// direction travels quantized.
+  std::optional<QuantizeSpec> quantize_weights, quantize_gradients;
+  /// Hierarchical qgZ: the reshard group (inside) and the ranks with this rank's index in
+  /// every reshard group (across); null: a flat quantized reduce-scatter.
+  std::shared_ptr<Backend> hierarchy_inner, hierarchy_outer;
   int world_size = 1;                        ///< gradients are averaged over this many ranks
   at::Device device = at::kCPU;              ///< where the shard and gathered params live
   at::ScalarType param_dtype = at::kFloat;   ///< gathered (compute) dtype

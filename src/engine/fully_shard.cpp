@@ -178,7 +178,22 @@ ShardingOptions resolve_deprecated(const ShardingOptions& given) {
   return o;
 }
 
+void validate_quantized(const QuantizedCommunication& q) {
+  if (!q.weights && !q.gradients) return;
+  for (auto [bits, name] :
+       {std::pair{q.weight_bits, "weight_bits"}, std::pair{q.gradient_bits, "gradient_bits"}}) {
+    TORCH_CHECK(bits == 8 || bits == 4, "QuantizedCommunication::", name, "=", bits,
+                " is unsupported; use 8 (int8) or 4 (int4)");
+  }
+  TORCH_CHECK(q.block_size >= 1, "QuantizedCommunication::block_size=", q.block_size,
+              " must be at least 1 element (2048 is DeepSpeed's kind of default)");
+  TORCH_CHECK(q.scale_dtype == at::kFloat || q.scale_dtype == at::kBFloat16,
+              "QuantizedCommunication::scale_dtype=", q.scale_dtype,
+              " is unsupported; use Float or BFloat16");
+}
+
 void validate(const ShardingOptions& o) {
+  validate_quantized(o.quantized_communication);
   TORCH_CHECK(o.auto_wrap_policy != nullptr,
               "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
               "shard everything as one unit");
@@ -368,6 +383,26 @@ void cast_buffers(torch::nn::Module& root, const MixedPrecision& mp) {
 //   (twice per step under ZeRO-3: forward and backward).
 // Gradient shards come back to the host after each reduce-scatter in both.
 
+// Note [Quantized training]
+// ShardingOptions::quantized_communication becomes each direction's QuantizeSpec. qgZ is
+// hierarchical where hpZ groups exist and the shard group is the world (kFullShard): the
+// reshard groups are the inside, and the ranks with the same index in each are split off
+// here as the outside (after every other split, in the same order on every rank).
+void set_quantization(const ShardingOptions& options, FlatConfig& cfg) {
+  const QuantizedCommunication& q = options.quantized_communication;
+  if (q.weights) cfg.quantize_weights = QuantizeSpec{q.block_size, q.weight_bits, q.scale_dtype};
+  if (!q.gradients) return;
+  cfg.quantize_gradients = QuantizeSpec{q.block_size, q.gradient_bits, q.scale_dtype};
+  const ProcessGroup& world = options.process_group;
+  const int k = options.reshard_after_forward_group_size;
+  if (k > 0 && cfg.shard_group->size() == world.size()) {
+    std::vector<std::vector<int>> across(static_cast<size_t>(k));
+    for (int r = 0; r < world.size(); ++r) across[static_cast<size_t>(r % k)].push_back(r);
+    cfg.hierarchy_inner = cfg.reshard_group;
+    cfg.hierarchy_outer = GroupAccess::backend(world)->split(across);
+  }
+}
+
 // What every flat parameter of the model shares: dtypes, device, offload, counters, and
 // the groups. FULL_SHARD and SHARD_GRAD_OP shard over the world; HYBRID_SHARD within
 // groups of hybrid_group_size and replicates across them; NO_SHARD not at all.
@@ -418,6 +453,7 @@ FlatConfig model_flat_config(const ShardingOptions& options, Runtime& rt) {
     for (int r = 0; r < world.size(); ++r) groups[r / k].push_back(r);
     cfg.reshard_group = GroupAccess::backend(world)->split(groups);
   }
+  set_quantization(options, cfg);
   return cfg;
 }
 

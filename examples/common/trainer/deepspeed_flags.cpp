@@ -17,6 +17,7 @@ std::string to_text(double v) {
 }
 std::string to_text(int64_t v) { return std::to_string(v); }
 std::string to_text(int v) { return std::to_string(v); }
+std::string to_text(bool v) { return v ? "true" : "false"; }
 std::string to_text(const std::string& v) { return v; }
 std::string to_text(fsdp::ShardingStrategy s) {
   switch (s) {
@@ -184,6 +185,16 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   if (ds.has("zero_optimization.stage3_param_persistence_threshold"))
     set("persistence-threshold-numel", "zero_optimization.stage3_param_persistence_threshold",
         so.persistence_threshold_numel, ds.sharding.persistence_threshold_numel);
+  const fsdp::QuantizedCommunication& q = ds.sharding.quantized_communication;
+  if (ds.has("zero_optimization.zero_quantized_weights"))
+    set("quantize-weights", "zero_optimization.zero_quantized_weights",
+        so.quantized_communication.weights, q.weights);
+  if (ds.has("zero_optimization.zero_quantized_gradients"))
+    set("quantize-gradients", "zero_optimization.zero_quantized_gradients",
+        so.quantized_communication.gradients, q.gradients);
+  if (ds.has("zero_optimization.zero_hpz_partition_size"))
+    set("hpz-group-size", "zero_optimization.zero_hpz_partition_size",
+        so.reshard_after_forward_group_size, ds.sharding.reshard_after_forward_group_size);
   if (ds.has("steps_per_print"))
     set("log-every", "steps_per_print", f.output.log_every, ds.steps_per_print);
   else if (!f.given.count("log-every"))

@@ -146,6 +146,19 @@ void add_sharding_flags(cxxopts::Options& o) {
        "stage3_param_persistence_threshold); 0: none",
        value<int64_t>("0"));
   flag("hybrid-group-size", "ranks per shard group for --sharding hybrid", value<int>("0"));
+  flag("hpz-group-size",
+       "ZeRO++ hpZ (FSDP2's reshard_after_forward=K): after forward each unit keeps a 1/K slice in "
+       "its group of K consecutive ranks (one node), and backward gathers from there; 0: off",
+       value<int>("0"));
+  flag("quantize-weights",
+       "ZeRO++ qwZ: parameter all-gathers carry int8 (--quantize-weight-bits) with one scale per "
+       "--quantize-block elements");
+  flag("quantize-gradients",
+       "ZeRO++ qgZ: gradients reduce through an all-to-all of int8 (--quantize-gradient-bits) "
+       "chunks, summed in fp32; hierarchical with --hpz-group-size");
+  flag("quantize-weight-bits", "8 or 4", value<int>("8"));
+  flag("quantize-gradient-bits", "8 or 4", value<int>("8"));
+  flag("quantize-block", "elements per quantization scale", value<int64_t>("2048"));
   flag("wrap", "block|size:N|none", value<std::string>("block"));
   flag("activation-checkpointing", "none|all|every:K (blocks recomputed in backward)",
        value<std::string>("none"));
@@ -576,6 +589,32 @@ void read_pure_bf16(const cxxopts::ParseResult& r, ShardingFlags& s) {
                                                             : Rounding::kNearest;
 }
 
+// ZeRO++'s flags: hpZ and the quantized communication (fsdp::QuantizedCommunication).
+void read_zero_plus_plus(const cxxopts::ParseResult& r, fsdp::ShardingOptions& o) {
+  o.reshard_after_forward_group_size = r["hpz-group-size"].as<int>();
+  fsdp::QuantizedCommunication& q = o.quantized_communication;
+  q.weights = r.count("quantize-weights") > 0;
+  q.gradients = r.count("quantize-gradients") > 0;
+  q.weight_bits = r["quantize-weight-bits"].as<int>();
+  q.gradient_bits = r["quantize-gradient-bits"].as<int>();
+  q.block_size = r["quantize-block"].as<int64_t>();
+  for (auto [name, bits] : {std::pair{"quantize-weight-bits", q.weight_bits},
+                            std::pair{"quantize-gradient-bits", q.gradient_bits}}) {
+    if (bits != 8 && bits != 4)
+      throw UsageError("--" + std::string(name) + " " + std::to_string(bits) +
+                       " is unsupported; use 8 (int8) or 4 (int4)");
+  }
+  if (q.block_size < 1)
+    throw UsageError("--quantize-block " + std::to_string(q.block_size) +
+                     " must be at least 1 element (2048 is the default)");
+  const bool tuned = r.count("quantize-weight-bits") + r.count("quantize-gradient-bits") +
+                     r.count("quantize-block");
+  if (tuned && !q.weights && !q.gradients)
+    throw UsageError(
+        "--quantize-weight-bits, --quantize-gradient-bits and --quantize-block tune "
+        "--quantize-weights and --quantize-gradients, and neither is given; add one");
+}
+
 ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   ShardingFlags s;
   s.precision = r["precision"].as<std::string>();
@@ -646,6 +685,7 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.options.device = examples::parse_device_flag(s.device, backend);
   s.backend = examples::parse_backend_flag(s.options.device, backend);
   s.options.prefetch = r.count("no-prefetch") == 0;
+  read_zero_plus_plus(r, s.options);
   read_pure_bf16(r, s);
   s.options.trace = r["trace"].as<std::string>();
   return s;

@@ -139,6 +139,10 @@ void TrainLog::write(const StepRecord& r) {
                         {"step_s", r.step_s},
                         {"peak_bytes", r.peak_bytes},
                         {"comm_bytes", r.comm.total_bytes()},
+                        // What this rank sent (Note [Wire bytes]), and of it the
+                        // hierarchical reductions' cross-node part.
+                        {"wire_bytes", r.comm.wire_bytes()},
+                        {"wire_bytes_outer", r.comm.hierarchical_outer_wire_bytes},
                         // What shows the features ran: regions recomputed so far (this
                         // rank), and this step's offload copies.
                         {"recomputes", r.recomputes},
@@ -170,7 +174,8 @@ void TrainLog::print_progress(const StepRecord& r) const {
             << " | lr " << std::scientific << std::setprecision(2) << r.lr << std::fixed << " | "
             << std::setprecision(0) << r.tokens_per_s << " tok/s | engine peak "
             << human_bytes(static_cast<double>(r.peak_bytes)) << " | comm "
-            << human_bytes(static_cast<double>(r.comm.total_bytes())) << "/step"
+            << human_bytes(static_cast<double>(r.comm.total_bytes())) << "/step, sent "
+            << human_bytes(static_cast<double>(r.comm.wire_bytes()))
             << (scaler ? " | loss scale " + std::to_string(static_cast<int64_t>(scaler->scale)) +
                              ", skipped " + std::to_string(scaler->skipped_steps)
                        : std::string())
