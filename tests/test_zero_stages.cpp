@@ -454,3 +454,52 @@ TEST(PrefetchBounds, UnitsBelowThePersistenceThresholdStayGatheredAcrossUses) {
 }
 
 }  // namespace
+
+// Note [Writes the version counter misses]: LibTorch's SGD steps through Tensor::data(),
+// which the shards' version counters do not see. kZero1 and kZero2 (and a unit kept by
+// persistence_threshold_numel) still regather after such a step, and train exactly like
+// kFullShard. And when only one rank's shard changed, every rank regathers (they agree),
+// so the ranks keep issuing the same collectives and compute with the same weights.
+TEST(ZeroStages, StepsThroughDataAreSeenAndAgreedOn) {
+  run_ranks(2, [](const ProcessGroup& pg) {
+    auto losses = [&](ShardingOptions o) {
+      torch::manual_seed(5);
+      auto model = fully_shard(MlpNet(), o);
+      torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.05));
+      std::vector<float> out;
+      for (int step = 0; step < 4; ++step) {
+        auto [x, y] = mlp_batch(step, 8);
+        auto loss = torch::mse_loss(model(my_rows(x, pg)), my_rows(y, pg));
+        loss.backward();
+        opt.step();
+        opt.zero_grad();
+        out.push_back(loss.item<float>());
+      }
+      return out;
+    };
+    const auto full = losses(options_for(pg, ShardingStrategy::kFullShard, false));
+    EXPECT_EQ(losses(options_for(pg, ShardingStrategy::kZero2, false)), full);
+    EXPECT_EQ(losses(options_for(pg, ShardingStrategy::kZero1, false)), full);
+    auto kept = options_for(pg, ShardingStrategy::kFullShard, false);
+    kept.persistence_threshold_numel = 1 << 20;  // every unit kept gathered
+    EXPECT_EQ(losses(kept), full);
+
+    // Rank 0 alone changes its part of the first unit through .data().
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kZero2}) {
+      torch::manual_seed(5);
+      auto model = fully_shard(MlpNet(), options_for(pg, strategy, false));
+      auto [x, y] = mlp_batch(0, 8);
+      torch::NoGradGuard no_grad;
+      model(my_rows(x, pg));
+      if (pg.rank() == 0) model.sharded_parameters()[0].data().add_(0.5);
+      const auto before = model.comm_stats().total.all_gather_calls;
+      auto out = model(x);  // the whole batch: the same output on every rank
+      EXPECT_GT(model.comm_stats().total.all_gather_calls, before);
+      auto all = torch::empty({2 * out.numel()});
+      pg.all_gather(all, out.reshape({-1}).contiguous());
+      EXPECT_TRUE(
+          torch::equal(all.narrow(0, 0, out.numel()), all.narrow(0, out.numel(), out.numel())))
+          << "the ranks computed with different weights";
+    }
+  });
+}

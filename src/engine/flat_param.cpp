@@ -466,6 +466,35 @@ void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& f
   g.unsafeGetTensorImpl()->bump_version();
 }
 
+// Note [Writes the version counter misses]
+// Persistent units (kZero2, kZero1, persistence_threshold_numel) keep their full
+// parameters across optimizer steps and gather again once the shards changed. The
+// version counter sees in-place writes to the shard itself (FusedAdamW, torch::optim::AdamW)
+// but not those through Tensor::data(), whose result counts its own versions: LibTorch's
+// SGD steps that way, and so does a program that copies weights in through .data(). So
+// the check also compares this rank's part of the full buffer with what a gather of the
+// shard would put there now: the shard (or the optimizer's param_dtype copy, while fresh)
+// in param_dtype, quantized and dequantized as the gather would under qwZ. That costs a
+// read of the shard per unit and forward. A rank may see a change where another does not
+// (its part changed, theirs not), so the runtime agrees over the shard group before
+// regathering (Runtime::pre_forward). Host shards (offload) and parameter files are
+// stepped by FusedAdamW, which bumps the version, and are not read here.
+bool FlatParam::changed_since_gather() const {
+  if (alias_ || !full_allocated()) return false;
+  if (stale()) return true;
+  if (cfg_.offload || file_ || shard_numel_ == 0) return false;
+  at::NoGradGuard no_grad;
+  const bool fresh = lowp_.defined() && lowp_version_->load() == shard_._version();
+  at::Tensor expected = fresh ? lowp_ : shard_.detach().to(cfg_.param_dtype);
+  if (cfg_.quantize_weights && cfg_.shard_group->size() > 1) {
+    const QuantizeSpec& q = *cfg_.quantize_weights;
+    expected = dequantize_blocks(quantize_blocks(expected, q.block, q.bits, q.scale_dtype),
+                                 cfg_.param_dtype);
+  }
+  const at::Tensor mine = full_.narrow(0, cfg_.shard_group->rank() * shard_numel_, shard_numel_);
+  return !at::equal(mine, expected.to(mine.device()));
+}
+
 at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
   TORCH_CHECK(shard_like.numel() == shard_numel_, "gather: expected a tensor of ", shard_numel_,
               " elements laid out like the shard, got ", shard_like.numel());

@@ -136,6 +136,11 @@ class FlatParam {
   bool stale() const {
     return !alias_ && full_allocated() && shard_._version() != gathered_version_;
   }
+  /// Note [Writes the version counter misses]: stale(), or this rank's part of the full
+  /// buffer is not what gathering the shard now would put there (a write through
+  /// Tensor::data(), which has its own version counter, as torch::optim::SGD's step).
+  /// Local: ranks must agree before acting on it.
+  bool changed_since_gather() const;
 
   /// Group of one computing in the shards' dtype (Note [Group of one]): the full buffer is
   /// the shard itself.

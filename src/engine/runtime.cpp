@@ -1,5 +1,7 @@
 #include "runtime.h"
 
+#include "comm/collective_ring.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -239,6 +241,38 @@ void Runtime::prefetch_gathers(const Unit& u, int direction) {
   }
 }
 
+// Note [Writes the version counter misses]: units still gathered from before (persistent
+// ones) are gathered again when their shards changed on any rank of the shard group, which
+// the ranks agree on in one small all-reduce (max) of a flag per such unit.
+void Runtime::reshard_changed() {
+  std::vector<Unit*> kept;
+  for (auto& x : units_) {
+    if (x->state() == ShardedState::kSharded) {
+      x->reshard();
+    } else {
+      kept.push_back(x.get());
+    }
+  }
+  if (kept.empty()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor flags = at::zeros({static_cast<int64_t>(kept.size())}, at::kInt);
+  for (size_t i = 0; i < kept.size(); ++i)
+    flags[static_cast<int64_t>(i)] = kept[i]->changed_since_gather() ? 1 : 0;
+  Backend& group = *flats_.front()->config().shard_group;
+  if (group.size() > 1) {
+    at::Tensor agreed = flags.to(options_.device);
+    const auto bytes = static_cast<int64_t>(agreed.nbytes());
+    acct_.count(Collective::kAllReduce, bytes,
+                group.wire_bytes(WireOp::kAllReduce, bytes, at::kInt, 0));
+    CollectiveLabel label("the change check of units kept gathered");
+    group.all_reduce(agreed, ReduceKind::kMax)->wait();
+    flags = agreed.to(at::kCPU);
+  }
+  for (size_t i = 0; i < kept.size(); ++i) {
+    if (flags[static_cast<int64_t>(i)].item<int>() != 0) kept[i]->reshard();
+  }
+}
+
 void Runtime::pre_forward(Unit& u) {
   if (u.is_root() && at::GradMode::is_enabled() && phase_ == Phase::kIdle) {
     phase_ = Phase::kForward;  // a new iteration: its own step counters
@@ -247,9 +281,7 @@ void Runtime::pre_forward(Unit& u) {
   if (u.is_root() && phase_ != Phase::kBackward) {
     // Slices a forward left for a backward that never came (Note [Post-forward slices])
     // are not reused: an optimizer step may have come between.
-    for (auto& x : units_) {
-      if (x->state() == ShardedState::kSharded || x->stale()) x->reshard();
-    }
+    reshard_changed();
   }
   u.forward_span.open("forward", [&]() {
     return (phase_ == Phase::kBackward ? "recompute " : "forward ") + u.trace_name();

@@ -100,6 +100,9 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::map<std::string, at::Tensor>& staging_pool() { return staging_pool_; }
 
  private:
+  /// At the root's forward: reshards units left sharded-in-progress and units kept
+  /// gathered whose shards changed on some rank (Note [Writes the version counter misses]).
+  void reshard_changed();
   void prefetch_from(const Unit& u, int direction);
   /// prefetch_from()'s gathers.
   void prefetch_gathers(const Unit& u, int direction);

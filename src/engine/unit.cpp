@@ -66,6 +66,13 @@ int64_t Unit::numel() const {
   return n;
 }
 
+bool Unit::changed_since_gather() const {
+  for (const auto& f : flats_) {
+    if (f->changed_since_gather()) return true;
+  }
+  return false;
+}
+
 bool Unit::stale() const {
   for (const auto& f : flats_) {
     if (f->stale()) return true;

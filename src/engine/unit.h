@@ -97,6 +97,8 @@ class Unit {
   int64_t numel() const;
   /// Some flat parameter's full buffer is stale (FlatParam::stale()).
   bool stale() const;
+  /// Some flat parameter changed since its gather (FlatParam::changed_since_gather()).
+  bool changed_since_gather() const;
   /// Note [Per-unit trace]: this unit's forward (or recompute) and backward spans.
   trace::OpenSpan forward_span;
   trace::OpenSpan backward_span;
