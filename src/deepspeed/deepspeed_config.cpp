@@ -955,6 +955,16 @@ std::string DeepSpeedConfig::describe() const {
     s << "max_gathered_units " << so.max_gathered_units;
   if (so.persistence_threshold_numel > 0)
     s << ", persistence_threshold_numel " << so.persistence_threshold_numel;
+  const QuantizedCommunication& q = so.quantized_communication;
+  if (q.weights || q.gradients || so.reshard_after_forward_group_size > 0) {
+    s << "\n  ZeRO++: weights "
+      << (q.weights ? "int" + std::to_string(q.weight_bits) : "unquantized") << ", gradients "
+      << (q.gradients ? "int" + std::to_string(q.gradient_bits) : "unquantized") << " (blocks of "
+      << q.block_size << "), hpZ group "
+      << (so.reshard_after_forward_group_size > 0
+              ? std::to_string(so.reshard_after_forward_group_size)
+              : "off");
+  }
   s << "\n  batch " << train_batch_size << " = micro " << micro_batch_per_rank << " x accumulation "
     << gradient_accumulation_steps;
   if (pipeline_stages > 1) {

@@ -84,6 +84,19 @@ void print_summary(const fsdp::ShardedModel& model, const Flags& flags, const Da
                     ? ", checkpointed inputs offloaded to host memory"
                     : "")
             << "\n";
+  const fsdp::QuantizedCommunication& q = flags.sharding.options.quantized_communication;
+  const int hpz = flags.sharding.options.reshard_after_forward_group_size;
+  if (q.weights || q.gradients || hpz > 0) {
+    std::cout << program() << ": ZeRO++: weights gathered "
+              << (q.weights ? "as int" + std::to_string(q.weight_bits) : "unquantized")
+              << ", gradients reduced "
+              << (q.gradients ? "as int" + std::to_string(q.gradient_bits) : "unquantized")
+              << " (one scale per " << q.block_size << " elements), hpZ "
+              << (hpz > 0 ? "groups of " + std::to_string(hpz) + " ranks" : "off")
+              << (q.gradients && hpz > 0 ? ": gradients reduced inside each group, then across"
+                                         : "")
+              << "\n";
+  }
   if (flags.sharding.options.mixed_precision.master_dtype == torch::kBFloat16) {
     using R = fsdp::FusedAdamW::Bf16Rounding;
     const R r = flags.sharding.bf16_rounding;
