@@ -498,6 +498,36 @@ TEST(EstimateStrategies, PostForwardSlicesMatchTheCounterAtWorld4) {
   EXPECT_THROW(estimate_memory(in).term("post_forward_slices"), std::invalid_argument);
 }
 
+// ZeRO++'s buffers by hand (Note [Quantized training]), on the units of HandWorkedFigures
+// (world 4, shards 3, 25, 25, 13), blocks of 8: qwZ holds, for the max_gathered_units = 2
+// gathers in flight (the two largest shards, 25 + 25 = 50 elements: 50 int8 bytes and 7
+// fp32 scales), the shard packed and the group's 4 parts; qgZ, for the two reductions in
+// flight (the same 50 elements), the packed chunks sent and received (4 parts each way)
+// and the fp32 shard: int4 packs two to a byte.
+TEST(EstimateRules, QuantizedCommunicationBuffersByHand) {
+  EstimateInput in;
+  in.unit_params = {10, 100, 100, 50};
+  in.world_size = 4;
+  in.precision = Precision::kBf16;
+  in.quantization_block = 8;
+  EXPECT_THROW(estimate_memory(in).term("quantization_buffers"), std::invalid_argument);
+  in.quantized_weights = true;
+  EXPECT_EQ(estimate_memory(in).term("quantization_buffers").device_bytes, 5 * (50 + 7 * 4));
+  in.quantized_gradients = true;
+  in.gradient_bits = 4;
+  EXPECT_EQ(estimate_memory(in).term("quantization_buffers").device_bytes,
+            5 * (50 + 7 * 4) + 2 * 4 * (25 + 7 * 4) + 4 * 50);
+  in.gradient_bits = 3;
+  try {
+    estimate_memory(in);
+    FAIL() << "3 bits accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--quantize-gradient-bits 3 is unsupported; use 8 or 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // ZeRO-1/2 and the offload sections by hand, on the units of HandWorkedFigures (world 4,
 // bf16): padded 12, 100, 100, 52 (264 elements); shards 3 + 25 + 25 + 13 = 66.
 TEST(EstimateRules, Zero2AndZero1KeepFullParametersAndZero1FullGradients) {

@@ -156,6 +156,14 @@ void validate(const EstimateInput& in) {
           "of ranks per node); 0 reshards to the whole shard group");
     }
   }
+  for (auto [bits, flag] : {std::pair{in.weight_bits, "--quantize-weight-bits"},
+                            std::pair{in.gradient_bits, "--quantize-gradient-bits"}}) {
+    if (bits != 8 && bits != 4)
+      bad(std::string(flag) + " " + std::to_string(bits) + " is unsupported; use 8 or 4");
+  }
+  if (in.quantization_block < 1)
+    bad("--quantize-block " + std::to_string(in.quantization_block) +
+        " must be at least 1 element (2048 is the default)");
 }
 
 // The unit sizes the engine allocates with, per rank.
@@ -246,6 +254,29 @@ int64_t comm_buffer_bytes(const EstimateInput& in, const Layout& l, int64_t elem
   if (in.strategy == ShardingStrategy::kZero1) return 0;
   if (direct_grads(in)) return 0;
   return (l.padded[0] + largest_non_root(l.padded, 2)) * elem;
+}
+
+// ZeRO++ (Note [Quantized training]): what the quantized collectives hold besides the
+// engine's counted buffers, on the device. qwZ: per gather in flight, the shard packed
+// (int8 or int4 and fp32 scales) and the group's packed parts. qgZ: per reduction in
+// flight (the unit's and the one before it, Note [Overlapped reduction]), the packed
+// chunks sent and received, and the fp32 shard the sum lands in. Quantizing's own fp32
+// temporaries (a shard's or a chunk's at a time) are left out: rough.
+int64_t quantization_bytes(const EstimateInput& in, const Layout& l) {
+  const auto packed = [&](int64_t elems, int bits) {
+    const int64_t blocks = (elems + in.quantization_block - 1) / in.quantization_block;
+    return (bits == 8 ? elems : (elems + 1) / 2) + 4 * blocks;
+  };
+  int64_t bytes = 0;
+  if (in.quantized_weights) {
+    const int64_t shard = in_flight_shards(l, forward_in_flight(in, l));
+    bytes += (l.group + 1) * packed(shard, in.weight_bits);
+  }
+  if (in.quantized_gradients) {
+    const int64_t shard = std::max(l.shard[0], largest_non_root(l.shard, 2));
+    bytes += 2 * l.group * packed(shard, in.gradient_bits) + 4 * shard;
+  }
+  return bytes;
 }
 
 // MemoryStats::offload_buffers, on the device: the copy (param_dtype) of each shard in
@@ -489,6 +520,10 @@ MemoryEstimate estimate_memory(const EstimateInput& in) {
   }
   est.terms.push_back(
       {"comm_buffers", "reduce buffers", "bound", comm_buffer_bytes(in, l, elem), 0, 0});
+  if (in.quantized_weights || in.quantized_gradients) {
+    est.terms.push_back({"quantization_buffers", "quantized communication (ZeRO++)", "rough",
+                         quantization_bytes(in, l), 0, 0});
+  }
   if (off.any()) {
     est.terms.push_back({"offload_buffers", "offload transit buffers", "bound",
                          offload_device_bytes(in, l, elem), offload_host_bytes(l), 0});

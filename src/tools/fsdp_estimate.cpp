@@ -105,6 +105,14 @@ cxxopts::Options make_options() {
       cxxopts::value<std::string>()->default_value("full"))(
       "hybrid-group-size", "ranks per shard group for hybrid (0: the world)",
       cxxopts::value<int>()->default_value("0"))(
+      "quantize-weights",
+      "ZeRO++ qwZ: gathers travel quantized (ShardingOptions::"
+      "quantized_communication.weights)")("quantize-gradients",
+                                          "ZeRO++ qgZ: reductions travel quantized")(
+      "quantize-weight-bits", "8 or 4", cxxopts::value<int>()->default_value("8"))(
+      "quantize-gradient-bits", "8 or 4", cxxopts::value<int>()->default_value("8"))(
+      "quantize-block", "elements per quantization scale",
+      cxxopts::value<int64_t>()->default_value("2048"))(
       "reshard-after-forward-group-size",
       "hpZ: after forward each unit keeps 1/K of its parameters, and backward gathers within K "
       "ranks (ShardingOptions::reshard_after_forward_group_size; 0: off)",
@@ -344,6 +352,11 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
   in.strategy = parse_strategy(r["strategy"].as<std::string>());
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
   in.reshard_after_forward_group_size = r["reshard-after-forward-group-size"].as<int>();
+  in.quantized_weights = r.count("quantize-weights") > 0;
+  in.quantized_gradients = r.count("quantize-gradients") > 0;
+  in.weight_bits = r["quantize-weight-bits"].as<int>();
+  in.gradient_bits = r["quantize-gradient-bits"].as<int>();
+  in.quantization_block = r["quantize-block"].as<int64_t>();
   if (r.count("hybrid-group-size") && in.strategy != fsdp::ShardingStrategy::kHybridShard) {
     bad_input("--hybrid-group-size applies to --strategy hybrid only");
   }
@@ -421,6 +434,8 @@ void print_json(const fsdp::EstimateInput& in, const fsdp::MemoryEstimate& est,
                       {"pure_bf16", in.pure_bf16},
                       {"max_gathered_units", in.max_gathered_units},
                       {"reshard_after_forward_group_size", in.reshard_after_forward_group_size},
+                      {"quantized_weights", in.quantized_weights},
+                      {"quantized_gradients", in.quantized_gradients},
                       {"micro_batch", in.activations.micro_batch},
                       {"device_total_bytes", est.device_total()},
                       {"host_total_bytes", est.host_total()},

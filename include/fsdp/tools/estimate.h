@@ -67,6 +67,13 @@ struct EstimateInput {
   /// ShardingOptions::reshard_after_forward_group_size (hpZ): 0, or k dividing the shard
   /// group (1 < k < group) under kFullShard or kHybridShard.
   int reshard_after_forward_group_size = 0;
+  /// ShardingOptions::quantized_communication (ZeRO++ qwZ and qgZ): whether the gathers
+  /// and the reductions travel quantized, their bits (8 or 4) and the elements per scale.
+  bool quantized_weights = false;
+  bool quantized_gradients = false;
+  int weight_bits = 8;
+  int gradient_bits = 8;
+  int64_t quantization_block = 2048;
   /// The model's shape and micro-batch, for activations (none by default, e.g. for a
   /// bare parameter count).
   TransformerShape activations;
@@ -89,6 +96,7 @@ struct MemoryEstimate {
   /// In this order: parameters, gradients, optimizer_state, device_param_shards
   /// (offload_optimizer without offload_param only), gathered_units, full_gradients (kZero1
   /// only), post_forward_slices (reshard_after_forward_group_size only), comm_buffers,
+  /// quantization_buffers (quantized_weights or quantized_gradients only),
   /// offload_buffers (any offload), nvme_buffers (NVMe offload only), activations.
   std::vector<MemoryTerm> terms;
   int shard_group_size = 1;         ///< ranks each flat parameter is split over
