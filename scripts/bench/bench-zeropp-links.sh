@@ -39,10 +39,14 @@ link_bytes() {  # bytes sent both ways over the link so far (host 1's end)
   echo $((tx + rx))
 }
 
-# Waits until JSONL has N step lines (or the ranks ended), then prints the link's bytes.
-bytes_at_step() {  # JSONL N
-  while [ "$(grep -c '"step_s"' "$1" 2>/dev/null || true)" -lt "$2" ]; do
-    [ -e "$OUT/.ended" ] && break
+# Waits until JSONL has N step lines (or rank 0 of run LABEL ended), then prints the
+# link's bytes.
+bytes_at_step() {  # JSONL N LABEL
+  local n
+  while :; do
+    n=$(grep -c '"step_s"' "$1" 2>/dev/null) || n=0
+    [ "${n:-0}" -ge "$2" ] && break
+    [ -e "$OUT/$3.0.log.exit" ] && break
     sleep 0.02
   done
   link_bytes
@@ -61,7 +65,7 @@ ranks_ok() {
 run_row() {
   local label="$1" kind="$2" r h dev a b
   shift 2
-  rm -rf "$OUT/$label.trace" "$OUT/$label.jsonl" "$OUT/.ended"
+  rm -rf "$OUT/$label.trace" "$OUT/$label.jsonl"
   for r in 0 1 2 3; do
     h="$H1" dev="$L1"
     [ "$r" -ge 2 ] && h="$H2" dev="$L2"
@@ -80,10 +84,9 @@ run_row() {
         --steps "$STEPS" --init-from "$OUT/init.h5" --log-jsonl "$OUT/$label.jsonl"
     fi
   done
-  a=$(bytes_at_step "$OUT/$label.jsonl" 3)
-  b=$(bytes_at_step "$OUT/$label.jsonl" "$STEPS")
+  a=$(bytes_at_step "$OUT/$label.jsonl" 3 "$label")
+  b=$(bytes_at_step "$OUT/$label.jsonl" "$STEPS" "$label")
   mh_wait_all
-  touch "$OUT/.ended"
   ranks_ok "$label" || { echo "- - - -"; return; }
   if [ "$kind" = ours ]; then
     "$BIN/fsdp-trace" merge "$OUT/$label.trace" >/dev/null

@@ -42,6 +42,10 @@ class Work {
   /// tell without a wait (Gloo's work futures); elsewhere never. For the trace's
   /// communication spans (Note [Per-unit trace]).
   virtual void on_completion(std::function<void()> f) { (void)f; }
+  /// A collective in stages (the hierarchical quantized reduce-scatter): waits for the
+  /// first stage and issues the next, so that it runs while the caller computes; wait()
+  /// then finishes it. Elsewhere nothing.
+  virtual void progress() {}
 };
 
 /// A finished collective.

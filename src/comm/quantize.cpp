@@ -72,18 +72,17 @@ Quantized quantize_blocks(const at::Tensor& flat, int64_t block, int bits,
   q.bits = bits;
   const int64_t blocks = (q.numel + block - 1) / block;
   const int qmax = qmax_of(bits);
-  at::Tensor x = flat.to(at::kFloat);
+  // One fp32 copy, worked on in place (a pass per step; quantizing is on the step's path).
+  at::Tensor x = flat.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   if (blocks * block != q.numel) x = at::constant_pad_nd(x, {0, blocks * block - q.numel}, 0);
   x = x.view({blocks, block});
-  // max|x| per block; NaN propagates (amax ignores nothing), inf gives an inf scale.
-  at::Tensor amax = x.abs().amax(1);
-  amax = at::where(x.isnan().any(1), at::full_like(amax, NAN), amax);
-  at::Tensor scale = amax / static_cast<float>(qmax);
+  // max|x| per block: amax propagates a NaN, and an inf gives an inf scale.
+  at::Tensor scale = x.abs().amax(1).div_(static_cast<float>(qmax));
   q.scales = scale_dtype == at::kBFloat16 ? bf16_not_below(scale) : scale;
   const at::Tensor s = q.scales.to(at::kFloat).unsqueeze(1);
-  // x / s with s == 0 (a block of zeros) gives NaN: those become 0.
-  at::Tensor v = at::round(x / s).clamp(-qmax, qmax);
-  v = at::where(s == 0, at::zeros_like(v), v).nan_to_num(0.0);
+  // x / s is NaN for a block of zeros (0 / 0) and for a non-finite scale (or 0 for finite
+  // elements over an inf): those become 0, and dequantizing a non-finite scale gives NaN.
+  at::Tensor v = x.div_(s).round_().clamp_(-qmax, qmax).nan_to_num_(0.0);
   v = v.view({-1}).narrow(0, 0, q.numel);
   if (bits == 8) {
     q.data = v.to(at::kChar);
@@ -253,6 +252,44 @@ std::shared_ptr<Work> quantized_reduce_scatter(Backend& group, const at::Tensor&
   });
 }
 
+namespace {
+
+// Two exchanges: the first issued at once, the second by progress() (or wait()) once the
+// first is done, the result by wait().
+class TwoStageWork : public Work {
+ public:
+  TwoStageWork(std::shared_ptr<Work> first, std::function<std::shared_ptr<Work>()> second,
+               std::function<void()> finish)
+      : first_(std::move(first)), second_(std::move(second)), finish_(std::move(finish)) {}
+  void progress() override {
+    if (!second_) return;
+    first_->wait();
+    first_.reset();
+    auto s = std::move(second_);
+    second_ = {};
+    at::NoGradGuard no_grad;
+    issued_ = s();
+  }
+  void wait() override {
+    progress();
+    if (!finish_) return;
+    issued_->wait();
+    issued_.reset();
+    auto f = std::move(finish_);
+    finish_ = {};
+    at::NoGradGuard no_grad;
+    f();
+  }
+
+ private:
+  std::shared_ptr<Work> first_;
+  std::function<std::shared_ptr<Work>()> second_;
+  std::function<void()> finish_;
+  std::shared_ptr<Work> issued_;
+};
+
+}  // namespace
+
 std::shared_ptr<Work> hierarchical_quantized_reduce_scatter(Backend& inner, Backend& outer,
                                                             const at::Tensor& full,
                                                             const at::Tensor& shard,
@@ -267,25 +304,34 @@ std::shared_ptr<Work> hierarchical_quantized_reduce_scatter(Backend& inner, Back
   at::NoGradGuard no_grad;
   // Inner destination l' gets the m chunks its outer group owns: h' * k + l' for every h'.
   const at::Tensor by_local = full.view({m, k, c}).transpose(0, 1).reshape({-1});
-  const at::Tensor out = pack_chunks(by_local, k, spec);
-  at::Tensor in = at::empty_like(out);
-  const int64_t inner_bytes = inner.wire_bytes(WireOp::kAllToAll, out.numel(), at::kByte, 0);
+  struct State {
+    at::Tensor own, out, in, partial, out2, in2;
+  };
+  auto st = std::make_shared<State>();
+  st->out = pack_chunks(by_local, k, spec);
+  st->in = at::empty_like(st->out);
+  st->own = by_local.narrow(0, l * m * c, m * c).clone();  // `full` is not needed again
+  const int64_t inner_bytes = inner.wire_bytes(WireOp::kAllToAll, st->out.numel(), at::kByte, 0);
   const int64_t second = m * part_bytes(c, spec);
   const int64_t outer_bytes = outer.wire_bytes(WireOp::kAllToAll, second, at::kByte, 0);
   if (wire != nullptr) *wire = inner_bytes + outer_bytes;
   if (outer_wire != nullptr) *outer_wire = outer_bytes;
-  auto work = inner.all_to_all(in, out);
+  auto first = inner.all_to_all(st->in, st->out);
   Backend* across = &outer;
-  return std::make_shared<FinishWork>(std::move(work), [=]() {
-    (void)out;
-    // This rank's m chunks, summed over its inner group, then chunk h' to outer rank h'.
-    const at::Tensor partial =
-        sum_parts(in, k, l, by_local.narrow(0, l * m * c, m * c), m * c, spec);
-    const at::Tensor out2 = pack_chunks(partial, m, spec);
-    at::Tensor in2 = at::empty_like(out2);
-    across->all_to_all(in2, out2)->wait();
-    shard.copy_(sum_parts(in2, m, h, partial.narrow(0, h * c, c), c, spec));
-  });
+  // This rank's m chunks, summed over its inner group, then chunk h' to outer rank h'.
+  auto issue_second = [st, across, k, l, m, c, spec]() {
+    st->partial = sum_parts(st->in, k, l, st->own, m * c, spec);
+    st->own = st->out = st->in = at::Tensor();
+    st->out2 = pack_chunks(st->partial, m, spec);
+    st->in2 = at::empty_like(st->out2);
+    return across->all_to_all(st->in2, st->out2);
+  };
+  auto finish = [st, shard, m, h, c, spec]() {
+    shard.copy_(sum_parts(st->in2, m, h, st->partial.narrow(0, h * c, c), c, spec));
+    *st = State();
+  };
+  return std::make_shared<TwoStageWork>(std::move(first), std::move(issue_second),
+                                        std::move(finish));
 }
 
 int64_t quantized_all_reduce(Backend& group, const at::Tensor& tensor, const QuantizeSpec& spec) {

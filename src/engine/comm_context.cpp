@@ -97,7 +97,15 @@ void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
   if (grad.defined()) {
     // An earlier reduction of this flat parameter adds into the same gradient shard
     // first (then it is the only one in flight).
-    if (!reductions_.empty() && reductions_.front().flat == &flat) finish_oldest();
+    const auto same = [&](const Reduction& r) { return r.flat == &flat; };
+    if (std::any_of(reductions_.begin(), reductions_.end(), same)) {
+      while (!same(reductions_.front())) {
+        FlatParam* previous = reductions_.front().flat;
+        finish_oldest();
+        park(*previous);
+      }
+      finish_oldest();
+    }
     // Note [Overlapped reduction]
     // The reduce-scatter is issued here and finished when the next flat parameter has
     // issued its own (or at the end of backward), so the collective runs while backward
@@ -113,8 +121,20 @@ void CommContext::reduce(FlatParam& flat, at::Tensor grad) {
     reductions_.push_back(std::move(r));
   }
   // The reduction issued before, by another flat parameter, finishes while this one runs.
+  // A two-stage one (hierarchical qgZ) issues its second stage now instead, and finishes
+  // once the next one has been issued: each stage overlaps a unit's backward.
   while (!reductions_.empty() && reductions_.front().flat != &flat) {
-    FlatParam* previous = reductions_.front().flat;
+    Reduction& oldest = reductions_.front();
+    if (oldest.two_stage && !oldest.advanced) {
+      CollectiveLabel label(oldest.flat->label());
+      oldest.work->progress();
+      oldest.advanced = true;
+      // The second stage reads its own buffers: the flat gradient goes now.
+      Accounting::release(acct_->mem.comm_buffers, static_cast<int64_t>(oldest.in.nbytes()));
+      oldest.in = at::Tensor();
+      break;
+    }
+    FlatParam* previous = oldest.flat;
     finish_oldest();
     park(*previous);
   }
@@ -139,6 +159,7 @@ void CommContext::issue_reduction(Reduction& r) {
   r.out = at::empty({flat.shard_numel()}, r.in.options().dtype(at::kFloat));
   int64_t wire = 0, outer = 0;
   if (cfg.hierarchy_outer) {
+    r.two_stage = true;
     r.work = hierarchical_quantized_reduce_scatter(*cfg.hierarchy_inner, *cfg.hierarchy_outer, r.in,
                                                    r.out, *cfg.quantize_gradients, &wire, &outer);
     acct_->count_hierarchical_outer(outer);
@@ -152,7 +173,10 @@ void CommContext::issue_reduction(Reduction& r) {
 void CommContext::finish_oldest() {
   Reduction r = std::move(reductions_.front());
   reductions_.erase(reductions_.begin());
-  r.work->wait();
+  {
+    CollectiveLabel label(r.flat->label());  // a two-stage reduction issues its second here
+    r.work->wait();
+  }
   FlatParam& flat = *r.flat;
   const FlatConfig& cfg = flat.config();
   at::NoGradGuard no_grad;
@@ -169,8 +193,10 @@ void CommContext::finish_oldest() {
       across.all_reduce(out, ReduceKind::kSum)->wait();
     }
   }
-  Accounting::release(acct_->mem.comm_buffers, static_cast<int64_t>(r.in.nbytes()));
-  r.in = at::Tensor();
+  if (r.in.defined()) {
+    Accounting::release(acct_->mem.comm_buffers, static_cast<int64_t>(r.in.nbytes()));
+    r.in = at::Tensor();
+  }
 
   at::Tensor g = out.to(at::kFloat);
   if (cfg.world_size > 1) g.div_(static_cast<double>(cfg.world_size));

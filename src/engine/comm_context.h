@@ -10,7 +10,9 @@
 //  - reductions: the gradient reduce-scatter in flight (Note [Overlapped reduction]),
 //    with its input and output buffers. It finishes when the next flat parameter's
 //    reduction has been issued, so it overlaps backward's next unit. Two are listed for
-//    a moment while the next one is issued and the one before it finishes.
+//    a moment while the next one is issued and the one before it finishes; three under
+//    hierarchical qgZ, whose second stage is issued when the next reduction is and
+//    finishes when the one after is (the first stage's flat gradient freed at once).
 //  - landing: with cpu_offload, reduced gradient shards on their way to the host (Note
 //    [Offload transfers]). At most one flat parameter's copies wait to be added.
 //  - transfers: with cpu_offload, the host <-> device copy streams (CUDA) or immediate
@@ -79,6 +81,9 @@ class CommContext {
     at::Tensor in;   ///< the flat gradient (reduce_dtype, padded), alive until finished
     at::Tensor out;  ///< its reduced shard
     std::shared_ptr<Work> work;
+    /// A two-stage reduction (hierarchical qgZ): whether its second stage has been issued
+    /// (Note [Overlapped reduction]).
+    bool two_stage = false, advanced = false;
   };
   /// A flat parameter's reduced gradient shards on their way to the host.
   struct Landing {
