@@ -356,3 +356,46 @@ TEST(Cuda, FusedAttentionMatchesTheMathPathAndCheckpointingRedrawsItsDropout_CUD
 }
 
 }  // namespace
+
+// ZeRO++ on CUDA tensors (Note [Quantized training]: ATen ops, the collectives' buffers on
+// the tensors' device): two ranks share the GPU over Gloo (its CUDA tensors staged through
+// pinned host memory), qwZ and qgZ with hpZ-free FULL_SHARD, against the same run on the
+// CPU. Quantization is deterministic, but the GPU's matmuls round differently, so the
+// losses agree to 1e-3, not bit for bit.
+TEST(Cuda, QuantizedCommunicationOnCudaTensorsTrainsLikeOnTheCpu_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  run_ranks(2,
+            [](const ProcessGroup& pg) {
+              auto losses = [&](torch::Device device) {
+                ShardingOptions o;
+                o.process_group = pg;
+                o.device = device;
+                o.mixed_precision.param_dtype = torch::kBFloat16;
+                o.mixed_precision.reduce_dtype = torch::kBFloat16;
+                o.quantized_communication.weights = true;
+                o.quantized_communication.gradients = true;
+                o.quantized_communication.block_size = 64;
+                torch::manual_seed(3);
+                auto model = fully_shard(MlpNet(), o);
+                torch::optim::SGD opt(model.sharded_parameters(), torch::optim::SGDOptions(0.05));
+                std::vector<double> out;
+                for (int step = 0; step < 6; ++step) {
+                  auto [x, y] = mlp_batch(step, 8);
+                  auto loss = torch::mse_loss(model(my_rows(x, pg).to(device)).to(torch::kFloat),
+                                              my_rows(y, pg).to(device));
+                  loss.backward();
+                  opt.step();
+                  opt.zero_grad();
+                  out.push_back(loss.item<double>());
+                }
+                EXPECT_EQ(model.comm_stats().total.quantized_reduce_scatter_calls,
+                          6 * static_cast<int64_t>(fsdp::detail::flat_params(model).size()));
+                return out;
+              };
+              const auto gpu = losses(torch::Device(torch::kCUDA, 0));
+              const auto cpu = losses(torch::kCPU);
+              for (size_t i = 0; i < gpu.size(); ++i)
+                EXPECT_NEAR(gpu[i], cpu[i], 1e-3 * cpu[i]) << i;
+            },
+            300, {"FSDP_TEST_BACKEND=gloo"});
+}

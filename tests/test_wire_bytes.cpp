@@ -78,7 +78,7 @@ void expect_kernel_agrees(int64_t counted, int64_t kernel, int64_t messages,
                           const std::string& what) {
   EXPECT_GE(kernel, counted - 64) << what;
   EXPECT_LE(kernel, counted + kHeader * messages + 256) << what;
-  std::printf("[report] %-44s counted %9lld  kernel %9lld\n", what.c_str(),
+  std::printf("[report] %-58s counted %9lld  kernel %9lld\n", what.c_str(),
               static_cast<long long>(counted), static_cast<long long>(kernel));
   std::fflush(stdout);
 }
@@ -100,7 +100,8 @@ TEST(WireBytes, EachCollectiveSendsWhatItsAlgorithmSays) {
           const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
           const auto opts = torch::TensorOptions().dtype(dtype);
           const std::string tag = std::to_string(n) + " ranks, " + std::to_string(e) +
-                                  " elements/rank, " + c10::toString(dtype);
+                                  " elements/rank, " + c10::toString(dtype) + ", rank " +
+                                  std::to_string(me);
           const int64_t full = n * e * es;
 
           // All-gather: a ring, (n - 1) parts leave each rank.
@@ -150,7 +151,8 @@ TEST(WireBytes, EachCollectiveSendsWhatItsAlgorithmSays) {
         for (int bits : {8, 4}) {
           const fsdp::detail::QuantizeSpec spec{64, bits, at::kFloat};
           const std::string tag = std::to_string(n) + " ranks, " + std::to_string(e) +
-                                  " elements/rank, int" + std::to_string(bits);
+                                  " elements/rank, int" + std::to_string(bits) + ", rank " +
+                                  std::to_string(me);
           auto full = torch::empty({n * e});
           auto shard = torch::randn({e});
           int64_t counted = -1;

@@ -104,7 +104,7 @@ ms = [float(w) for w in re.findall(r"^  wait\s+([0-9.]+) ms", text, re.M)]
 wait = f"{statistics.mean(ms) / n:.1f}" if ms else "-"
 sent = [r["wire_bytes"] for r in rows if "wire_bytes" in r]
 print(f"{statistics.median(steps[3:]):.4f} {int(sys.argv[3]) // (n - 3)} {wait} "
-      f"{statistics.median(sent[3:]) if sent else '-'}")
+      f"{int(statistics.median(sent[3:])) if sent else '-'}")
 PY
 }
 
@@ -149,6 +149,7 @@ for link in $LINKS; do
   done
 done
 mh_shape none
+mkdir -p build/bench && cp "$RESULTS" build/bench/zeropp-links-results.txt
 
 "$PY" - "$RESULTS" "${MODEL[*]}" "$STEPS" <<'PY'
 import sys
@@ -171,7 +172,7 @@ for link, layout, comm, step, b, wait, sent in rows:
         except (ValueError, ZeroDivisionError, TypeError):
             return "-"
     ms = lambda v: f"{float(v) * 1000:.0f}" if v != "-" else "-"
-    mb = lambda v: f"{int(v) / 1e6:.1f}" if v not in ("-", "") else "-"
+    mb = lambda v: f"{float(v) / 1e6:.1f}" if v not in ("-", "") else "-"
     print(f"| {link} | {layout} | {comm} | {ms(step)} | {wait} | {mb(b)} | {mb(sent)} | "
           f"{ratio(step, ref[0]) if ref else '-'} | {ratio(wait, ref[1]) if ref else '-'} | "
           f"{ratio(b, ref[2]) if ref else '-'} |")
