@@ -33,8 +33,10 @@ using fsdp::testing::run_ranks;
 
 namespace {
 
-// The payload bytes this process has sent on all its TCP sockets (tcp_info's
-// tcpi_bytes_sent, Linux 4.19 and newer), framing included.
+// The payload bytes this process has written to all its TCP sockets, framing included:
+// tcp_info's bytes sent, less those sent again (retransmissions), plus those written but
+// not sent yet (a loaded machine may not have sent them when the collective's wait
+// returned). Linux 4.19 and newer.
 int64_t tcp_bytes_sent() {
   int64_t total = 0;
   DIR* d = opendir("/proc/self/fd");
@@ -48,8 +50,10 @@ int64_t tcp_bytes_sent() {
     tcp_info info{};
     len = sizeof info;
     if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) continue;
-    if (len < offsetof(tcp_info, tcpi_bytes_sent) + sizeof info.tcpi_bytes_sent) return -1;
-    total += static_cast<int64_t>(info.tcpi_bytes_sent);
+    if (len < offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans) return -1;
+    total += static_cast<int64_t>(info.tcpi_bytes_sent) -
+             static_cast<int64_t>(info.tcpi_bytes_retrans) +
+             static_cast<int64_t>(info.tcpi_notsent_bytes);
   }
   closedir(d);
   return total;
