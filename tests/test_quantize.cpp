@@ -380,3 +380,33 @@ TEST(BlockQuantization, TheScaleFaultBreaksTheBound) {
   EXPECT_GT((broken - x).abs().max().item<float>(), 1.0f);
   EXPECT_LT((fine - x).abs().max().item<float>(), 3.0f / 127);
 }
+
+// Note [Quantizing on the CPU]: the CPU's two loops give ATen's op chain's bits, scales and
+// data, for every input dtype, 8 and 4 bits, fp32 and bf16 scales, blocks that split the
+// int4 pairs (7), a partial last block, and blocks holding a NaN, an inf, zeros, a single
+// nonzero element and values on rounding ties (k + 0.5 times the scale).
+TEST(BlockQuantization, CpuLoopsGiveAtensBits) {
+  auto x = edge_data(40);
+  x[100] = NAN;
+  x[140] = INFINITY;
+  x[190] = -INFINITY;
+  // Ties: a block of 16 whose largest element is 127 (scale 1 at 8 bits): k + 0.5.
+  x.narrow(0, 208, 16).copy_(torch::arange(16).to(torch::kFloat) * 3.0f - 20.5f);
+  x[223] = 127.0f;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf}) {
+    const auto xt = x.to(dtype);
+    for (int64_t block : {int64_t{16}, int64_t{7}, int64_t{2048}}) {
+      for (int bits : {8, 4}) {
+        for (auto sd : {at::kFloat, at::kBFloat16}) {
+          const auto fast = quantize_blocks(xt, block, bits, sd);
+          const auto ref = fsdp::detail::quantize_blocks_aten(xt, block, bits, sd);
+          const std::string what = std::string(c10::toString(dtype)) + ", block " +
+                                   std::to_string(block) + ", " + std::to_string(bits) + " bits";
+          EXPECT_TRUE(torch::equal(fast.data, ref.data)) << what;
+          EXPECT_TRUE(torch::equal(fast.scales.isnan(), ref.scales.isnan())) << what;
+          EXPECT_TRUE(torch::equal(fast.scales.nan_to_num(0), ref.scales.nan_to_num(0))) << what;
+        }
+      }
+    }
+  }
+}

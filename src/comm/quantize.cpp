@@ -3,8 +3,11 @@
 
 #include "backend.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -62,8 +65,8 @@ int64_t quantized_bytes(int64_t numel, int64_t block, int bits, at::ScalarType s
   return data + blocks * static_cast<int64_t>(c10::elementSize(scale_dtype));
 }
 
-Quantized quantize_blocks(const at::Tensor& flat, int64_t block, int bits,
-                          at::ScalarType scale_dtype) {
+Quantized quantize_blocks_aten(const at::Tensor& flat, int64_t block, int bits,
+                               at::ScalarType scale_dtype) {
   check_args(flat, block, bits, scale_dtype);
   at::NoGradGuard no_grad;
   Quantized q;
@@ -92,6 +95,105 @@ Quantized quantize_blocks(const at::Tensor& flat, int64_t block, int bits,
     u = u.view({-1, 2});
     q.data = u.select(1, 0).bitwise_or(u.select(1, 1).bitwise_left_shift(4)).contiguous();
   }
+  return q;
+}
+
+namespace {
+
+// Note [Quantizing on the CPU]
+// On the step's path, quantizing a gradient through ATen's op chain reads and writes the
+// tensor about eight times (an fp32 copy, abs, amax, division, rounding, clamping, NaN
+// cleaning, the int8 cast). On the CPU two loops do it: one pass for each block's scale,
+// straight from the input dtype, and one for the values. They give ATen's bits: the same
+// fp32 division by the scale that travels, clamping before rounding (the same result: the
+// bounds are integers), rounding half to even by adding and subtracting 1.5 x 2^23 (exact
+// for |v| < 2^22 in the default rounding mode), and NaN (0 / 0 for a block of zeros,
+// anything over a non-finite scale) to 0. BlockQuantization.CpuLoopsGiveAtensBits checks.
+template <class T>
+void cpu_scales(const T* x, int64_t n, int64_t block, int qmax, float* scale) {
+  const int64_t blocks = (n + block - 1) / block;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * block, hi = std::min(n, lo + block);
+      float amax = 0.f;
+      bool nan = false;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float v = static_cast<float>(x[i]);
+        nan = nan || std::isnan(v);
+        const float a = std::fabs(v);
+        amax = a > amax ? a : amax;
+      }
+      scale[b] = nan ? NAN : amax / static_cast<float>(qmax);
+    }
+  });
+}
+
+inline int quantize_one(float v, float s, float qmax) {
+  v = v / s;
+  if (std::isnan(v)) return 0;
+  v = v < -qmax ? -qmax : (v > qmax ? qmax : v);
+  constexpr float kMagic = 12582912.0f;            // 1.5 x 2^23
+  return static_cast<int>((v + kMagic) - kMagic);  // no -ffast-math: not folded to v
+}
+
+template <class T>
+void cpu_values(const T* x, int64_t n, int64_t block, int qmax, int bits, const float* s,
+                uint8_t* out) {
+  const float q = static_cast<float>(qmax);
+  if (bits == 8) {
+    const int64_t blocks = (n + block - 1) / block;
+    at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t lo = b * block, hi = std::min(n, lo + block);
+        const float sb = s[b];
+        for (int64_t i = lo; i < hi; ++i) {
+          out[i] = static_cast<uint8_t>(
+              static_cast<int8_t>(quantize_one(static_cast<float>(x[i]), sb, q)));
+        }
+      }
+    });
+    return;
+  }
+  const int64_t pairs = (n + 1) / 2;
+  at::parallel_for(0, pairs, 8192, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t i = 2 * k;
+      const int lo = quantize_one(static_cast<float>(x[i]), s[i / block], q) + 8;
+      const int hi =
+          i + 1 < n ? quantize_one(static_cast<float>(x[i + 1]), s[(i + 1) / block], q) + 8 : 8;
+      out[k] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  });
+}
+
+}  // namespace
+
+Quantized quantize_blocks(const at::Tensor& flat, int64_t block, int bits,
+                          at::ScalarType scale_dtype) {
+  check_args(flat, block, bits, scale_dtype);
+  if (!flat.is_cpu()) return quantize_blocks_aten(flat, block, bits, scale_dtype);
+  at::NoGradGuard no_grad;  // Note [Quantizing on the CPU]
+  Quantized q;
+  q.numel = flat.numel();
+  q.block = block;
+  q.bits = bits;
+  const int64_t blocks = (q.numel + block - 1) / block;
+  const int qmax = qmax_of(bits);
+  const at::Tensor x = flat.contiguous();
+  at::Tensor scale = at::empty({blocks}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_blocks", [&] {
+        cpu_scales<scalar_t>(x.data_ptr<scalar_t>(), q.numel, block, qmax, scale.data_ptr<float>());
+      });
+  q.scales = scale_dtype == at::kBFloat16 ? bf16_not_below(scale) : scale;
+  const at::Tensor s = q.scales.to(at::kFloat).contiguous();
+  q.data = at::empty({bits == 8 ? q.numel : (q.numel + 1) / 2},
+                     x.options().dtype(bits == 8 ? at::kChar : at::kByte));
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_blocks", [&] {
+        cpu_values<scalar_t>(x.data_ptr<scalar_t>(), q.numel, block, qmax, bits,
+                             s.data_ptr<float>(), static_cast<uint8_t*>(q.data.data_ptr()));
+      });
   return q;
 }
 

@@ -32,6 +32,11 @@ struct Quantized {
 Quantized quantize_blocks(const at::Tensor& flat, int64_t block, int bits,
                           at::ScalarType scale_dtype = at::kFloat);
 
+/// quantize_blocks through ATen's ops alone, on any device: what CUDA tensors take, and
+/// the reference the CPU's loops match bit for bit (Note [Quantizing on the CPU]).
+Quantized quantize_blocks_aten(const at::Tensor& flat, int64_t block, int bits,
+                               at::ScalarType scale_dtype = at::kFloat);
+
 /// The values of `q` in `dtype`, 1-D of q.numel elements.
 at::Tensor dequantize_blocks(const Quantized& q, at::ScalarType dtype = at::kFloat);
 
