@@ -13,6 +13,8 @@
 # process steps the whole optimizer (4x a shard's), so compute-only is approximate (the
 # script says when it exceeds a step). Prints a Markdown table of median step times and
 # writes an SVG bar chart (grey: compute-only; coloured: exposed communication).
+# ZeRO++'s rows (quantized gathers and reductions, hpZ; FSDP2 and DeepSpeed beside, four
+# link shapes) are scripts/bench/bench-zeropp-links.sh's.
 #   sudo scripts/bench/bench-links.sh [BIN_DIR] [SVG]   (defaults: build/bin, docs/bench-links.svg)
 # BENCH_ARGS overrides the model flags; BENCH_STEPS the steps per run (median over all but
 # the first 3).
