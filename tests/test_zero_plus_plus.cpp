@@ -135,7 +135,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Path{"QwzQgzInt4World4", 4, ShardingStrategy::kFullShard, 0, 2, true, true,
                            4},
                       Path{"HybridQwzQgzWorld4", 4, ShardingStrategy::kHybridShard, 2},
-                      Path{"Zero2QwzQgzWorld2", 2, ShardingStrategy::kZero2}),
+                      Path{"Zero2QwzQgzWorld2", 2, ShardingStrategy::kZero2},
+                      Path{"NoShardQgzWorld2", 2, ShardingStrategy::kNoShard, 0, 0, false, true}),
     [](const ::testing::TestParamInfo<Path>& i) { return std::string(i.param.name); });
 
 TEST(QuantizedCommunicationOptions, BadValuesNameTheFieldAndTheFix) {
