@@ -278,7 +278,9 @@ TEST(DeepSpeedConfig, TheBatchRuleFillsTheMissingSizeAndRefusesAnInconsistentTri
   EXPECT_NE(error_of(R"({"train_batch_size": 30})", p).find("30 != 7 * 1 * 4"), std::string::npos);
   EXPECT_EQ(error_of(R"({"gradient_accumulation_steps": 2})", p),
             "ds_config: Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
-            "provided");
+            "provided (or the program's batch size: DeepSpeedProgramValues::"
+            "micro_batch_per_rank, train_gpt's --batch-size divisible by the data-parallel "
+            "ranks x --grad-accum)");
   EXPECT_NE(error_of(R"({"train_batch_size": 2})", p)
                 .find("Micro batch size per gpu: 0 has to be greater than 0"),
             std::string::npos);
@@ -360,6 +362,40 @@ TEST(DeepSpeedConfig, AnUnknownKeyIsRefusedNamingItsPathTheClosestKeyAndTheSuppo
           .find("ds_config: scheduler.params.total_num_steps is not a key this library knows. "
                 "Supported keys in scheduler.params: "),
       std::string::npos);
+}
+
+// Configs as users write them (issue 41): Lightning-style without batch keys takes the
+// program's batch, with a note; "true" and "false" as strings are read for what they say,
+// with a note, where DeepSpeed reads any non-empty string as true.
+TEST(DeepSpeedConfig, ConfigsWithoutBatchKeysTakeTheProgramsBatch) {
+  fsdp::DeepSpeedProgramValues p;
+  p.world_size = 4;
+  p.micro_batch_per_rank = 3;
+  p.gradient_accumulation_steps = 2;
+  auto c = fsdp::parse_deepspeed_config(R"({"zero_optimization": {"stage": 2}})", p);
+  EXPECT_EQ(c.micro_batch_per_rank, 3);
+  EXPECT_EQ(c.gradient_accumulation_steps, 2);
+  EXPECT_EQ(c.train_batch_size, 24);
+  EXPECT_NE(c.describe().find("train_batch_size, train_micro_batch_size_per_gpu = (absent): "
+                              "applied: from the program's batch: micro 3 x accumulation 2 x "
+                              "world 4 = 24, as Lightning's DeepSpeed strategy fills them"),
+            std::string::npos)
+      << c.describe();
+  // gradient_accumulation_steps alone is the config's.
+  c = fsdp::parse_deepspeed_config(R"({"gradient_accumulation_steps": 4})", p);
+  EXPECT_EQ(c.train_batch_size, 3 * 4 * 4);
+}
+
+TEST(DeepSpeedConfig, TrueAndFalseStringsAreReadForWhatTheySay) {
+  auto c = fsdp::parse_deepspeed_config(
+      R"({"train_batch_size": 8, "bf16": {"enabled": "true"}, "fp16": {"enabled": "false"}})");
+  EXPECT_EQ(c.precision, fsdp::Precision::kBf16);
+  EXPECT_NE(c.describe().find("fp16.enabled = \"false\": applied: the string read as false "
+                              "(DeepSpeed reads any non-empty string as true, \"false\" too"),
+            std::string::npos)
+      << c.describe();
+  EXPECT_EQ(error_of(R"({"train_batch_size": 8, "fp16": {"enabled": "True"}})"),
+            "ds_config: fp16.enabled: \"True\" is a string; expected true or false or \"auto\"");
 }
 
 TEST(DeepSpeedConfig, AValueOfTheWrongTypeIsRefusedNamingTheKeyTheValueAndWhatItMustBe) {

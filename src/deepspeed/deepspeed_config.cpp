@@ -126,6 +126,17 @@ class ConfigReader {
 
   bool boolean(const std::string& path, const json& v, std::optional<bool> auto_value = {}) {
     if (is_auto(v) && auto_value) return *auto_value;
+    // "true" and "false" as strings (configs written by hand, or by templating): read for
+    // what they say, with a note. DeepSpeed and Accelerate read any non-empty string as
+    // true, "false" too.
+    if (v.is_string() && (v.get<std::string>() == "true" || v.get<std::string>() == "false")) {
+      const bool b = v.get<std::string>() == "true";
+      out_.notes.push_back({path, v.dump(), true,
+                            std::string("the string read as ") + (b ? "true" : "false") +
+                                " (DeepSpeed reads any non-empty string as true, \"false\" "
+                                "too; write a JSON boolean)"});
+      return b;
+    }
     if (!v.is_boolean())
       fail(path, v, std::string("true or false") + (auto_value ? " or \"auto\"" : ""));
     return v.get<bool>();
@@ -194,9 +205,21 @@ void ConfigReader::batch(const json& j) {
     train = *micro * world;
     accum = 1;
   } else {
-    TORCH_CHECK(false,
+    // Neither batch key (configs written for Lightning or the Hugging Face Trainer): the
+    // program's batch, as Lightning's DeepSpeed strategy fills it, with a note.
+    TORCH_CHECK(auto_micro > 0,
                 "ds_config: Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
-                "provided");
+                "provided (or the program's batch size: DeepSpeedProgramValues::"
+                "micro_batch_per_rank, train_gpt's --batch-size divisible by the data-parallel "
+                "ranks x --grad-accum)");
+    micro = auto_micro;
+    if (!accum) accum = auto_accum;
+    train = *micro * *accum * world;
+    out_.notes.push_back({"train_batch_size, train_micro_batch_size_per_gpu", "(absent)", true,
+                          "from the program's batch: micro " + std::to_string(*micro) +
+                              " x accumulation " + std::to_string(*accum) + " x world " +
+                              std::to_string(world) + " = " + std::to_string(*train) +
+                              ", as Lightning's DeepSpeed strategy fills them"});
   }
   TORCH_CHECK(*train > 0, "ds_config: Train batch size: ", *train, " has to be greater than 0");
   TORCH_CHECK(*micro > 0, "ds_config: Micro batch size per gpu: ", *micro,
