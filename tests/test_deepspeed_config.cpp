@@ -386,6 +386,25 @@ TEST(DeepSpeedConfig, ConfigsWithoutBatchKeysTakeTheProgramsBatch) {
   EXPECT_EQ(c.train_batch_size, 3 * 4 * 4);
 }
 
+// Note [Every problem at once]: an unknown key at the top level and one in a section, a
+// value of the wrong type and missing batch keys, in one error, each with its path and fix.
+TEST(DeepSpeedConfig, EveryProblemIsReportedInOneError) {
+  const std::string e = error_of(R"({"gradient_accumulation_step": 2,
+      "fp16": {"enabled": "yes"},
+      "zero_optimization": {"stage": 3, "stage3_max_live_paramters": 1e9}})");
+  EXPECT_EQ(e.rfind("ds_config: 4 problems:\n  - ", 0), 0u) << e;
+  for (const char* part :
+       {"ds_config: gradient_accumulation_step is not a key this library knows; did you mean "
+        "gradient_accumulation_steps?",
+        "ds_config: fp16.enabled: \"yes\" is a string; expected true or false",
+        "ds_config: zero_optimization.stage3_max_live_paramters is not a key this library knows; "
+        "did you mean stage3_max_live_parameters?",
+        "ds_config: Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
+        "provided"}) {
+    EXPECT_NE(e.find(part), std::string::npos) << part << "\n in: " << e;
+  }
+}
+
 TEST(DeepSpeedConfig, TrueAndFalseStringsAreReadForWhatTheySay) {
   auto c = fsdp::parse_deepspeed_config(
       R"({"train_batch_size": 8, "bf16": {"enabled": "true"}, "fp16": {"enabled": "false"}})");

@@ -64,12 +64,41 @@ class ConfigReader {
                 want);
   }
 
-  /// Refuses a key of `obj` that is not in `keys`, naming the closest one and all of them.
-  static void check_keys(const json& obj, const std::string& path,
-                         const std::vector<std::string>& keys) {
+  /// Records every key of `obj` that is not in `keys` as a problem, naming the closest
+  /// one and all of them (Note [Every problem at once]).
+  void check_keys(const json& obj, const std::string& path, const std::vector<std::string>& keys) {
     if (!obj.is_object()) fail(path.empty() ? "(top level)" : path, obj, "an object");
     for (const auto& [key, value] : obj.items()) {
-      if (std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+      attempt([&] { check_key(key, path, keys); });
+    }
+  }
+
+  // Note [Every problem at once]
+  // A config pasted from elsewhere can have several problems; reporting the first alone
+  // makes the user fix one per run. Each section is read on its own (attempt()), every
+  // unknown key of an object is recorded, and finish() throws one error listing them all,
+  // each with its path and fix (a single problem keeps its own message). A section that
+  // failed leaves its defaults, so later ones may add a consequence or two.
+  template <class F>
+  void attempt(F&& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      problems_.push_back(e.what_without_backtrace());
+    }
+  }
+  void finish() const {
+    if (problems_.empty()) return;
+    if (problems_.size() == 1) TORCH_CHECK(false, problems_[0]);
+    std::string all = "ds_config: " + std::to_string(problems_.size()) + " problems:";
+    for (const auto& p : problems_) all += "\n  - " + p;
+    TORCH_CHECK(false, all);
+  }
+
+  static void check_key(const std::string& key, const std::string& path,
+                        const std::vector<std::string>& keys) {
+    {
+      if (std::find(keys.begin(), keys.end(), key) != keys.end()) return;
       std::vector<std::string> sorted = keys;
       std::stable_sort(sorted.begin(), sorted.end(), [&](const auto& a, const auto& b) {
         return edit_distance(key, a) < edit_distance(key, b);
@@ -171,6 +200,7 @@ class ConfigReader {
 
   const DeepSpeedProgramValues& p_;
   DeepSpeedConfig& out_;
+  std::vector<std::string> problems_;  ///< Note [Every problem at once]
 };
 
 // ---- batch sizes: deepspeed/runtime/config.py, _set_batch_related_parameters ------------
@@ -909,35 +939,42 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
   out.world_size = program.world_size;
   out.sharding.strategy = ShardingStrategy::kNoShard;  // stage 0 when zero_optimization is absent
   ConfigReader r(program, out);
-  ConfigReader::check_keys(
-      j, "",
-      {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-       "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
-       "zero_optimization", "steps_per_print", "wall_clock_breakdown", "pipeline"});
-  if (j.contains("pipeline")) r.pipeline(j["pipeline"]);
-  r.batch(j);
+  // Note [Every problem at once]: each part on its own, then one error for all.
+  r.check_keys(j, "",
+               {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
+                "zero_optimization", "steps_per_print", "wall_clock_breakdown", "pipeline"});
+  if (j.contains("pipeline")) r.attempt([&] { r.pipeline(j["pipeline"]); });
+  r.attempt([&] { r.batch(j); });
   if (j.contains("gradient_clipping")) {
-    out.gradient_clipping =
-        r.number("gradient_clipping", j["gradient_clipping"], program.gradient_clipping);
-    r.note("gradient_clipping", j["gradient_clipping"], true,
-           "DeepSpeedConfig::gradient_clipping: the global gradient norm's bound (0: off)",
-           is_auto(j["gradient_clipping"]) ? number_text(out.gradient_clipping) : "");
+    r.attempt([&] {
+      out.gradient_clipping =
+          r.number("gradient_clipping", j["gradient_clipping"], program.gradient_clipping);
+      r.note("gradient_clipping", j["gradient_clipping"], true,
+             "DeepSpeedConfig::gradient_clipping: the global gradient norm's bound (0: off)",
+             is_auto(j["gradient_clipping"]) ? number_text(out.gradient_clipping) : "");
+    });
   }
-  r.precision(j);
-  if (j.contains("optimizer")) r.optimizer(j["optimizer"]);
-  if (j.contains("scheduler")) r.scheduler(j["scheduler"]);
-  if (j.contains("zero_optimization")) r.zero(j["zero_optimization"]);
+  r.attempt([&] { r.precision(j); });
+  if (j.contains("optimizer")) r.attempt([&] { r.optimizer(j["optimizer"]); });
+  if (j.contains("scheduler")) r.attempt([&] { r.scheduler(j["scheduler"]); });
+  if (j.contains("zero_optimization")) r.attempt([&] { r.zero(j["zero_optimization"]); });
   if (j.contains("steps_per_print")) {
-    out.steps_per_print = r.integer("steps_per_print", j["steps_per_print"], {}, 1);
-    r.note("steps_per_print", j["steps_per_print"], true,
-           "DeepSpeedConfig::steps_per_print: a progress line every this many steps");
+    r.attempt([&] {
+      out.steps_per_print = r.integer("steps_per_print", j["steps_per_print"], {}, 1);
+      r.note("steps_per_print", j["steps_per_print"], true,
+             "DeepSpeedConfig::steps_per_print: a progress line every this many steps");
+    });
   }
   if (j.contains("wall_clock_breakdown")) {
-    out.wall_clock_breakdown = r.boolean("wall_clock_breakdown", j["wall_clock_breakdown"]);
-    r.note("wall_clock_breakdown", j["wall_clock_breakdown"], false,
-           "each step's time is logged; the per-unit trace (ShardingOptions::trace) breaks it "
-           "down by phase");
+    r.attempt([&] {
+      out.wall_clock_breakdown = r.boolean("wall_clock_breakdown", j["wall_clock_breakdown"]);
+      r.note("wall_clock_breakdown", j["wall_clock_breakdown"], false,
+             "each step's time is logged; the per-unit trace (ShardingOptions::trace) breaks it "
+             "down by phase");
+    });
   }
+  r.finish();
   return out;
 }
 
