@@ -905,6 +905,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--cpu-offload", "--offload-optimizer", "nvme"},
                  "train_gpt: error: --cpu-offload (offload to host memory) contradicts "
                  "--offload-optimizer nvme; use one or the other"},
+        BadInput{{"--n-layer", "0"}, "train_gpt: error: --n-layer 0 must be positive"},
+        BadInput{{"--lr", "-0.5"}, "train_gpt: error: --lr -0.5 must be positive"},
+        BadInput{{"--quantize-weights", "--quantize-weight-bits", "2"},
+                 "train_gpt: error: --quantize-weight-bits 2 is unsupported; use 8 (int8) or 4 "
+                 "(int4)"},
+        BadInput{{"--quantize-block", "64"},
+                 "train_gpt: error: --quantize-weight-bits, --quantize-gradient-bits and "
+                 "--quantize-block tune --quantize-weights and --quantize-gradients, and neither "
+                 "is given; add one"},
         BadInput{{"--max-gathered-units", "0"},
                  "train_gpt: error: --max-gathered-units 0 must be at least 1 (1: no prefetch)"},
         BadInput{{"--max-live-numel", "-1"},
@@ -966,7 +975,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
         BadInput{{"--clip-grad", "-1"},
                  "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
-        BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0.000000 must be positive"},
+        BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0 must be positive"},
         BadInput{{"--config", "/nonexistent/c.json"},
                  "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
         BadInput{

@@ -368,7 +368,7 @@ INSTANTIATE_TEST_SUITE_P(
         GenerateCase{
             {"--weights", "W", "--prompt", "a", "--max-new-tokens", "3", "--temperature", "0"},
             2,
-            "generate: error: --temperature 0.000000 must be positive"},
+            "generate: error: --temperature 0 must be positive"},
         GenerateCase{{"--weights", "W", "--prompt", "a", "--max-new-tokens", "3", "--top-k", "300"},
                      2,
                      "generate: error: --top-k 300 must be in 1..256 (0: no limit)"},

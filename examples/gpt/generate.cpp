@@ -17,6 +17,7 @@
 #include <cxxopts.hpp>
 
 #include <iostream>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -107,8 +108,11 @@ int run(int argc, char** argv) {
     throw UsageError("--prompt is empty; give at least one byte of text to continue");
   if (n_new <= 0)
     throw UsageError("--max-new-tokens " + std::to_string(n_new) + " must be positive");
-  if (!(temperature > 0))
-    throw UsageError("--temperature " + std::to_string(temperature) + " must be positive");
+  if (!(temperature > 0)) {
+    std::ostringstream t;  // as given: "0", "-0.5", not "0.000000"
+    t << temperature;
+    throw UsageError("--temperature " + t.str() + " must be positive");
+  }
   const int threads = r["threads"].as<int>();
   if (threads <= 0) throw UsageError("--threads " + std::to_string(threads) + " must be positive");
   // One token at a time is a chain of tiny ops. With LibTorch 2.6 on Debian 13 (OpenMP

@@ -9,6 +9,7 @@
 #include <cxxopts.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -458,8 +459,14 @@ TrainingFlags read_training(const cxxopts::ParseResult& r) {
 
 void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
   auto positive = [](const char* flag, double v) {
-    if (!(v > 0))
-      throw UsageError(std::string("--") + flag + " " + std::to_string(v) + " must be positive");
+    if (v > 0) return;
+    // An integer flag prints as one ("--n-layer 0", not "0.000000").
+    std::ostringstream text;
+    if (v == std::floor(v) && std::abs(v) < 1e15)
+      text << static_cast<int64_t>(v);
+    else
+      text << v;
+    throw UsageError(std::string("--") + flag + " " + text.str() + " must be positive");
   };
   positive("n-layer", cfg.n_layer);
   positive("n-head", cfg.n_head);
