@@ -288,3 +288,42 @@ TEST(MixedPrecision, BufferDtypeCastsFloatingBuffersOnly) {
   EXPECT_EQ(floating, 2);  // running_mean, running_var
 }
 }  // namespace
+
+namespace {
+// A root that scales its input by an fp32 buffer before a Linear (issue 41's example).
+struct ScaledImpl : torch::nn::Module {
+  ScaledImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 4));
+    scale = register_buffer("scale", torch::full({4}, 2.0f));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x * scale); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(Scaled);
+}  // namespace
+
+// Note [Dtype errors under mixed precision]: the fp32 buffer turns the bf16 input into
+// fp32 before a bf16 Linear. The error keeps LibTorch's words and adds the unit and the
+// fix; with buffer_dtype set, the same model runs.
+TEST(MixedPrecision, ADtypeMismatchInAUnitNamesItAndTheOptionsThatFixIt) {
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = torch::kBFloat16;
+  auto model = fully_shard(Scaled(), o);
+  std::string what = "<no error>";
+  try {
+    model(torch::ones({2, 4}));
+  } catch (const c10::Error& e) {
+    what = e.what_without_backtrace();
+  }
+  EXPECT_NE(what.find("[fsdp] unit '<root>' computes in BFloat16 (MixedPrecision::param_dtype) "
+                      "and a tensor of another dtype met its parameters"),
+            std::string::npos)
+      << what;
+  EXPECT_NE(what.find("MixedPrecision::buffer_dtype"), std::string::npos) << what;
+  EXPECT_NE(what.find("cast_forward_inputs is true"), std::string::npos) << what;
+  o.mixed_precision.buffer_dtype = torch::kBFloat16;
+  auto fixed = fully_shard(Scaled(), o);
+  EXPECT_EQ(fixed(torch::ones({2, 4})).scalar_type(), torch::kBFloat16);
+  // In fp32 nothing is added to an error: the hint is for mixed precision only.
+}

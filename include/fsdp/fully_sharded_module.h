@@ -136,6 +136,10 @@ class WrapPointImpl : public torch::nn::Module {
   torch::Tensor cast_output(torch::Tensor out) const;
   /// After the call: sets the pre-backward hooks on a unit's outputs and frees it.
   void after_forward(std::vector<torch::Tensor> outputs);
+  /// A unit's forward failed with `e`: under mixed precision, a dtype mismatch gets the
+  /// unit's name and the options that fix it (MixedPrecision::buffer_dtype,
+  /// cast_forward_inputs); empty for any other error, which goes on as it was.
+  std::optional<std::string> mixed_precision_hint(const c10::Error& e) const;
 
  private:
   friend struct detail::EngineAccess;
@@ -165,8 +169,16 @@ class FullyShardedModuleImpl : public WrapPointImpl {
     } else {
       if (!is_unit() && !checkpointed()) return module_->forward(std::forward<Args>(args)...);
       const std::optional<torch::Dtype> cast = before_forward();
-      auto out = cast ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast)...)
+      auto call = [&]() {
+        try {
+          return cast ? module_->forward(detail::cast_floating(std::forward<Args>(args), *cast)...)
                       : module_->forward(std::forward<Args>(args)...);
+        } catch (const c10::Error& e) {
+          if (auto hint = mixed_precision_hint(e)) TORCH_CHECK(false, *hint);
+          throw;
+        }
+      };
+      auto out = call();
       if constexpr (std::is_same_v<std::decay_t<Out>, torch::Tensor>)
         out = cast_output(std::move(out));
       if (is_unit()) {

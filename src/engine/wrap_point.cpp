@@ -5,6 +5,8 @@
 #include "engine_access.h"
 #include "internal/sharded_model.h"
 
+#include <sstream>
+
 namespace fsdp {
 
 WrapPointImpl::WrapPointImpl(const std::string& name)
@@ -206,11 +208,42 @@ torch::Tensor WrapPointImpl::run_tensor_forward(
     }
     out = fsdp::activation_checkpoint(fn, x, co);
   } else {
-    out = fn(x);
+    try {
+      out = fn(x);
+    } catch (const c10::Error& e) {
+      if (auto hint = mixed_precision_hint(e)) TORCH_CHECK(false, *hint);
+      throw;
+    }
   }
   out = cast_output(std::move(out));
   if (is_unit()) post_forward(*this, {out});
   return out;
+}
+
+// Note [Dtype errors under mixed precision]
+// A floating buffer the model keeps in fp32, or a tensor the unit's forward does not cast,
+// meets bf16 parameters deep inside a layer, and LibTorch's message ("expected m1 and m2
+// to have the same dtype") names neither the unit nor the fix. The innermost unit whose
+// forward the error leaves adds both; the units around it pass it on unchanged.
+std::optional<std::string> WrapPointImpl::mixed_precision_hint(const c10::Error& e) const {
+  if (!is_unit()) return std::nullopt;
+  const std::string what = e.what_without_backtrace();
+  const bool dtype =
+      what.find("dtype") != std::string::npos || what.find("scalar type") != std::string::npos;
+  if (!dtype || what.find("[fsdp] unit '") != std::string::npos) return std::nullopt;
+  const MixedPrecision& mp = detail::EngineAccess::runtime(*this).options().mixed_precision;
+  if (mp.param_dtype == torch::kFloat) return std::nullopt;
+  std::ostringstream s;
+  s << what << "\n[fsdp] unit '" << (state_->fqn.empty() ? "<root>" : state_->fqn)
+    << "' computes in " << mp.param_dtype
+    << " (MixedPrecision::param_dtype) and a tensor of another dtype met its parameters. "
+       "A floating buffer keeps its own dtype unless MixedPrecision::buffer_dtype casts it "
+       "(set it to "
+    << mp.param_dtype << "); floating tensor arguments of a unit's forward are cast to "
+    << mp.param_dtype << " while MixedPrecision::cast_forward_inputs is true (it is "
+    << (mp.cast_forward_inputs ? "true" : "false")
+    << "), but tensors made inside the forward, or held in other arguments, are not.";
+  return s.str();
 }
 
 namespace detail {
