@@ -359,7 +359,7 @@ TEST(Cuda, FusedAttentionMatchesTheMathPathAndCheckpointingRedrawsItsDropout_CUD
 
 // ZeRO++ on CUDA tensors (Note [Quantized training]: ATen ops, the collectives' buffers on
 // the tensors' device): two ranks share the GPU over Gloo (its CUDA tensors staged through
-// pinned host memory), qwZ and qgZ with hpZ-free FULL_SHARD, against the same run on the
+// pinned host memory), qwZ and qgZ under FULL_SHARD (no hpZ), against the same run on the
 // CPU. Quantization is deterministic, but the GPU's matmuls round differently, so the
 // losses agree to 1e-3, not bit for bit.
 TEST(Cuda, QuantizedCommunicationOnCudaTensorsTrainsLikeOnTheCpu_CUDA) {

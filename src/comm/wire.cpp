@@ -23,8 +23,8 @@ namespace fsdp::detail {
 //    tree or NVLS instead; the figure is then the ring's, and says so in the docs.
 // The bytes a rank keeps for itself (its own part) never count. Transport framing (Gloo's
 // per-message header, TCP/IP) does not either: tests/test_wire_bytes.cpp checks the
-// figures against the kernel's count of bytes sent on the process's TCP sockets, which
-// carry them plus that framing.
+// figures against the kernel's count of bytes the process wrote to its TCP sockets,
+// which carry them plus that framing.
 
 int64_t ring_share_bytes(int64_t bytes, int n) {
   if (n <= 1) return 0;
