@@ -526,6 +526,16 @@ TEST(EstimateRules, QuantizedCommunicationBuffersByHand) {
               std::string::npos)
         << e.what();
   }
+  in.gradient_bits = 8;
+  in.quantization_block = 0;
+  try {
+    estimate_memory(in);
+    FAIL() << "a block of 0 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--quantize-block 0 must be at least 1 element"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // ZeRO-1/2 and the offload sections by hand, on the units of HandWorkedFigures (world 4,
