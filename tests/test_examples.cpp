@@ -436,6 +436,67 @@ TEST(TrainGpt, PipelineStagesEvaluateImportSaveInTheBackgroundAndExportAsOneProc
   for (const auto& p : {ea, eb, sd}) std::filesystem::remove_all(p);
 }
 
+// --steps 0, a conversion: a fresh run saves its initial weights (step 0) and trains
+// nothing; resumed from that checkpoint, a run gives a fresh run's losses. A resumed run of
+// zero steps evaluates the checkpoint and writes no new one. The same through pipeline
+// stages.
+TEST(TrainGpt, StepsZeroLoadsEvaluatesAndSavesWithoutTraining) {
+  const std::string text = temp_path("s0_text");
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 100; ++i) f << "zero steps evaluate this line, number " << i << "\n";
+  }
+  for (const std::string stages : {"1", "2"}) {
+    SCOPED_TRACE("--pipeline-stages " + stages);
+    auto run_at = [&](const std::string& log, int steps, const std::vector<std::string>& extra) {
+      std::vector<std::string> cmd = {bin("fsdp-run"), "--nproc", "2", "--"};
+      auto args = small_run(log, steps);
+      cmd.insert(cmd.end(), args.begin(), args.end());
+      cmd.insert(cmd.end(), {"--pipeline-stages", stages, "--eval-text", text});
+      cmd.insert(cmd.end(), extra.begin(), extra.end());
+      auto r = run_command(cmd);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      return r;
+    };
+    const std::string dir = temp_path("s0_ck"), zero = temp_path("s0_log0"),
+                      fresh = temp_path("s0_log1"), resumed = temp_path("s0_log2"),
+                      again = temp_path("s0_log3");
+    std::filesystem::remove(dir);
+    const auto convert = run_at(zero, 0, {"--save-dir", dir});
+    EXPECT_NE(convert.output.find("--steps 0: no training; load, evaluate and write only"),
+              std::string::npos)
+        << convert.output;
+    EXPECT_TRUE(losses(zero).empty()) << "no step was logged";
+    ASSERT_EQ(eval_losses(convert.output).size(), 1u) << convert.output;  // at step 0
+    ASSERT_TRUE(std::filesystem::is_directory(dir + "/step_00000000")) << convert.output;
+    // Resumed from step 0, two steps are a fresh run's two steps.
+    run_at(fresh, 2, {});
+    const auto continued = run_at(resumed, 2, {"--save-dir", dir, "--resume"});
+    EXPECT_EQ(losses(resumed), losses(fresh)) << continued.output;
+    ASSERT_EQ(losses(fresh).size(), 2u);
+    // Zero steps on a resumed checkpoint: evaluated at its step, nothing new written.
+    const auto look = run_at(again, 0, {"--save-dir", dir, "--resume"});
+    EXPECT_NE(look.output.find("at step 2"), std::string::npos) << look.output;
+    const auto evals = eval_losses(look.output);
+    ASSERT_EQ(evals.size(), 1u) << look.output;
+    // Evaluated once (nothing trained between), printed with 9 digits: the same to 1e-8.
+    size_t printed = 0;
+    for (size_t at = look.output.find("eval loss at step"); at != std::string::npos;
+         at = look.output.find("eval loss at step", at + 1))
+      ++printed;
+    EXPECT_EQ(printed, 1u) << look.output;
+    EXPECT_NEAR(evals.at(2), eval_losses(continued.output).at(2), 1e-8 * evals.at(2))
+        << look.output;
+    size_t entries = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      entries += e.path().filename().string().rfind("step_", 0) == 0;
+    EXPECT_EQ(entries, 2u) << "step_0 and step_2 only";
+    std::filesystem::remove_all(dir);
+    for (const auto& p : {zero, fresh, resumed, again}) std::filesystem::remove(p);
+  }
+  std::filesystem::remove(text);
+}
+
 // Within stages, as without: activation checkpointing (each block recomputed in its
 // backward, which the trace shows), host offload of the optimizer's state, and bf16
 // compute give the losses of the same run without stages.
@@ -906,7 +967,7 @@ INSTANTIATE_TEST_SUITE_P(
                  "train_gpt: error: --cpu-offload (offload to host memory) contradicts "
                  "--offload-optimizer nvme; use one or the other"},
         BadInput{{"--n-layer", "0"}, "train_gpt: error: --n-layer 0 must be positive"},
-        BadInput{{"--lr", "-0.5"}, "train_gpt: error: --lr -0.5 must be positive"},
+        BadInput{{"--lr", "-0.5"}, "train_gpt: error: --lr -0.5 must not be negative"},
         BadInput{{"--quantize-weights", "--quantize-weight-bits", "2"},
                  "train_gpt: error: --quantize-weight-bits 2 is unsupported; use 8 (int8) or 4 "
                  "(int4)"},
@@ -975,7 +1036,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--warmup-steps", "-1"}, "train_gpt: error: --warmup-steps must not be negative"},
         BadInput{{"--clip-grad", "-1"},
                  "train_gpt: error: --clip-grad must not be negative (0 turns clipping off)"},
-        BadInput{{"--steps", "0"}, "train_gpt: error: --steps 0 must be positive"},
+        BadInput{{"--steps", "-1"},
+                 "train_gpt: error: --steps -1 must not be negative (0: load, evaluate and export "
+                 "without training)"},
         BadInput{{"--config", "/nonexistent/c.json"},
                  "train_gpt: error: --config /nonexistent/c.json: cannot open the file"},
         BadInput{

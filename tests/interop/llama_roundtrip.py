@@ -21,7 +21,8 @@ train_llama loads it sharded, trains it and exports it, and transformers loads t
    (fsdp-consolidate --format safetensors; the checkpoint carries config.json).
 
 Both losses must agree within 1e-5 relative (before: the imported weights; after: the
-exported ones). Prints every figure. Exit status 1 on a mismatch, 77 when transformers
+exported ones). With --steps 0 (a conversion: train_llama trains nothing), the exports'
+logits on the rows must equal the original model's exactly, and so must their weights. Prints every figure. Exit status 1 on a mismatch, 77 when transformers
 cannot be imported (the ctest then counts as skipped).
 """
 import argparse
@@ -57,6 +58,27 @@ def hf_loss(model, rows):
             logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1)).item()
 
 
+def logits_of(model, rows):
+    with torch.no_grad():
+        return model(input_ids=rows[:, :-1]).logits.float()
+
+
+def same_as_original(name, model, reference, rows):
+    """--steps 0: `model` (an export) must hold the original's weights and give its logits,
+    bit for bit. Prints the largest differences; True when both are 0."""
+    theirs = reference.state_dict()
+    ours = model.state_dict()
+    weight_diff = max((ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs)
+    logit_diff = (logits_of(model, rows) - logits_of(reference, rows)).abs().max().item()
+    print(f"   {name}: largest weight difference from the original {weight_diff:.3e}, "
+          f"largest logit difference {logit_diff:.3e} ({rows.shape[0]} rows x {BLOCK} "
+          f"positions x {reference.config.vocab_size} logits)")
+    if weight_diff != 0 or logit_diff != 0:
+        print(f"llama_roundtrip.py: FAILED: {name} after --steps 0 differs from the original")
+        return False
+    return True
+
+
 def rel(a, b):
     return abs(a - b) / abs(b)
 
@@ -66,7 +88,8 @@ def main():
     ap.add_argument("--train-llama", required=True)
     ap.add_argument("--fsdp-run", required=True)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6,
+                    help="0: a conversion; the exports must equal the original exactly")
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--shard-files", action="store_true",
@@ -125,9 +148,12 @@ def main():
              re.findall(r"eval loss at step (\d+): ([0-9.eE+-]+)", p.stdout)}
     losses = [json.loads(l)["loss"] for l in open(log) if l.strip()]
     print(f"   training losses ({args.world} ranks): " + ", ".join(f"{x:.6f}" for x in losses))
-    if sorted(evals) != [0, args.steps]:
+    if sorted(evals) != sorted({0, args.steps}):
         print(f"llama_roundtrip.py: FAILED: expected eval losses at steps 0 and {args.steps}, "
               f"got {evals}")
+        return 1
+    if args.steps == 0 and "--steps 0: no training" not in p.stdout:
+        print("llama_roundtrip.py: FAILED: train_llama did not say it trains nothing")
         return 1
 
     # 4. transformers loads the export.
@@ -140,6 +166,9 @@ def main():
           f"{keys.get('missing_keys')}, unexpected keys {keys.get('unexpected_keys')}, "
           f"mismatched {keys.get('mismatched_keys')}")
     print(f"   its loss on the rows: {after_hf:.9f}")
+    ok = True
+    if args.steps == 0:
+        ok &= same_as_original("the --export-hf model", exported, reference, rows)
 
     offline_hf = None
     if args.fsdp_consolidate:
@@ -164,8 +193,9 @@ def main():
             if off_info.get(k):
                 print(f"llama_roundtrip.py: FAILED: offline export {k}: {off_info[k]}")
                 return 1
+        if args.steps == 0:
+            ok &= same_as_original("the consolidated checkpoint", offline, reference, rows)
 
-    ok = True
     print("\n| stage | train_llama | transformers | relative difference |")
     print("|---|---|---|---|")
     stages = [("imported (step 0)", evals[0], before_hf),
@@ -180,7 +210,7 @@ def main():
         if info.get(k):
             print(f"llama_roundtrip.py: FAILED: {k}: {info[k]}")
             ok = False
-    if rel(evals[args.steps], evals[0]) < 1e-4:
+    if args.steps > 0 and rel(evals[args.steps], evals[0]) < 1e-4:
         print("llama_roundtrip.py: FAILED: training left the loss on the rows unchanged")
         ok = False
     print("llama_roundtrip.py: " + ("PASSED" if ok else "FAILED") +

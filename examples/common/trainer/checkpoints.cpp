@@ -45,7 +45,7 @@ fsdp::TrainingState CheckpointPolicy::training_state(int64_t step) const {
 }
 
 int64_t CheckpointPolicy::resume() {
-  if (!ckpt_.resume) return last_saved_ = 0;
+  if (!ckpt_.resume) return 0;
   const std::string& dir = ckpt_.save_dir;
   auto latest = fsdp::latest_checkpoint(dir);
   if (!latest) {
@@ -53,7 +53,7 @@ int64_t CheckpointPolicy::resume() {
       std::cout << program() << ": --resume: no checkpoint in " << dir
                 << " yet; starting from step 0" << std::endl;
     }
-    return last_saved_ = 0;
+    return 0;
   }
   fsdp::TrainingState st;
   io_log_.timed("load", [&] {

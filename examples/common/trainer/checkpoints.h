@@ -51,7 +51,9 @@ class CheckpointPolicy {
   bool main_rank_;
   IoLog io_log_;
   fsdp::SaveOptions save_opts_;
-  int64_t last_saved_ = 0;   ///< the step of the newest checkpoint (or the resumed one)
+  /// The step of the newest checkpoint (or the resumed one); -1 before any, so that a
+  /// fresh run of --steps 0 with --save-dir saves step 0 (a conversion).
+  int64_t last_saved_ = -1;
   fsdp::AsyncSave pending_;  ///< --async-save: the save in flight
 };
 

@@ -64,7 +64,10 @@ void add_training_flags(cxxopts::Options& o) {
   auto flag = o.add_options("training");
   flag("batch-size", "global batch in sequences, split across ranks", value<int64_t>("16"));
   flag("grad-accum", "micro-batches per step", value<int64_t>("1"));
-  flag("steps", "optimizer steps", value<int64_t>("200"));
+  flag("steps",
+       "optimizer steps (0: build, load, evaluate and export, and train nothing: "
+       "a conversion)",
+       value<int64_t>("200"));
   flag("lr", "peak learning rate", value<double>("3e-3"));
   flag("weight-decay", "AdamW weight decay", value<double>("0.01"));
   flag("no-decay-recipe",
@@ -474,8 +477,15 @@ void check_model_and_training(const Config& cfg, const TrainingFlags& t) {
   positive("block-size", cfg.block_size);
   positive("batch-size", t.batch_size);
   positive("grad-accum", t.grad_accum);
-  positive("steps", t.steps);
-  positive("lr", t.lr);
+  if (t.steps < 0) {
+    throw UsageError("--steps " + std::to_string(t.steps) +
+                     " must not be negative (0: load, evaluate and export without training)");
+  }
+  if (!(t.lr >= 0)) {
+    std::ostringstream lr;
+    lr << t.lr;
+    throw UsageError("--lr " + lr.str() + " must not be negative");
+  }
   if (cfg.d_model % cfg.n_head != 0) {
     throw UsageError("--d-model " + std::to_string(cfg.d_model) +
                      " must be divisible by --n-head " + std::to_string(cfg.n_head));

@@ -198,6 +198,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+/// --steps 0 (a conversion): says so, and what the run will do instead.
+void report_no_steps(const Flags& f, bool main_rank) {
+  if (f.training.steps != 0 || !main_rank) return;
+  const auto& c = f.checkpoint;
+  std::cout << program() << ": --steps 0: no training; load, evaluate and write only"
+            << (c.save_dir.empty() && c.export_hf.empty() && c.consolidate_to.empty()
+                    ? " (nothing will be written: give --save-dir, --export-hf or "
+                      "--consolidate-to)"
+                    : "")
+            << std::endl;
+}
+
 /// The training loop: steps [first_step, last_step).
 void train(Training& t, const Flags& f, const Data& data, const fsdp::ProcessGroup& pg,
            TrainLog& log, CheckpointPolicy& checkpoints, int64_t first_step, int64_t last_step) {
@@ -423,6 +435,7 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
   const int64_t last_step = checkpoints.last_step(first_step);
   TrainLog log(f.output, f.training.steps, main_rank);
   log.start(first_step, last_step);
+  report_no_steps(f, main_rank);
   const torch::Tensor eval = eval_rows_of(f);
   eval_text(pm, f, first_step, eval);
   const int64_t batch = f.training.batch_size, block = f.model.block_size;
@@ -447,7 +460,7 @@ int run_pipelined(const Flags& f, const fsdp::ProcessGroup& pg, const Data& data
     if (checkpoints.due(r.step)) checkpoints.save(r.step);
   }
   const int64_t final_step = std::max(first_step, last_step);
-  eval_text(pm, f, final_step, eval);
+  if (final_step != first_step) eval_text(pm, f, final_step, eval);  // else printed above
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(pm, f, pg, final_step);
   if (scaler) report_fp16_skips(*scaler, pg.rank(), final_step);
@@ -481,12 +494,13 @@ int run(const Program& prog, int argc, char** argv) {
   if (main_rank && !deepspeed.empty()) std::cout << deepspeed << std::endl;
   if (main_rank) print_summary(t.model, f, data, pg.size());
   log.start(first_step, last_step);
+  report_no_steps(f, main_rank);
   const torch::Tensor eval = eval_rows_of(f);
   eval_text(t, f, pg, first_step, eval);
   train(t, f, data, pg, log, checkpoints, first_step, last_step);
 
   const int64_t final_step = std::max(first_step, last_step);
-  eval_text(t, f, pg, final_step, eval);
+  if (final_step != first_step) eval_text(t, f, pg, final_step, eval);  // else printed above
   checkpoints.finish(final_step);
   if (!f.checkpoint.export_hf.empty()) export_hf(t.model, f, pg, final_step);
   if (t.scaler) report_fp16_skips(*t.scaler, pg.rank(), final_step);
