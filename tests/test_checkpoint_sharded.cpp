@@ -215,6 +215,35 @@ TEST(ShardedCheckpoint, KeepsTheNewestKAndNeverOverwrites) {
   EXPECT_NE(msg.find("step -1 is negative"), std::string::npos) << msg;
 }
 
+// The short calls a newcomer writes compile and do what the long ones do: the optimizer,
+// the training state and the options default where the API allows a null or an empty one.
+TEST(ShardedCheckpoint, TheShortCallsUseTheirDefaults) {
+  const std::string dir = scratch_dir("defaults");
+  torch::manual_seed(0);
+  auto model = fully_shard(MlpNet());
+  torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+  const std::string weights_only = save_sharded_checkpoint(dir, model);
+  EXPECT_EQ(fs::path(weights_only).filename().string(), "step_00000000");
+  const std::string with_opt = save_sharded_checkpoint(dir, model, &opt);
+  EXPECT_EQ(fs::path(with_opt).filename().string(), "step_00000000_2");
+  export_consolidated(dir + "/model.h5", model);
+  export_safetensors(dir + "/hf", model);
+  const auto saved = full_state_dict(model);
+  torch::manual_seed(1);
+  auto other = fully_shard(MlpNet());
+  torch::optim::AdamW opt2(other.sharded_parameters(), torch::optim::AdamWOptions(1e-2));
+  EXPECT_EQ(load_sharded_checkpoint(with_opt, other, &opt2).path, with_opt);
+  const auto loaded = full_state_dict(other);
+  ASSERT_EQ(loaded.size(), saved.size());
+  for (size_t i = 0; i < saved.size(); ++i)
+    EXPECT_TRUE(torch::equal(loaded[i].second, saved[i].second)) << saved[i].first;
+  EXPECT_TRUE(fs::exists(dir + "/model.h5"));
+  EXPECT_TRUE(fs::exists(dir + "/hf/model.safetensors"));
+  auto job = save_sharded_checkpoint_async(dir, model);
+  EXPECT_EQ(fs::path(job.wait()).filename().string(), "step_00000000_3");
+  fs::remove_all(dir);
+}
+
 // Note [Agreed outcomes]: what rank 0 alone does in a synchronous save (prepare the
 // directory, publish) fails on every rank alike, rank 0 naming the cause, the others
 // pointing at it; nothing is left behind and `latest` stays.

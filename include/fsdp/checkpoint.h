@@ -79,7 +79,8 @@ struct LoadReport {
 /// every rank calls it. Returns the checkpoint's path. The previous complete checkpoint
 /// is never touched; `dir`/latest names the new one only once every rank's file is on disk.
 std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& model,
-                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    torch::optim::Optimizer* optimizer = nullptr,
+                                    const TrainingState& state = {},
                                     const SaveOptions& options = {});
 
 class PipelinedModel;  // fsdp/pipeline.h
@@ -89,7 +90,8 @@ class PipelinedModel;  // fsdp/pipeline.h
 /// shards under the names PipelineOptions::parameter_names gives them, so the checkpoint
 /// loads into the model with any number of stages, or none, at any world size.
 std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
-                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                    torch::optim::Optimizer* optimizer = nullptr,
+                                    const TrainingState& state = {},
                                     const SaveOptions& options = {});
 
 class AsyncSaveJob;  // the engine's (opaque)
@@ -135,15 +137,15 @@ class [[nodiscard]] AsyncSave {
 /// failed on any rank, throws on every rank, naming the file, without saving; `latest`
 /// never names a checkpoint that is not complete.
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& model,
-                                        torch::optim::Optimizer* optimizer,
-                                        const TrainingState& state,
+                                        torch::optim::Optimizer* optimizer = nullptr,
+                                        const TrainingState& state = {},
                                         const SaveOptions& options = {});
 
 /// The same for a pipelined model: the files of save_sharded_checkpoint(PipelinedModel),
 /// staged on every rank of the job, written and published in the background.
 AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
-                                        torch::optim::Optimizer* optimizer,
-                                        const TrainingState& state,
+                                        torch::optim::Optimizer* optimizer = nullptr,
+                                        const TrainingState& state = {},
                                         const SaveOptions& options = {});
 
 /// Waits for the asynchronous save in flight, if any, and frees the staging buffers that
@@ -186,8 +188,8 @@ struct ExportOptions {
 /// unit's full fp32 parameters (MemoryStats::checkpoint_buffers counts it). The file is
 /// written to a temporary name and renamed into place.
 void export_consolidated(const std::string& file, const ShardedModel& model,
-                         torch::optim::Optimizer* optimizer, const TrainingState& state,
-                         const ExportOptions& options = {});
+                         torch::optim::Optimizer* optimizer = nullptr,
+                         const TrainingState& state = {}, const ExportOptions& options = {});
 
 /// The same for a pipelined model (fsdp::pipeline): one file of the whole model, the
 /// stages' parameters under the names PipelineOptions::parameter_names gives them.
@@ -197,8 +199,8 @@ void export_consolidated(const std::string& file, const ShardedModel& model,
 /// (consolidate_checkpoint, one parameter at a time); the temporary checkpoint is removed
 /// either way, and every rank throws alike if either pass failed.
 void export_consolidated(const std::string& file, const PipelinedModel& model,
-                         torch::optim::Optimizer* optimizer, const TrainingState& state,
-                         const ExportOptions& options = {});
+                         torch::optim::Optimizer* optimizer = nullptr,
+                         const TrainingState& state = {}, const ExportOptions& options = {});
 
 /// Loads consolidated weights into a sharded model: each rank reads only its own slice
 /// (HDF5 hyperslabs, or byte ranges of safetensors), no full copy anywhere, no
@@ -248,7 +250,7 @@ struct SafetensorsOptions {
 /// parameter at a time, so its extra memory is about one unit's full fp32 parameters.
 /// Files are written under temporary names and published by rename, the index last.
 void export_safetensors(const std::string& dir, const ShardedModel& model,
-                        const TrainingState& state, const SafetensorsOptions& options = {});
+                        const TrainingState& state = {}, const SafetensorsOptions& options = {});
 
 /// The same for a pipelined model, in two passes as export_consolidated(PipelinedModel)
 /// (a temporary sharded checkpoint in `dir`.stages.tmp, then consolidate_checkpoint on
@@ -256,7 +258,7 @@ void export_safetensors(const std::string& dir, const ShardedModel& model,
 /// export_safetensors writes from the model unpipelined, in the order of the stages' units
 /// (byte for byte where that order is the unpipelined model's).
 void export_safetensors(const std::string& dir, const PipelinedModel& model,
-                        const TrainingState& state, const SafetensorsOptions& options = {});
+                        const TrainingState& state = {}, const SafetensorsOptions& options = {});
 
 /// The formats consolidated weights are written in.
 enum class WeightsFormat {
