@@ -62,15 +62,27 @@ else()
     list(APPEND args "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}")
   endif()
 endif()
-# Configured and built in place, so that the next run of the suite is incremental.
-if(TORCH_CACHE)
+# Configured and built in place, so that the next run of the suite is incremental. The
+# source-tree modes find LibTorch as this build did (its cache file); the installed
+# package needs nothing but CMAKE_PREFIX_PATH: it applies what it recorded.
+if(TORCH_CACHE AND NOT MODE STREQUAL "package")
   list(PREPEND args -C "${TORCH_CACHE}")
 endif()
 run("configure" ${CMAKE_COMMAND} -E env ${env_prefix} ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${dir}" -G "${GENERATOR}" ${args})
+set(configure_output "${last_output}")
 run("build" ${CMAKE_COMMAND} --build "${dir}")  # jobs: CMAKE_BUILD_PARALLEL_LEVEL, or the generator's default
 file(REMOVE_RECURSE "${dir}/ck")
 run("2 ranks under the installed fsdp-run" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/consumer_app" "${dir}/ck")
 message(STATUS "${last_output}")
 if(NOT last_output MATCHES "consumer: fsdp [0-9.]+ .*2 ranks.*: ok")
   message(FATAL_ERROR "consumer (${MODE}): the application did not report success:\n${last_output}")
+endif()
+# The package says how it found LibTorch's parts, where it applied what it recorded.
+if(MODE STREQUAL "package" AND EXPECT_RECORDED)
+  string(REPLACE "," ";" EXPECT_RECORDED "${EXPECT_RECORDED}")
+  foreach(v ${EXPECT_RECORDED})
+    if(NOT configure_output MATCHES "fsdp: ${v}=[^\n]*as fsdp was built")
+      message(FATAL_ERROR "consumer (package): find_package(fsdp) did not say it applied ${v}:\n${configure_output}")
+    endif()
+  endforeach()
 endif()
