@@ -3,5 +3,6 @@
 # the fuzz targets (tests/fuzz/CMakeLists.txt), as absolute paths.
 set(FSDP_CKPT_CORE_SOURCES
     h5/h5.cpp h5/h5_convert.cpp h5/h5_geometry.cpp h5/h5_checksums.cpp h5/h5_dataset.cpp
+    h5/h5_direct.cpp
     safetensors/safetensors.cpp layout.cpp offline.cpp inspect.cpp publish.cpp reshard_plan.cpp)
 list(TRANSFORM FSDP_CKPT_CORE_SOURCES PREPEND ${CMAKE_CURRENT_LIST_DIR}/)

@@ -92,6 +92,15 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
   h5::write(loc, name, c.data_ptr(), mem, file, c.sizes().vec(), where);
 }
 
+void write_tensor_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& hold, hid_t loc,
+                         const std::string& name, const at::Tensor& t, const std::string& where) {
+  at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();  // no copy when it is so
+  if (static_cast<int64_t>(c.nbytes()) < h5::kDirectMinBytes)
+    return write_tensor(loc, name, c, h5::Elem::kF32, where);
+  direct.add(loc, name, c.data_ptr(), h5::Elem::kF32, c.sizes().vec(), where);
+  hold.push_back(std::move(c));
+}
+
 void read_into(hid_t loc, const std::string& name, const at::Tensor& dst,
                const std::string& where) {
   auto shape = h5::shape_of(loc, name, where);

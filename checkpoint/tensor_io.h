@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 namespace fsdp::ckpt {
 
@@ -18,6 +19,11 @@ std::string dtype_name(c10::ScalarType t);
 /// through fp32/fp64 in memory). NaN is stored as h5::convert stores it.
 void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::Elem file,
                   const std::string& where);
+/// write_tensor for an fp32 dataset through `direct` (Note [Direct I/O]) when it is large
+/// enough: created now, its bytes written by direct.write_all(), which `hold` keeps alive
+/// until then. A small one is written at once.
+void write_tensor_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& hold, hid_t loc,
+                         const std::string& name, const at::Tensor& t, const std::string& where);
 /// `t` on the CPU, contiguous, with exactly the bytes a file stores for it as `file`
 /// (16-bit floats rounded and NaN stored as write_tensor does).
 at::Tensor file_bytes(const at::Tensor& t, h5::Elem file);

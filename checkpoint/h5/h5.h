@@ -82,6 +82,35 @@ std::string object_id(hid_t obj, const std::string& where);
 /// contiguous, with block CRC32C checksums (Note [Block checksums] in h5_checksums.cpp).
 void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
            const std::vector<int64_t>& shape, const std::string& where);
+/// Datasets whose bytes are written after the file's structure, straight to the disk
+/// (Note [Direct I/O] in h5_direct.cpp): add() creates each one contiguous, its space
+/// allocated and nothing written; write_all() writes every one's bytes at its place in the
+/// file, bypassing the page cache, and their checksums, as write() would have. The file
+/// must be made by create_file (its large objects start on a page) and still be open.
+class DirectDatasets {
+ public:
+  /// `data` holds the dataset's elements as stored (`file`), and must stay valid until
+  /// write_all.
+  void add(hid_t loc, const std::string& name, const void* data, Elem file,
+           const std::vector<int64_t>& shape, const std::string& where);
+  /// Writes them into `path`, the file holding them; returns the bytes written.
+  int64_t write_all(const std::string& path);
+
+ private:
+  struct Pending {
+    Obj ds;
+    const uint8_t* data;
+    int64_t numel;
+    size_t elem;
+    uint64_t offset;
+    std::string where, name;
+    std::vector<uint32_t> crcs;
+  };
+  std::vector<Pending> pending_;
+};
+/// Datasets of at least this many bytes are worth writing with DirectDatasets.
+constexpr int64_t kDirectMinBytes = int64_t{1} << 20;
+
 void write_strings(hid_t loc, const std::string& name, const std::vector<std::string>& v,
                    const std::string& where);
 void write_i64(hid_t loc, const std::string& name, const std::vector<int64_t>& v,

@@ -5,9 +5,13 @@
 //   h5_geometry.cpp   row-major element ranges as hyperslab selections
 //   h5_checksums.cpp  block checksums (Note [Block checksums])
 //   h5_dataset.cpp    datasets: write, shape, and checked range reads
+//   h5_direct.cpp     datasets' bytes to and from the disk without the page cache
+//                     (Note [Direct I/O])
 
 #include "h5.h"
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -54,5 +58,10 @@ Blocks read_blocks(hid_t ds, int64_t numel, size_t elem, const std::vector<uint3
 /// match its checksum.
 void check_block(const Blocks& b, const std::vector<uint32_t>& crcs, int64_t k, const void* bytes,
                  const std::string& where, const std::string& name);
+
+/// Reads bytes [off, off + sum(pieces)) of file `path` into `dst` in order, calling
+/// `after(i)` once piece i is in place while the next ones are read (Note [Direct I/O]).
+void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
+                 const std::vector<size_t>& pieces, const std::function<void(size_t)>& after);
 
 }  // namespace fsdp::h5::detail

@@ -22,7 +22,7 @@ if [ "${1:-}" = "--engine-and-checkpoint" ]; then
   targets=(test_parity test_memory_comm test_desync test_fully_shard test_construction
            test_fsdp2_options test_offload test_nvme_params test_trace test_process_group
            test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash test_checkpoint_consolidated
-           test_checkpoint_safetensors test_checkpoint_errors test_checkpoint_integrity test_safetensors
+           test_checkpoint_safetensors test_checkpoint_errors test_checkpoint_integrity test_checkpoint_direct test_safetensors
            test_reshard_plan test_pipeline test_checkpoint_pipeline test_quantize test_wire_bytes
            test_zero_plus_plus)
   labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
