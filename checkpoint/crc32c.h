@@ -7,6 +7,7 @@
 // endian). Four independent lanes let the SSE4.2 instruction run at full throughput;
 // a table-driven version gives the same values on other CPUs.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -91,5 +92,67 @@ inline uint32_t crc_block(const void* data, size_t n) {
 #endif
   return crc_detail::lanes(p, n, crc_detail::sw_u64, crc_detail::sw_u8);
 }
+
+/// crc_block of bytes that arrive in pieces: update() with each piece in order, then
+/// value() gives crc_block of their concatenation.
+class BlockCrc {
+ public:
+  void update(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    if (held_ > 0) {  // complete the held 32-byte group first
+      const size_t k = std::min(n, sizeof(group_) - held_);
+      std::memcpy(group_ + held_, p, k);
+      held_ += k, p += k, n -= k;
+      if (held_ < sizeof(group_)) return;
+      groups(group_, sizeof(group_));
+      held_ = 0;
+    }
+    const size_t whole = n / 32 * 32;
+    groups(p, whole);
+    std::memcpy(group_, p + whole, n - whole);
+    held_ = n - whole;
+  }
+  uint32_t value() const {
+    uint32_t c[4] = {c_[0], c_[1], c_[2], c_[3]};
+    for (size_t i = 0; i < held_; ++i) c[0] = crc_detail::sw_u8(c[0], group_[i]);
+    uint8_t tail[16];
+    std::memcpy(tail, c, 16);
+    uint32_t r = 0xFFFFFFFFu;
+    for (uint8_t b : tail) r = crc_detail::sw_u8(r, b);
+    return r;
+  }
+
+ private:
+  // Whole 32-byte groups, each word to its lane, as crc_block does.
+  void groups(const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+    static const bool sse42 = __builtin_cpu_supports("sse4.2");
+    if (sse42) return hw_groups(p, n);
+#endif
+    for (size_t i = 0; i < n; i += 32) {
+      uint64_t w[4];
+      std::memcpy(w, p + i, 32);
+      for (int l = 0; l < 4; ++l) c_[l] = crc_detail::sw_u64(c_[l], w[l]);
+    }
+  }
+#if defined(__x86_64__)
+  __attribute__((target("sse4.2"))) void hw_groups(const uint8_t* p, size_t n) {
+    uint64_t c0 = c_[0], c1 = c_[1], c2 = c_[2], c3 = c_[3];
+    for (size_t i = 0; i < n; i += 32) {
+      uint64_t w[4];
+      std::memcpy(w, p + i, 32);
+      c0 = _mm_crc32_u64(c0, w[0]);
+      c1 = _mm_crc32_u64(c1, w[1]);
+      c2 = _mm_crc32_u64(c2, w[2]);
+      c3 = _mm_crc32_u64(c3, w[3]);
+    }
+    c_[0] = static_cast<uint32_t>(c0), c_[1] = static_cast<uint32_t>(c1);
+    c_[2] = static_cast<uint32_t>(c2), c_[3] = static_cast<uint32_t>(c3);
+  }
+#endif
+  uint32_t c_[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
+  uint8_t group_[32] = {};
+  size_t held_ = 0;
+};
 
 }  // namespace fsdp::h5

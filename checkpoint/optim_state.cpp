@@ -150,9 +150,24 @@ int shard_group(torch::optim::Optimizer& opt, const at::Tensor& shard) {
   return views.empty() ? -1 : find_param(opt, views.front().first).first;
 }
 
-ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard) {
-  if (find_param(opt, shard).first >= 0) return get_param_state(opt, shard);
-  ParamState out;
+ShardStateParts get_shard_state_parts(torch::optim::Optimizer& opt, const at::Tensor& shard) {
+  ShardStateParts out;
+  auto add = [&](const ParamState& st, int64_t off) {
+    out.step = std::max(out.step, st.step);
+    for (const auto& [name, t] : st.tensors) {
+      auto it = std::find_if(out.states.begin(), out.states.end(),
+                             [&](const auto& e) { return e.first == name; });
+      if (it == out.states.end()) {
+        out.states.emplace_back(name, std::vector<std::pair<int64_t, at::Tensor>>{});
+        it = std::prev(out.states.end());
+      }
+      if (off >= 0) it->second.emplace_back(off, t.reshape({-1}));
+    }
+  };
+  if (find_param(opt, shard).first >= 0) {
+    add(get_param_state(opt, shard), 0);
+    return out;
+  }
   const auto views = shard_views(opt, shard);
   if (views.empty()) {
     // A rank that holds only padding of this shard has no view of it, but takes part in
@@ -161,27 +176,26 @@ ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard
       for (const auto& p : group.params()) {
         ParamState any = get_param_state(opt, p);
         if (any.tensors.empty()) continue;
-        out.step = any.step;
-        for (const auto& [name, t] : any.tensors)
-          out.tensors.emplace_back(name, at::zeros({shard.numel()}, shard.options()));
+        add(any, -1);
         return out;
       }
     }
     return out;
   }
-  for (const auto& [v, off] : views) {
-    ParamState st = get_param_state(opt, v);
-    if (st.tensors.empty()) continue;
-    out.step = std::max(out.step, st.step);
-    for (auto& [name, t] : st.tensors) {
-      auto it = std::find_if(out.tensors.begin(), out.tensors.end(),
-                             [&](const auto& e) { return e.first == name; });
-      if (it == out.tensors.end()) {
-        out.tensors.emplace_back(name, at::zeros({shard.numel()}, t.options()));
-        it = std::prev(out.tensors.end());
-      }
-      it->second.narrow(0, off, v.numel()).copy_(t.reshape({-1}));
-    }
+  for (const auto& [v, off] : views) add(get_param_state(opt, v), off);
+  return out;
+}
+
+ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard) {
+  if (find_param(opt, shard).first >= 0) return get_param_state(opt, shard);
+  const ShardStateParts parts = get_shard_state_parts(opt, shard);
+  ParamState out;
+  out.step = parts.step;
+  for (const auto& [name, pieces] : parts.states) {
+    at::Tensor t = at::zeros({shard.numel()},
+                             pieces.empty() ? shard.options() : pieces.front().second.options());
+    for (const auto& [off, piece] : pieces) t.narrow(0, off, piece.numel()).copy_(piece);
+    out.tensors.emplace_back(name, t);
   }
   return out;
 }

@@ -35,8 +35,16 @@ std::vector<std::pair<at::Tensor, int64_t>> shard_views(torch::optim::Optimizer&
                                                         const at::Tensor& shard);
 /// The param group holding `shard`, or else its first view; -1 when it holds neither.
 int shard_group(torch::optim::Optimizer& opt, const at::Tensor& shard);
-/// The state of `shard` laid out like it: the shard's own, or its views' put together
-/// (elements no view covers are zero; the step is the largest of the views').
+/// The state of `shard` as the optimizer holds it, without copying: per state name, the
+/// tensors that cover parts of the shard, each with its first element (one at 0 when the
+/// optimizer holds the shard itself; elements none covers are zero; the step is the
+/// largest of the views'). A rank whose views are all padding gets the names, no parts.
+struct ShardStateParts {
+  int64_t step = 0;
+  std::vector<std::pair<std::string, std::vector<std::pair<int64_t, at::Tensor>>>> states;
+};
+ShardStateParts get_shard_state_parts(torch::optim::Optimizer& opt, const at::Tensor& shard);
+/// The state of `shard` laid out like it: get_shard_state_parts put together.
 ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard);
 /// Sets the state of `shard` (shard-sized tensors): the shard's own when the optimizer
 /// holds it, else each view gets its range (views of `st`'s tensors) and the step.

@@ -6,6 +6,10 @@
 #include "tensor_io.h"
 #include "trace/trace.h"
 
+#include <cstdlib>
+#include <exception>
+#include <thread>
+
 namespace fsdp::ckpt {
 
 // Note [Rank snapshot]
@@ -13,7 +17,11 @@ namespace fsdp::ckpt {
 // by write_snapshot. A synchronous save takes it as views of the live tensors and writes
 // at once; an asynchronous one copies each tensor into host staging memory (pinned when
 // it comes from a GPU), so that training may change the originals while a thread writes.
-// Either way the file is the same.
+// Either way the file is the same. An optimizer that holds a shard as several views
+// (fsdp::ShardParamGroups) holds its state as several tensors: a synchronous save writes
+// them as they are, one dataset from its parts, instead of putting a shard-sized copy
+// together first (0.72 s of a 1.2 GB save, in fresh pages); an asynchronous one puts them
+// together in its staging buffer, which it copies into anyway.
 
 // Note [Staging reuse]
 // An asynchronous save blocks training while it copies the rank's state into host
@@ -30,22 +38,92 @@ int64_t staged_bytes(const std::map<std::string, at::Tensor>& buffers) {
   return n;
 }
 
-at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap) {
-  const bool pinned = t.is_cuda();
-  const std::string key = pinned ? what + "@pinned" : what;
+namespace {
+
+// Note [Staging copy]
+// What training waits for in an asynchronous save is the copy into staging memory, and
+// that copy is memory-bound: 1.2 GB took 0.094 s on one thread here and 0.073 s on two.
+// Training is blocked meanwhile, so large copies are split over this process's share of
+// the machine's cores (its hardware threads divided by LOCAL_WORLD_SIZE, the ranks
+// sharing the machine), whatever OMP_NUM_THREADS says for compute.
+int staging_threads() {
+  static const int n = [] {
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    const int ranks = local ? std::max(1, std::atoi(local)) : 1;
+    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks);
+  }();
+  return n;
+}
+
+void copy_staged(const at::Tensor& dst, const at::Tensor& src) {
+  constexpr int64_t kSplitBytes = int64_t{32} << 20;
+  const int n =
+      std::min<int64_t>(staging_threads(), static_cast<int64_t>(dst.nbytes()) / kSplitBytes);
+  if (n <= 1 || !src.is_cpu() || !src.is_contiguous() || !dst.is_contiguous() ||
+      src.scalar_type() != dst.scalar_type()) {
+    dst.copy_(src);
+    return;
+  }
+  const at::Tensor d = dst.view({-1}), s = src.reshape({-1});
+  const int64_t per = (d.numel() + n - 1) / n;
+  std::vector<std::thread> others;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  auto part = [&](int i) {
+    const int64_t a = std::min(d.numel(), i * per), b = std::min(d.numel(), a + per);
+    try {
+      if (b > a) d.narrow(0, a, b - a).copy_(s.narrow(0, a, b - a));
+    } catch (...) {
+      errors[static_cast<size_t>(i)] = std::current_exception();
+    }
+  };
+  for (int i = 1; i < n; ++i) others.emplace_back(part, i);
+  part(0);
+  for (auto& t : others) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace
+
+at::Tensor Stager::buffer(const std::string& key, at::IntArrayRef sizes,
+                          const at::TensorOptions& options, bool pinned) {
   call_save_hook("stage", key);
   at::Tensor host;
   auto it = spare_.find(key);
-  if (it != spare_.end() && it->second.sizes() == t.sizes() &&
-      it->second.scalar_type() == t.scalar_type()) {
+  if (it != spare_.end() && it->second.sizes() == sizes &&
+      it->second.scalar_type() == options.dtype().toScalarType()) {
     host = std::move(it->second);
     spare_.erase(it);
   } else {
-    host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(pinned));
+    host = at::empty(sizes, options.device(at::kCPU).pinned_memory(pinned));
     detail::account_checkpoint_staging(model_, static_cast<int64_t>(host.nbytes()));
   }
   used_bytes_ += static_cast<int64_t>(host.nbytes());
-  host.copy_(t);
+  return host;
+}
+
+at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap) {
+  const bool pinned = t.is_cuda();
+  const std::string key = pinned ? what + "@pinned" : what;
+  at::Tensor host = buffer(key, t.sizes(), t.options(), pinned);
+  copy_staged(host, t);
+  snap.staged_bytes += static_cast<int64_t>(host.nbytes());
+  snap.staged.emplace(key, host);
+  return host;
+}
+
+at::Tensor Stager::stage_parts(const std::string& what, const Parts& parts, int64_t length,
+                               const at::TensorOptions& options, RankSnapshot& snap) {
+  const bool pinned = options.device().is_cuda();
+  const std::string key = pinned ? what + "@pinned" : what;
+  at::Tensor host = buffer(key, {length}, options, pinned);
+  int64_t pos = 0;
+  for (const auto& [off, t] : parts) {
+    if (off > pos) host.narrow(0, pos, off - pos).zero_();
+    copy_staged(host.narrow(0, off, t.numel()), t);
+    pos = off + t.numel();
+  }
+  if (pos < length) host.narrow(0, pos, length - pos).zero_();
   snap.staged_bytes += static_cast<int64_t>(host.nbytes());
   snap.staged.emplace(key, host);
   return host;
@@ -96,14 +174,25 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
       TORCH_CHECK(group >= 0 || ls.length == 0,
                   "save: the optimizer does not hold the shard of unit '", ls.info.unit_fqn,
                   "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
-      ParamState st = get_shard_state(*opt, ls.shard);
-      if (!st.tensors.empty()) {
+      const ShardStateParts st = get_shard_state_parts(*opt, ls.shard);
+      if (!st.states.empty()) {
         f.has_optim = true;
         f.optim_step = st.step;
         f.optim_group = std::max<int64_t>(group, 0);
-        for (const auto& [name, t] : st.tensors) {
-          f.optim.emplace_back(
-              name, keep(flat + "/optim/" + name, fp32(t.reshape({-1}).narrow(0, 0, f.length))));
+        for (const auto& [name, pieces] : st.states) {
+          // The parts inside [0, length): the rest is the shard's padding.
+          Parts parts;
+          for (const auto& [off, t] : pieces) {
+            const int64_t n = std::min(t.numel(), f.length - off);
+            if (n > 0) parts.emplace_back(off, fp32(t.narrow(0, 0, n)));
+          }
+          if (stager) {
+            const auto options =
+                parts.empty() ? at::TensorOptions(at::kFloat) : parts.front().second.options();
+            parts = {
+                {0, stager->stage_parts(flat + "/optim/" + name, parts, f.length, options, snap)}};
+          }
+          f.optim.emplace_back(name, std::move(parts));
         }
       }
     }
@@ -160,8 +249,8 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
       h5::Obj og = h5::create_group(g, "optim", where);
       h5::set_attr(og, "step", fl.optim_step);
       h5::set_attr(og, "group", fl.optim_group);
-      for (const auto& [name, t] : fl.optim)
-        write_tensor_direct(direct, hold, og, name, t, where + "/optim");
+      for (const auto& [name, parts] : fl.optim)
+        write_parts_direct(direct, hold, og, name, parts, fl.length, where + "/optim");
     }
   }
 

@@ -19,6 +19,9 @@
 
 namespace fsdp::ckpt {
 
+/// Tensors that cover parts of a range, each with its first element.
+using Parts = std::vector<std::pair<int64_t, at::Tensor>>;
+
 /// Everything one rank's file holds (Note [Rank snapshot]).
 struct RankSnapshot {
   struct Flat {
@@ -28,7 +31,10 @@ struct RankSnapshot {
     at::Tensor param;  ///< [length] fp32
     bool has_optim = false;
     int64_t optim_step = 0, optim_group = 0;
-    std::vector<std::pair<std::string, at::Tensor>> optim;  ///< [length] each
+    /// Each state of [length] fp32 as parts at their first elements (zeros between): the
+    /// optimizer's own tensors in a synchronous save (not put together: Note [Rank
+    /// snapshot]), one staged host copy in an asynchronous one.
+    std::vector<std::pair<std::string, Parts>> optim;
   };
   int rank = 0, world = 1;
   int64_t shard_group_size = 1;
@@ -63,12 +69,19 @@ class Stager {
   /// A host copy of `t` (pinned when `t` is on a GPU), made into the last save's buffer
   /// for `what` when it fits.
   at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap);
+  /// A host copy of `parts` put together into a [length] tensor of `options` (zeros where
+  /// no part covers it), made like stage().
+  at::Tensor stage_parts(const std::string& what, const Parts& parts, int64_t length,
+                         const at::TensorOptions& options, RankSnapshot& snap);
   /// Frees the kept buffers this save did not use.
   void free_spare();
   /// The snapshot was dropped (a failure while staging): its buffers are gone.
   void forget_used();
 
  private:
+  /// The last save's buffer for `key` when it has this shape and dtype, else a new one.
+  at::Tensor buffer(const std::string& key, at::IntArrayRef sizes, const at::TensorOptions& options,
+                    bool pinned);
   const ShardedModel& model_;
   std::map<std::string, at::Tensor> spare_;
   int64_t used_bytes_ = 0;

@@ -101,6 +101,26 @@ void write_tensor_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& ho
   hold.push_back(std::move(c));
 }
 
+void write_parts_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& hold, hid_t loc,
+                        const std::string& name,
+                        const std::vector<std::pair<int64_t, at::Tensor>>& parts, int64_t length,
+                        const std::string& where) {
+  if (parts.size() == 1 && parts[0].first == 0 && parts[0].second.numel() == length)
+    return write_tensor_direct(direct, hold, loc, name, parts[0].second, where);
+  if (length * 4 < h5::kDirectMinBytes) {  // small: put together and written at once
+    at::Tensor whole = at::zeros({length}, at::kFloat);
+    for (const auto& [off, t] : parts) whole.narrow(0, off, t.numel()).copy_(t);
+    return write_tensor(loc, name, whole, h5::Elem::kF32, where);
+  }
+  std::vector<h5::DirectDatasets::Segment> segments;
+  for (const auto& [off, t] : parts) {
+    at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
+    segments.push_back({off, c.numel(), c.data_ptr()});
+    hold.push_back(std::move(c));
+  }
+  direct.add_segments(loc, name, std::move(segments), h5::Elem::kF32, {length}, where);
+}
+
 void read_into(hid_t loc, const std::string& name, const at::Tensor& dst,
                const std::string& where) {
   auto shape = h5::shape_of(loc, name, where);

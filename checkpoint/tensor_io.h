@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fsdp::ckpt {
@@ -24,6 +25,12 @@ void write_tensor(hid_t loc, const std::string& name, const at::Tensor& t, h5::E
 /// until then. A small one is written at once.
 void write_tensor_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& hold, hid_t loc,
                          const std::string& name, const at::Tensor& t, const std::string& where);
+/// The same for an fp32 dataset of `length` elements from parts in memory, each at its
+/// first element (zeros between).
+void write_parts_direct(h5::DirectDatasets& direct, std::vector<at::Tensor>& hold, hid_t loc,
+                        const std::string& name,
+                        const std::vector<std::pair<int64_t, at::Tensor>>& parts, int64_t length,
+                        const std::string& where);
 /// `t` on the CPU, contiguous, with exactly the bytes a file stores for it as `file`
 /// (16-bit floats rounded and NaN stored as write_tensor does).
 at::Tensor file_bytes(const at::Tensor& t, h5::Elem file);

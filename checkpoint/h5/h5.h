@@ -89,17 +89,26 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
 /// must be made by create_file (its large objects start on a page) and still be open.
 class DirectDatasets {
  public:
+  /// Elements [first, first + count) of a dataset, as stored (`file`), at `data`.
+  struct Segment {
+    int64_t first = 0, count = 0;
+    const void* data = nullptr;
+  };
   /// `data` holds the dataset's elements as stored (`file`), and must stay valid until
   /// write_all.
   void add(hid_t loc, const std::string& name, const void* data, Elem file,
            const std::vector<int64_t>& shape, const std::string& where);
+  /// The same from pieces in memory (in order, not overlapping); the elements no segment
+  /// covers are zeros.
+  void add_segments(hid_t loc, const std::string& name, std::vector<Segment> segments, Elem file,
+                    const std::vector<int64_t>& shape, const std::string& where);
   /// Writes them into `path`, the file holding them; returns the bytes written.
   int64_t write_all(const std::string& path);
 
  private:
   struct Pending {
     Obj ds;
-    const uint8_t* data;
+    std::vector<Segment> segments;
     int64_t numel;
     size_t elem;
     uint64_t offset;

@@ -380,8 +380,20 @@ void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
 
 void DirectDatasets::add(hid_t loc, const std::string& name, const void* data, Elem file,
                          const std::vector<int64_t>& shape, const std::string& where) {
+  add_segments(loc, name, {Segment{0, numel_of(shape, where, name), data}}, file, shape, where);
+}
+
+void DirectDatasets::add_segments(hid_t loc, const std::string& name, std::vector<Segment> segments,
+                                  Elem file, const std::vector<int64_t>& shape,
+                                  const std::string& where) {
   detail::quiet();
   const int64_t numel = numel_of(shape, where, name);
+  int64_t end = 0;
+  for (const Segment& s : segments) {
+    TORCH_CHECK(s.first >= end && s.count >= 0 && s.first + s.count <= numel,
+                "internal: segments of '", name, "' overlap, are out of order or out of range");
+    end = s.first + s.count;
+  }
   std::vector<hsize_t> dims(shape.begin(), shape.end());
   Obj space =
       dims.empty()
@@ -400,7 +412,7 @@ void DirectDatasets::add(hid_t loc, const std::string& name, const void* data, E
   TORCH_CHECK(numel == 0 || offset != HADDR_UNDEF, where, ": dataset '", name,
               "' has no place in the file yet (", reason(), ")");
   pending_.push_back(Pending{std::move(ds),
-                             static_cast<const uint8_t*>(data),
+                             std::move(segments),
                              numel,
                              elem,
                              static_cast<uint64_t>(offset),
@@ -409,6 +421,35 @@ void DirectDatasets::add(hid_t loc, const std::string& name, const void* data, E
                              {}});
 }
 
+namespace {
+
+// Calls f(bytes, n) over elements [from, to) of a dataset in order: the segments' bytes,
+// and zeros where none covers them.
+template <class F>
+void for_each_run(const std::vector<DirectDatasets::Segment>& segments, size_t elem, int64_t from,
+                  int64_t to, const F& f) {
+  static const std::vector<uint8_t> zeros(size_t{64} << 10);
+  auto gap = [&](int64_t a, int64_t b) {
+    for (size_t n = static_cast<size_t>(b - a) * elem; n > 0;) {
+      const size_t k = std::min(n, zeros.size());
+      f(zeros.data(), k);
+      n -= k;
+    }
+  };
+  int64_t pos = from;
+  for (const auto& s : segments) {
+    const int64_t a = std::max(pos, s.first), b = std::min(to, s.first + s.count);
+    if (a >= b) continue;
+    if (a > pos) gap(pos, a);
+    f(static_cast<const uint8_t*>(s.data) + static_cast<size_t>(a - s.first) * elem,
+      static_cast<size_t>(b - a) * elem);
+    pos = b;
+  }
+  if (pos < to) gap(pos, to);
+}
+
+}  // namespace
+
 int64_t DirectDatasets::write_all(const std::string& path) {
   int64_t bytes = 0;
   {
@@ -416,13 +457,18 @@ int64_t DirectDatasets::write_all(const std::string& path) {
     for (Pending& d : pending_) {
       if (d.numel == 0) continue;
       const detail::Blocks b = detail::blocks_for_write(d.numel, d.elem);
+      uint64_t at = d.offset;
       for (int64_t k = 0; k < b.count(); ++k) {
-        const size_t from = static_cast<size_t>(b.first(k)) * d.elem;
-        const size_t n = static_cast<size_t>(b.size(k)) * d.elem;
-        w.put(d.offset + from, d.data + from, n);
-        d.crcs.push_back(crc_block(d.data + from, n));
-        bytes += static_cast<int64_t>(n);
+        BlockCrc crc;
+        for_each_run(d.segments, d.elem, b.first(k), b.first(k) + b.size(k),
+                     [&](const uint8_t* p, size_t n) {
+                       w.put(at, p, n);
+                       crc.update(p, n);
+                       at += n;
+                     });
+        d.crcs.push_back(crc.value());
       }
+      bytes += static_cast<int64_t>(at - d.offset);
     }
     w.finish();
   }
