@@ -56,7 +56,7 @@ int staging_threads() {
 }
 
 void copy_staged(const at::Tensor& dst, const at::Tensor& src) {
-  constexpr int64_t kSplitBytes = int64_t{32} << 20;
+  constexpr int64_t kSplitBytes = int64_t{8} << 20;  // a piece per thread at least this large
   const int n =
       std::min<int64_t>(staging_threads(), static_cast<int64_t>(dst.nbytes()) / kSplitBytes);
   if (n <= 1 || !src.is_cpu() || !src.is_contiguous() || !dst.is_contiguous() ||
