@@ -86,6 +86,7 @@ class WeightSource {
 class Hdf5Source : public WeightSource {
  public:
   explicit Hdf5Source(const std::string& path) : g_(path) { names_ = g_.names; }
+  ~Hdf5Source() override { h5::end_read_ahead(); }  // Note [Direct I/O]
   std::vector<int64_t> shape_of(const std::string& name) const override {
     return h5::shape_of(g_.model, name, g_.where);
   }

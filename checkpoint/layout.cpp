@@ -124,6 +124,8 @@ void will_read(const std::string& path) {
 }
 }  // namespace
 
+ShardedReader::~ShardedReader() { h5::end_read_ahead(); }
+
 ShardedReader::ShardedReader(const std::string& path, size_t cache_bytes)
     : dir_(resolve_checkpoint_dir(path)), cache_bytes_(cache_bytes) {
   const std::string p0 = file_path(0);

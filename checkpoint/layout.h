@@ -80,6 +80,10 @@ class ShardedReader {
  public:
   /// `path`: a checkpoint directory, or a directory with a `latest` marker.
   explicit ShardedReader(const std::string& path, size_t cache_bytes = 16u << 20);
+  ShardedReader(const ShardedReader&) = delete;
+  ShardedReader& operator=(const ShardedReader&) = delete;
+  /// Ends the reads ahead in its files (h5::end_read_ahead).
+  ~ShardedReader();
 
   const std::string& dir() const { return dir_; }
   int world_size() const { return world_; }

@@ -117,6 +117,9 @@ class DirectDatasets {
   };
   std::vector<Pending> pending_;
 };
+/// Stops the read-ahead that checked reads of large datasets keep going between calls
+/// (Note [Direct I/O]), freeing its buffers and closing its file: call once a load is done.
+void end_read_ahead();
 /// Datasets of at least this many bytes are worth writing with DirectDatasets.
 constexpr int64_t kDirectMinBytes = int64_t{1} << 20;
 

@@ -10,12 +10,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -294,41 +296,57 @@ class DirectWriter {
   int in_hand_ = 0;  // staging buffers taken from the pool: current, queued or done
 };
 
-// Reads one range of a file in order (Note [Direct I/O]): the I/O thread fills staging
-// buffers with the range's pages through O_DIRECT, up to kStagingBuffers ahead of the
-// caller, who copies out of them.
+// Reads a file forward from a place (Note [Direct I/O]): the I/O thread fills staging
+// buffers with its pages through O_DIRECT, up to kStagingBuffers ahead of the caller, who
+// copies out of them, up to the end of the file. A load reads a rank file's datasets in
+// the order they were written, so the read-ahead of one dataset serves the next: the
+// reader is kept (read_pieces) while the reads go forward.
 class RangeReader {
  public:
-  RangeReader(const std::string& path, uint64_t off, size_t n)
+  RangeReader(const std::string& path, uint64_t off)
       : path_(path),
         fd_(open_direct(path, O_RDONLY)),
         // Without O_DIRECT the caller's buffer is read into directly.
         plain_(fd_.get() < 0 ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC) : -1),
         next_(align_down(off)),
-        end_(off + n),
         pos_(off) {
-    if (fd_.get() < 0) {
-      TORCH_CHECK(plain_.get() >= 0, os_error("open", path, 0, errno));
-      return;
-    }
-    io_.emplace(false, fd_.get(), path);
+    const int fd = fd_.get() >= 0 ? fd_.get() : plain_.get();
+    TORCH_CHECK(fd >= 0, os_error("open", path, 0, errno));
+    struct stat st {};
+    TORCH_CHECK(::fstat(fd, &st) == 0, os_error("stat", path, 0, errno));
+    end_ = static_cast<uint64_t>(st.st_size);
+    dev_ = st.st_dev, ino_ = st.st_ino;
+    if (fd_.get() < 0) return;
+    for (auto& io : io_) io.emplace(false, fd_.get(), path);
     for (int i = 0; i < kStagingBuffers && next_ < end_; ++i) submit(take_buffer());
   }
   ~RangeReader() {
-    if (io_) {
-      for (const Piece& p : io_->drain()) give_buffer(p.p);
+    for (auto& io : io_) {
+      if (io) {
+        for (const Piece& p : io->drain()) give_buffer(p.p);
+      }
     }
     if (cur_.p) give_buffer(cur_.p);
   }
   RangeReader(const RangeReader&) = delete;
   RangeReader& operator=(const RangeReader&) = delete;
-  // The next `n` bytes of the range into `dst`.
-  void read(uint8_t* dst, size_t n) {
-    if (!io_) {
-      check(transfer(false, plain_.get(), dst, n, pos_, path_));
-      pos_ += n;
+  // Whether a read of `path` from `off` can go on from here: the same file (not one put
+  // in its place since), at or after the caller's place and within the read-ahead.
+  bool serves(const std::string& path, uint64_t off) const {
+    struct stat st {};
+    return io_[0] && path == path_ && off >= pos_ && off <= next_ &&
+           ::stat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_;
+  }
+  // The next `n` bytes from `off` (at or after the caller's place) into `dst`; null `dst`
+  // skips them.
+  void read(uint64_t off, uint8_t* dst, size_t n) {
+    TORCH_CHECK(off + n <= end_, "cannot read ", path_, " at byte ", off,
+                ": the file ends at byte ", end_, " (truncated?)");
+    if (!io_[0]) {
+      check(transfer(false, plain_.get(), dst, n, off, path_));
       return;
     }
+    if (off > pos_) read(pos_, nullptr, off - pos_);
     while (n > 0) {
       if (!cur_.p || pos_ >= cur_.off + cur_.len) {
         if (cur_.p) {
@@ -338,11 +356,11 @@ class RangeReader {
             give_buffer(cur_.p);
           }
         }
-        cur_ = io_->next_done();
+        cur_ = io_[taken_++ % io_.size()]->next_done();
       }
       const size_t c = std::min<uint64_t>(n, cur_.off + cur_.len - pos_);
-      std::memcpy(dst, cur_.p + (pos_ - cur_.off), c);
-      dst += c, pos_ += c, n -= c;
+      if (dst) std::memcpy(dst, cur_.p + (pos_ - cur_.off), c), dst += c;
+      pos_ += c, n -= c;
     }
   }
 
@@ -350,15 +368,28 @@ class RangeReader {
   static void check(const std::string& err) { TORCH_CHECK(err.empty(), err); }
   void submit(uint8_t* buf) {
     const size_t len = std::min<uint64_t>(kStagingBytes, align_up(end_) - next_);
-    io_->submit(Piece{buf, next_, len, std::min<uint64_t>(len, end_ - next_)});
+    io_[given_++ % io_.size()]->submit(
+        Piece{buf, next_, len, std::min<uint64_t>(len, end_ - next_)});
     next_ += len;
   }
   std::string path_;
   Fd fd_, plain_;
-  std::optional<IoThread> io_;
-  uint64_t next_, end_, pos_;  // the next page to read, the range's end, the caller's place
+  // Two reads in flight, one thread each, taking pieces in turn, as the benchmark's raw
+  // O_DIRECT read keeps two queued: a disk reads faster with the next request waiting.
+  std::array<std::optional<IoThread>, 2> io_;
+  size_t given_ = 0, taken_ = 0;   // pieces submitted and taken back, in turn over io_
+  uint64_t next_, end_ = 0, pos_;  // the next page to read, the file's end, the caller's place
+  dev_t dev_ = 0;
+  ino_t ino_ = 0;
   Piece cur_;
 };
+
+// The reader the last read_pieces left, for the next one to go on with.
+std::mutex stream_mutex;
+std::unique_ptr<RangeReader>& stream() {
+  static std::unique_ptr<RangeReader> r;
+  return r;
+}
 
 }  // namespace
 
@@ -366,17 +397,31 @@ namespace detail {
 
 void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
                  const std::vector<size_t>& pieces, const std::function<void(size_t)>& after) {
-  size_t total = 0;
-  for (size_t n : pieces) total += n;
-  RangeReader r(path, off, total);
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    r.read(dst, pieces[i]);
-    after(i);
-    dst += pieces[i];
+  std::lock_guard<std::mutex> g(stream_mutex);
+  std::unique_ptr<RangeReader>& r = stream();
+  if (!r || !r->serves(path, off)) {
+    r.reset();  // waits for its reads ahead
+    r = std::make_unique<RangeReader>(path, off);
+  }
+  try {
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      r->read(off, dst, pieces[i]);
+      after(i);
+      off += pieces[i];
+      dst += pieces[i];
+    }
+  } catch (...) {
+    r.reset();
+    throw;
   }
 }
 
 }  // namespace detail
+
+void end_read_ahead() {
+  std::lock_guard<std::mutex> g(stream_mutex);
+  stream().reset();
+}
 
 void DirectDatasets::add(hid_t loc, const std::string& name, const void* data, Elem file,
                          const std::vector<int64_t>& shape, const std::string& where) {
