@@ -60,11 +60,13 @@ constexpr int kStagingBuffers = 4;
 uint64_t align_down(uint64_t x) { return x / kAlign * kAlign; }
 uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// Page-aligned staging buffers, kept for the process's next save or load.
+// Page-aligned staging buffers, kept for the process's next save or load. Never
+// destroyed: a reader left reading ahead (stream()) gives its buffers back when it ends,
+// which may be after static destruction began.
 std::mutex pool_mutex;
 std::vector<uint8_t*>& pool() {
-  static std::vector<uint8_t*> p;
-  return p;
+  static auto* p = new std::vector<uint8_t*>();
+  return *p;
 }
 
 uint8_t* take_buffer() {
@@ -188,8 +190,15 @@ class IoThread {
   std::thread thread_;  // last: starts once the rest is built
 };
 
-// Opens `path` with O_DIRECT when its file system allows it; -1 otherwise.
+// Opens `path` with O_DIRECT when its file system allows it; -1 otherwise, and always
+// under FSDP_CHECKPOINT_O_DIRECT=0 (ordinary reads and writes through the page cache:
+// for a file system whose O_DIRECT is slow, and to measure what bypassing it gains).
 int open_direct(const std::string& path, int flags) {
+  static const bool off = [] {
+    const char* v = std::getenv("FSDP_CHECKPOINT_O_DIRECT");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  if (off) return -1;
   const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC);
   return fd;
 }
@@ -384,11 +393,13 @@ class RangeReader {
   Piece cur_;
 };
 
-// The reader the last read_pieces left, for the next one to go on with.
+// The reader the last read_pieces left, for the next one to go on with. Never destroyed
+// at exit (its threads are simply ended with the process): a destructor there could run
+// after the buffer pool's.
 std::mutex stream_mutex;
 std::unique_ptr<RangeReader>& stream() {
-  static std::unique_ptr<RangeReader> r;
-  return r;
+  static auto* r = new std::unique_ptr<RangeReader>();
+  return *r;
 }
 
 }  // namespace
