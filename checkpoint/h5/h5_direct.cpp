@@ -47,9 +47,12 @@ namespace fsdp::h5 {
 // datasets lie changed, so no format version changes. A file system without O_DIRECT
 // (tmpfs) gets ordinary writes through the same path.
 //
-// Reads (DirectReader) take the same route back: O_DIRECT preads of the dataset's pages
-// into staging buffers, one I/O thread reading ahead of the caller's copy out of them,
-// so that reading one piece overlaps placing the last.
+// Reads (RangeReader) take the same route back: O_DIRECT preads of the file's pages into
+// staging buffers, two requests in flight ahead of the caller's copy out of them, so that
+// reading one piece overlaps placing and checking the last. A load reads a rank file's
+// datasets in the order they were written, so the reader stays between calls that go
+// forward in the same file, and the read-ahead of one dataset serves the next;
+// end_read_ahead() stops it. FSDP_CHECKPOINT_O_DIRECT=0 turns all of this off.
 
 namespace {
 
