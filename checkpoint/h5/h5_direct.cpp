@@ -330,7 +330,7 @@ class RangeReader {
     dev_ = st.st_dev, ino_ = st.st_ino;
     if (fd_.get() < 0) return;
     for (auto& io : io_) io.emplace(false, fd_.get(), path);
-    for (int i = 0; i < kStagingBuffers && next_ < end_; ++i) submit(take_buffer());
+    for (int i = 0; i < kStagingBuffers; ++i) spare_.push_back(take_buffer());
   }
   ~RangeReader() {
     for (auto& io : io_) {
@@ -339,15 +339,25 @@ class RangeReader {
       }
     }
     if (cur_.p) give_buffer(cur_.p);
+    for (uint8_t* b : spare_) give_buffer(b);
   }
   RangeReader(const RangeReader&) = delete;
   RangeReader& operator=(const RangeReader&) = delete;
   // Whether a read of `path` from `off` can go on from here: the same file (not one put
-  // in its place since), at or after the caller's place and within the read-ahead.
+  // in its place since), at or after the caller's place, and within the read-ahead or
+  // just past it (the few KiB of metadata between two datasets).
   bool serves(const std::string& path, uint64_t off) const {
     struct stat st {};
-    return io_[0] && path == path_ && off >= pos_ && off <= next_ &&
+    return io_[0] && path == path_ && off >= pos_ && off <= next_ + kGap &&
            ::stat(path.c_str(), &st) == 0 && st.st_dev == dev_ && st.st_ino == ino_;
+  }
+  // Reads ahead up to byte `limit` (at most the file's end).
+  void extend(uint64_t limit) {
+    limit_ = std::max(limit_, std::min(limit, end_));
+    while (!spare_.empty() && next_ < limit_) {
+      submit(spare_.back());
+      spare_.pop_back();
+    }
   }
   // The next `n` bytes from `off` (at or after the caller's place) into `dst`; null `dst`
   // skips them.
@@ -361,13 +371,9 @@ class RangeReader {
     if (off > pos_) read(pos_, nullptr, off - pos_);
     while (n > 0) {
       if (!cur_.p || pos_ >= cur_.off + cur_.len) {
-        if (cur_.p) {
-          if (next_ < end_) {
-            submit(cur_.p);
-          } else {
-            give_buffer(cur_.p);
-          }
-        }
+        if (cur_.p) spare_.push_back(cur_.p);
+        cur_ = Piece{};
+        extend(limit_);  // the freed buffer reads on
         cur_ = io_[taken_++ % io_.size()]->next_done();
       }
       const size_t c = std::min<uint64_t>(n, cur_.off + cur_.len - pos_);
@@ -378,6 +384,8 @@ class RangeReader {
 
  private:
   static void check(const std::string& err) { TORCH_CHECK(err.empty(), err); }
+  // Bytes of metadata two consecutive datasets may have between them.
+  static constexpr uint64_t kGap = uint64_t{1} << 20;
   void submit(uint8_t* buf) {
     const size_t len = std::min<uint64_t>(kStagingBytes, align_up(end_) - next_);
     io_[given_++ % io_.size()]->submit(
@@ -389,8 +397,10 @@ class RangeReader {
   // Two reads in flight, one thread each, taking pieces in turn, as the benchmark's raw
   // O_DIRECT read keeps two queued: a disk reads faster with the next request waiting.
   std::array<std::optional<IoThread>, 2> io_;
-  size_t given_ = 0, taken_ = 0;   // pieces submitted and taken back, in turn over io_
-  uint64_t next_, end_ = 0, pos_;  // the next page to read, the file's end, the caller's place
+  size_t given_ = 0, taken_ = 0;  // pieces submitted and taken back, in turn over io_
+  // The next page to read, how far to read ahead, the file's end, the caller's place.
+  uint64_t next_, limit_ = 0, end_ = 0, pos_;
+  std::vector<uint8_t*> spare_;  // staging buffers not reading
   dev_t dev_ = 0;
   ino_t ino_ = 0;
   Piece cur_;
@@ -411,11 +421,20 @@ namespace detail {
 
 void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
                  const std::vector<size_t>& pieces, const std::function<void(size_t)>& after) {
+  size_t total = 0;
+  for (size_t n : pieces) total += n;
   std::lock_guard<std::mutex> g(stream_mutex);
   std::unique_ptr<RangeReader>& r = stream();
-  if (!r || !r->serves(path, off)) {
+  if (r && r->serves(path, off)) {
+    // Going on where the last read ended: read ahead past this range too, since the
+    // next one likely follows (a load's datasets in the file's order).
+    r->extend(off + total + kStagingBytes * 2);
+  } else {
+    // A read somewhere new (resharding reads ranges of several files): only its range,
+    // so that a jump elsewhere wastes no reads.
     r.reset();  // waits for its reads ahead
     r = std::make_unique<RangeReader>(path, off);
+    r->extend(off + total);
   }
   try {
     for (size_t i = 0; i < pieces.size(); ++i) {
