@@ -59,11 +59,11 @@ uint32_t lanes(const uint8_t* p, size_t n, U64 u64, U8 u8) {
 }
 
 #if defined(__x86_64__)
-// The same lane structure as lanes(), spelled out: lambdas would not inherit the target.
-__attribute__((target("sse4.2"))) inline uint32_t hw(const uint8_t* p, size_t n) {
-  uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu, c3 = 0xFFFFFFFFu;
-  size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
+// Whole 32-byte groups into the four lanes `c`, word i to lane i % 4: lanes()'s loop,
+// spelled out (lambdas would not inherit the target).
+__attribute__((target("sse4.2"))) inline void hw_groups(uint32_t* c, const uint8_t* p, size_t n) {
+  uint64_t c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+  for (size_t i = 0; i + 32 <= n; i += 32) {
     uint64_t w[4];
     std::memcpy(w, p + i, 32);
     c0 = _mm_crc32_u64(c0, w[0]);
@@ -71,9 +71,16 @@ __attribute__((target("sse4.2"))) inline uint32_t hw(const uint8_t* p, size_t n)
     c2 = _mm_crc32_u64(c2, w[2]);
     c3 = _mm_crc32_u64(c3, w[3]);
   }
-  uint32_t c[4] = {static_cast<uint32_t>(c0), static_cast<uint32_t>(c1), static_cast<uint32_t>(c2),
-                   static_cast<uint32_t>(c3)};
-  for (; i < n; ++i) c[0] = _mm_crc32_u8(c[0], p[i]);
+  c[0] = static_cast<uint32_t>(c0), c[1] = static_cast<uint32_t>(c1);
+  c[2] = static_cast<uint32_t>(c2), c[3] = static_cast<uint32_t>(c3);
+}
+
+// lanes() with the hardware instruction.
+__attribute__((target("sse4.2"))) inline uint32_t hw(const uint8_t* p, size_t n) {
+  uint32_t c[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
+  const size_t whole = n / 32 * 32;
+  hw_groups(c, p, whole);
+  for (size_t i = whole; i < n; ++i) c[0] = _mm_crc32_u8(c[0], p[i]);
   uint8_t tail[16];
   std::memcpy(tail, c, 16);
   uint32_t r = 0xFFFFFFFFu;
@@ -127,7 +134,7 @@ class BlockCrc {
   void groups(const uint8_t* p, size_t n) {
 #if defined(__x86_64__)
     static const bool sse42 = __builtin_cpu_supports("sse4.2");
-    if (sse42) return hw_groups(p, n);
+    if (sse42) return crc_detail::hw_groups(c_, p, n);
 #endif
     for (size_t i = 0; i < n; i += 32) {
       uint64_t w[4];
@@ -135,21 +142,6 @@ class BlockCrc {
       for (int l = 0; l < 4; ++l) c_[l] = crc_detail::sw_u64(c_[l], w[l]);
     }
   }
-#if defined(__x86_64__)
-  __attribute__((target("sse4.2"))) void hw_groups(const uint8_t* p, size_t n) {
-    uint64_t c0 = c_[0], c1 = c_[1], c2 = c_[2], c3 = c_[3];
-    for (size_t i = 0; i < n; i += 32) {
-      uint64_t w[4];
-      std::memcpy(w, p + i, 32);
-      c0 = _mm_crc32_u64(c0, w[0]);
-      c1 = _mm_crc32_u64(c1, w[1]);
-      c2 = _mm_crc32_u64(c2, w[2]);
-      c3 = _mm_crc32_u64(c3, w[3]);
-    }
-    c_[0] = static_cast<uint32_t>(c0), c_[1] = static_cast<uint32_t>(c1);
-    c_[2] = static_cast<uint32_t>(c2), c_[3] = static_cast<uint32_t>(c3);
-  }
-#endif
   uint32_t c_[4] = {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu};
   uint8_t group_[32] = {};
   size_t held_ = 0;

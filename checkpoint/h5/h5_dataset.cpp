@@ -121,18 +121,14 @@ void read_whole_blocks(const Opened& d, hid_t ftype, const Blocks& b,
   if (const auto place = contiguous_place(d.ds)) {
     std::vector<size_t> pieces;
     for (int64_t k = k0; k < k1; ++k) pieces.push_back(static_cast<size_t>(b.size(k)) * b.elem);
-    try {
-      detail::read_pieces(place->first, place->second + static_cast<uint64_t>(b.first(k0)) * b.elem,
-                          at(b.first(k0)), pieces, [&](size_t i) {
-                            const int64_t k = k0 + static_cast<int64_t>(i);
-                            check_block(b, crcs, k, at(b.first(k)), where, name);
-                          });
-    } catch (const c10::Error& e) {
-      const std::string what = e.what_without_backtrace();
-      if (what.find("checksum mismatch") != std::string::npos) throw;
-      TORCH_CHECK(false, where, ": cannot read dataset '", name,
-                  "': the file is truncated or corrupted (", what, ")");
-    }
+    detail::read_pieces(
+        place->first, place->second + static_cast<uint64_t>(b.first(k0)) * b.elem, at(b.first(k0)),
+        pieces,
+        [&](size_t i) {
+          const int64_t k = k0 + static_cast<int64_t>(i);
+          check_block(b, crcs, k, at(b.first(k)), where, name);
+        },
+        where + ": cannot read dataset '" + name + "': the file is truncated or corrupted");
     return;
   }
   std::string error;
@@ -182,8 +178,9 @@ void read_block_through(const Opened& d, hid_t ftype, Elem file, const Blocks& b
 
 }  // namespace
 
-void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
-           const std::vector<int64_t>& shape, const std::string& where) {
+Obj detail::create_dataset(hid_t loc, const std::string& name, Elem file,
+                           const std::vector<int64_t>& shape, bool early,
+                           const std::string& where) {
   quiet();
   std::vector<hsize_t> dims(shape.begin(), shape.end());
   Obj space =
@@ -194,9 +191,21 @@ void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem 
   H5Pset_obj_track_times(dcpl, false);
   // Contiguous storage: HDF5 writes and reads it straight from and into the caller's
   // buffer. Integrity comes from our block checksums (Note [Block checksums]).
+  H5Pset_layout(dcpl, H5D_CONTIGUOUS);
+  if (early) {
+    H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY);
+    H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
+  }
   Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
          H5Dclose);
   TORCH_CHECK(ds.valid(), where, ": cannot create dataset '", name, "': ", reason());
+  return ds;
+}
+
+void write(hid_t loc, const std::string& name, const void* data, Elem mem, Elem file,
+           const std::vector<int64_t>& shape, const std::string& where) {
+  Obj ds = create_dataset(loc, name, file, shape, /*early=*/false, where);
+  std::vector<hsize_t> dims(shape.begin(), shape.end());
   const int64_t numel = numel_of(shape, where, name);
   if (numel == 0) return;
   const size_t fsize = H5Tget_size(file_type(file));

@@ -24,6 +24,11 @@ void quiet();
 /// error naming it.
 Obj dataset(hid_t loc, const std::string& name, const std::string& where);
 
+/// Creates dataset `name` of `shape` stored as `file`, contiguous, object times off;
+/// `early`: its space allocated now and never filled (Note [Direct I/O]).
+Obj create_dataset(hid_t loc, const std::string& name, Elem file, const std::vector<int64_t>& shape,
+                   bool early, const std::string& where);
+
 /// convert(), with an error that names the file and the dataset.
 void convert_named(const void* src, Elem from, void* dst, Elem to, size_t n,
                    const std::string& where, const std::string& name);
@@ -61,7 +66,9 @@ void check_block(const Blocks& b, const std::vector<uint32_t>& crcs, int64_t k, 
 
 /// Reads bytes [off, off + sum(pieces)) of file `path` into `dst` in order, calling
 /// `after(i)` once piece i is in place while the next ones are read (Note [Direct I/O]).
+/// A failed read throws `failed` followed by the reason in parentheses.
 void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
-                 const std::vector<size_t>& pieces, const std::function<void(size_t)>& after);
+                 const std::vector<size_t>& pieces, const std::function<void(size_t)>& after,
+                 const std::string& failed);
 
 }  // namespace fsdp::h5::detail

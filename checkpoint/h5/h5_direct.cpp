@@ -420,7 +420,8 @@ std::unique_ptr<RangeReader>& stream() {
 namespace detail {
 
 void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
-                 const std::vector<size_t>& pieces, const std::function<void(size_t)>& after) {
+                 const std::vector<size_t>& pieces, const std::function<void(size_t)>& after,
+                 const std::string& failed) {
   size_t total = 0;
   for (size_t n : pieces) total += n;
   std::lock_guard<std::mutex> g(stream_mutex);
@@ -436,16 +437,21 @@ void read_pieces(const std::string& path, uint64_t off, uint8_t* dst,
     r = std::make_unique<RangeReader>(path, off);
     r->extend(off + total);
   }
-  try {
-    for (size_t i = 0; i < pieces.size(); ++i) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    try {
       r->read(off, dst, pieces[i]);
-      after(i);
-      off += pieces[i];
-      dst += pieces[i];
+    } catch (const c10::Error& e) {
+      r.reset();
+      TORCH_CHECK(false, failed, " (", e.what_without_backtrace(), ")");
     }
-  } catch (...) {
-    r.reset();
-    throw;
+    try {
+      after(i);
+    } catch (...) {
+      r.reset();
+      throw;
+    }
+    off += pieces[i];
+    dst += pieces[i];
   }
 }
 
@@ -464,7 +470,6 @@ void DirectDatasets::add(hid_t loc, const std::string& name, const void* data, E
 void DirectDatasets::add_segments(hid_t loc, const std::string& name, std::vector<Segment> segments,
                                   Elem file, const std::vector<int64_t>& shape,
                                   const std::string& where) {
-  detail::quiet();
   const int64_t numel = numel_of(shape, where, name);
   int64_t end = 0;
   for (const Segment& s : segments) {
@@ -472,19 +477,7 @@ void DirectDatasets::add_segments(hid_t loc, const std::string& name, std::vecto
                 "internal: segments of '", name, "' overlap, are out of order or out of range");
     end = s.first + s.count;
   }
-  std::vector<hsize_t> dims(shape.begin(), shape.end());
-  Obj space =
-      dims.empty()
-          ? Obj(H5Screate(H5S_SCALAR), H5Sclose)
-          : Obj(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), H5Sclose);
-  Obj dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-  H5Pset_obj_track_times(dcpl, false);
-  H5Pset_layout(dcpl, H5D_CONTIGUOUS);
-  H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY);
-  H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
-  Obj ds(H5Dcreate2(loc, name.c_str(), file_type(file), space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
-         H5Dclose);
-  TORCH_CHECK(ds.valid(), where, ": cannot create dataset '", name, "': ", reason());
+  Obj ds = detail::create_dataset(loc, name, file, shape, /*early=*/true, where);
   const size_t elem = H5Tget_size(file_type(file));
   const haddr_t offset = numel > 0 ? H5Dget_offset(ds) : 0;
   TORCH_CHECK(numel == 0 || offset != HADDR_UNDEF, where, ": dataset '", name,

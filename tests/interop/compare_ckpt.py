@@ -987,7 +987,6 @@ def make_table(r):
                 "call 2 / raw write (fresh) | target (call 2) |", "|---|---|---|---|---|---|"]
         for w, row in r["save"].items():
             raw = row["raw_write"]
-            anchors = []
             for v, name in (("sync", "DCP save"), ("thread", "DCP async_save, THREAD"),
                             ("process", "DCP async_save, PROCESS"),
                             ("pinned", "DCP async_save, cached pinned staging")):
@@ -999,13 +998,11 @@ def make_table(r):
                 if "1" not in calls or "2" not in calls:
                     continue
                 e1, e2 = calls["1"], calls["2"]
-                anchors += [e1["durable"], e2["durable"]]
                 out.append(f"| {w} | {name} | {e1['blocked']:.2f} / {e2['blocked']:.2f} s | "
                            f"{e1['durable']:.2f} / {e2['durable']:.2f} s | {e2['durable'] / raw:.2f} | |")
             ds = r.get("deepspeed", {}).get(w)
             if ds:
                 d1, d2 = ds["ds_save_1"] + ds["ds_fsync_1"], ds["ds_save"] + ds["ds_fsync"]
-                anchors += [d1, d2]
                 out.append(f"| {w} | DeepSpeed ZeRO-3 save_checkpoint (+ fsync) | {ds['ds_save_1']:.2f} / "
                            f"{ds['ds_save']:.2f} s | {d1:.2f} / {d2:.2f} s | {d2 / raw:.2f} | |")
             # The disk's limit: the fastest raw write + fsync of the same bytes, any way.
