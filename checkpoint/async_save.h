@@ -26,6 +26,10 @@ std::shared_ptr<AsyncSaveJob> start_async_save(const ShardedModel& model, SavePl
 /// was in flight (on every rank alike: saves are collective).
 void settle_previous(const ProcessGroup& pg, const char* fn);
 
+/// Waits until the save in flight, if any, has made the copies its call left to the
+/// background (Note [Background staging]); the end of every backward calls it.
+void wait_for_staging();
+
 /// Waits for the save in flight, if any, without communicating (a load reads only what
 /// is complete).
 void wait_for_async_save();

@@ -130,7 +130,8 @@ std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedMo
   std::string error;
   RankSnapshot snap;
   {
-    Stager stager(root, std::exchange(detail::checkpoint_staging_pool(root), {}));
+    Stager stager(root, std::exchange(detail::checkpoint_staging_pool(root), {}),
+                  options.background_staging);
     try {
       snap = take_snapshot(root, optimizer, state, at.local_rank, at.local_world, &stager);
       snap.rank = rank;
@@ -153,6 +154,8 @@ std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedMo
     }
     throw;
   }
+  // Note [Background staging]: every backward from here on waits for the copies left.
+  if (!snap.pending.empty()) detail::set_end_of_backward_hook(&wait_for_staging);
   return start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options);
 }
 

@@ -102,25 +102,56 @@ at::Tensor Stager::buffer(const std::string& key, at::IntArrayRef sizes,
   return host;
 }
 
-at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap) {
+void Stager::copy_or_defer(const at::Tensor& dst, const at::Tensor& src, bool may_defer,
+                           const std::string& what, RankSnapshot& snap) {
+  if (defer_ && may_defer && src.is_cpu()) {
+    snap.pending.push_back({dst, src, src._version(), what});
+  } else {
+    copy_staged(dst, src);
+  }
+}
+
+std::string finish_staging(RankSnapshot& snap) {
+  detail::trace::Scope span("checkpoint",
+                            []() { return std::string("checkpoint staging (background)"); });
+  std::vector<RankSnapshot::PendingCopy> pending = std::move(snap.pending);
+  snap.pending.clear();
+  for (const auto& c : pending) copy_staged(c.dst, c.src);
+  for (const auto& c : pending) {
+    if (c.src._version() != c.version) {
+      return c.what +
+             " changed while the asynchronous save was copying it in the background "
+             "(SaveOptions::background_staging): it holds neither the state of the call nor a "
+             "later one. Nothing may change the shards or the optimizer state before the next "
+             "backward ends or AsyncSave::wait_staged() returns; wait for it before an "
+             "optimizer step with no backward before it, a load or an edit by hand";
+    }
+  }
+  return "";
+}
+
+at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap,
+                         bool may_defer, const std::string& who) {
   const bool pinned = t.is_cuda();
   const std::string key = pinned ? what + "@pinned" : what;
   at::Tensor host = buffer(key, t.sizes(), t.options(), pinned);
-  copy_staged(host, t);
+  copy_or_defer(host, t, may_defer, who.empty() ? what : who + " (" + what + ")", snap);
   snap.staged_bytes += static_cast<int64_t>(host.nbytes());
   snap.staged.emplace(key, host);
   return host;
 }
 
 at::Tensor Stager::stage_parts(const std::string& what, const Parts& parts, int64_t length,
-                               const at::TensorOptions& options, RankSnapshot& snap) {
+                               const at::TensorOptions& options, RankSnapshot& snap,
+                               const std::string& who) {
   const bool pinned = options.device().is_cuda();
   const std::string key = pinned ? what + "@pinned" : what;
   at::Tensor host = buffer(key, {length}, options, pinned);
   int64_t pos = 0;
   for (const auto& [off, t] : parts) {
     if (off > pos) host.narrow(0, pos, off - pos).zero_();
-    copy_staged(host.narrow(0, off, t.numel()), t);
+    copy_or_defer(host.narrow(0, off, t.numel()), t, /*may_defer=*/true,
+                  who.empty() ? what : who + " (" + what + ")", snap);
     pos = off + t.numel();
   }
   if (pos < length) host.narrow(0, pos, length - pos).zero_();
@@ -145,6 +176,10 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
   auto keep = [&](const std::string& what, const at::Tensor& t) {
     return stager ? stager->stage(what, t, snap) : t;
   };
+  auto who = [](const LocalShard& ls) {
+    return ls.info.unit_fqn.empty() ? std::string("the root's shard")
+                                    : "the shard of unit '" + ls.info.unit_fqn + "'";
+  };
   at::NoGradGuard no_grad;
   const auto shards = detail::local_shards(root);
   snap.rank = rank;
@@ -167,7 +202,9 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     auto fp32 = [](const at::Tensor& t) {
       return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
     };
-    f.param = keep(flat + "/param", fp32(ls.shard.detach().narrow(0, 0, f.length)));
+    const at::Tensor param = fp32(ls.shard.detach().narrow(0, 0, f.length));
+    f.param =
+        stager ? stager->stage(flat + "/param", param, snap, /*may_defer=*/true, who(ls)) : param;
     if (opt && ls.info.requires_grad) {
       const int64_t group = shard_group(*opt, ls.shard);
       // (A rank holding only padding of a shard has no view of it: ShardParamGroups.)
@@ -189,8 +226,8 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
           if (stager) {
             const auto options =
                 parts.empty() ? at::TensorOptions(at::kFloat) : parts.front().second.options();
-            parts = {
-                {0, stager->stage_parts(flat + "/optim/" + name, parts, f.length, options, snap)}};
+            parts = {{0, stager->stage_parts(flat + "/optim/" + name, parts, f.length, options,
+                                             snap, "the optimizer state of " + who(ls))}};
           }
           f.optim.emplace_back(name, std::move(parts));
         }

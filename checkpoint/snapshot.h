@@ -51,6 +51,14 @@ struct RankSnapshot {
   int64_t staged_bytes = 0;                                 ///< host copies held (async)
   /// The staging buffers above by what they hold, for the next save (Note [Staging reuse]).
   std::map<std::string, at::Tensor> staged;
+  /// A copy into staging memory left for the background thread (Note [Background
+  /// staging]): `src`'s version when the save was called, and what it is.
+  struct PendingCopy {
+    at::Tensor dst, src;
+    int64_t version = 0;
+    std::string what;
+  };
+  std::vector<PendingCopy> pending;
 };
 
 /// Bytes the buffers hold.
@@ -61,18 +69,23 @@ class Stager {
  public:
   /// `spare`: the model's kept buffers, already counted in checkpoint_staging; every
   /// byte allocated or freed from here on is counted as it happens.
-  Stager(const ShardedModel& model, std::map<std::string, at::Tensor> spare)
-      : model_(model), spare_(std::move(spare)) {}
+  /// `defer`: leave the copies of host tensors that stage() and stage_parts() are
+  /// allowed to defer in RankSnapshot::pending (Note [Background staging]).
+  Stager(const ShardedModel& model, std::map<std::string, at::Tensor> spare, bool defer = false)
+      : model_(model), spare_(std::move(spare)), defer_(defer) {}
   ~Stager() { free_spare(); }
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
   /// A host copy of `t` (pinned when `t` is on a GPU), made into the last save's buffer
-  /// for `what` when it fits.
-  at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap);
+  /// for `what` when it fits. `may_defer`: `t` changes only in an optimizer step, so
+  /// the copy may be left to the background thread (`who` says whose it is, for errors).
+  at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap,
+                   bool may_defer = false, const std::string& who = "");
   /// A host copy of `parts` put together into a [length] tensor of `options` (zeros where
-  /// no part covers it), made like stage().
+  /// no part covers it), made like stage() with may_defer.
   at::Tensor stage_parts(const std::string& what, const Parts& parts, int64_t length,
-                         const at::TensorOptions& options, RankSnapshot& snap);
+                         const at::TensorOptions& options, RankSnapshot& snap,
+                         const std::string& who = "");
   /// Frees the kept buffers this save did not use.
   void free_spare();
   /// The snapshot was dropped (a failure while staging): its buffers are gone.
@@ -82,10 +95,18 @@ class Stager {
   /// The last save's buffer for `key` when it has this shape and dtype, else a new one.
   at::Tensor buffer(const std::string& key, at::IntArrayRef sizes, const at::TensorOptions& options,
                     bool pinned);
+  /// Copies `src` into `dst` now, or leaves it in `snap.pending` (defer_, host tensors).
+  void copy_or_defer(const at::Tensor& dst, const at::Tensor& src, bool may_defer,
+                     const std::string& what, RankSnapshot& snap);
   const ShardedModel& model_;
   std::map<std::string, at::Tensor> spare_;
+  bool defer_ = false;
   int64_t used_bytes_ = 0;
 };
+
+/// Makes the copies left in `snap.pending` and drops them. Returns "" when every source
+/// still had the version it had at the call, else what changed (Note [Background staging]).
+std::string finish_staging(RankSnapshot& snap);
 
 /// This rank's snapshot of the model, `opt`'s state (may be null) and `state`. `stager`
 /// null: views of the live tensors (a synchronous save); else host copies.

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -27,7 +28,8 @@ namespace {
 // What the async save of step 3 must hold: the state at the call, though training goes
 // on before the save is waited for. Rank r's flat shards and AdamW moments are staged,
 // and rank 0's buffers: checkpoint_staging counts exactly those bytes until the wait.
-void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
+void async_save_and_resume(const ProcessGroup& pg, const std::string& dir,
+                           bool background_staging = false) {
   const auto cfg = small_gpt_config();
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(cfg), options_for(pg));
@@ -45,7 +47,9 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
       expected_staging += static_cast<int64_t>(b.nbytes());
   }
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
-  AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3));
+  SaveOptions so;
+  so.background_staging = background_staging;
+  AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3), so);
   EXPECT_EQ(pending.path(), dir + "/step_00000003");
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging);
   const auto rng_after_save = torch::rand({4});
@@ -86,6 +90,132 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir) {
 TEST(AsyncCheckpoint, SavesTheStateOfTheCallWhileTrainingGoesOnAtTwoRanks) {
   const std::string dir = scratch_dir("async");
   run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir); });
+}
+
+// Note [Background staging]: the same, with the shards and moments copied by the thread
+// while the next forward and backward run. The staging memory is still taken in the call.
+TEST(AsyncCheckpoint, BackgroundStagingSavesTheStateOfTheCallAtTwoRanks) {
+  const std::string dir = scratch_dir("async_bg");
+  run_ranks(2, [&](const ProcessGroup& pg) { async_save_and_resume(pg, dir, true); });
+}
+
+// Note [Background staging]: the end of the backward waits for the copy. The thread is
+// held until the forward has run and then for 200 ms more, so without the wait the
+// backward of this small model would return before the copy; with it, the copy is done
+// (the thread has gone on to write) when loss.backward() returns, and the time waited is
+// counted. The step then changes every shard, and the checkpoint holds the state of the
+// call all the same.
+TEST(AsyncCheckpoint, TheEndOfABackwardWaitsForTheBackgroundCopy) {
+  const std::string dir = scratch_dir("async_bg_wait");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    torch::manual_seed(0);
+    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    auto opt = make_adamw(model);
+    train_step(model, opt, 0, pg);
+    std::vector<at::Tensor> at_call;
+    for (const auto& ls : fsdp::detail::local_shards(model)) at_call.push_back(ls.shard.clone());
+    std::atomic<bool> forward_done{false}, copied{false};
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+      if (step == "background stage") {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!forward_done && std::chrono::steady_clock::now() < give_up)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+      if (step == "write") copied = true;
+    });
+    SaveOptions so;
+    so.background_staging = true;
+    AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(1), so);
+    EXPECT_FALSE(copied) << "the thread was held before it copied";
+    auto batch = gpt_batch(1, kRows, small_gpt_config().block_size);
+    opt.zero_grad();
+    auto loss = gpt::loss_on(model, my_rows(batch, pg));
+    forward_done = true;
+    loss.backward();
+    EXPECT_TRUE(copied) << "the backward ended before the background copy";
+    EXPECT_GT(pending.staging_wait_s(), 0.0);
+    opt.step();
+    EXPECT_EQ(pending.wait(), dir + "/step_00000001");
+    fsdp::detail::set_save_hook({});
+    pg.barrier();
+
+    torch::manual_seed(7);
+    auto model2 = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
+    auto opt2 = make_adamw(model2);
+    load_sharded_checkpoint(dir, model2, &opt2);
+    const auto loaded = fsdp::detail::local_shards(model2);
+    const auto stepped = fsdp::detail::local_shards(model);
+    ASSERT_EQ(loaded.size(), at_call.size());
+    for (size_t i = 0; i < loaded.size(); ++i) {
+      EXPECT_TRUE(torch::equal(loaded[i].shard, at_call[i])) << "flat " << i;
+      if (stepped[i].info.requires_grad && stepped[i].length > 0)
+        EXPECT_FALSE(torch::equal(stepped[i].shard, at_call[i])) << "the step changed flat " << i;
+    }
+  });
+}
+
+// Note [Background staging]: a shard changed by hand before the copy (no backward in
+// between, no wait_staged) fails the save on its rank, naming the tensor; the other rank's
+// file is written, `latest` stays, and the next save says so on both. The same edit after
+// wait_staged() is allowed: that save holds the state of its call.
+TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor) {
+  const std::string dir = scratch_dir("async_bg_change");
+  run_ranks(2, [&](const ProcessGroup& pg) {
+    auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+    SaveOptions so;
+    so.background_staging = true;
+    const at::Tensor shard = fsdp::detail::local_shards(model).at(0).shard;
+    const at::Tensor at_call = shard.clone();
+    AsyncSave first = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
+    first.wait_staged();
+    {
+      at::NoGradGuard no_grad;
+      shard.add_(1.0);
+    }
+    EXPECT_EQ(first.wait(), dir + "/step_00000001");
+    pg.barrier();
+    {
+      auto again = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
+      load_sharded_checkpoint(dir, again);
+      EXPECT_TRUE(torch::equal(fsdp::detail::local_shards(again).at(0).shard, at_call));
+    }
+
+    std::atomic<bool> changed{false};
+    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+      while (step == "background stage" && pg.rank() == 1 && !changed)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    });
+    AsyncSave second = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2), so);
+    if (pg.rank() == 1) {
+      at::NoGradGuard no_grad;
+      shard.mul_(2.0);
+    }
+    changed = true;
+    const std::string waited = error_of([&] { second.wait(); });
+    fsdp::detail::set_save_hook({});
+    const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
+    const std::string unit = fsdp::detail::local_shards(model).at(0).info.unit_fqn;
+    const std::string whose =
+        unit.empty() ? "the root's shard" : "the shard of unit '" + unit + "'";
+    EXPECT_NE(waited.find("staging " + file1 + " failed: " + whose +
+                          " (flats/00000/param) changed while the asynchronous save was copying "
+                          "it in the background"),
+              std::string::npos)
+        << waited;
+    EXPECT_NE(waited.find("wait for it before an optimizer step"), std::string::npos) << waited;
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    const std::string next =
+        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+              std::string::npos)
+        << next;
+    pg.barrier();
+    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(save_sharded_checkpoint(dir, model, nullptr, sample_state(3)),
+              dir + "/step_00000003");
+  });
 }
 
 // Note [Staging reuse]: the second save copies into the first one's buffers (the same

@@ -56,6 +56,15 @@ struct SaveOptions {
   /// kept bytes (one snapshot at most) stay in MemoryStats::checkpoint_staging;
   /// release_checkpoint_staging() frees them. False: freed when the save is waited for.
   bool keep_staging = true;
+  /// Asynchronous saves: return before copying the shards and the optimizer state into
+  /// staging memory; the background thread copies them first, while the next forward and
+  /// backward run (buffers, RNG and training state are still copied in the call). They
+  /// must not change until that copy is done: the end of every backward of a sharded
+  /// model waits for it, and so does AsyncSave::wait_staged(), which a program must call
+  /// before changing them any other way (an optimizer step with no backward before it,
+  /// a load, an edit by hand). A change made sooner fails the save, naming the tensor.
+  /// False: everything is copied in the call.
+  bool background_staging = false;
 };
 
 struct LoadOptions {
@@ -111,6 +120,14 @@ class [[nodiscard]] AsyncSave {
   /// save failed, naming the file; `latest` then still names the checkpoint before it.
   /// Not collective.
   std::string wait();
+  /// Blocks until the shards and optimizer state are copied into staging memory
+  /// (SaveOptions::background_staging; returns at once otherwise, or for no save). After
+  /// it, training may change them. Not collective.
+  void wait_staged();
+  /// Seconds the program has waited for this save's background staging so far, in
+  /// wait_staged() and at the end of backwards, on this rank (the call's own time not
+  /// included).
+  double staging_wait_s() const;
   /// Whether the background work has finished (successfully or not), without waiting.
   bool done() const;
   /// Where the checkpoint will be: `dir`/step_<step>.

@@ -67,6 +67,8 @@ void add_backward_observer(const ShardedModel& model, std::function<void(bool)> 
   model_runtime(model).add_backward_observer(std::move(f));
 }
 
+void set_end_of_backward_hook(void (*hook)()) { end_of_backward_hook().store(hook); }
+
 void rename_parameters(ShardedModel& model,
                        const std::function<std::string(const std::string&)>& name) {
   std::map<std::string, std::string> seen;  // new name -> old

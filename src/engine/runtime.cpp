@@ -60,6 +60,11 @@ void Runtime::set_flat_config(const FlatConfig& cfg) {
   comm_ = std::make_unique<CommContext>(&acct_, cfg.transfers);
 }
 
+std::atomic<void (*)()>& end_of_backward_hook() {
+  static std::atomic<void (*)()> hook{nullptr};
+  return hook;
+}
+
 Unit& Runtime::add_unit(const std::string& fqn) {
   TORCH_INTERNAL_ASSERT(comm_ != nullptr, "add_unit before set_flat_config");
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), *comm_));
@@ -358,6 +363,7 @@ void Runtime::end_of_backward() {
   order_frozen_ = true;
   for (auto& f : backward_observers_) f(false);
   recount_grads();
+  if (auto* hook = end_of_backward_hook().load()) hook();
 }
 
 void Runtime::wait_transfers() { comm_->wait_transfers(); }

@@ -8,6 +8,7 @@
 #include "comm_context.h"
 #include "unit.h"
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,6 +26,9 @@ namespace detail {
 enum class Phase { kIdle, kForward, kBackward };
 
 const char* to_string(Phase s);
+
+/// What the end of every backward runs last (detail::set_end_of_backward_hook).
+std::atomic<void (*)()>& end_of_backward_hook();
 
 class Runtime : public std::enable_shared_from_this<Runtime> {
  public:

@@ -19,6 +19,8 @@ CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model,
       io_log_(flags.output.io_log, pg) {
   save_opts_.keep_last = static_cast<int>(ckpt_.keep);
   save_opts_.verbose = true;
+  // The loop steps only after a backward, which waits for the copies (Note [Background staging]).
+  save_opts_.background_staging = true;
 }
 
 CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::PipelinedModel& pipeline,
@@ -88,6 +90,7 @@ void CheckpointPolicy::save(int64_t steps_done) {
                  ? fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
                  : fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_, st, save_opts_);
     }
+    log_staging_wait();
     pending_ =
         pipeline_
             ? fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
@@ -97,10 +100,16 @@ void CheckpointPolicy::save(int64_t steps_done) {
   last_saved_ = steps_done;
 }
 
+void CheckpointPolicy::log_staging_wait() {
+  if (!pending_.path().empty())
+    io_log_.record("save_staging_wait", pending_.path(), pending_.staging_wait_s());
+}
+
 void CheckpointPolicy::finish(int64_t final_step) {
   if (!ckpt_.save_dir.empty() && last_saved_ != final_step) save(final_step);
   if (ckpt_.async_save && !pending_.path().empty()) {
     io_log_.timed("save_wait", [&] { return pending_.wait(); });
+    log_staging_wait();
   }
   if (ckpt_.stop_at > 0 && main_rank_) {
     std::cout << program() << ": stopped at step " << final_step << " of " << flags_.training.steps

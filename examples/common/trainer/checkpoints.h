@@ -41,6 +41,8 @@ class CheckpointPolicy {
  private:
   /// What a checkpoint carries besides weights and optimizer state.
   fsdp::TrainingState training_state(int64_t step) const;
+  /// --io-log: how long training waited for the save in flight's background staging.
+  void log_staging_wait();
 
   const Flags& flags_;
   const CheckpointFlags& ckpt_;

@@ -26,4 +26,14 @@ void IoLog::timed(const char* event, const std::function<std::string()>& op) {
     file_ << nlohmann::json{{"event", event}, {"path", path}, {"seconds", s}}.dump() << std::endl;
 }
 
+void IoLog::record(const char* event, const std::string& path, double seconds) {
+  if (!enabled_) return;
+  auto t = torch::tensor({seconds}, torch::kFloat64);
+  pg_.all_reduce_max(t);
+  if (file_.is_open()) {
+    file_ << nlohmann::json{{"event", event}, {"path", path}, {"seconds", t.item<double>()}}.dump()
+          << std::endl;
+  }
+}
+
 }  // namespace lm

@@ -19,6 +19,9 @@ class IoLog {
 
   /// Runs `op`, which returns the path it read or wrote, and logs it as `event`.
   void timed(const char* event, const std::function<std::string()>& op);
+  /// Logs `seconds`, measured by each rank, as `event`: the slowest rank's (collective
+  /// when the log is on).
+  void record(const char* event, const std::string& path, double seconds);
 
  private:
   fsdp::ProcessGroup pg_;
