@@ -299,4 +299,56 @@ TEST(DirectIo, AFailedWriteNamesTheFileAndTheCause) {
   fs::remove_all(dir);
 }
 
+// A rank file cut short while a load reads it (another host truncating it on a shared
+// file system, say): HDF5 checked the file's end when it opened it, so the direct reads
+// are what must notice. A read that goes on into the next dataset finds the file ending
+// under it; a read that starts afresh finds the new end first. Each names the dataset,
+// the file and the byte.
+TEST(DirectIo, AFileCutShortUnderALoadSaysWhereItEnds) {
+  const std::string dir = scratch_dir("direct_cut");
+  fs::create_directories(dir);
+  const std::string path = dir + "/f.h5";
+  // 24 MiB each: the read of `a` may read ahead one 8 MiB buffer past it, into `b`, and
+  // the cut comes after that.
+  const int64_t n = int64_t{6} << 20;
+  const auto a = random_floats(n, 1), b = random_floats(n, 2), c = random_floats(n, 3);
+  {
+    h5::Obj f = h5::create_file(path);
+    h5::DirectDatasets direct;
+    direct.add(f, "a", a.data(), h5::Elem::kF32, {n}, path);
+    direct.add(f, "b", b.data(), h5::Elem::kF32, {n}, path);
+    direct.add(f, "c", c.data(), h5::Elem::kF32, {n}, path);
+    direct.write_all(path);
+    h5::flush_and_sync(f, path);
+  }
+  h5::Obj f = h5::open_file(path);
+  auto offset_of = [&](const char* name) {
+    h5::Obj ds(H5Dopen2(f, name, H5P_DEFAULT), H5Dclose);
+    return static_cast<uint64_t>(H5Dget_offset(ds));
+  };
+  const uint64_t at_b = offset_of("b"), at_c = offset_of("c");
+  ASSERT_LT(at_b, at_c);
+  std::vector<float> back(static_cast<size_t>(n));
+  h5::read_range(f, "a", 0, n, back.data(), h5::Elem::kF32, path);
+  EXPECT_EQ(back, a);
+  const uint64_t cut = at_b + (uint64_t{12} << 20);  // 12 MiB into b
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(cut)), 0);
+  const std::string going_on =
+      error_of([&] { h5::read_range(f, "b", 0, n, back.data(), h5::Elem::kF32, path); });
+  EXPECT_NE(going_on.find(path + ": cannot read dataset 'b': the file is truncated or corrupted"),
+            std::string::npos)
+      << going_on;
+  EXPECT_NE(going_on.find("cannot read " + path + " at byte "), std::string::npos) << going_on;
+  EXPECT_NE(going_on.find("the file ends there (truncated?)"), std::string::npos) << going_on;
+  h5::end_read_ahead();
+  const std::string afresh =
+      error_of([&] { h5::read_range(f, "c", 0, n, back.data(), h5::Elem::kF32, path); });
+  EXPECT_NE(afresh.find(path + ": cannot read dataset 'c'"), std::string::npos) << afresh;
+  EXPECT_NE(afresh.find("cannot read " + path + " at byte " + std::to_string(at_c) +
+                        ": the file ends at byte " + std::to_string(cut) + " (truncated?)"),
+            std::string::npos)
+      << afresh;
+  fs::remove_all(dir);
+}
+
 }  // namespace
