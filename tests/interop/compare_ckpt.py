@@ -762,12 +762,26 @@ def disk_write_direct(work, sizes):
     return raw_write_direct(sizes, os.path.join(work, "raw"))
 
 
+def step_times(path, steps):
+    """step_s of `steps` from a --log-jsonl file."""
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    got = {r["step"]: r["step_s"] for r in recs if r.get("step") in steps}
+    if len(got) != len(steps):
+        raise RuntimeError(f"{path}: no step_s for every step of {steps}: {recs}")
+    return [got[s] for s in steps]
+
+
 def part_save(j, m, worlds, reps):
     """Each side saves twice in one job: DCP's variants call after call, ours at steps 1
-    and 2 (--save-every 1, a training step between); nothing is removed until the job
-    ends. Call 2 is the steady state that the targets use."""
+    and 2 (--save-every 1, a training step between), and a third time at step 3; nothing
+    is removed until the job ends. Call 2 is the steady state that the targets use. Our
+    async save leaves its copy to the background thread (SaveOptions::background_staging),
+    which the next backward waits for: its blocked time is the call and that wait. Steps 2
+    and 3, each run beside a save's staging in the async job and after a finished save in
+    the sync one, show what the copy costs the step."""
     rows = {}
-    m2 = dict(m, steps=2)
+    m3 = dict(m, steps=3)
     for w in worlds:
         runs = []
         for rep in range(reps):
@@ -786,23 +800,31 @@ def part_save(j, m, worlds, reps):
 
             def ours():
                 shutil.rmtree(d_ours, ignore_errors=True)
-                _, r["ours_rss_kb"], e = j.run(w, j.ours(m2, w, [
-                    "--save-dir", d_ours, "--save-every", "1", "--keep", "2", "--consolidate-to",
-                    os.path.join(j.work, f"ours_w{w}_full.h5")]), f"ours_save_w{w}")
+                steps_log = os.path.join(j.work, f"ours_w{w}_steps.jsonl")
+                _, r["ours_rss_kb"], e = j.run(w, j.ours(m3, w, [
+                    "--save-dir", d_ours, "--save-every", "1", "--keep", "2", "--log-jsonl", steps_log,
+                    "--consolidate-to", os.path.join(j.work, f"ours_w{w}_full.h5")]), f"ours_save_w{w}")
                 saves = [x["seconds"] for x in e if x["event"] == "save"]
-                if len(saves) != 2:
-                    raise RuntimeError(f"ours_save_w{w}: {len(saves)} save events, expected 2: {e}")
-                r["ours_sync_1"], r["ours_sync"] = saves
+                if len(saves) != 3:
+                    raise RuntimeError(f"ours_save_w{w}: {len(saves)} save events, expected 3: {e}")
+                r["ours_sync_1"], r["ours_sync"] = saves[:2]
+                r["ours_sync_steps"] = statistics.mean(step_times(steps_log, [2, 3]))
                 r["ours_export_h5"] = ev(e, "export")["seconds"]
                 shutil.rmtree(d_async, ignore_errors=True)
-                _, r["ours_async_rss_kb"], e = j.run(w, j.ours(m2, w, [
-                    "--save-dir", d_async, "--save-every", "1", "--keep", "2", "--async-save"]),
-                    f"ours_async_save_w{w}")
+                _, r["ours_async_rss_kb"], e = j.run(w, j.ours(m3, w, [
+                    "--save-dir", d_async, "--save-every", "1", "--keep", "2", "--async-save",
+                    "--log-jsonl", steps_log]), f"ours_async_save_w{w}")
                 saves = [x["seconds"] for x in e if x["event"] == "save"]
-                if len(saves) != 2:
-                    raise RuntimeError(f"ours_async_save_w{w}: {len(saves)} save events, expected 2: {e}")
-                r["ours_async_blocked_1"], r["ours_async_blocked"] = saves
-                r["ours_async_durable"] = saves[1] + ev(e, "save_wait")["seconds"]
+                waits = [x["seconds"] for x in e if x["event"] == "save_staging_wait"]
+                if len(saves) != 3 or len(waits) != 3:
+                    raise RuntimeError(f"ours_async_save_w{w}: {len(saves)} save and {len(waits)} "
+                                       f"save_staging_wait events, expected 3 each: {e}")
+                r["ours_async_call_1"], r["ours_async_call"] = saves[:2]
+                r["ours_async_wait_1"], r["ours_async_wait"] = waits[:2]
+                r["ours_async_blocked_1"], r["ours_async_blocked"] = saves[0] + waits[0], saves[1] + waits[1]
+                r["ours_async_durable"] = saves[2] + ev(e, "save_wait")["seconds"]  # the last call's
+                r["ours_async_steps"] = statistics.mean(step_times(steps_log, [2, 3]))
+                os.remove(steps_log)
                 shutil.rmtree(d_async)
 
             for f in ((dcp, ours) if rep % 2 == 0 else (ours, dcp)):  # alternately first
@@ -1011,8 +1033,15 @@ def make_table(r):
             out.append(f"| {w} | **train_gpt --save-dir** | {s1:.2f} / {s2:.2f} s | {s1:.2f} / {s2:.2f} s | "
                        f"{s2 / raw:.2f} | {mark(limit / s2 >= 0.9)}: raw limit / save = {limit / s2:.2f} (>= 0.9) |")
             b1, b, d = row["ours_async_blocked_1"], row["ours_async_blocked"], row["ours_async_durable"]
-            out.append(f"| {w} | **train_gpt --async-save** | {b1:.2f} / {b:.3f} s | - / {d:.2f} s | {d / raw:.2f} | "
-                       f"{mark(b <= 0.1 * s2)}: blocked / sync = {b / s2:.3f} (<= 0.1) |")
+            split = (f" (call {row['ours_async_call']:.3f} + backward's wait {row['ours_async_wait']:.3f})"
+                     if "ours_async_call" in row else "")
+            out.append(f"| {w} | **train_gpt --async-save** | {b1:.2f} / {b:.3f} s{split} | - / {d:.2f} s "
+                       f"(call 3) | {d / raw:.2f} | {mark(b <= 0.1 * s2)}: blocked / sync = {b / s2:.3f} (<= 0.1) |")
+            if "ours_async_steps" in row:
+                a, sy = row["ours_async_steps"], row["ours_sync_steps"]
+                out.append(f"| {w} | steps 2-3, mean: beside an async save (its copy, checksums and write); "
+                           f"after a sync save | {a:.2f} s; {sy:.2f} s | | | the background save costs the step "
+                           f"{a - sy:+.3f} s ({(a - sy) / s2:+.3f} of a sync save) |")
             direct = row.get("raw_write_direct")
             out.append(f"| {w} | raw write + fsync, a file per rank ({row['raw_write_bytes'] / 1e6:.0f} MB): fresh; "
                        f"recycled; O_DIRECT | | {raw:.2f} s; {row['raw_write_recycled']:.2f} s; "
