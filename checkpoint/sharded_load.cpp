@@ -171,13 +171,19 @@ LoadReport load(const std::string& path, ShardedModel& root, torch::optim::Optim
                 bool stage) {
   detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint load"); });
   wait_for_async_save();  // the save just made is complete before anything reads
+  std::optional<detail::trace::Scope> opening;
+  opening.emplace("checkpoint", []() { return std::string("checkpoint read metadata"); });
   ShardedReader src(path);
   LoadReport report;
   report.path = src.dir();
   const std::string what = "checkpoint " + src.dir();
   if (optimizer) check_optimizer_kind(src, *optimizer, what);
   const std::vector<LocalShard> shards = detail::local_shards(root);
-  match_names(src, shards, what, options.strict, stage, report);
+  {
+    detail::trace::Scope m("checkpoint", []() { return std::string("checkpoint match names"); });
+    match_names(src, shards, what, options.strict, stage, report);
+  }
+  opening.reset();
   at::NoGradGuard no_grad;
   {
     detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint read shards"); });

@@ -120,6 +120,9 @@ class DirectDatasets {
 /// Stops the read-ahead that checked reads of large datasets keep going between calls
 /// (Note [Direct I/O]), freeing its buffers and closing its file: call once a load is done.
 void end_read_ahead();
+/// Whether checked reads of `path`'s large contiguous datasets bypass the page cache
+/// (Note [Direct I/O]): its file system takes O_DIRECT and FSDP_CHECKPOINT_O_DIRECT is not 0.
+bool direct_reads(const std::string& path);
 /// Datasets of at least this many bytes are worth writing with DirectDatasets.
 constexpr int64_t kDirectMinBytes = int64_t{1} << 20;
 
