@@ -127,7 +127,8 @@ TEST(TrainGptCheckpoint, ResumeContinuesExactlyLikeAnUninterruptedRun) {
 
 // --async-save writes the same checkpoints in the background: a run saving every 3 steps
 // asynchronously, then resumed, continues exactly like the uninterrupted run; --io-log
-// records what training waited for each save, and the wait at the end.
+// records what training waited for each save (the call, then what the next backward
+// waited for its background copy, logged before the next save), and the wait at the end.
 TEST(TrainGptCheckpoint, AsyncSavesResumeExactlyLikeAnUninterruptedRun) {
   const std::string dir = temp_dir("resume_async");
   auto full = run_command(run_args(dir, 9, {"--log-jsonl", dir + "/full.jsonl"}));
@@ -137,10 +138,17 @@ TEST(TrainGptCheckpoint, AsyncSavesResumeExactlyLikeAnUninterruptedRun) {
                                      "--stop-at", "6", "--io-log", dir + "/io.jsonl"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
   EXPECT_NE(first.output.find("in the background"), std::string::npos) << first.output;
-  std::vector<std::string> events;
-  for (const auto& line : nonempty_lines(dir + "/io.jsonl"))
-    events.push_back(nlohmann::json::parse(line).at("event"));
-  EXPECT_EQ(events, (std::vector<std::string>{"save", "save", "save_wait"}));
+  std::vector<std::string> events, paths;
+  for (const auto& line : nonempty_lines(dir + "/io.jsonl")) {
+    const auto j = nlohmann::json::parse(line);
+    events.push_back(j.at("event"));
+    paths.push_back(std::filesystem::path(j.at("path").get<std::string>()).filename().string());
+    EXPECT_GE(j.at("seconds").get<double>(), 0.0) << line;
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{"save", "save_staging_wait", "save", "save_wait",
+                                              "save_staging_wait"}));
+  EXPECT_EQ(paths, (std::vector<std::string>{"step_00000003", "step_00000003", "step_00000006",
+                                             "step_00000006", "step_00000006"}));
   EXPECT_TRUE(fs::exists(dir + "/ck/step_00000003/rank_00001.h5"));
   EXPECT_TRUE(fs::exists(dir + "/ck/step_00000006/rank_00001.h5"));
   auto second = run_command(run_args(dir, 9,
