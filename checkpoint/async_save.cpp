@@ -73,17 +73,20 @@ std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); 
 // only an optimizer step changes, to the background thread (RankSnapshot::pending),
 // which makes them before it writes (finish_staging). Training meanwhile runs the next
 // forward and backward, which read the shards and write only gradients. The end of every
-// backward of every sharded model waits for the copy (detail::set_end_of_backward_hook),
-// so an optimizer step never runs beside it; AsyncSave::wait_staged waits where a
-// program changes the tensors without a backward first. DCP's async staging
+// backward of every sharded model waits for the copy (detail::shard_change_barrier, which
+// FusedAdamW::step, import_consolidated and a FullParamsScope's writeback run too), so an
+// optimizer step never runs beside it; AsyncSave::wait_staged waits where a program
+// changes the tensors some other way (another optimizer stepping without a backward
+// first, an edit by hand). A load waits for the whole save anyway. DCP's async staging
 // (StagingOptions(use_async_staging)) hands the user a future to wait on instead; here
-// the common loop needs no call. A change made anyway is caught: each source's version
-// counter (which in-place ops and FusedAdamW's kernels bump) is read at the call and
-// again after the copy, and a difference fails the save, naming the tensor, with
-// `latest` left where it was. The time training waited is kept per job
-// (AsyncSave::staging_wait_s) and traced ("checkpoint staging wait"). Tensors on a GPU
-// are still copied in the call (into pinned memory), as are a model's when
-// background_staging is false.
+// the common loop needs no call. A change made anyway is caught where the version
+// counters see it: each source's counter (which in-place ops and FusedAdamW's kernels
+// bump; writes through .data() do not) is read at the call and again after the copy, and
+// a difference fails the save, naming the tensor, with `latest` left where it was. The
+// time training waited is kept per job (AsyncSave::staging_wait_s) and traced
+// ("checkpoint staging wait"). Copied in the call still: tensors on a GPU (into pinned
+// memory), shards and state that are not fp32 (the file holds fp32: the conversion is
+// the copy), and everything when background_staging is false.
 class AsyncSaveJob {
  public:
   AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank,

@@ -432,6 +432,7 @@ LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOp
 
 LoadReport import_consolidated(const std::string& file, ShardedModel& root,
                                const LoadOptions& options) {
+  detail::shard_change_barrier();  // Note [Background staging]
   return ckpt::import_into(file, root, options, /*stage=*/false);
 }
 
@@ -440,6 +441,7 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   using namespace ckpt;
   const ProcessGroup& job = model.world();
   const bool staged = model.stages() > 1;
+  detail::shard_change_barrier();  // Note [Background staging]
   const std::string what = "import_consolidated of " + file + " into a pipeline of " +
                            std::to_string(model.stages()) + " stages";
   // First the names, on every rank, so that nothing is loaded unless every stage matches.

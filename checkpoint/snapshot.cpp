@@ -120,11 +120,11 @@ std::string finish_staging(RankSnapshot& snap) {
   for (const auto& c : pending) {
     if (c.src._version() != c.version) {
       return c.what +
-             " changed while the asynchronous save was copying it in the background "
-             "(SaveOptions::background_staging): it holds neither the state of the call nor a "
-             "later one. Nothing may change the shards or the optimizer state before the next "
-             "backward ends or AsyncSave::wait_staged() returns; wait for it before an "
-             "optimizer step with no backward before it, a load or an edit by hand";
+             " changed after the asynchronous save's call, before its background copy was "
+             "done (SaveOptions::background_staging), so the file would not hold the state "
+             "of the call. Nothing may change the shards or the optimizer state before the "
+             "next backward ends or AsyncSave::wait_staged() returns; call it before an "
+             "optimizer step with no backward before it, or an edit by hand";
     }
   }
   return "";
@@ -142,7 +142,7 @@ at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnaps
 }
 
 at::Tensor Stager::stage_parts(const std::string& what, const Parts& parts, int64_t length,
-                               const at::TensorOptions& options, RankSnapshot& snap,
+                               const at::TensorOptions& options, RankSnapshot& snap, bool may_defer,
                                const std::string& who) {
   const bool pinned = options.device().is_cuda();
   const std::string key = pinned ? what + "@pinned" : what;
@@ -150,7 +150,7 @@ at::Tensor Stager::stage_parts(const std::string& what, const Parts& parts, int6
   int64_t pos = 0;
   for (const auto& [off, t] : parts) {
     if (off > pos) host.narrow(0, pos, off - pos).zero_();
-    copy_or_defer(host.narrow(0, off, t.numel()), t, /*may_defer=*/true,
+    copy_or_defer(host.narrow(0, off, t.numel()), t, may_defer,
                   who.empty() ? what : who + " (" + what + ")", snap);
     pos = off + t.numel();
   }
@@ -202,9 +202,10 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     auto fp32 = [](const at::Tensor& t) {
       return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
     };
+    // Deferred only when the file's fp32 is the shard itself: a conversion is the copy.
+    const bool fp32_shard = ls.shard.scalar_type() == at::kFloat;
     const at::Tensor param = fp32(ls.shard.detach().narrow(0, 0, f.length));
-    f.param =
-        stager ? stager->stage(flat + "/param", param, snap, /*may_defer=*/true, who(ls)) : param;
+    f.param = stager ? stager->stage(flat + "/param", param, snap, fp32_shard, who(ls)) : param;
     if (opt && ls.info.requires_grad) {
       const int64_t group = shard_group(*opt, ls.shard);
       // (A rank holding only padding of a shard has no view of it: ShardParamGroups.)
@@ -219,15 +220,18 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
         for (const auto& [name, pieces] : st.states) {
           // The parts inside [0, length): the rest is the shard's padding.
           Parts parts;
+          bool fp32_state = true;
           for (const auto& [off, t] : pieces) {
             const int64_t n = std::min(t.numel(), f.length - off);
+            fp32_state = fp32_state && t.scalar_type() == at::kFloat;
             if (n > 0) parts.emplace_back(off, fp32(t.narrow(0, 0, n)));
           }
           if (stager) {
             const auto options =
                 parts.empty() ? at::TensorOptions(at::kFloat) : parts.front().second.options();
-            parts = {{0, stager->stage_parts(flat + "/optim/" + name, parts, f.length, options,
-                                             snap, "the optimizer state of " + who(ls))}};
+            parts = {
+                {0, stager->stage_parts(flat + "/optim/" + name, parts, f.length, options, snap,
+                                        fp32_state, "the optimizer state of " + who(ls))}};
           }
           f.optim.emplace_back(name, std::move(parts));
         }

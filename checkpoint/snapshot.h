@@ -82,10 +82,10 @@ class Stager {
   at::Tensor stage(const std::string& what, const at::Tensor& t, RankSnapshot& snap,
                    bool may_defer = false, const std::string& who = "");
   /// A host copy of `parts` put together into a [length] tensor of `options` (zeros where
-  /// no part covers it), made like stage() with may_defer.
+  /// no part covers it), made like stage().
   at::Tensor stage_parts(const std::string& what, const Parts& parts, int64_t length,
                          const at::TensorOptions& options, RankSnapshot& snap,
-                         const std::string& who = "");
+                         bool may_defer = false, const std::string& who = "");
   /// Frees the kept buffers this save did not use.
   void free_spare();
   /// The snapshot was dropped (a failure while staging): its buffers are gone.

@@ -58,12 +58,14 @@ struct SaveOptions {
   bool keep_staging = true;
   /// Asynchronous saves: return before copying the shards and the optimizer state into
   /// staging memory; the background thread copies them first, while the next forward and
-  /// backward run (buffers, RNG and training state are still copied in the call). They
-  /// must not change until that copy is done: the end of every backward of a sharded
-  /// model waits for it, and so does AsyncSave::wait_staged(), which a program must call
-  /// before changing them any other way (an optimizer step with no backward before it,
-  /// a load, an edit by hand). A change made sooner fails the save, naming the tensor.
-  /// False: everything is copied in the call.
+  /// backward run. Buffers, RNG and training state are still copied in the call, and so
+  /// are tensors on a GPU and shards or state that are not fp32. They must not change
+  /// until that copy is done: the end of every backward of a sharded model waits for it,
+  /// as do FusedAdamW::step, import_consolidated, a FullParamsScope's writeback and a load;
+  /// a program that changes them any other way (another optimizer stepping with no
+  /// backward before it, an edit by hand) calls AsyncSave::wait_staged() first. A change
+  /// the version counters see (in-place ops; not writes through .data()) fails the save,
+  /// naming the tensor. False: everything is copied in the call.
   bool background_staging = false;
 };
 
@@ -147,7 +149,8 @@ class [[nodiscard]] AsyncSave {
 /// save_sharded_checkpoint that returns as soon as this rank's shards, optimizer state,
 /// RNG and training state are copied into host staging memory (pinned when they come from
 /// a GPU; counted in MemoryStats::checkpoint_staging, and kept for the next save unless
-/// SaveOptions::keep_staging is false). A
+/// SaveOptions::keep_staging is false); with SaveOptions::background_staging, before the
+/// shards and optimizer state are copied (see there). A
 /// background thread writes the same files as save_sharded_checkpoint, with the same
 /// checksums and atomic publish; training may change the model meanwhile. Collective.
 /// One save in flight: the next save (either kind) first waits for this one and, if it

@@ -67,7 +67,11 @@ void add_backward_observer(const ShardedModel& model, std::function<void(bool)> 
   model_runtime(model).add_backward_observer(std::move(f));
 }
 
-void set_end_of_backward_hook(void (*hook)()) { end_of_backward_hook().store(hook); }
+void set_shard_change_barrier(void (*barrier)()) { shard_change_barrier_fn().store(barrier); }
+
+void shard_change_barrier() {
+  if (auto* barrier = shard_change_barrier_fn().load()) barrier();
+}
 
 void rename_parameters(ShardedModel& model,
                        const std::function<std::string(const std::string&)>& name) {

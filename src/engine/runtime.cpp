@@ -60,9 +60,9 @@ void Runtime::set_flat_config(const FlatConfig& cfg) {
   comm_ = std::make_unique<CommContext>(&acct_, cfg.transfers);
 }
 
-std::atomic<void (*)()>& end_of_backward_hook() {
-  static std::atomic<void (*)()> hook{nullptr};
-  return hook;
+std::atomic<void (*)()>& shard_change_barrier_fn() {
+  static std::atomic<void (*)()> barrier{nullptr};
+  return barrier;
 }
 
 Unit& Runtime::add_unit(const std::string& fqn) {
@@ -363,7 +363,7 @@ void Runtime::end_of_backward() {
   order_frozen_ = true;
   for (auto& f : backward_observers_) f(false);
   recount_grads();
-  if (auto* hook = end_of_backward_hook().load()) hook();
+  if (auto* barrier = shard_change_barrier_fn().load()) barrier();  // the step comes next
 }
 
 void Runtime::wait_transfers() { comm_->wait_transfers(); }

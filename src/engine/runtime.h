@@ -27,8 +27,8 @@ enum class Phase { kIdle, kForward, kBackward };
 
 const char* to_string(Phase s);
 
-/// What the end of every backward runs last (detail::set_end_of_backward_hook).
-std::atomic<void (*)()>& end_of_backward_hook();
+/// What runs before the shards may change (detail::set_shard_change_barrier).
+std::atomic<void (*)()>& shard_change_barrier_fn();
 
 class Runtime : public std::enable_shared_from_this<Runtime> {
  public:

@@ -129,10 +129,13 @@ struct FlatSlot {
 /// Calls `f(true)` when each backward of `model` starts (before any gradient shard is
 /// written) and `f(false)` when it has ended, for as long as the model lives.
 void add_backward_observer(const ShardedModel& model, std::function<void(bool starting)> f);
-/// Sets what the end of every backward of every sharded model runs last, once its
-/// gradients are reduced and before anything may step the shards: an asynchronous save's
-/// background staging waits there (Note [Background staging]). nullptr: nothing.
-void set_end_of_backward_hook(void (*hook)());
+/// Sets what shard_change_barrier() runs: an asynchronous save's background staging
+/// waits there (Note [Background staging]). nullptr: nothing.
+void set_shard_change_barrier(void (*barrier)());
+/// Runs it, where the shards or an optimizer's state over them may be about to change:
+/// the end of every backward of every sharded model (last, once its gradients are
+/// reduced), FusedAdamW::step, import_consolidated and a FullParamsScope's writeback.
+void shard_change_barrier();
 /// The original parameters of flat parameter `index`, in slot order.
 std::vector<FlatSlot> flat_slots(const ShardedModel& model, size_t index);
 

@@ -227,6 +227,7 @@ detail::AdamWConstants adamw_constants(const torch::optim::AdamWOptions& o, int6
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   detail::trace::Scope span("optimizer", []() { return std::string("optimizer step"); });
+  detail::shard_change_barrier();  // Note [Background staging]: a save still copying the shards
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure != nullptr) {
