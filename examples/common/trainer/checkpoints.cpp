@@ -16,7 +16,7 @@ CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::ShardedModel model,
       opt_(opt),
       scaler_(scaler),
       main_rank_(pg.rank() == 0),
-      io_log_(flags.output.io_log, pg) {
+      io_log_(flags.output.io_log, pg, flags.sharding.options.device) {
   save_opts_.keep_last = static_cast<int>(ckpt_.keep);
   save_opts_.verbose = true;
   // The loop steps only after a backward, which waits for the copies (Note [Background staging]).
@@ -83,6 +83,7 @@ bool CheckpointPolicy::due(int64_t steps_done) const {
 }
 
 void CheckpointPolicy::save(int64_t steps_done) {
+  if (ckpt_.async_save) log_staging_wait();  // the save before, its staging long done
   io_log_.timed("save", [&] {
     const fsdp::TrainingState st = training_state(steps_done);
     if (!ckpt_.async_save) {
@@ -90,7 +91,6 @@ void CheckpointPolicy::save(int64_t steps_done) {
                  ? fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
                  : fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_, st, save_opts_);
     }
-    log_staging_wait();
     pending_ =
         pipeline_
             ? fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)

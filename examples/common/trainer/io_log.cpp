@@ -8,8 +8,8 @@
 
 namespace lm {
 
-IoLog::IoLog(const std::string& path, fsdp::ProcessGroup pg)
-    : pg_(std::move(pg)), enabled_(!path.empty()) {
+IoLog::IoLog(const std::string& path, fsdp::ProcessGroup pg, torch::Device device)
+    : pg_(std::move(pg)), device_(device), enabled_(!path.empty()) {
   if (pg_.rank() == 0 && enabled_) {
     file_.open(path, std::ios::app);
     if (!file_) throw examples::UsageError("--io-log " + path + ": cannot write the file");
@@ -28,7 +28,7 @@ void IoLog::timed(const char* event, const std::function<std::string()>& op) {
 
 void IoLog::record(const char* event, const std::string& path, double seconds) {
   if (!enabled_) return;
-  auto t = torch::tensor({seconds}, torch::kFloat64);
+  auto t = torch::tensor({seconds}, torch::kFloat64).to(device_);
   pg_.all_reduce_max(t);
   if (file_.is_open()) {
     file_ << nlohmann::json{{"event", event}, {"path", path}, {"seconds", t.item<double>()}}.dump()

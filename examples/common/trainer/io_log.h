@@ -15,7 +15,8 @@ namespace lm {
 class IoLog {
  public:
   /// `path` "": no log, and no barriers. Throws a UsageError if rank 0 cannot write it.
-  IoLog(const std::string& path, fsdp::ProcessGroup pg);
+  /// `device`: where the ranks' figures are reduced (NCCL reduces device tensors only).
+  IoLog(const std::string& path, fsdp::ProcessGroup pg, torch::Device device = torch::kCPU);
 
   /// Runs `op`, which returns the path it read or wrote, and logs it as `event`.
   void timed(const char* event, const std::function<std::string()>& op);
@@ -25,6 +26,7 @@ class IoLog {
 
  private:
   fsdp::ProcessGroup pg_;
+  torch::Device device_;
   bool enabled_;        ///< --io-log given: every rank takes part in the barriers
   std::ofstream file_;  ///< open on rank 0 only
 };
