@@ -103,9 +103,10 @@ at::Tensor Stager::buffer(const std::string& key, at::IntArrayRef sizes,
 }
 
 void Stager::copy_or_defer(const at::Tensor& dst, const at::Tensor& src, bool may_defer,
-                           const std::string& what, RankSnapshot& snap) {
+                           const std::string& what, const std::string& who, RankSnapshot& snap) {
   if (defer_ && may_defer && src.is_cpu()) {
-    snap.pending.push_back({dst, src, src._version(), what});
+    snap.pending.push_back(
+        {dst, src, src._version(), who.empty() ? what : who + " (" + what + ")"});
   } else {
     copy_staged(dst, src);
   }
@@ -135,7 +136,7 @@ at::Tensor Stager::stage(const std::string& what, const at::Tensor& t, RankSnaps
   const bool pinned = t.is_cuda();
   const std::string key = pinned ? what + "@pinned" : what;
   at::Tensor host = buffer(key, t.sizes(), t.options(), pinned);
-  copy_or_defer(host, t, may_defer, who.empty() ? what : who + " (" + what + ")", snap);
+  copy_or_defer(host, t, may_defer, what, who, snap);
   snap.staged_bytes += static_cast<int64_t>(host.nbytes());
   snap.staged.emplace(key, host);
   return host;
@@ -150,8 +151,7 @@ at::Tensor Stager::stage_parts(const std::string& what, const Parts& parts, int6
   int64_t pos = 0;
   for (const auto& [off, t] : parts) {
     if (off > pos) host.narrow(0, pos, off - pos).zero_();
-    copy_or_defer(host.narrow(0, off, t.numel()), t, may_defer,
-                  who.empty() ? what : who + " (" + what + ")", snap);
+    copy_or_defer(host.narrow(0, off, t.numel()), t, may_defer, what, who, snap);
     pos = off + t.numel();
   }
   if (pos < length) host.narrow(0, pos, length - pos).zero_();

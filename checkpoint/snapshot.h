@@ -95,9 +95,10 @@ class Stager {
   /// The last save's buffer for `key` when it has this shape and dtype, else a new one.
   at::Tensor buffer(const std::string& key, at::IntArrayRef sizes, const at::TensorOptions& options,
                     bool pinned);
-  /// Copies `src` into `dst` now, or leaves it in `snap.pending` (defer_, host tensors).
+  /// Copies `src` into `dst` now, or leaves it in `snap.pending` (defer_, host tensors),
+  /// named by `who` and `what` for the version check's error.
   void copy_or_defer(const at::Tensor& dst, const at::Tensor& src, bool may_defer,
-                     const std::string& what, RankSnapshot& snap);
+                     const std::string& what, const std::string& who, RankSnapshot& snap);
   const ShardedModel& model_;
   std::map<std::string, at::Tensor> spare_;
   bool defer_ = false;

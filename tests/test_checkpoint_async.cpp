@@ -26,6 +26,17 @@ namespace {
 // ---------------------------------------------------------------------------------
 // Asynchronous saves (Note [Asynchronous saves]).
 
+// The error of the synchronous save of step 3 that follows the failed asynchronous save
+// of step 2, checked to name that save.
+std::string next_save_error(const std::string& dir, const ShardedModel& model) {
+  const std::string next =
+      error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+  EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
+            std::string::npos)
+      << next;
+  return next;
+}
+
 // What the async save of step 3 must hold: the state at the call, though training goes
 // on before the save is waited for. Rank r's flat shards and AdamW moments are staged,
 // and rank 0's buffers: checkpoint_staging counts exactly those bytes until the wait.
@@ -208,11 +219,7 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
     EXPECT_NE(waited.find("call it before an optimizer step"), std::string::npos) << waited;
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
-    const std::string next =
-        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
-              std::string::npos)
-        << next;
+    next_save_error(dir, model);
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_EQ(save_sharded_checkpoint(dir, model, nullptr, sample_state(3)),
@@ -446,11 +453,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
         }
         EXPECT_FALSE(fs::exists(tmp));
         fsdp::detail::set_save_hook({});
-        const std::string next =
-            error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-        EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
-                  std::string::npos)
-            << next;
+        next_save_error(dir, model);
         pg.barrier();
         EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
         EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
@@ -519,11 +522,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
       EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
     }
     fsdp::detail::set_save_hook({});
-    const std::string next =
-        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
-    EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
-              std::string::npos)
-        << next;
+    const std::string next = next_save_error(dir, model);
     if (pg.rank() == 1)
       EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
     pg.barrier();
