@@ -372,25 +372,27 @@ FlatParam::FileLayout FlatParam::file_layout(int64_t shard_numel, bool trainable
 at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
   const int64_t bytes = bytes_of(numel, dtype);
   Accounting* acct = cfg_.acct;
-  if (cfg_.device.is_cuda()) {
-    // Note [NVMe parameters]: on a GPU the buffer is pinned (ATen's host allocator), so
-    // disk -> host -> device and back run as DMA without a staging copy in the driver.
-    // The allocator hands out whole pages; one that is not aligned for O_DIRECT (a
-    // different host allocator) falls back to the unpinned buffer below.
-    const int64_t padded = nvme::io_round_up(std::max<int64_t>(bytes, 1));
-    at::Tensor pinned = at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(true));
-    if (reinterpret_cast<uintptr_t>(pinned.data_ptr()) % nvme::kIoAlign == 0) {
-      auto* base = static_cast<char*>(pinned.data_ptr());
-      std::memset(base + bytes, 0, static_cast<size_t>(padded - bytes));
-      Accounting::alloc(acct->mem.offload_buffers, padded);
-      // The deleter holds the pinned block: it returns to ATen's cache with this tensor
-      // (Transfers::to_device keeps a tensor it copies from alive until the copy is done).
-      return at::from_blob(
-          base, {numel},
-          [pinned, acct, padded](void*) { Accounting::release(acct->mem.offload_buffers, padded); },
-          at::TensorOptions(dtype));
-    }
+  // Note [NVMe parameters]: the buffer comes from LibTorch's host allocator when that
+  // hands out blocks aligned for O_DIRECT: on a GPU the pinned one (ATen's host allocator,
+  // so disk -> host -> device and back run as DMA without a staging copy in the driver), on
+  // the CPU fsdp's block allocator (Note [Host heap]: whole pages, reused by the next read
+  // of the same size instead of mapped and faulted in afresh). Another allocator's block
+  // (LibTorch's default aligns to 64 bytes) falls back to an aligned buffer of its own.
+  const int64_t padded = nvme::io_round_up(std::max<int64_t>(bytes, 1));
+  at::Tensor block =
+      at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(cfg_.device.is_cuda()));
+  if (reinterpret_cast<uintptr_t>(block.data_ptr()) % nvme::kIoAlign == 0) {
+    auto* base = static_cast<char*>(block.data_ptr());
+    std::memset(base + bytes, 0, static_cast<size_t>(padded - bytes));
+    Accounting::alloc(acct->mem.offload_buffers, padded);
+    // The deleter holds the block: it returns to its allocator with this tensor
+    // (Transfers::to_device keeps a tensor it copies from alive until the copy is done).
+    return at::from_blob(
+        base, {numel},
+        [block, acct, padded](void*) { Accounting::release(acct->mem.offload_buffers, padded); },
+        at::TensorOptions(dtype));
   }
+  block = at::Tensor();
   auto buf = std::make_shared<nvme::AlignedBuffer>(bytes);
   if (buf->bytes() > bytes)
     std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));

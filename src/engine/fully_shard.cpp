@@ -1,6 +1,7 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
 // and points each wrap point at its unit.
 #include "engine_access.h"
+#include "host_heap.h"
 #include "nvme/io_engine.h"
 #include "nvme/state_file.h"
 
@@ -630,6 +631,7 @@ void shard_module_tree(const std::shared_ptr<WrapPointImpl>& root, const Shardin
               "fully_shard: called while fsdp::make_sharded is constructing a model on this "
               "thread; shard the model after its construction");
   validate(options);
+  bound_host_heap(options);  // Note [Host heap]
 
   // Decide the units: walk the tree, let the policies pick, check tied parameters.
   WrapNode tree;
@@ -701,6 +703,7 @@ ConstructionScope::ConstructionScope(const ShardingOptions& given) {
               "fsdp::make_sharded: another make_sharded is already constructing a model on this "
               "thread; construct one sharded model at a time");
   validate(options);
+  bound_host_heap(options);  // Note [Host heap]
   state_ = std::make_shared<ConstructionState>();
   state_->runtime = std::make_shared<Runtime>(options);
   state_->runtime->set_flat_config(model_flat_config(options, *state_->runtime));
