@@ -1,6 +1,8 @@
 // Standalone activation checkpointing: gradients equal the plain ones bitwise (fp32, CPU),
 // dropout included, and each input/output case of the utility behaves.
+#include "support/counting_allocator.h"
 #include "support/models.h"
+#include "support/multirank.h"
 
 #include <fsdp/activation_checkpoint.h>
 
@@ -8,6 +10,10 @@
 
 using namespace fsdp;
 using namespace fsdp::testing;
+
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_activation_checkpoint_cases {
 
 namespace {
 
@@ -172,8 +178,6 @@ TEST(ActivationCheckpoint, DoubleBackwardIsAClearError) {
 
 }  // namespace
 
-#include "support/multirank.h"
-
 namespace {
 
 struct ShardedRun {
@@ -299,8 +303,6 @@ TEST(ShardedCheckpoint, CheckpointedWrapPointsRecomputeInBackwardAndOthersDoNot)
   EXPECT_EQ(model->module()->a->module()->calls, 3);
 }
 }  // namespace
-
-#include "support/counting_allocator.h"
 
 namespace {
 // Bytes a GPT forward keeps alive for backward (measured with a counting CPU allocator:
@@ -500,3 +502,5 @@ TEST(ActivationOffload, RetainGraphBringsTheInputsBackForASecondBackward) {
 }
 
 }  // namespace
+
+}  // namespace test_activation_checkpoint_cases

@@ -12,6 +12,10 @@
 #include <gtest/gtest.h>
 
 using namespace fsdp::testing;
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_attention_cases {
+
 using examples::AttentionKernel;
 
 namespace {
@@ -238,3 +242,5 @@ TEST(Attention, AnUnknownKernelIsRefusedNamingTheValueAndTheChoices) {
 }
 
 }  // namespace
+
+}  // namespace test_attention_cases

@@ -27,6 +27,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_crash_cases {
+
 namespace {
 
 // The child process of the crash tests (main() runs it when FSDP_CRASH_SAVER_DIR is
@@ -189,9 +193,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 
+}  // namespace test_checkpoint_crash_cases
+
 int main(int argc, char** argv) {
   if (const char* dir = std::getenv("FSDP_CRASH_SAVER_DIR")) {
-    crash_saver(dir);
+    test_checkpoint_crash_cases::crash_saver(dir);
     return 0;
   }
   ::testing::InitGoogleTest(&argc, argv);

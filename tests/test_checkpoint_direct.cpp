@@ -31,6 +31,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_direct_cases {
+
 namespace {
 
 // Whether `dir`'s file system takes O_DIRECT (tmpfs does not; the code then writes
@@ -352,3 +356,5 @@ TEST(DirectIo, AFileCutShortUnderALoadSaysWhereItEnds) {
 }
 
 }  // namespace
+
+}  // namespace test_checkpoint_direct_cases

@@ -17,6 +17,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_errors_cases {
+
 namespace {
 
 // ---------------------------------------------------------------------------------
@@ -257,3 +261,5 @@ TEST_F(BadCheckpoint, InspectDescribesAGoodCheckpoint) {
 }
 
 }  // namespace
+
+}  // namespace test_checkpoint_errors_cases

@@ -15,6 +15,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_integrity_cases {
+
 namespace {
 
 // ---------------------------------------------------------------------------------
@@ -102,3 +106,5 @@ TEST(AtomicPublish, EveryWriterInCheckpointUsesTheOneHelper) {
 }
 
 }  // namespace
+
+}  // namespace test_checkpoint_integrity_cases

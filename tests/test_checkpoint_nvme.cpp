@@ -16,6 +16,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_nvme_cases {
+
 namespace {
 
 ShardingOptions with_nvme(const ProcessGroup& pg, const std::string& dir) {
@@ -135,3 +139,5 @@ TEST(NvmeCheckpoint, SavedInMemoryLoadsIntoParameterFilesAtWorld2) {
   std::filesystem::remove_all(ckpt);
   std::filesystem::remove_all(state_dir);
 }
+
+}  // namespace test_checkpoint_nvme_cases

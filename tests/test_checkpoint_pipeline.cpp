@@ -27,6 +27,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_pipeline_cases {
+
 namespace {
 
 constexpr int64_t kRows = 16, kSteps = 4;
@@ -394,3 +398,5 @@ TEST(PipelineCheckpoint, TheExamplesLayerFactoriesMakeTheWholeModelsWeights) {
   llama::Llama l(lc);
   check(llama::layer_factory(lc), *l, llama::layer_param_name);
 }
+
+}  // namespace test_checkpoint_pipeline_cases

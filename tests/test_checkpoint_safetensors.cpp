@@ -21,6 +21,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_safetensors_cases {
+
 namespace {
 
 // ---------------------------------------------------------------------------------
@@ -301,3 +305,5 @@ TEST(SafetensorsExport, AnotherLayoutRenamesTransposesAndWritesConfigJson) {
 }
 
 }  // namespace
+
+}  // namespace test_checkpoint_safetensors_cases

@@ -19,6 +19,10 @@ namespace fs = std::filesystem;
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_checkpoint_sharded_cases {
+
 namespace {
 
 void write_losses(const std::string& path, const std::vector<double>& losses) {
@@ -281,3 +285,5 @@ TEST(ShardedCheckpoint, RankZeroFailuresFailTheSaveOnEveryRank) {
 }
 
 }  // namespace
+
+}  // namespace test_checkpoint_sharded_cases

@@ -14,6 +14,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_construction_cases {
+
 namespace {
 
 constexpr uint64_t kSeed = 7;
@@ -261,3 +265,5 @@ TEST(ShardedConstruction, MisusedBuiltUnitsAreRefusedNamingTheFix) {
             std::string::npos);
   g_kept = nullptr;
 }
+
+}  // namespace test_construction_cases

@@ -16,6 +16,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_cuda_cases {
+
 namespace {
 
 #define SKIP_WITHOUT_CUDA()                                                          \
@@ -399,3 +403,5 @@ TEST(Cuda, QuantizedCommunicationOnCudaTensorsTrainsLikeOnTheCpu_CUDA) {
             },
             300, {"FSDP_TEST_BACKEND=gloo"});
 }
+
+}  // namespace test_cuda_cases

@@ -16,6 +16,10 @@
 #include <sstream>
 
 using namespace fsdp::testing;
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_deepspeed_config_cases {
+
 using fsdp::DeepSpeedConfig;
 using fsdp::OffloadDevice;
 using fsdp::ShardingStrategy;
@@ -702,3 +706,5 @@ TEST(TrainGpt, DeepSpeedConfigErrorsExitTwoNamingTheKeyOrTheConflictingFlag) {
 #endif
 
 }  // namespace
+
+}  // namespace test_deepspeed_config_cases

@@ -22,6 +22,10 @@
 
 using namespace fsdp;
 using namespace fsdp::testing;
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_estimate_cases {
+
 using fsdp::tools::gpt_unit_params;
 
 namespace {
@@ -1176,3 +1180,5 @@ TEST(EstimateTool, PipelineStagesOneEstimateEach) {
             std::string::npos)
       << bad.output;
 }
+
+}  // namespace test_estimate_cases

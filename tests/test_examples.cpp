@@ -23,6 +23,10 @@
 
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_examples_cases {
+
 namespace {
 
 std::string bin(const std::string& name) { return bin_dir() + "/" + name; }
@@ -1470,3 +1474,5 @@ TEST(MinimalGpt, TrainsAtTwoRanksAndResumesWhereItStopped) {
   std::filesystem::remove_all(straight);
   std::filesystem::remove_all(resumed);
 }
+
+}  // namespace test_examples_cases

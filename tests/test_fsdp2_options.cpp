@@ -15,6 +15,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_fsdp2_options_cases {
+
 namespace {
 
 constexpr int64_t kRows = 8;
@@ -402,3 +406,5 @@ TEST(ReshardAfterBackward, ReshardFreesWhatBackwardKept) {
 }
 
 }  // namespace
+
+}  // namespace test_fsdp2_options_cases

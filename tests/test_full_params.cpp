@@ -10,6 +10,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_full_params_cases {
+
 namespace {
 
 std::map<std::string, torch::Tensor> as_map(
@@ -137,3 +141,5 @@ TEST(FullParams, SyncModuleStatesStartsEveryRankFromRankZerosWeights) {
 }
 
 }  // namespace
+
+}  // namespace test_full_params_cases

@@ -12,6 +12,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_fully_shard_cases {
+
 namespace {
 
 std::set<std::string> unit_names(const ShardedModel& root) {
@@ -397,3 +401,5 @@ TEST(FullyShard, SequentialHelperShardsEntriesKeepingTheirNames) {
 }
 
 }  // namespace
+
+}  // namespace test_fully_shard_cases

@@ -24,6 +24,10 @@ void PrintTo(FusedAdamW::Isa isa, std::ostream* os) { *os << FusedAdamW::isa_nam
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_fused_adamw_cases {
+
 namespace {
 
 // Two parameter groups with different hyperparameters (weight decay in the first only):
@@ -338,3 +342,5 @@ TEST(FusedAdamWAten, StateLoadsIntoTorchAdamWAndTheSimdKernel) {
 }
 
 }  // namespace
+
+}  // namespace test_fused_adamw_cases

@@ -15,6 +15,10 @@
 namespace fs = std::filesystem;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_generate_resume_cases {
+
 namespace {
 
 std::string bin(const std::string& name) { return bin_dir() + "/" + name; }
@@ -396,3 +400,5 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return "case" + std::to_string(info.index); });
 
 }  // namespace
+
+}  // namespace test_generate_resume_cases

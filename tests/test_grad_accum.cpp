@@ -9,6 +9,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_grad_accum_cases {
+
 namespace {
 
 constexpr int kMicro = 4;
@@ -152,3 +156,5 @@ TEST(GradientAccumulation, SetRequiresGradientSyncIsNoSyncScopeWithoutAScope) {
 }
 
 }  // namespace
+
+}  // namespace test_grad_accum_cases

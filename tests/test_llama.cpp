@@ -16,6 +16,10 @@
 
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_llama_cases {
+
 namespace {
 
 std::string bin(const std::string& name) { return bin_dir() + "/" + name; }
@@ -372,3 +376,5 @@ TEST(GenerateLlama, BadPromptsAndLengthsAreErrorsNamingTheValueAndTheFix) {
 }
 
 }  // namespace
+
+}  // namespace test_llama_cases

@@ -12,6 +12,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_loss_scaler_cases {
+
 namespace {
 
 TEST(LossScaler, FollowsHysteresisWindowAndMinimumAndSkipsOverflowedStepsOnEveryRank) {
@@ -122,3 +126,5 @@ TEST(LossScaler, BadOptionsNameTheValue) {
 }
 
 }  // namespace
+
+}  // namespace test_loss_scaler_cases

@@ -10,6 +10,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_memory_comm_cases {
+
 namespace {
 
 struct Sizes {
@@ -318,3 +322,5 @@ INSTANTIATE_TEST_SUITE_P(Units, PrefetchBound, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "max" + std::to_string(info.param); });
 
 }  // namespace
+
+}  // namespace test_memory_comm_cases

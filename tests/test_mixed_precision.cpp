@@ -14,6 +14,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_mixed_precision_cases {
+
 namespace {
 
 constexpr int64_t kRows = 8;  // divisible by 2 and 4
@@ -327,3 +331,5 @@ TEST(MixedPrecision, ADtypeMismatchInAUnitNamesItAndTheOptionsThatFixIt) {
   EXPECT_EQ(fixed(torch::ones({2, 4})).scalar_type(), torch::kBFloat16);
   // In fp32 nothing is added to an error: the hint is for mixed precision only.
 }
+
+}  // namespace test_mixed_precision_cases

@@ -28,6 +28,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_nvme_offload_cases {
+
 namespace {
 
 std::string error_of(const std::function<void()>& fn) {
@@ -421,3 +425,5 @@ TEST(NvmeOffload, ParameterGroupsOverTheShardsUseTheFilesAndTrainExactly) {
 }
 
 }  // namespace
+
+}  // namespace test_nvme_offload_cases

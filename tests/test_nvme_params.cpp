@@ -27,6 +27,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_nvme_params_cases {
+
 namespace {
 
 std::string error_of(const std::function<void()>& fn) {
@@ -391,3 +395,5 @@ TEST(NvmeParams, HostMemoryCheckCountsEightBytesWithTheStateInFiles) {
             std::string::npos)
       << msg;
 }
+
+}  // namespace test_nvme_params_cases

@@ -1,18 +1,28 @@
 // CPU offload: training with cpu_offload equals training without it (world 1 and 2,
 // fp32 and bf16), its transit buffers are counted and returned, and the host-memory
-// check refuses a model larger than the machine before allocating anything.
+// check refuses a model larger than the machine before allocating anything; shards in host
+// memory use fsdp's block allocator (Note [Host heap]).
 #include <fsdp/fused_adamw.h>
 
+#include "support/counting_allocator.h"
 #include "support/models.h"
 #include "support/multirank.h"
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
 #include <fstream>
+#include "../src/engine/host_heap.h"        // the block allocator's counters
 #include "../src/internal/sharded_model.h"  // flat-parameter internals the assertions read
 
 using namespace fsdp;
 using namespace fsdp::testing;
+
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_offload_cases {
 
 namespace {
 
@@ -336,4 +346,109 @@ TEST(HostMemoryCheck, RefusesAModelThatNeedsMoreThanTheMachineHas) {
   EXPECT_NO_THROW(fully_shard(gpt::GPT(small_gpt_config()), o));
 }
 
+// Note [Host heap]: where the shards live in host memory, fully_shard makes fsdp's block
+// allocator LibTorch's CPU allocator: blocks of 64 KiB and more are mapped for themselves,
+// freed ones are kept for reuse by the same size, and live + kept bytes never exceed the
+// most that was ever live. Each case runs in a process of its own (run_ranks at world 1):
+// the allocator is the process's.
+
+// A GPT of width 16 and one block: every tensor of its sharding is below 64 KiB, so the
+// block allocator starts the cases below with nothing counted.
+void shard_small_model_on_the_cpu(const ProcessGroup& pg) {
+  ShardingOptions o;
+  o.process_group = pg;
+  gpt::Config c = small_gpt_config();
+  c.n_layer = 1;
+  c.d_model = 16;
+  torch::manual_seed(0);
+  fully_shard(gpt::GPT(c), o);
+}
+
+torch::Tensor mib(int64_t m) { return torch::empty({m << 18}); }  // m MiB of fp32
+
+void expect_stats(int64_t live, int64_t cached, int64_t peak, int64_t mapped, int64_t reused,
+                  int64_t unmapped, const char* when) {
+  const fsdp::detail::HostBlockStats s = fsdp::detail::host_block_stats();
+  EXPECT_EQ(s.live_bytes, live) << when;
+  EXPECT_EQ(s.cached_bytes, cached) << when;
+  EXPECT_EQ(s.peak_live_bytes, peak) << when;
+  EXPECT_EQ(s.mapped, mapped) << when;
+  EXPECT_EQ(s.reused, reused) << when;
+  EXPECT_EQ(s.unmapped, unmapped) << when;
+  EXPECT_LE(s.live_bytes + s.cached_bytes, s.peak_live_bytes) << when;
+}
+
+TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
+  run_ranks(1, [](const ProcessGroup& pg) {
+    EXPECT_EQ(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator());
+    shard_small_model_on_the_cpu(pg);
+    EXPECT_NE(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator());
+    constexpr int64_t M = int64_t{1} << 20;
+    expect_stats(0, 0, 0, 0, 0, 0, "after sharding the small GPT");
+    { auto small = torch::empty({1000}); }  // 4000 bytes: glibc's
+    expect_stats(0, 0, 0, 0, 0, 0, "after a block below 64 KiB");
+    {
+      auto a = mib(4), b = mib(4);
+      expect_stats(8 * M, 0, 8 * M, 2, 0, 0, "two blocks of 4 MiB");
+    }  // freed b, then a: both kept
+    expect_stats(0, 8 * M, 8 * M, 2, 0, 0, "both freed");
+    {
+      // A new size: 2 MiB live leaves room for 6 kept, so the oldest kept (b) goes.
+      auto c = mib(2);
+      expect_stats(2 * M, 4 * M, 8 * M, 3, 0, 1, "a block of 2 MiB");
+      auto d = mib(4);  // a, reused: no mapping
+      expect_stats(6 * M, 0, 8 * M, 3, 1, 1, "4 MiB again");
+      auto e = mib(4);  // a new peak of 10 MiB, nothing kept to reuse
+      expect_stats(10 * M, 0, 10 * M, 4, 1, 1, "a third block of 4 MiB");
+    }  // kept, oldest first: e, d, c
+    expect_stats(0, 10 * M, 10 * M, 4, 1, 1, "all freed");
+    const int64_t page = sysconf(_SC_PAGESIZE);
+    const int64_t odd = (100000 + page - 1) / page * page;  // 100000 bytes, page-rounded
+    auto f = torch::empty({25000});
+    // Room for 10 MiB - odd kept: the oldest (e, 4 MiB) goes.
+    expect_stats(odd, 6 * M, 10 * M, 5, 1, 2, "a block of 100000 bytes");
+  });
+}
+
+TEST(HostHeap, TheUsersChoicesWin) {
+  // A CPU allocator the program installed.
+  run_ranks(1, [](const ProcessGroup& pg) {
+    auto& counting = CountingCpuAllocator::install();
+    shard_small_model_on_the_cpu(pg);
+    EXPECT_EQ(c10::GetCPUAllocator(), &counting);
+    auto a = mib(4);
+    EXPECT_EQ(fsdp::detail::host_block_stats().live_bytes, 0);
+  });
+  // glibc tuned through its variable, or LibTorch's and glibc's defaults asked for.
+  for (const char* env : {"MALLOC_MMAP_THRESHOLD_=4194304", "FSDP_HOST_ALLOCATOR=glibc"}) {
+    run_ranks(1,
+              [env](const ProcessGroup& pg) {
+                shard_small_model_on_the_cpu(pg);
+                EXPECT_EQ(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator()) << env;
+                auto a = mib(4);
+                EXPECT_EQ(fsdp::detail::host_block_stats().live_bytes, 0) << env;
+              },
+              300, {env});
+  }
+}
+
+TEST(HostHeap, ABadFsdpHostAllocatorIsRefusedByName) {
+  run_ranks(1,
+            [](const ProcessGroup& pg) {
+              try {
+                shard_small_model_on_the_cpu(pg);
+                ADD_FAILURE() << "FSDP_HOST_ALLOCATOR=jemalloc was accepted";
+              } catch (const c10::Error& e) {
+                const std::string msg = e.what_without_backtrace();
+                EXPECT_NE(msg.find("FSDP_HOST_ALLOCATOR='jemalloc' is neither blocks (the default: "
+                                   "fsdp's block allocator for host memory) nor glibc"),
+                          std::string::npos)
+                    << msg;
+              }
+            },
+            300, {"FSDP_HOST_ALLOCATOR=jemalloc"});
+}
+
 }  // namespace
+
+}  // namespace test_offload_cases

@@ -23,6 +23,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_param_groups_cases {
+
 namespace {
 
 constexpr int kGroupSteps = 10;
@@ -414,3 +418,5 @@ INSTANTIATE_TEST_SUITE_P(World, GroupResume, ::testing::Values(1, 3),
                          [](const auto& info) { return "w" + std::to_string(info.param); });
 
 }  // namespace
+
+}  // namespace test_param_groups_cases

@@ -27,6 +27,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_parity_cases {
+
 namespace {
 
 constexpr int kSteps = 20;
@@ -157,3 +161,5 @@ void gpt_gradients(const ProcessGroup& pg) {
 }
 TEST_P(ParityAtWorld, GptGradientsMatchUnshardedGradients) { run_ranks(GetParam(), gpt_gradients); }
 }  // namespace
+
+}  // namespace test_parity_cases

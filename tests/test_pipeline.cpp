@@ -39,6 +39,10 @@ void PrintTo(PipelineSchedule s, std::ostream* os) {
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_pipeline_cases {
+
 namespace {
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
@@ -576,3 +580,5 @@ TEST(Pipeline, ALayerFactoryAndForwardRefuseWhatTheyCannotUse) {
             }).find("micro_batches=-1 must be 0 (PipelineOptions::micro_batches) or positive"),
             std::string::npos);
 }
+
+}  // namespace test_pipeline_cases

@@ -27,6 +27,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_process_group_cases {
+
 namespace {
 
 const char* kLaunchVars[] = {"RANK",
@@ -522,3 +526,5 @@ TEST(Collectives, SplitMakesDisjointSubgroups) {
 }
 
 }  // namespace
+
+}  // namespace test_process_group_cases

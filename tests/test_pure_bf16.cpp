@@ -25,6 +25,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_pure_bf16_cases {
+
 namespace {
 
 ShardingOptions bf16_options(const ProcessGroup& pg, bool pure) {
@@ -450,3 +454,5 @@ TEST(PureBf16, CheckpointsLoadIntoFp32MastersAtAnotherWorldSize) {
 #endif
 
 }  // namespace
+
+}  // namespace test_pure_bf16_cases

@@ -15,6 +15,10 @@
 #include <limits>
 #include <string>
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_quantize_cases {
+
 using fsdp::detail::dequantize_blocks;
 using fsdp::detail::quantize_blocks;
 using fsdp::detail::quantized_bytes;
@@ -410,3 +414,5 @@ TEST(BlockQuantization, CpuLoopsGiveAtensBits) {
     }
   }
 }
+
+}  // namespace test_quantize_cases

@@ -17,6 +17,10 @@
 namespace fs = std::filesystem;
 using namespace fsdp::st;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_safetensors_cases {
+
 namespace {
 
 std::string scratch(const std::string& tag) {
@@ -271,3 +275,5 @@ TEST(Safetensors, TheReaderRefusesEveryMalformedFileNamingTheRule) {
 }
 
 }  // namespace
+
+}  // namespace test_safetensors_cases

@@ -13,6 +13,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_strategies_cases {
+
 namespace {
 
 struct Case {
@@ -251,3 +255,5 @@ TEST(ClipGradNorm, WorksWithFrozenParametersAndSeveralParameterGroups) {
   });
 }
 }  // namespace
+
+}  // namespace test_strategies_cases

@@ -25,6 +25,10 @@
 
 using namespace fsdp;
 using namespace fsdp::testing;
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_trace_cases {
+
 using nlohmann::json;
 namespace fs = std::filesystem;
 
@@ -410,3 +414,5 @@ TEST(Trace, MergeNamesAMissingDirectoryAndAnEmptyOne) {
   EXPECT_NE(none.output.find("no trace_rank<R>.json files"), std::string::npos) << none.output;
   fs::remove_all(empty);
 }
+
+}  // namespace test_trace_cases

@@ -26,6 +26,10 @@
 #include <cstdio>
 #include <string>
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_wire_bytes_cases {
+
 using fsdp::detail::Backend;
 using fsdp::detail::quantized_bytes;
 using fsdp::detail::WireOp;
@@ -317,3 +321,5 @@ INSTANTIATE_TEST_SUITE_P(
         EnginePath{"HybridQwzQgzWorld4", 4, fsdp::ShardingStrategy::kHybridShard, 2, 0, true,
                    true}),
     [](const ::testing::TestParamInfo<EnginePath>& i) { return std::string(i.param.name); });
+
+}  // namespace test_wire_bytes_cases

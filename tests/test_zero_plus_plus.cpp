@@ -21,6 +21,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_zero_plus_plus_cases {
+
 namespace {
 
 struct Path {
@@ -215,3 +219,5 @@ TEST(QuantizedCommunicationOptions, DeepSpeedKeysMapToTheOptions) {
         << e.what_without_backtrace();
   }
 }
+
+}  // namespace test_zero_plus_plus_cases

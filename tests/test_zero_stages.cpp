@@ -14,6 +14,10 @@
 using namespace fsdp;
 using namespace fsdp::testing;
 
+// Every case of this file in a namespace of its own: the test binaries compile their files in
+// batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
+namespace test_zero_stages_cases {
+
 namespace {
 
 struct Stage {
@@ -503,3 +507,5 @@ TEST(ZeroStages, StepsThroughDataAreSeenAndAgreedOn) {
     }
   });
 }
+
+}  // namespace test_zero_stages_cases

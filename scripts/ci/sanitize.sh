@@ -19,13 +19,16 @@ targets=()
 labels=()
 if [ "${1:-}" = "--engine-and-checkpoint" ]; then
   shift
-  targets=(test_parity test_memory_comm test_desync test_fully_shard test_construction
-           test_fsdp2_options test_offload test_nvme_params test_trace test_process_group
-           test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash test_checkpoint_consolidated
-           test_checkpoint_safetensors test_checkpoint_errors test_checkpoint_integrity test_checkpoint_direct test_safetensors
-           test_reshard_plan test_pipeline test_checkpoint_pipeline test_quantize test_wire_bytes
-           test_zero_plus_plus)
-  labels=(-L "^($(IFS='|'; echo "${targets[*]}"))\$")
+  # The test files (each is its cases' label) and the binaries that hold them
+  # (tests/CMakeLists.txt, "Test binaries").
+  files=(test_parity test_memory_comm test_desync test_fully_shard test_construction
+         test_fsdp2_options test_offload test_nvme_params test_trace test_process_group
+         test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash test_checkpoint_consolidated
+         test_checkpoint_safetensors test_checkpoint_errors test_checkpoint_integrity test_checkpoint_direct test_safetensors
+         test_reshard_plan test_pipeline test_checkpoint_pipeline test_quantize test_wire_bytes
+         test_zero_plus_plus)
+  targets=(test_engine test_comm test_checkpoint)
+  labels=(-L "^($(IFS='|'; echo "${files[*]}"))\$")
 fi
 # The preset "sanitize" (CMakePresets.json: -O1 with line tables), with the LibTorch and
 # Python of scripts/test.sh (scripts/lib/python-env.sh).

@@ -6,7 +6,8 @@
 #   scripts/ci/in-debian13.sh ./scripts/ci/test-debian13.sh      (extra arguments go to ctest)
 #
 # The whole suite runs against PyPI's newest torch in leg 1; the same sources compiled
-# against 2.6 differ only where LibTorch's API or numerics do, so these binaries run here:
+# against 2.6 differ only where LibTorch's API or numerics do, so the cases of these test files run here
+# (each file is its cases' label; tests/CMakeLists.txt, "Test binaries"):
 #   test_process_group   c10d: ProcessGroupGloo, TCPStore (Debian's has no libuv), splits
 #   test_parity          autograd: gradient accumulator hooks, the post-backward callback
 #   test_grad_accum      the same hooks across micro-batches, no_sync
@@ -17,21 +18,21 @@
 #   test_memory_comm     the CPU allocator interface (the counting allocator), exact bytes
 #   test_fused_adamw     bit-equality with this LibTorch's torch::optim::AdamW
 #   test_checkpoint_*    optimizer state keys, dtype conversions (NaN bits), HDF5 1.14
-#                        (every checkpoint binary: sharded, async, crash, consolidated,
+#                        (every checkpoint file: sharded, async, crash, consolidated,
 #                        safetensors, errors, integrity)
 #   test_safetensors     the same conversions into safetensors
 #   Interop.*            PyTorch FSDP1 and safetensors of Debian's python3-torch 2.6
 # and, of test_examples, only TrainGpt.TorchrunGivesTheSameLossesAsFsdpRun: torchrun of
 # Debian's torch has no libuv and goes through scripts/torchrun.py (its other cases test
 # the programs' own flags and errors, run against 2.15 in leg 1)
-# and the scratch configure of the build variants (Build.*). The other binaries
+# and the scratch configure of the build variants (Build.*). The other files
 # (policies, strategies, errors, estimates, offload, reshard planning, desync, the CUDA
 # test) exercise this project's own logic over the same LibTorch calls; the
 # tests/consumer builds are the .deb leg's (scripts/release/deb-check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B="${FSDP_BUILD_DIR:-build-debian13}"
-BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_attention test_mixed_precision test_memory_comm
+FILES=(test_process_group test_parity test_grad_accum test_activation_checkpoint test_attention test_mixed_precision test_memory_comm
           test_fused_adamw test_checkpoint_sharded test_checkpoint_async test_checkpoint_crash
           test_checkpoint_consolidated test_checkpoint_safetensors test_checkpoint_errors
           test_checkpoint_integrity test_safetensors)
@@ -39,7 +40,9 @@ BINARIES=(test_process_group test_parity test_grad_accum test_activation_checkpo
 . scripts/lib/build.sh
 fsdp_torch_setup
 fsdp_configure debian13 "$B"
-# With the programs the tests run (test_examples and the checkpoint tests depend on most).
-cmake --build "$B" --target "${BINARIES[@]}" test_examples generate fsdp-consolidate fsdp-inspect
-fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${BINARIES[*]}")|interop|build)\$" "$@"
+# The binaries that hold these files (tests/CMakeLists.txt, "Test binaries"), with the
+# programs the tests run (test_programs and test_checkpoint depend on most).
+cmake --build "$B" --target test_comm test_engine test_training test_checkpoint test_programs generate \
+  fsdp-consolidate fsdp-inspect
+fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${FILES[*]}")|interop|build)\$" "$@"
 fsdp_ctest "$B" --no-tests=error -R '^TrainGpt\.TorchrunGivesTheSameLossesAsFsdpRun$' "$@"

@@ -466,7 +466,7 @@ export JOBS
 
 # The targets the build makes: the tests the ctest phases run and every program a phase
 # runs from BIN (bench_gpu is added where this LibTorch has CUDA).
-read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_cuda test_examples test_parity test_fused_adamw test_offload train_gpt fsdp-run fsdp-estimate}"
+read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_tools test_programs test_engine test_training train_gpt fsdp-run fsdp-estimate}"
 if [ -n "$REHEARSE" ]; then
   # The rehearsal: this machine's build, on its CPU, at small sizes. Its phases see only
   # the programs the build would make (BIN: links to them), so a phase that runs one the
