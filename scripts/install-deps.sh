@@ -22,6 +22,7 @@ CODENAME="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
 
 COMMON=(
   build-essential cmake ninja-build ccache
+  mold                              # the linker (CMakeLists.txt, FSDP_LINKER): each binary links LibTorch
   file dpkg-dev                     # cpack -G DEB (scripts/release/deb-check.sh): file, dpkg-shlibdeps
   libhdf5-dev                       # checkpoints
   libcxxopts-dev nlohmann-json3-dev # command-line flags and JSON config
