@@ -85,7 +85,7 @@ pid_t start_saver(const std::string& dir, bool once, bool async = false,
     if (once) setenv("FSDP_CRASH_SAVER_ONCE", "1", 1);
     if (async) setenv("FSDP_CRASH_SAVER_ASYNC", "1", 1);
     if (!signal.empty()) setenv("FSDP_CRASH_SAVER_SIGNAL", signal.c_str(), 1);
-    const std::string self = bin_dir() + "/test_checkpoint_crash";
+    const std::string self = bin_dir() + "/test_checkpoint";  // this binary
     int devnull = ::open("/dev/null", O_WRONLY);
     dup2(devnull, 1);
     execl(self.c_str(), self.c_str(), nullptr);

@@ -108,7 +108,7 @@ TEST_P(FusedAdamWIsa, MatchesTorchAdamWOverHundredStepsWithGroupsDecayAndCopyOut
 TEST(FusedAdamW, AnUnknownIsaInTheEnvironmentIsNamed) {
   // The variable is read once per process: check it in a fresh one.
   auto r = run_command(
-      {bin_dir() + "/test_fused_adamw", "--gtest_filter=FusedAdamW.RejectsWhatItCannotStep"},
+      {bin_dir() + "/test_training", "--gtest_filter=FusedAdamW.RejectsWhatItCannotStep"},
       {"FSDP_ADAMW_ISA=sse9"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("FSDP_ADAMW_ISA=sse9 is unknown; use avx512, avx2, scalar or auto"),

@@ -387,8 +387,10 @@ TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
     expect_stats(0, 0, 0, 0, 0, 0, "after sharding the small GPT");
     { auto small = torch::empty({1000}); }  // 4000 bytes: glibc's
     expect_stats(0, 0, 0, 0, 0, 0, "after a block below 64 KiB");
+    void* a_block = nullptr;
     {
       auto a = mib(4), b = mib(4);
+      a_block = a.data_ptr();
       expect_stats(8 * M, 0, 8 * M, 2, 0, 0, "two blocks of 4 MiB");
     }  // freed b, then a: both kept
     expect_stats(0, 8 * M, 8 * M, 2, 0, 0, "both freed");
@@ -397,6 +399,7 @@ TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
       auto c = mib(2);
       expect_stats(2 * M, 4 * M, 8 * M, 3, 0, 1, "a block of 2 MiB");
       auto d = mib(4);  // a, reused: no mapping
+      EXPECT_EQ(d.data_ptr(), a_block);
       expect_stats(6 * M, 0, 8 * M, 3, 1, 1, "4 MiB again");
       auto e = mib(4);  // a new peak of 10 MiB, nothing kept to reuse
       expect_stats(10 * M, 0, 10 * M, 4, 1, 1, "a third block of 4 MiB");
@@ -407,6 +410,10 @@ TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
     auto f = torch::empty({25000});
     // Room for 10 MiB - odd kept: the oldest (e, 4 MiB) goes.
     expect_stats(odd, 6 * M, 10 * M, 5, 1, 2, "a block of 100000 bytes");
+    // A block no machine has (2^58 bytes): LibTorch's out-of-memory error, every kept block
+    // unmapped on the way (d, c), and the peak it would have raised taken back.
+    EXPECT_THROW(torch::empty({int64_t{1} << 58}, torch::kByte), c10::OutOfMemoryError);
+    expect_stats(odd, 0, 10 * M, 5, 1, 4, "after a block too large for the machine");
   });
 }
 

@@ -1,6 +1,7 @@
 #include "flat_param.h"
 
 #include "comm/collective_ring.h"
+#include "host_heap.h"
 #include "nvme/io_engine.h"
 #include "nvme/state_file.h"
 
@@ -376,12 +377,14 @@ at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
   // hands out blocks aligned for O_DIRECT: on a GPU the pinned one (ATen's host allocator,
   // so disk -> host -> device and back run as DMA without a staging copy in the driver), on
   // the CPU fsdp's block allocator (Note [Host heap]: whole pages, reused by the next read
-  // of the same size instead of mapped and faulted in afresh). Another allocator's block
-  // (LibTorch's default aligns to 64 bytes) falls back to an aligned buffer of its own.
+  // of the same size instead of mapped and faulted in afresh). Otherwise (a small buffer,
+  // another host allocator: LibTorch's default aligns to 64 bytes) an aligned buffer of its own.
   const int64_t padded = nvme::io_round_up(std::max<int64_t>(bytes, 1));
-  at::Tensor block =
-      at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(cfg_.device.is_cuda()));
-  if (reinterpret_cast<uintptr_t>(block.data_ptr()) % nvme::kIoAlign == 0) {
+  const bool pinned = cfg_.device.is_cuda();
+  at::Tensor block;
+  if (pinned || (host_blocks_installed() && padded >= kLargeBlock))
+    block = at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(pinned));
+  if (block.defined() && reinterpret_cast<uintptr_t>(block.data_ptr()) % nvme::kIoAlign == 0) {
     auto* base = static_cast<char*>(block.data_ptr());
     std::memset(base + bytes, 0, static_cast<size_t>(padded - bytes));
     Accounting::alloc(acct->mem.offload_buffers, padded);
@@ -392,7 +395,7 @@ at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
         [block, acct, padded](void*) { Accounting::release(acct->mem.offload_buffers, padded); },
         at::TensorOptions(dtype));
   }
-  block = at::Tensor();
+  block = at::Tensor();  // an unaligned pinned block: back to its cache
   auto buf = std::make_shared<nvme::AlignedBuffer>(bytes);
   if (buf->bytes() > bytes)
     std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));

@@ -615,6 +615,7 @@ void construction_params(torch::nn::Module& m, const std::string& prefix,
 thread_local ConstructionState* t_construction = nullptr;
 
 void release_free_heap() {
+  release_host_blocks();  // Note [Host heap]
 #if defined(__GLIBC__)
   malloc_trim(0);
 #endif

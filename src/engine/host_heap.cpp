@@ -54,8 +54,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <list>
 #include <mutex>
 #include <unordered_map>
@@ -88,77 +91,7 @@ class BlockAllocator final : public c10::Allocator {
     return stats_;
   }
 
-  static BlockAllocator* instance;
-
- private:
-  using Kept = std::list<std::pair<size_t, void*>>;  // oldest first
-
-  static size_t round_up(size_t n) {
-    static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    return (n + page - 1) / page * page;
-  }
-
-  // A block of `bytes`: a kept one of that size, else a new mapping, after unmapping the
-  // oldest kept blocks until live + kept stays within the peak of live.
-  void* take(size_t bytes) {
-    std::vector<std::pair<size_t, void*>> evicted;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.live_bytes += static_cast<int64_t>(bytes);
-      stats_.peak_live_bytes = std::max(stats_.peak_live_bytes, stats_.live_bytes);
-      auto it = by_size_.find(bytes);
-      if (it != by_size_.end() && !it->second.empty()) {
-        Kept::iterator k = it->second.back();  // the most recently freed: warmest
-        it->second.pop_back();
-        void* p = k->second;
-        kept_.erase(k);
-        stats_.cached_bytes -= static_cast<int64_t>(bytes);
-        ++stats_.reused;
-        live_[p] = bytes;
-        return p;
-      }
-      const int64_t room = stats_.peak_live_bytes - stats_.live_bytes;
-      while (stats_.cached_bytes > room) evicted.push_back(evict_oldest());
-    }
-    for (const auto& [n, p] : evicted) munmap(p, n);
-    void* p = map(bytes);
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.unmapped += static_cast<int64_t>(evicted.size());
-    ++stats_.mapped;
-    live_[p] = bytes;
-    return p;
-  }
-
-  // Unmaps every kept block and tries once more before giving up.
-  void* map(size_t bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      release_kept();
-      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    }
-    if (p == MAP_FAILED) {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.live_bytes -= static_cast<int64_t>(bytes);
-      TORCH_CHECK_WITH(OutOfMemoryError, false,
-                       "fsdp's host block allocator: out of memory: tried to ", "allocate ", bytes,
-                       " bytes with ", stats_.live_bytes,
-                       " bytes in live blocks (mmap: ", std::strerror(errno), ")");
-    }
-#ifdef MADV_HUGEPAGE
-    if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);  // a hint: fewer faults
-#endif
-    return p;
-  }
-
-  std::pair<size_t, void*> evict_oldest() {  // mu_ held
-    auto victim = kept_.front();
-    auto& same = by_size_[victim.first];
-    same.erase(std::find(same.begin(), same.end(), kept_.begin()));
-    kept_.pop_front();
-    stats_.cached_bytes -= static_cast<int64_t>(victim.first);
-    return victim;
-  }
-
+  // Unmaps every kept block.
   void release_kept() {
     std::vector<std::pair<size_t, void*>> evicted;
     {
@@ -169,9 +102,100 @@ class BlockAllocator final : public c10::Allocator {
     for (const auto& [n, p] : evicted) munmap(p, n);
   }
 
+  static std::atomic<BlockAllocator*> instance;
+
+ private:
+  using Kept = std::list<std::pair<size_t, void*>>;  // oldest first
+
+  static size_t round_up(size_t n) {
+    static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    return (n + page - 1) / page * page;
+  }
+
+  // A block of `bytes`: a kept one of that size, else a new mapping, after unmapping the
+  // oldest kept blocks until live + kept stays within the peak of live. The bytes count as
+  // live from the start, so that another thread's allocation meanwhile keeps the bound.
+  void* take(size_t bytes) {
+    std::vector<std::pair<size_t, void*>> evicted;
+    int64_t peak_before = 0, peak_now = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      peak_before = stats_.peak_live_bytes;
+      stats_.live_bytes += static_cast<int64_t>(bytes);
+      stats_.peak_live_bytes = peak_now = std::max(stats_.peak_live_bytes, stats_.live_bytes);
+      auto it = by_size_.find(bytes);
+      if (it != by_size_.end()) {
+        Kept::iterator k = it->second.back();  // the most recently freed: warmest
+        it->second.pop_back();
+        if (it->second.empty()) by_size_.erase(it);
+        void* p = k->second;
+        kept_.erase(k);
+        stats_.cached_bytes -= static_cast<int64_t>(bytes);
+        ++stats_.reused;
+        live_[p] = bytes;
+        return p;
+      }
+      const int64_t room = stats_.peak_live_bytes - stats_.live_bytes;
+      while (stats_.cached_bytes > room) evicted.push_back(evict_oldest());
+      stats_.unmapped += static_cast<int64_t>(evicted.size());
+    }
+    for (const auto& [n, p] : evicted) munmap(p, n);
+    void* p = map(bytes);
+    if (p != nullptr) {
+      try {
+        std::lock_guard<std::mutex> lock(mu_);
+        live_[p] = bytes;
+        ++stats_.mapped;
+        return p;
+      } catch (...) {  // the map's node could not be allocated
+        munmap(p, bytes);
+      }
+    }
+    // Out of memory: the bytes were never live, and the peak they raised is taken back (a
+    // raised peak would lift the bound on what is kept for good).
+    const int err = errno;
+    int64_t live = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.live_bytes -= static_cast<int64_t>(bytes);
+      if (stats_.peak_live_bytes == peak_now)
+        stats_.peak_live_bytes = std::max(peak_before, stats_.live_bytes);
+      live = stats_.live_bytes;
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "fsdp's host block allocator: out of memory: tried ",
+                     "to allocate ", bytes, " bytes with ", live,
+                     " bytes in live blocks (mmap: ", std::strerror(err),
+                     "; FSDP_HOST_ALLOCATOR=glibc uses LibTorch's own)");
+  }
+
+  // A new mapping, or nullptr: on failure every kept block is unmapped and it tries once more.
+  void* map(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      release_kept();
+      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    if (p == MAP_FAILED) return nullptr;
+#ifdef MADV_HUGEPAGE
+    if (bytes >= kHugePage) madvise(p, bytes, MADV_HUGEPAGE);  // a hint: fewer faults
+#endif
+    return p;
+  }
+
+  // The oldest kept block, out of the cache (mu_ held); it is also the oldest of its size.
+  std::pair<size_t, void*> evict_oldest() {
+    auto victim = kept_.front();
+    auto it = by_size_.find(victim.first);
+    it->second.pop_front();
+    if (it->second.empty()) by_size_.erase(it);
+    kept_.pop_front();
+    stats_.cached_bytes -= static_cast<int64_t>(victim.first);
+    return victim;
+  }
+
   static void release(void* p) {
     if (p == nullptr) return;
-    BlockAllocator& self = *instance;
+    BlockAllocator& self = *instance.load(std::memory_order_acquire);
     {
       std::lock_guard<std::mutex> lock(self.mu_);
       auto it = self.live_.find(p);
@@ -193,11 +217,12 @@ class BlockAllocator final : public c10::Allocator {
   std::mutex mu_;
   std::unordered_map<void*, size_t> live_;
   Kept kept_;
-  std::unordered_map<size_t, std::vector<Kept::iterator>> by_size_;
+  // Kept blocks by size, oldest first; no entry for a size with none.
+  std::unordered_map<size_t, std::deque<Kept::iterator>> by_size_;
   HostBlockStats stats_;
 };
 
-BlockAllocator* BlockAllocator::instance = nullptr;
+std::atomic<BlockAllocator*> BlockAllocator::instance{nullptr};
 
 HostHeapChoice choose_host_heap(const ShardingOptions& o) {
   HostHeapChoice c;
@@ -215,8 +240,12 @@ HostHeapChoice choose_host_heap(const ShardingOptions& o) {
     c.reason = "FSDP_HOST_ALLOCATOR=glibc: LibTorch's and glibc's allocators are left";
     return c;
   }
-  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr) {
-    c.reason = "MALLOC_MMAP_THRESHOLD_ is set: the user's glibc settings are left";
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      (tunables != nullptr && std::strstr(tunables, "malloc.mmap_threshold") != nullptr)) {
+    c.reason =
+        "glibc's mmap threshold is set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES): the "
+        "user's glibc settings are left";
     return c;
   }
   c10::Allocator* current = c10::GetCPUAllocator();
@@ -226,9 +255,11 @@ HostHeapChoice choose_host_heap(const ShardingOptions& o) {
   }
   static BlockAllocator* blocks = [] {
     auto* a = new BlockAllocator(c10::GetDefaultCPUAllocator());  // never destroyed
-    BlockAllocator::instance = a;
+    BlockAllocator::instance.store(a, std::memory_order_release);
     return a;
   }();
+  // SetCPUAllocator writes LibTorch's table without a lock: other threads allocating now
+  // read either allocator, and either is right for the blocks it hands out.
   c10::SetCPUAllocator(blocks, /*priority=*/0);
 #if defined(__GLIBC__)
   mallopt(M_MMAP_THRESHOLD, static_cast<int>(kLargeBlock));
@@ -253,7 +284,18 @@ HostHeapChoice bound_host_heap(const ShardingOptions& options) {
 }
 
 HostBlockStats host_block_stats() {
-  return BlockAllocator::instance != nullptr ? BlockAllocator::instance->stats() : HostBlockStats{};
+  BlockAllocator* a = BlockAllocator::instance.load(std::memory_order_acquire);
+  return a != nullptr ? a->stats() : HostBlockStats{};
+}
+
+bool host_blocks_installed() {
+  BlockAllocator* a = BlockAllocator::instance.load(std::memory_order_acquire);
+  return a != nullptr && c10::GetCPUAllocator() == a;
+}
+
+void release_host_blocks() {
+  if (BlockAllocator* a = BlockAllocator::instance.load(std::memory_order_acquire))
+    a->release_kept();
 }
 
 }  // namespace fsdp::detail

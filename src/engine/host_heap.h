@@ -37,7 +37,14 @@ struct HostBlockStats {
   int64_t unmapped = 0;         ///< blocks returned to the kernel
 };
 
-/// The counters; all zero while the allocator is not installed.
+/// The counters; all zero while the allocator was never installed.
 HostBlockStats host_block_stats();
+
+/// Whether the block allocator is LibTorch's CPU allocator now.
+bool host_blocks_installed();
+
+/// Unmaps the blocks kept for reuse (make_sharded after each unit it builds: its full
+/// parameters are not needed again at that size).
+void release_host_blocks();
 
 }  // namespace fsdp::detail

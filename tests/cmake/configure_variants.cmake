@@ -38,7 +38,7 @@ function(configure name src)
 endfunction()
 
 configure(no_examples "${SOURCE}" ARGS -DFSDP_BUILD_EXAMPLES=OFF
-          EXPECT "test_examples and test_generate_resume are not built")
+          EXPECT "FSDP_BUILD_EXAMPLES=OFF, so test_programs")
 configure(no_hdf5 "${SOURCE}" ARGS -DCMAKE_DISABLE_FIND_PACKAGE_HDF5=ON
           EXPECT "HDF5 not found; checkpoints are disabled" "no HDF5, so test_checkpoint")
 configure(library_only "${SOURCE}"

@@ -37,6 +37,7 @@ SKIP = [
     (r"cmake --preset deb|apt-get install", "the package: CI's leg 'debian13 package' builds and installs it"),
     (r"scripts/release/deb-check\.sh", "CI's leg 'debian13 package'"),
     (r"scripts/ci/sanitize\.sh", "CI's leg 'sanitizers'"),
+    (r"scripts/ci/fresh-run\.sh", "a fresh clone's setup and suite, or all of CI: by hand, up to an hour"),
     (r"scripts/ci/fuzz\.sh", "ten minutes per reader under libFuzzer: by hand, outside CI's budget"),
     (r"tests/lint/check-format\.sh", "CI's leg 'format'"),
     (r"--device cuda", "needs a GPU (the GPU check runs the CUDA paths)"),
