@@ -67,6 +67,15 @@ MODES = [
 ]
 
 
+def fp32_compute(flags):
+    """The flags with bf16 compute turned into fp32 (--compute fp32)."""
+    out = list(flags)
+    for i in range(len(out) - 1):
+        if out[i] == "--precision" and out[i + 1] == "bf16":
+            out[i + 1] = "fp32"
+    return out
+
+
 def disk_bound(flags):
     """Whether the mode's model states all leave memory (offload_param=nvme): its bound is
     the disk, not the budget (Note [NVMe parameters])."""
@@ -407,6 +416,11 @@ def main():
                          "MiB for the CUDA context and libraries, from nvidia-smi)")
     ap.add_argument("--runs", type=int, default=3, help="real runs per mode, at most (1-3)")
     ap.add_argument("--only", default="")
+    ap.add_argument("--compute", default="bf16", choices=["bf16", "fp32"],
+                    help="fp32: the modes that compute in bf16 compute in fp32 instead (the same "
+                         "model states; the gathers and activations twice the bytes), for a CPU "
+                         "without native bf16, which emulates bf16 matmuls 10 to 50 times slower; "
+                         "the pure bf16 mode is then skipped")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--expect-within", type=float, default=0.0,
                     help="exit 1 unless every mode that can run trained at some size and the "
@@ -421,6 +435,10 @@ def main():
     unknown = only - {m[0] for m in MODES}
     if unknown:
         sys.exit(f"max_model.py: --only {sorted(unknown)} unknown; the modes are {[m[0] for m in MODES]}")
+    if args.compute == "fp32":
+        MODES[:] = [(name, fp32_compute(flags), fp32_compute(est) if est is not None else None)
+                    for name, flags, est in MODES if "--master-dtype" not in flags]
+        print("max model: --compute fp32: the bf16 modes compute in fp32; pure bf16 skipped", flush=True)
     if args.split:
         return main_split(args, only)
     args.budget_mib = args.budget_mib or 6144
