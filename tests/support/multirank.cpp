@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -95,7 +96,31 @@ std::string bin_dir() {
   return exe.substr(0, exe.rfind('/'));
 }
 
+namespace {
+// Whether a listening socket could take `port` on 127.0.0.1 now.
+bool port_is_free(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+}  // namespace
+
 int free_port() {
+  // A port below the kernel's ephemeral range (32768 and up), in a block of 16 of this
+  // process's own (by its pid). bind(0) alone let two tests that ctest runs at once be
+  // handed the same port now and then, and their ranks joined each other's store (seen:
+  // BadCheckpoint.CorruptedData and .MissingRankFile failing together).
+  static std::atomic<int> next{0};
+  const int base = 20000 + static_cast<int>(getpid() % 750) * 16;
+  for (int i = 0; i < 16; ++i) {
+    const int port = base + next++ % 16;
+    if (port_is_free(port)) return port;
+  }
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
