@@ -41,10 +41,10 @@
 // pages but walks every arena each call, and the heap still fragments between calls.
 //
 // It applies only where the shards live in host memory; GPU training keeps LibTorch's
-// allocator. The user's choice wins: MALLOC_MMAP_THRESHOLD_ in the environment (glibc
-// applied it before main) or a CPU allocator the program installed (c10::SetCPUAllocator
-// with a priority above 0) leaves everything as it is, and FSDP_HOST_ALLOCATOR=glibc asks
-// for LibTorch's and glibc's defaults.
+// allocator. The user's choice wins: MALLOC_MMAP_THRESHOLD_ in the environment or glibc's
+// malloc.mmap_threshold tunable (glibc applied them before main), or a CPU allocator the
+// program installed (c10::SetCPUAllocator with a priority above 0), leaves everything as it
+// is, and FSDP_HOST_ALLOCATOR=glibc asks for LibTorch's and glibc's defaults.
 #include "host_heap.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -224,35 +224,22 @@ class BlockAllocator final : public c10::Allocator {
 
 std::atomic<BlockAllocator*> BlockAllocator::instance{nullptr};
 
-HostHeapChoice choose_host_heap(const ShardingOptions& o) {
-  HostHeapChoice c;
+// Installs the block allocator unless the options or the user say otherwise; whether it did.
+bool install_block_allocator(const ShardingOptions& o) {
   const bool host_shards = o.offload_optimizer.device != OffloadDevice::kNone || o.device.is_cpu();
-  if (!host_shards) {
-    c.reason = "the shards live on the device: LibTorch's CPU allocator is left";
-    return c;
-  }
+  if (!host_shards) return false;  // the shards live on the device
   const char* want = std::getenv("FSDP_HOST_ALLOCATOR");
   const std::string choice = want != nullptr ? want : "blocks";
   TORCH_CHECK(choice == "blocks" || choice == "glibc", "FSDP_HOST_ALLOCATOR='", choice,
               "' is neither blocks (the default: fsdp's block allocator for host memory) nor "
               "glibc (LibTorch's and glibc's own); unset it or set one of them (Note [Host heap])");
-  if (choice == "glibc") {
-    c.reason = "FSDP_HOST_ALLOCATOR=glibc: LibTorch's and glibc's allocators are left";
-    return c;
-  }
+  if (choice == "glibc") return false;
+  // The user's glibc settings, or a CPU allocator the program installed, are left.
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
-      (tunables != nullptr && std::strstr(tunables, "malloc.mmap_threshold") != nullptr)) {
-    c.reason =
-        "glibc's mmap threshold is set (MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES): the "
-        "user's glibc settings are left";
-    return c;
-  }
-  c10::Allocator* current = c10::GetCPUAllocator();
-  if (current != c10::GetDefaultCPUAllocator()) {
-    c.reason = "the program installed a CPU allocator of its own: it is left";
-    return c;
-  }
+      (tunables != nullptr && std::strstr(tunables, "malloc.mmap_threshold") != nullptr))
+    return false;
+  if (c10::GetCPUAllocator() != c10::GetDefaultCPUAllocator()) return false;
   static BlockAllocator* blocks = [] {
     auto* a = new BlockAllocator(c10::GetDefaultCPUAllocator());  // never destroyed
     BlockAllocator::instance.store(a, std::memory_order_release);
@@ -264,23 +251,18 @@ HostHeapChoice choose_host_heap(const ShardingOptions& o) {
 #if defined(__GLIBC__)
   mallopt(M_MMAP_THRESHOLD, static_cast<int>(kLargeBlock));
 #endif
-  c.blocks = true;
-  c.reason = "fsdp's block allocator serves blocks of 64 KiB and more (Note [Host heap])";
-  return c;
+  return true;
 }
 
 }  // namespace
 
-HostHeapChoice bound_host_heap(const ShardingOptions& options) {
+void bound_host_heap(const ShardingOptions& options) {
   // Once installed it stays for the process (tensors hold its blocks); until then a later
   // model whose shards are in host memory may still install it.
   static std::mutex mu;
-  static HostHeapChoice installed;
+  static bool installed = false;
   std::lock_guard<std::mutex> lock(mu);
-  if (installed.blocks) return installed;
-  HostHeapChoice c = choose_host_heap(options);
-  if (c.blocks) installed = c;
-  return c;
+  if (!installed) installed = install_block_allocator(options);
 }
 
 HostBlockStats host_block_stats() {

@@ -4,25 +4,16 @@
 #include <fsdp/options.h>
 
 #include <cstdint>
-#include <string>
 
 namespace fsdp::detail {
 
-/// What bound_host_heap chose for this process, and why.
-struct HostHeapChoice {
-  /// The block allocator is LibTorch's CPU allocator (and glibc's mmap threshold is fixed).
-  bool blocks = false;
-  /// One line: what was done, or why nothing was.
-  std::string reason;
-};
-
 /// Where the options keep shards in host memory (a CPU device, or offload_optimizer),
 /// makes the block allocator LibTorch's CPU allocator and fixes glibc's mmap threshold at
-/// kLargeBlock, once per process, unless the user chose already: MALLOC_MMAP_THRESHOLD_ in
-/// the environment (glibc applied it), FSDP_HOST_ALLOCATOR=glibc, or a CPU allocator the
-/// program installed itself. Throws on an FSDP_HOST_ALLOCATOR other than blocks or glibc.
-/// Once installed, later calls return that choice.
-HostHeapChoice bound_host_heap(const ShardingOptions& options);
+/// kLargeBlock, once per process, unless the user chose already: MALLOC_MMAP_THRESHOLD_ or
+/// glibc's malloc.mmap_threshold tunable (glibc applied them), FSDP_HOST_ALLOCATOR=glibc,
+/// or a CPU allocator the program installed itself. Throws on an FSDP_HOST_ALLOCATOR other
+/// than blocks or glibc. Once installed, later calls do nothing.
+void bound_host_heap(const ShardingOptions& options);
 
 /// Blocks of at least this many bytes are the block allocator's; smaller ones glibc's.
 constexpr int64_t kLargeBlock = int64_t{64} << 10;
