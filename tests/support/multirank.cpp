@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -87,6 +88,77 @@ int decode(int status) {
   return -1;
 }
 
+
+// The rank's side of run_ranks: the process group from the environment, the body, the
+// closing barrier, and the exit (0 when its checks passed). Never returns.
+[[noreturn]] void run_rank(int world, const std::function<void(const ProcessGroup&)>& body) {
+  at::set_num_threads(1);
+  // Gloo unless the test asks (FSDP_TEST_BACKEND=auto|nccl): the suites train on the CPU,
+  // and "auto" would pick NCCL on a machine with a GPU per rank.
+  ProcessGroupOptions pgo;
+  const char* backend = std::getenv("FSDP_TEST_BACKEND");
+  pgo.backend = backend != nullptr ? backend : "gloo";
+  ProcessGroup pg = init_process_group(pgo);
+  EXPECT_EQ(pg.size(), world);
+  // An exception ends the rank here: in a forked rank it would otherwise unwind into the
+  // test process's copy of GoogleTest, which would go on to the next test.
+  try {
+    if (pg.size() == world) body(pg);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "rank " << pg.rank() << " threw: " << e.what();
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+  // Rank 0 serves the store: nobody leaves before everyone is done with it (unless the
+  // body broke the group on purpose, see skip_final_barrier()).
+  if (!g_skip_final_barrier) pg.barrier();
+  std::cout << "[fsdp rank body done]" << std::endl;
+  std::fflush(nullptr);
+  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+}
+
+// Threads of this process now (/proc/self/task).
+int thread_count() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') ++n;
+    }
+    closedir(d);
+  }
+  return n;
+}
+
+// Whether run_ranks may fork its ranks from this process rather than start the binary
+// afresh (Note in run_ranks).
+bool may_fork_ranks(const std::vector<std::string>& env) {
+  const char* how = std::getenv("FSDP_TEST_RANKS");
+  if (how != nullptr && std::string(how) == "exec") return false;
+  return env.empty() && thread_count() == 1;
+}
+
+// A rank forked from the test process: its environment, its output to `out_path`, then
+// the body (run_rank). Returns the child's pid in the parent.
+pid_t fork_rank(const std::vector<std::string>& vars, const std::string& out_path, int world,
+                const std::function<void(const ProcessGroup&)>& body) {
+  std::cout << std::flush;
+  std::cerr << std::flush;
+  std::fflush(nullptr);
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  setpgid(0, 0);
+  int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    close(fd);
+  }
+  for (const auto& kv : vars) {
+    const auto eq = kv.find('=');
+    setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
+  }
+  run_rank(world, body);
+}
 }  // namespace
 
 bool is_rank_process() { return std::getenv("FSDP_TEST_RANK_PROCESS") != nullptr; }
@@ -180,22 +252,20 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
   if (is_rank_process()) {
     const char* want = std::getenv("FSDP_TEST_RANK_CALL");
     if (want != nullptr && std::atoi(want) != index) return;
-    at::set_num_threads(1);
-    // Gloo unless the test asks (FSDP_TEST_BACKEND=auto|nccl): the suites train on the CPU,
-    // and "auto" would pick NCCL on a machine with a GPU per rank.
-    ProcessGroupOptions pgo;
-    const char* backend = std::getenv("FSDP_TEST_BACKEND");
-    pgo.backend = backend != nullptr ? backend : "gloo";
-    ProcessGroup pg = init_process_group(pgo);
-    EXPECT_EQ(pg.size(), world);
-    if (pg.size() == world) body(pg);
-    // Rank 0 serves the store: nobody leaves before everyone is done with it (unless the
-    // body broke the group on purpose, see skip_final_barrier()).
-    if (!g_skip_final_barrier) pg.barrier();
-    std::cout << "[fsdp rank body done]" << std::endl;
-    std::fflush(nullptr);
-    std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+    run_rank(world, body);
   }
+  // Note: the ranks are forked from this process where it is safe and means the same,
+  // else started afresh (this binary, filtered to this test, with FSDP_TEST_RANK_CALL).
+  // A fresh start costs each rank LibTorch's initialisation again, about half a second of
+  // CPU (its operator registry), which over the suite's ~1,000 ranks was minutes on two
+  // cores. A fresh rank re-runs the test's code before this call, which is deterministic,
+  // so a forked one, which inherits its result, sees the same values. Forking is safe
+  // only while this process has one thread (no OpenMP team, Gloo or CUDA thread that the
+  // child would lack), and means the same only when the ranks' environment is this
+  // process's: a test that passes `env` may set what LibTorch or the library read once
+  // at start (ATEN_CPU_CAPABILITY, FSDP_HOST_ALLOCATOR), so its ranks start afresh.
+  // FSDP_TEST_RANKS=exec starts every rank afresh.
+  const bool fork_ranks = may_fork_ranks(env);
   const int port = free_port();
   std::vector<pid_t> pids;
   std::vector<std::string> outs;
@@ -221,7 +291,8 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
                  vars.end());
       vars.push_back(kv);
     }
-    pids.push_back(spawn({self_exe(), "--gtest_filter=" + filter}, vars, tmpl));
+    pids.push_back(fork_ranks ? fork_rank(vars, tmpl, world, body)
+                              : spawn({self_exe(), "--gtest_filter=" + filter}, vars, tmpl));
   }
   std::vector<int> codes(world, -1);
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);

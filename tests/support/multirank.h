@@ -1,10 +1,12 @@
 #pragma once
 // Multi-rank tests in real processes over Gloo on localhost.
 //
-// A test calls run_ranks(N, body). In the test process it starts N copies of this test
-// binary, filtered to the current test, with a torchrun environment on a free port, and
-// fails if any rank fails (printing that rank's output). In each copy, run_ranks builds
-// the process group from that environment and runs body on it. A rank's output lines that
+// A test calls run_ranks(N, body). In the test process it starts N rank processes with a
+// torchrun environment on a free port, and fails if any rank fails (printing that rank's
+// output). A rank is forked from the test process where that is safe (one thread, no
+// `env` of its own), else it is this test binary started afresh and filtered to the
+// current test (the Note in run_ranks). In each rank, run_ranks builds the process group
+// from that environment and runs body on it. A rank's output lines that
 // start with "[report] " (figures a test shows) are printed by the test process.
 
 #include <fsdp/process_group.h>
