@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Times the README's commands, or CI's, as a new user or a fresh CI machine would run them:
-# in a fresh clone of this repository's HEAD, with a fresh HOME and no compiler or pip
-# cache (CCACHE_DISABLE=1, PIP_NO_CACHE_DIR=1), so every byte is downloaded and every file
-# compiled again. What apt installed stays installed (apt's part is a minute or two; the
-# packages are downloaded again only on a machine that never had them).
+# in a fresh clone of this repository's HEAD, with a fresh HOME: an empty ccache (the fresh
+# HOME's, as on a new machine: what the run compiles twice, it compiles once) and no pip
+# cache (PIP_NO_CACHE_DIR=1), so every byte is downloaded and every file compiled at least
+# once. FRESH_CCACHE=off disables ccache altogether (CCACHE_DISABLE=1).
+# What apt installed stays installed (apt's part is a minute or two; the packages are
+# downloaded again only on a machine that never had them).
 #
 #   scripts/ci/fresh-run.sh readme [DIR]   ./scripts/setup.sh, then ./scripts/test.sh, then
 #                                          ./scripts/test.sh --all (the long tier alone:
@@ -31,7 +33,9 @@ git clone -q --no-hardlinks "$SRC" "$DIR/clone"
 [ -d "$SRC/../shared" ] && cp -r "$SRC/../shared" "$DIR/shared"
 mkdir -p "$DIR/home"
 echo "fresh-run: $(git -C "$DIR/clone" log -1 --format='%h %s' | cut -c1-100)"
-echo "fresh-run: clone $DIR/clone, HOME $DIR/home, ccache and pip's cache off; $(nproc) cores;" \
+CCACHE_ENV="" CCACHE_SAYS="empty"
+[ "${FRESH_CCACHE:-on}" = off ] && CCACHE_ENV="CCACHE_DISABLE=1" CCACHE_SAYS="off"
+echo "fresh-run: clone $DIR/clone, HOME $DIR/home, ccache $CCACHE_SAYS, pip's cache off; $(nproc) cores;" \
      "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 : >"$DIR/times.txt"
 FAILED=0
@@ -42,7 +46,7 @@ timed() {
   echo "fresh-run: [$name] $*"
   # This environment, as CI keeps the machine's, less every cache's location.
   (cd "$DIR/clone" && env -u XDG_CACHE_HOME -u CCACHE_DIR -u PIP_CACHE_DIR -u FSDP_VENV \
-     -u FSDP_BUILD_DIR HOME="$DIR/home" CCACHE_DISABLE=1 PIP_NO_CACHE_DIR=1 ${CI_ENV:-} "$@") \
+     -u FSDP_BUILD_DIR -u CCACHE_DISABLE HOME="$DIR/home" $CCACHE_ENV PIP_NO_CACHE_DIR=1 ${CI_ENV:-} "$@") \
     </dev/null >"$DIR/$name.log" 2>&1 || rc=$?
   echo "$name: $((SECONDS - t0)) s, exit $rc" | tee -a "$DIR/times.txt"
   grep -E '^\[ci\] times:|tests passed|tests failed out of' "$DIR/$name.log" | tail -2 || true

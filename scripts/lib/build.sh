@@ -17,8 +17,12 @@ fsdp_configure() {
 }
 
 # fsdp_ctest DIR [ctest arguments...]
+# OpenBLAS (Debian's LibTorch uses it) starts a thread per core in every process that
+# loads it, and its threads spin: with ctest running a test per core, each of several rank
+# processes, that oversubscribed the cores, and a test process with a thread more cannot
+# fork its ranks (tests/support/multirank.cpp). One thread each, unless the caller says.
 fsdp_ctest() {
   local dir="$1"
   shift
-  ctest --test-dir "$dir" --output-on-failure "$@"
+  OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" ctest --test-dir "$dir" --output-on-failure "$@"
 }
