@@ -53,6 +53,9 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/fsdpConfigVersion.cmake
 install(FILES ${PROJECT_BINARY_DIR}/fsdpConfig.cmake ${PROJECT_BINARY_DIR}/fsdpConfigVersion.cmake
         DESTINATION ${FSDP_INSTALL_CMAKEDIR} COMPONENT Development)
 
+# The licence (BSD-3-Clause), where Debian and GNUInstallDirs put a package's documents.
+install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT Development)
+
 # CPack only for the top-level project: a parent project packages itself.
 if(PROJECT_IS_TOP_LEVEL)
   include(${PROJECT_SOURCE_DIR}/cmake/package.cmake)
