@@ -6,12 +6,12 @@
 #include <torch/torch.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -87,7 +87,6 @@ int decode(int status) {
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return -1;
 }
-
 
 // The rank's side of run_ranks: the process group from the environment, the body, the
 // closing barrier, and the exit (0 when its checks passed). Never returns.
