@@ -381,8 +381,10 @@ void expect_stats(int64_t live, int64_t cached, int64_t peak, int64_t mapped, in
 TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
   run_ranks(1, [](const ProcessGroup& pg) {
     EXPECT_EQ(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator());
+    EXPECT_FALSE(fsdp::detail::host_blocks_installed());
     shard_small_model_on_the_cpu(pg);
     EXPECT_NE(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator());
+    EXPECT_TRUE(fsdp::detail::host_blocks_installed());
     constexpr int64_t M = int64_t{1} << 20;
     expect_stats(0, 0, 0, 0, 0, 0, "after sharding the small GPT");
     { auto small = torch::empty({1000}); }  // 4000 bytes: glibc's
@@ -412,7 +414,19 @@ TEST(HostHeap, ShardsInHostMemoryUseTheBlockAllocatorWhichKeepsWithinThePeak) {
     expect_stats(odd, 6 * M, 10 * M, 5, 1, 2, "a block of 100000 bytes");
     // A block no machine has (2^58 bytes): LibTorch's out-of-memory error, every kept block
     // unmapped on the way (d, c), and the peak it would have raised taken back.
-    EXPECT_THROW(torch::empty({int64_t{1} << 58}, torch::kByte), c10::OutOfMemoryError);
+    try {
+      torch::empty({int64_t{1} << 58}, torch::kByte);
+      ADD_FAILURE() << "a block of 2^58 bytes was mapped";
+    } catch (const c10::OutOfMemoryError& e) {
+      // The message names the size asked, what is live, mmap's reason and the way out.
+      const std::string msg = e.what_without_backtrace();
+      const std::string want = "fsdp's host block allocator: out of memory: tried to allocate " +
+                               std::to_string(int64_t{1} << 58) + " bytes with " +
+                               std::to_string(odd) + " bytes in live blocks (mmap: ";
+      EXPECT_NE(msg.find(want), std::string::npos) << msg;
+      EXPECT_NE(msg.find("; FSDP_HOST_ALLOCATOR=glibc uses LibTorch's own)"), std::string::npos)
+          << msg;
+    }
     expect_stats(odd, 0, 10 * M, 5, 1, 4, "after a block too large for the machine");
   });
 }
@@ -423,7 +437,10 @@ TEST(HostHeap, TheUsersChoicesWin) {
     auto& counting = CountingCpuAllocator::install();
     shard_small_model_on_the_cpu(pg);
     EXPECT_EQ(c10::GetCPUAllocator(), &counting);
+    EXPECT_FALSE(fsdp::detail::host_blocks_installed());
+    const int64_t before = counting.live();
     auto a = mib(4);
+    EXPECT_EQ(counting.live() - before, 4 << 20);  // the program's allocator served it
     EXPECT_EQ(fsdp::detail::host_block_stats().live_bytes, 0);
   });
   // glibc tuned through its variable, or LibTorch's and glibc's defaults asked for.
@@ -432,6 +449,7 @@ TEST(HostHeap, TheUsersChoicesWin) {
               [env](const ProcessGroup& pg) {
                 shard_small_model_on_the_cpu(pg);
                 EXPECT_EQ(c10::GetCPUAllocator(), c10::GetDefaultCPUAllocator()) << env;
+                EXPECT_FALSE(fsdp::detail::host_blocks_installed()) << env;
                 auto a = mib(4);
                 EXPECT_EQ(fsdp::detail::host_block_stats().live_bytes, 0) << env;
               },
