@@ -6,13 +6,15 @@
 //   build/bin/fsdp-run --nproc 2 -- build/bin/minimal_gpt --steps 40 --ckpt /tmp/gpt_ckpt
 //   build/bin/fsdp-run --nproc 2 -- build/bin/minimal_gpt --steps 80 --ckpt /tmp/gpt_ckpt
 //
-// The second run resumes at step 40 from /tmp/gpt_ckpt/latest; at any world size.
+// The second run resumes at step 40 from the newest checkpoint in /tmp/gpt_ckpt, at any
+// world size. Outside this tree, examples/minimal/CMakeLists.txt builds it against the
+// installed package (find_package(fsdp)).
 #include <fsdp/fsdp.h>
 
 #include <torch/torch.h>
 
-#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 
 struct Config {
@@ -49,8 +51,11 @@ struct GPTImpl : torch::nn::Module {
     wpe = register_module("wpe", torch::nn::Embedding(c.block, c.width));
     auto list = register_module("blocks", torch::nn::ModuleList());
     for (int64_t i = 0; i < c.layers; ++i) {
-      // A wrap point: under make_sharded it is sharded as soon as it is built, so a rank
-      // never holds more than its shards and the block being built.
+      // A wrap point: a member declared fsdp::FullyShardedModule<...>. make_sharded
+      // builds GPT with a construction scope open; each wrap point that the options'
+      // auto_wrap_policy picks (every Block, by type, below) shards its module the moment
+      // its constructor returns, so a rank never holds more than its shards and the
+      // block being built. The rest (embeddings, final norm, head) is the root unit.
       blocks.emplace_back(Block(c));
       list->push_back(blocks.back());
     }
@@ -74,7 +79,7 @@ TORCH_MODULE(GPT);
 // each starting at a random token. Each rank draws its own rows (seeded by step and rank).
 torch::Tensor batch(const Config& c, const torch::Tensor& next, int64_t step, int rank,
                     const torch::Device& device) {
-  auto gen = at::detail::createCPUGenerator(1000003 * step + rank);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000003 * step + rank);
   auto rows = torch::empty({8, c.block + 1}, torch::kLong);
   rows.select(1, 0).copy_(torch::randint(0, c.vocab, {8}, gen, torch::kLong));
   for (int64_t t = 1; t <= c.block; ++t)
@@ -110,12 +115,12 @@ int main(int argc, char** argv) try {
   torch::manual_seed(0);  // the same weights at any world size
   auto model = fsdp::make_sharded<GPT>(opts, c);
   fsdp::FusedAdamW opt(model, torch::optim::AdamWOptions(3e-3).weight_decay(0.1));
-  const auto next = torch::randperm(c.vocab, at::detail::createCPUGenerator(7));
+  const auto next = torch::randperm(c.vocab, at::make_generator<at::CPUGeneratorImpl>(7));
 
   fsdp::TrainingState state;  // step 0, unless a checkpoint says otherwise
-  if (!ckpt.empty() && std::filesystem::exists(ckpt + "/latest")) {
-    fsdp::load_sharded_checkpoint(ckpt, model, &opt, &state);
-    if (rank == 0) std::cout << "resumed from " << ckpt << " at step " << state.step << "\n";
+  if (const auto latest = ckpt.empty() ? std::nullopt : fsdp::latest_checkpoint(ckpt)) {
+    fsdp::load_sharded_checkpoint(*latest, model, &opt, &state);
+    if (rank == 0) std::cout << "resumed from " << *latest << " at step " << state.step << "\n";
   }
   for (; state.step < steps; ++state.step) {
     auto rows = batch(c, next, state.step, rank, opts.device);

@@ -1,12 +1,14 @@
 # Builds and runs the user's application in tests/consumer one way, as a user would:
 #
-#   cmake -DMODE=install|package|subdirectory|fetchcontent -DSOURCE=<tree> -DBUILD=<this build>
+#   cmake -DMODE=install|package|subdirectory|fetchcontent|minimal -DSOURCE=<tree> -DBUILD=<this build>
 #         -DSCRATCH=<dir> -DGENERATOR=<gen> [-DPREFIX=<prefix path>] -P consumer.cmake
 #
 # install: `cmake --install BUILD --prefix SCRATCH/prefix` (the other modes need it:
 # every mode runs the application under the installed fsdp-run).
 # package: the application finds the installed package (find_package(fsdp)).
 # subdirectory, fetchcontent: the application builds the source tree as part of itself.
+# minimal: examples/minimal (minimal_gpt.cpp) built against the installed package, run,
+# and resumed from its checkpoint.
 # Each built application trains 2 ranks under SCRATCH/prefix/bin/fsdp-run, saves a
 # sharded checkpoint and loads it back (tests/consumer/app.cpp checks what it loaded).
 foreach(v MODE SOURCE BUILD SCRATCH GENERATOR)
@@ -43,7 +45,13 @@ endif()
 set(dir "${SCRATCH}/${MODE}")
 set(args -DFSDP_CONSUMER_MODE=${MODE} -DCMAKE_BUILD_TYPE=Release)
 set(env_prefix "")
-if(MODE STREQUAL "package")
+set(project_dir "${SOURCE}/tests/consumer")
+if(MODE STREQUAL "minimal")
+  # examples/minimal/CMakeLists.txt: the one-file example as a user's own project.
+  set(project_dir "${SOURCE}/examples/minimal")
+  set(args -DCMAKE_BUILD_TYPE=Release)
+endif()
+if(MODE STREQUAL "package" OR MODE STREQUAL "minimal")
   # Two prefixes: through the environment, whose list separator (':') passes through
   # execute_process unsplit.
   set(env_prefix "CMAKE_PREFIX_PATH=${prefix}:${PREFIX}")
@@ -66,13 +74,26 @@ endif()
 # Configured and built in place, so that the next run of the suite is incremental. The
 # source-tree modes find LibTorch as this build did (its cache file); the installed
 # package needs nothing but CMAKE_PREFIX_PATH: it applies what it recorded.
-if(TORCH_CACHE AND NOT MODE STREQUAL "package")
+if(TORCH_CACHE AND NOT MODE MATCHES "^(package|minimal)$")
   list(PREPEND args -C "${TORCH_CACHE}")
 endif()
-run("configure" ${CMAKE_COMMAND} -E env ${env_prefix} ${CMAKE_COMMAND} -S "${SOURCE}/tests/consumer" -B "${dir}" -G "${GENERATOR}" ${args})
+run("configure" ${CMAKE_COMMAND} -E env ${env_prefix} ${CMAKE_COMMAND} -S "${project_dir}" -B "${dir}" -G "${GENERATOR}" ${args})
 set(configure_output "${last_output}")
 run("build" ${CMAKE_COMMAND} --build "${dir}")  # jobs: CMAKE_BUILD_PARALLEL_LEVEL, or the generator's default
 file(REMOVE_RECURSE "${dir}/ck")
+if(MODE STREQUAL "minimal")
+  # As its header comment says: 4 steps with a checkpoint, then 8 resuming from it.
+  run("minimal_gpt, 2 ranks" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/minimal_gpt" --steps 4 --ckpt "${dir}/ck")
+  if(NOT last_output MATCHES "saved [^\n]* at step 4")
+    message(FATAL_ERROR "consumer (minimal): the first run saved no checkpoint at step 4:\n${last_output}")
+  endif()
+  run("minimal_gpt, resumed" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/minimal_gpt" --steps 8 --ckpt "${dir}/ck")
+  message(STATUS "${last_output}")
+  if(NOT last_output MATCHES "resumed from [^\n]* at step 4" OR NOT last_output MATCHES "step 7 loss")
+    message(FATAL_ERROR "consumer (minimal): the second run did not resume at step 4 and train to 8:\n${last_output}")
+  endif()
+  return()
+endif()
 run("2 ranks under the installed fsdp-run" "${prefix}/bin/fsdp-run" --nproc 2 -- "${dir}/consumer_app" "${dir}/ck")
 message(STATUS "${last_output}")
 if(NOT last_output MATCHES "consumer: fsdp [0-9.]+ .*2 ranks.*: ok")
