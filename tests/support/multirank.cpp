@@ -48,6 +48,18 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+// In a child just forked: a process group of its own (so that a kill reaches what it
+// starts), its stdout and stderr into `out_path`.
+void become_child(const std::string& out_path) {
+  setpgid(0, 0);
+  int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    close(fd);
+  }
+}
+
 // Starts argv with `extra` added to this environment; output goes to `out_path`.
 pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& extra,
             const std::string& out_path) {
@@ -69,13 +81,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>
   args.push_back(nullptr);
   pid_t pid = fork();
   if (pid == 0) {
-    setpgid(0, 0);
-    int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-      close(fd);
-    }
+    become_child(out_path);
     execve(args[0], args.data(), envp.data());
     _exit(127);
   }
@@ -145,13 +151,7 @@ pid_t fork_rank(const std::vector<std::string>& vars, const std::string& out_pat
   std::fflush(nullptr);
   pid_t pid = fork();
   if (pid != 0) return pid;
-  setpgid(0, 0);
-  int fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd >= 0) {
-    dup2(fd, 1);
-    dup2(fd, 2);
-    close(fd);
-  }
+  become_child(out_path);
   for (const auto& kv : vars) {
     const auto eq = kv.find('=');
     setenv(kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), 1);
@@ -256,11 +256,11 @@ void run_ranks(int world, const std::function<void(const ProcessGroup&)>& body, 
   // Note: the ranks are forked from this process where it is safe and means the same,
   // else started afresh (this binary, filtered to this test, with FSDP_TEST_RANK_CALL).
   // A fresh start costs each rank LibTorch's initialisation again, about half a second of
-  // CPU (its operator registry), which over the suite's ~1,000 ranks was minutes on two
-  // cores. A fresh rank re-runs the test's code before this call, which is deterministic,
-  // so a forked one, which inherits its result, sees the same values. Forking is safe
-  // only while this process has one thread (no OpenMP team, Gloo or CUDA thread that the
-  // child would lack), and means the same only when the ranks' environment is this
+  // CPU (mostly libtorch_cpu's static initialisers, its operator registry at the top), which over
+  // the suite's ~1,000 ranks was minutes on two cores. A fresh rank re-runs the test's code before
+  // this call, which is deterministic, so a forked one, which inherits its result, sees the same
+  // values. Forking is safe only while this process has one thread (no OpenMP team, Gloo or CUDA
+  // thread that the child would lack), and means the same only when the ranks' environment is this
   // process's: a test that passes `env` may set what LibTorch or the library read once
   // at start (ATEN_CPU_CAPABILITY, FSDP_HOST_ALLOCATOR), so its ranks start afresh.
   // FSDP_TEST_RANKS=exec starts every rank afresh.
