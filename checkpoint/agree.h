@@ -20,7 +20,8 @@ bool rank0_failed(const ProcessGroup& pg, const std::string& error);
 
 /// What a rank adds to "<what> failed" after an agreed failure: ": <error>" where it
 /// failed itself, or `elsewhere` (" on rank 0 (see its error)", ...).
-std::string failure_detail(const std::string& error, const std::string& elsewhere);
+std::string failure_detail(const std::string& error,
+                           const std::string& elsewhere = " on another rank (see its error)");
 
 /// Rank 0 tries: runs `fn` there only. Everyone learns: collective; if `fn` threw, every
 /// rank throws "<what> failed: <rank 0's error>" (elsewhere: "<what> failed on rank 0

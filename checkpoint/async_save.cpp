@@ -73,9 +73,10 @@ std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); 
 // only an optimizer step changes, to the background thread (RankSnapshot::pending),
 // which makes them before it writes (finish_staging). Training meanwhile runs the next
 // forward and backward, which read the shards and write only gradients. The end of every
-// backward of every sharded model waits for the copy (detail::shard_change_barrier, which
-// FusedAdamW::step, import_consolidated and a FullParamsScope's writeback run too), so an
-// optimizer step never runs beside it; AsyncSave::wait_staged waits where a program
+// backward of the saved model waits for the copy (the barrier the save registers with the
+// model's runtime, detail::set_shard_change_barrier; FusedAdamW::step over the model,
+// import_consolidated and a FullParamsScope's writeback run it too), so an optimizer step
+// never runs beside it; AsyncSave::wait_staged waits where a program
 // changes the tensors some other way (another optimizer stepping without a backward
 // first, an edit by hand). A load waits for the whole save anyway. DCP's async staging
 // (StagingOptions(use_async_staging)) hands the user a future to wait on instead; here
@@ -316,7 +317,7 @@ void settle_previous(const ProcessGroup& pg, const char* fn) {
   const std::string error = job->join();
   TORCH_CHECK(
       !any_rank_failed(pg, error), fn, ": the asynchronous save of ", job->path(), " failed",
-      failure_detail(error, " on another rank (see its error)"),
+      failure_detail(error),
       ". `latest` still names the checkpoint before it, and this call saved nothing; call it "
       "again to save.");
 }

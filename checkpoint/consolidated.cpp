@@ -393,11 +393,7 @@ LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOp
   for (const auto& n : names) {
     if (!used.count(n)) report.unexpected.push_back(n);
   }
-  std::string shapes;
-  for (const auto& m : mismatched) shapes += (shapes.empty() ? "" : ", ") + m;
-  TORCH_CHECK(mismatched.empty(), "checkpoint ", file,
-              " does not match this model: shapes differ for ", shapes,
-              ". Was it saved from another model?");
+  check_shapes_match("checkpoint " + file, mismatched);
   report_mismatch("checkpoint " + file, report.missing,
                   stage ? std::vector<std::string>{} : report.unexpected, options.strict);
   if (!apply) return report;
@@ -432,7 +428,7 @@ LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOp
 
 LoadReport import_consolidated(const std::string& file, ShardedModel& root,
                                const LoadOptions& options) {
-  detail::shard_change_barrier();  // Note [Background staging]
+  detail::shard_change_barrier_of(root)();  // Note [Background staging]
   return ckpt::import_into(file, root, options, /*stage=*/false);
 }
 
@@ -441,7 +437,7 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   using namespace ckpt;
   const ProcessGroup& job = model.world();
   const bool staged = model.stages() > 1;
-  detail::shard_change_barrier();  // Note [Background staging]
+  detail::shard_change_barrier_of(model.stage_model())();  // Note [Background staging]
   const std::string what = "import_consolidated of " + file + " into a pipeline of " +
                            std::to_string(model.stages()) + " stages";
   // First the names, on every rank, so that nothing is loaded unless every stage matches.
@@ -455,8 +451,7 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   } catch (const std::exception& e) {
     error = e.what();
   }
-  TORCH_CHECK(!any_rank_failed(job, error), what, " failed",
-              failure_detail(error, " on another rank (see its error)"));
+  TORCH_CHECK(!any_rank_failed(job, error), what, " failed", failure_detail(error));
   if (staged) {
     // The names no stage takes: each stage's first rank marks the names it uses.
     const std::set<std::string> unused(report.unexpected.begin(), report.unexpected.end());
@@ -482,8 +477,7 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   } catch (const std::exception& e) {
     error = e.what();
   }
-  TORCH_CHECK(!any_rank_failed(job, error), what, " failed",
-              failure_detail(error, " on another rank (see its error)"));
+  TORCH_CHECK(!any_rank_failed(job, error), what, " failed", failure_detail(error));
   return report;
 }
 

@@ -65,8 +65,7 @@ void agree_or_abandon(const ProcessGroup& pg, const SavePlan& plan, const char* 
     std::error_code ec;
     fs::remove_all(plan.tmp, ec);
   }
-  TORCH_CHECK(false, fn, " to ", dir, " failed",
-              failure_detail(error, " on another rank (see its error)"),
+  TORCH_CHECK(false, fn, " to ", dir, " failed", failure_detail(error),
               ". The previous checkpoint is untouched.");
 }
 

@@ -22,4 +22,9 @@ void report_mismatch(const std::string& what, const std::vector<std::string>& mi
   TORCH_CHECK(false, msg);
 }
 
+void check_shapes_match(const std::string& what, const std::vector<std::string>& mismatched) {
+  TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ",
+              list_names(mismatched), ". Was it saved from another model?");
+}
+
 }  // namespace fsdp::ckpt

@@ -9,6 +9,9 @@ namespace fsdp::ckpt {
 
 /// "a, b, c (3)": every name, as the strict-load error promises.
 std::string list_names(const std::vector<std::string>& names);
+/// The error of `what` (a checkpoint, a file) whose tensors named `mismatched` have
+/// other shapes than the model's; none when it is empty.
+void check_shapes_match(const std::string& what, const std::vector<std::string>& mismatched);
 
 /// With `strict`, throws when anything is missing or unexpected, listing every name and
 /// saying how to load what matches; `what` names the checkpoint.

@@ -237,4 +237,9 @@ void set_group_hparams(torch::optim::Optimizer& opt, size_t g,
   s.nesterov(get("nesterov", s.nesterov() ? 1 : 0) != 0);
 }
 
+void check_optimizer_holds(int group, int64_t length, const char* what, const std::string& unit) {
+  TORCH_CHECK(group >= 0 || length == 0, what, ": the optimizer does not hold the shard of unit '",
+              unit, "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
+}
+
 }  // namespace fsdp::ckpt

@@ -35,6 +35,9 @@ std::vector<std::pair<at::Tensor, int64_t>> shard_views(torch::optim::Optimizer&
                                                         const at::Tensor& shard);
 /// The param group holding `shard`, or else its first view; -1 when it holds neither.
 int shard_group(torch::optim::Optimizer& opt, const at::Tensor& shard);
+/// The error of `what` (save, load) when the optimizer holds no group for the shard of
+/// `unit` (`group` < 0) that has elements (`length`).
+void check_optimizer_holds(int group, int64_t length, const char* what, const std::string& unit);
 /// The state of `shard` as the optimizer holds it, without copying: per state name, the
 /// tensors that cover parts of the shard, each with its first element (one at 0 when the
 /// optimizer holds the shard itself; elements none covers are zero; the step is the

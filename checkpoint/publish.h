@@ -9,6 +9,10 @@
 
 namespace fsdp::ckpt {
 
+/// What the error of a file that cannot be created says to check.
+inline constexpr const char* kCheckTheDirectory =
+    ". Check that the directory exists, is writable and has free space.";
+
 /// fsyncs a file or a directory. Throws naming `path` when it cannot be opened or synced.
 void fsync_path(const std::filesystem::path& path);
 

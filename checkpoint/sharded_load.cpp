@@ -66,8 +66,7 @@ void match_names(const ShardedReader& src, const std::vector<LocalShard>& shards
   for (const auto& [fqn, loc] : src.by_fqn()) {
     if (!model_names.count(fqn) && !stage) report.unexpected.push_back(fqn);
   }
-  TORCH_CHECK(mismatched.empty(), what, " does not match this model: shapes differ for ",
-              list_names(mismatched), ". Was it saved from another model?");
+  check_shapes_match(what, mismatched);
   report_mismatch(what, report.missing, report.unexpected, strict);
 }
 
@@ -102,11 +101,7 @@ void fill_from_pieces(ShardedReader& src, const std::vector<Piece>& pieces, int6
 // The optimizer state of one trainable shard, over the same pieces as its parameters.
 void load_shard_optim_state(ShardedReader& src, const LocalShard& ls,
                             const std::vector<Piece>& pieces, torch::optim::Optimizer& optimizer) {
-  TORCH_CHECK(shard_group(optimizer, ls.shard) >= 0 || ls.length == 0,
-              "load: the optimizer does not hold the shard of "
-              "unit '",
-              ls.info.unit_fqn,
-              "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
+  check_optimizer_holds(shard_group(optimizer, ls.shard), ls.length, "load", ls.info.unit_fqn);
   // The state names and step come from the first source flat this shard reads.
   if (pieces.empty()) return;
   const SourceFlat& sf = src.flats()[pieces.front().src_flat];

@@ -155,7 +155,7 @@ std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedMo
     throw;
   }
   // Note [Background staging]: every backward from here on waits for the copies left.
-  if (!snap.pending.empty()) detail::set_shard_change_barrier(&wait_for_staging);
+  if (!snap.pending.empty()) detail::set_shard_change_barrier(root, &wait_for_staging);
   return start_async_save(root, plan, std::move(snap), rank, world, pg.timeout_s(), options);
 }
 

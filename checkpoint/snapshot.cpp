@@ -209,9 +209,7 @@ RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* op
     if (opt && ls.info.requires_grad) {
       const int64_t group = shard_group(*opt, ls.shard);
       // (A rank holding only padding of a shard has no view of it: ShardParamGroups.)
-      TORCH_CHECK(group >= 0 || ls.length == 0,
-                  "save: the optimizer does not hold the shard of unit '", ls.info.unit_fqn,
-                  "'. Build it from model.sharded_parameters() or fsdp::ShardParamGroups.");
+      check_optimizer_holds(static_cast<int>(group), ls.length, "save", ls.info.unit_fqn);
       const ShardStateParts st = get_shard_state_parts(*opt, ls.shard);
       if (!st.states.empty()) {
         f.has_optim = true;

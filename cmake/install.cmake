@@ -8,9 +8,10 @@ set(FSDP_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/fsdp" CACHE STRING
     "Where the CMake package (fsdpConfig.cmake, fsdpTargets.cmake) is installed, relative to the prefix")
 mark_as_advanced(FSDP_INSTALL_CMAKEDIR)
 
-# fsdp links the other two statically, so a consumer needs all of them; the object
+# fsdp links the core and the checkpoint core statically, so a consumer needs them;
+# fsdp_estimate is the estimator's (<fsdp/tools/estimate.h>: link fsdp::fsdp_estimate); the object
 # library fsdp_exe_pch only serves this build's executables and is not installed.
-set(FSDP_EXPORTED_LIBRARIES fsdp fsdp_estimate)
+set(FSDP_EXPORTED_LIBRARIES fsdp fsdp_core fsdp_estimate)
 if(TARGET fsdp_ckpt_core)
   list(APPEND FSDP_EXPORTED_LIBRARIES fsdp_ckpt_core)
 endif()

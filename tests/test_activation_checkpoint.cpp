@@ -474,8 +474,8 @@ TEST(ActivationOffload, WithoutACheckpointPolicyIsAnErrorNamingTheFix) {
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "ShardingOptions::offload_activations keeps the inputs that activation "
-              "checkpointing saves in host memory, but checkpoint_policy is empty; set "
-              "checkpoint_policy (e.g. fsdp::module_type_policy<Block>()) too");
+              "checkpointing saves in host memory, and no block is checkpointed; set "
+              "ShardingOptions::checkpoint_policy (e.g. fsdp::module_type_policy<Block>()) too");
   }
 }
 

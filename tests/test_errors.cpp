@@ -55,8 +55,9 @@ INSTANTIATE_TEST_SUITE_P(
                     clip_grad_norm_(m, 0.0);
                   },
                   "clip_grad_norm_: max_norm=0 must be positive"},
-        ErrorCase{"ChooseDeviceUnknownBackend", [] { choose_device("cpu", "--device", "mpi"); },
-                  "backend 'mpi' is unknown; use auto, gloo or nccl"},
+        ErrorCase{
+            "ChooseDeviceUnknownBackend", [] { choose_device("cpu", "--device", "mpi"); },
+            "backend mpi is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or nccl"},
         ErrorCase{"BackendForUnknownChoice", [] { backend_for(torch::kCPU, "mpi", "--backend"); },
                   "--backend mpi is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or "
                   "nccl"},
@@ -156,13 +157,15 @@ INSTANTIATE_TEST_SUITE_P(
         ErrorCase{"SplitNotCoveringTheWorld", [] { ProcessGroup().split({}); },
                   "ProcessGroup::split: the groups cover 0 of 1 ranks; every rank must be in "
                   "exactly one group"},
-        ErrorCase{"UnknownBackend",
-                  [] {
-                    ProcessGroupOptions o;
-                    o.backend = "mpi";
-                    init_process_group(o);
-                  },
-                  "ProcessGroupOptions::backend='mpi' is unknown; use auto, gloo or nccl"},
+        ErrorCase{
+            "UnknownBackend",
+            [] {
+              ProcessGroupOptions o;
+              o.backend = "mpi";
+              init_process_group(o);
+            },
+            "ProcessGroupOptions::backend=mpi is unknown; use auto (nccl on a GPU, gloo on the "
+            "CPU), gloo or nccl"},
         ErrorCase{"NonPositiveTimeout",
                   [] {
                     ProcessGroupOptions o;

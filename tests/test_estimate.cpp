@@ -256,14 +256,23 @@ std::vector<std::string> tool(std::vector<std::string> args) {
   return args;
 }
 
-const std::vector<std::string> kShape = {"--n-layer",     "24",
-                                         "--n-head",      "16",
-                                         "--d-model",     "2048",
-                                         "--block-size",  "1024",
-                                         "--world-size",  "8",
-                                         "--precision",   "bf16",
-                                         "--cpu-offload", "--activation-checkpointing",
-                                         "--micro-batch", "4"};
+const std::vector<std::string> kShape = {"--n-layer",
+                                         "24",
+                                         "--n-head",
+                                         "16",
+                                         "--d-model",
+                                         "2048",
+                                         "--block-size",
+                                         "1024",
+                                         "--world-size",
+                                         "8",
+                                         "--precision",
+                                         "bf16",
+                                         "--cpu-offload",
+                                         "--activation-checkpointing",
+                                         "all",
+                                         "--micro-batch",
+                                         "4"};
 
 EstimateInput shape_input() {
   EstimateInput in;
@@ -349,13 +358,20 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{{},
             "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or "
             "--params N"},
-        Bad{{"--params", "1e9", "--strategy", "zero4"},
-            "--strategy 'zero4' is unknown; use zero1, zero2, zero3 (or full), grad_op, none or "
-            "hybrid"},
+        Bad{{"--params", "1e9", "--sharding", "zero4"},
+            "--sharding zero4 is unknown; use full, grad_op, none, hybrid, zero2 or zero1 (zero3 "
+            "is full)"},
+        Bad{{"--params", "1e9", "--strategy", "zero2", "--sharding", "zero1"},
+            "--strategy (deprecated) and --sharding disagree; give --sharding alone"},
+        Bad{{"--params", "1e9", "--pure-bf16", "--master-dtype", "fp32"},
+            "--pure-bf16 (deprecated) and --master-dtype fp32 disagree; give --master-dtype alone"},
+        Bad{{"--params", "1e9", "--precision", "bf16", "--master-dtype", "fp16"},
+            "--master-dtype fp16 is unsupported; use fp32 (fp32 masters) or bf16 (pure bf16)"},
+        Bad{{"--params", "1e9", "--activation-checkpointing", "every:2"},
+            "--activation-checkpointing every:2 is not estimated; use none or all"},
         Bad{{"--params", "1e9", "--precision", "fp8"},
-            "--precision 'fp8' is unknown; use fp32, bf16 or fp16"},
-        Bad{{"--params", "1e9", "--world-size", "0"},
-            "--world-size 0 is invalid; it must be at least 1"},
+            "--precision fp8 is unknown; use fp32, bf16 or fp16"},
+        Bad{{"--params", "1e9", "--world-size", "0"}, "--world-size 0 must be at least 1"},
         Bad{{"--params=-5"}, "--params -5 is invalid; give a positive count such as 1.3e9"},
         Bad{{"--params", "abc"}, "--params 'abc' is not a number; give a count such as 1.3e9"},
         Bad{{"--params", "1e9", "--units", "0"}, "--units 0 is invalid; it must be positive"},
@@ -369,9 +385,9 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{{"--params", "1e9", "--units", "4", "--world-size", "2", "--pipeline-stages", "2",
              "--micro-batches", "-1"},
             "--micro-batches -1 must be 0 (2 x --pipeline-stages) or positive"},
-        Bad{{"--params", "1e9", "--world-size", "6", "--strategy", "hybrid", "--hybrid-group-size",
+        Bad{{"--params", "1e9", "--world-size", "6", "--sharding", "hybrid", "--hybrid-group-size",
              "4"},
-            "--hybrid-group-size 4 is invalid; it must divide the world size 6"},
+            "--hybrid-group-size 4 must divide the world size 6"},
         Bad{{"--n-layer", "2", "--n-head", "3", "--d-model", "64", "--block-size", "8"},
             "--d-model 64 is not divisible by --n-head 3"},
         Bad{{"--n-layer", "2", "--n-head", "2", "--d-model", "64"}, "--block-size is missing"},
@@ -383,18 +399,22 @@ INSTANTIATE_TEST_SUITE_P(
             "give either a GPT shape or --params, not both"},
         Bad{{"--params", "1e9", "--no-such-flag"}, "Option"},
         Bad{{"--params", "1e9", "--offload-optimizer", "disk"},
-            "--offload-optimizer 'disk' is unknown; use none, cpu or nvme"},
+            "--offload-optimizer disk is unknown; use none, cpu or nvme"},
         Bad{{"--params", "1e9", "--offload-param", "cpu"},
-            "--offload-param cpu needs --offload-optimizer too (the fp32 master shard is the "
-            "parameter here); add --offload-optimizer cpu or nvme"},
-        Bad{{"--params", "1e9", "--strategy", "zero2", "--offload-optimizer", "nvme",
+            "--offload-param cpu needs --offload-optimizer too: the fp32 master shard is the "
+            "parameter here"},
+        Bad{{"--params", "1e9", "--offload-optimizer", "cpu", "--offload-param", "nvme"},
+            "--offload-param nvme needs --offload-optimizer nvme too (got cpu)"},
+        Bad{{"--params", "1e9", "--sharding", "zero2", "--offload-optimizer", "nvme",
              "--offload-param", "nvme"},
-            "--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
-            "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
-            "cpu there only drops the device copy of the shards)"},
+            "--offload-param nvme needs a strategy that frees parameters after use (--sharding "
+            "full, ZeRO-3, or hybrid), as DeepSpeed's offload_param needs stage 3; zero2 keeps "
+            "parameters on the device (--offload-param cpu there only drops the device copy of the "
+            "shards)"},
         Bad{{"--params", "1e9", "--cpu-offload", "--offload-optimizer", "nvme"},
-            "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme "
-            "--offload-param none; use one or the other"},
+            "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme and "
+            "--offload-param none; use one or the other (--cpu-offload means both offloads on the "
+            "host)"},
         Bad{{"--params", "1e9", "--world-size", "8", "--gpus-per-node", "3"},
             "--gpus-per-node 3 is invalid; it must divide the world size 8 (or be 0: every rank "
             "on one node)"},
@@ -411,10 +431,41 @@ INSTANTIATE_TEST_SUITE_P(
             "give one model: a GPT shape, --params, --unit-sizes or --unit-sizes-file"},
         Bad{{"--unit-sizes-file", "/nonexistent/units.txt"},
             "--unit-sizes-file '/nonexistent/units.txt' cannot be read; give an existing file"},
-        Bad{{"--params", "1e9", "--strategy", "grad_op", "--deepspeed-table"},
-            "--deepspeed-table needs --strategy zero3 (full), zero2 or zero1: DeepSpeed estimates "
+        Bad{{"--params", "1e9", "--sharding", "grad_op", "--deepspeed-table"},
+            "--deepspeed-table needs --sharding zero3 (full), zero2 or zero1: DeepSpeed estimates "
             "stages 2 and 3 only (its stage-2 formula stands for stage 1 too)"}),
     [](const auto& info) { return "case" + std::to_string(info.index); });
+
+// fsdp-estimate takes train_gpt's flag names; the old ones give the same estimate, each
+// with a warning naming its replacement (CHANGELOG.md).
+TEST(EstimateTool, TheOldFlagNamesGiveTheSameEstimateWithAWarning) {
+  const std::vector<std::string> model = {
+      "--n-layer",    "4", "--n-head",    "4",    "--d-model", "64", "--block-size", "32",
+      "--world-size", "4", "--precision", "bf16", "--json"};
+  auto now = model, before = model;
+  for (const char* a : {"--sharding", "hybrid", "--hybrid-group-size", "4", "--master-dtype",
+                        "bf16", "--hpz-group-size", "2", "--activation-checkpointing", "all"})
+    now.push_back(a);
+  for (const char* a : {"--strategy", "hybrid", "--hybrid-group-size", "4", "--pure-bf16",
+                        "--reshard-after-forward-group-size", "2", "--activation-checkpointing"})
+    before.push_back(a);
+  const auto a = run_command(tool(now)), b = run_command(tool(before));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(a.output.find("deprecated"), std::string::npos) << a.output;
+  for (const char* warning :
+       {"--strategy is deprecated and goes in the next release; use --sharding",
+        "--pure-bf16 is deprecated and goes in the next release; use --master-dtype bf16",
+        "--reshard-after-forward-group-size is deprecated and goes in the next release; use "
+        "--hpz-group-size",
+        "--activation-checkpointing alone is deprecated and goes in the next release; write "
+        "--activation-checkpointing all"})
+    EXPECT_NE(b.output.find(warning), std::string::npos) << warning << "\n" << b.output;
+  // The JSON (from its opening brace) is the same estimate.
+  ASSERT_NE(a.output.find('{'), std::string::npos) << a.output;
+  EXPECT_EQ(a.output.substr(a.output.find('{')), b.output.substr(b.output.find('{')));
+  EXPECT_NE(a.output.find("\"strategy\": \"hybrid\""), std::string::npos) << a.output;
+}
 
 // One version everywhere: the headers, the library, and every tool's --version.
 TEST(Version, HeadersLibraryAndEveryToolAgree) {
@@ -492,8 +543,7 @@ TEST(EstimateStrategies, PostForwardSlicesMatchTheCounterAtWorld4) {
     estimate_memory(in);
     FAIL() << "k=3 at a shard group of 4 was accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--reshard-after-forward-group-size 3 must divide the "
-                                         "shard group size 4"),
+    EXPECT_NE(std::string(e.what()).find("--hpz-group-size 3 must divide the shard group size 4"),
               std::string::npos)
         << e.what();
   }
@@ -526,7 +576,8 @@ TEST(EstimateRules, QuantizedCommunicationBuffersByHand) {
     estimate_memory(in);
     FAIL() << "3 bits accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--quantize-gradient-bits 3 is unsupported; use 8 or 4"),
+    EXPECT_NE(std::string(e.what()).find("--quantize-gradient-bits 3 is unsupported; use 8 (int8) "
+                                         "or 4 (int4)"),
               std::string::npos)
         << e.what();
   }
@@ -615,7 +666,8 @@ TEST(EstimateRules, OffloadOptimizerAndParamToCpuAndNvme) {
   } catch (const std::invalid_argument& e) {
     EXPECT_STREQ(e.what(),
                  "--cpu-offload (everything to host memory) contradicts --offload-optimizer nvme "
-                 "--offload-param none; use one or the other");
+                 "and --offload-param none; use one or the other (--cpu-offload means both "
+                 "offloads on the host)");
   }
   ASSERT_EQ(est.terms.size(), old.terms.size());
   for (size_t i = 0; i < est.terms.size(); ++i) {
@@ -686,20 +738,23 @@ TEST(EstimateRules, PerNodeFiguresAndBadOffloadCombinations) {
   };
   EstimateInput bad = in;
   bad.offload_param = OffloadDevice::kNvme;
-  EXPECT_EQ(message(bad),
-            "--offload-param nvme needs --offload-optimizer too (the fp32 master shard is the "
-            "parameter here); add --offload-optimizer cpu or nvme");
+  EXPECT_EQ(message(bad).rfind("--offload-param nvme needs --offload-optimizer too: the fp32 "
+                               "master shard is the parameter here",
+                               0),
+            0u)
+      << message(bad);
   bad.offload_optimizer = OffloadDevice::kNvme;
   bad.nvme_buffer_bytes = 0;
   EXPECT_EQ(message(bad),
-            "--nvme-buffer-bytes 0 is invalid; NVMe offload needs a positive host buffer "
-            "(OffloadConfig::buffer_bytes)");
+            "--nvme-buffer-bytes 0 is invalid; NVMe offload needs a positive host buffer for the "
+            "chunks in flight");
   bad.nvme_buffer_bytes = 1;
   bad.strategy = ShardingStrategy::kZero1;
   EXPECT_EQ(message(bad),
-            "--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
-            "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
-            "cpu there only drops the device copy of the shards)");
+            "--offload-param nvme needs a strategy that frees parameters after use (--sharding "
+            "full, ZeRO-3, or hybrid), as DeepSpeed's offload_param needs stage 3; zero1 keeps "
+            "parameters on the device (--offload-param cpu there only drops the device copy of the "
+            "shards)");
   bad.strategy = ShardingStrategy::kHybridShard;
   bad.hybrid_group_size = 4;
   EXPECT_EQ(message(bad), "no error");
@@ -768,7 +823,7 @@ TEST(EstimateTool, UnitSizesFromAListAndAFileAndPerNodeJson) {
        {std::vector<std::string>{"--unit-sizes", "10,100,100,50"},
         std::vector<std::string>{"--unit-sizes-file", path}}) {
     auto args = model;
-    for (const char* a : {"--nodes", "2", "--gpus-per-node", "2", "--strategy", "zero1",
+    for (const char* a : {"--nodes", "2", "--gpus-per-node", "2", "--sharding", "zero1",
                           "--precision", "bf16", "--offload-optimizer", "cpu", "--json"})
       args.push_back(a);
     auto r = run_command(tool(args));
@@ -956,8 +1011,8 @@ TEST(EstimateRules, PureBf16HalvesTheShardedStateAndActivationOffloadMovesBlockI
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()),
-              "--pure-bf16 needs --precision bf16: the gathered parameters cannot be more "
-              "precise than the bf16 shards");
+              "--master-dtype bf16 (pure bf16) needs --precision bf16 too (got fp32): the gathered "
+              "parameters cannot be more precise than the shards");
   }
 
   EstimateInput a;
@@ -981,8 +1036,9 @@ TEST(EstimateRules, PureBf16HalvesTheShardedStateAndActivationOffloadMovesBlockI
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()),
-              "--offload-activations moves the inputs activation checkpointing keeps; add "
-              "--activation-checkpointing");
+              "--offload-activations keeps the inputs that activation checkpointing saves in "
+              "host memory, and no block is checkpointed; set --activation-checkpointing (all or "
+              "every:K) too");
   }
 }
 
@@ -1033,7 +1089,7 @@ TEST(EstimateRules, PipelineStagesByHand) {
   PipelineShape q;
   q.stages = 3;
   EXPECT_EQ(error(q),
-            "--pipeline-stages 3 does not divide --world-size 4: the world is stages x "
+            "--pipeline-stages 3 does not divide the world size 4: the world is stages x "
             "data-parallel ranks; use a divisor of 4");
   q.stages = 4;
   q.micro_batches = 2;

@@ -952,8 +952,8 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, TrainGptBadInput,
     ::testing::Values(
         BadInput{{"--sharding", "zero4"},
-                 "train_gpt: error: --sharding zero4 is unknown; use full (= zero3), grad_op, "
-                 "zero2, zero1, none or hybrid"},
+                 "train_gpt: error: --sharding zero4 is unknown; use full, grad_op, none, hybrid, "
+                 "zero2 or zero1 (zero3 is full)"},
         BadInput{{"--wrap", "size:many"},
                  "train_gpt: error: --wrap size:many is unknown; use block, none or size:N"},
         BadInput{{"--lr-schedule", "linear"},
@@ -968,8 +968,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{{"--offload-optimizer", "disk"},
                  "train_gpt: error: --offload-optimizer disk is unknown; use none, cpu or nvme"},
         BadInput{{"--cpu-offload", "--offload-optimizer", "nvme"},
-                 "train_gpt: error: --cpu-offload (offload to host memory) contradicts "
-                 "--offload-optimizer nvme; use one or the other"},
+                 "train_gpt: error: --cpu-offload (everything to host memory) contradicts "
+                 "--offload-optimizer nvme and --offload-param none; use one or the other "
+                 "(--cpu-offload means both offloads on the host)"},
         BadInput{{"--n-layer", "0"}, "train_gpt: error: --n-layer 0 must be positive"},
         BadInput{{"--lr", "-0.5"}, "train_gpt: error: --lr -0.5 must not be negative"},
         BadInput{{"--quantize-weights", "--quantize-weight-bits", "2"},
@@ -980,7 +981,8 @@ INSTANTIATE_TEST_SUITE_P(
                  "--quantize-block tune --quantize-weights and --quantize-gradients, and neither "
                  "is given; add one"},
         BadInput{{"--max-gathered-units", "0"},
-                 "train_gpt: error: --max-gathered-units 0 must be at least 1 (1: no prefetch)"},
+                 "train_gpt: error: --max-gathered-units 0 must be at least 1 (the unit that "
+                 "computes; 1: no prefetch)"},
         BadInput{{"--max-live-numel", "-1"},
                  "train_gpt: error: --max-live-numel -1 must be 0 (off) or a positive number of "
                  "parameter elements"},
@@ -990,10 +992,12 @@ INSTANTIATE_TEST_SUITE_P(
                  "train_gpt: error: --deepspeed-config /nonexistent/ds.json: ds_config: cannot "
                  "open /nonexistent/ds.json"},
         BadInput{{"--master-dtype", "fp16"},
-                 "train_gpt: error: --master-dtype fp16 is unknown; use fp32 or bf16"},
-        BadInput{{"--master-dtype", "bf16"},
-                 "train_gpt: error: --master-dtype bf16 (pure bf16) needs --precision bf16 (this "
-                 "run is fp32): the gathered parameters cannot be more precise than the shards"},
+                 "train_gpt: error: --master-dtype fp16 is unsupported; use fp32 (fp32 masters) or "
+                 "bf16 (pure bf16)"},
+        BadInput{
+            {"--master-dtype", "bf16"},
+            "train_gpt: error: --master-dtype bf16 (pure bf16) needs --precision bf16 too (got "
+            "fp32): the gathered parameters cannot be more precise than the shards"},
         BadInput{{"--bf16-rounding", "stochastic"},
                  "train_gpt: error: --bf16-rounding stochastic applies only to --master-dtype "
                  "bf16 (this run's shards are fp32)"},
@@ -1002,8 +1006,8 @@ INSTANTIATE_TEST_SUITE_P(
                  "or compensated"},
         BadInput{{"--offload-activations"},
                  "train_gpt: error: --offload-activations keeps the inputs that activation "
-                 "checkpointing saves, and this run checkpoints none; add "
-                 "--activation-checkpointing all (or every:K)"},
+                 "checkpointing saves in host memory, and no block is checkpointed; set "
+                 "--activation-checkpointing (all or every:K) too"},
         BadInput{{"--no-decay-recipe", "biases"},
                  "train_gpt: error: --no-decay-recipe biases is unknown; use standard or none"},
         BadInput{{"--d-model", "30", "--n-head", "4"},

@@ -232,9 +232,9 @@ TEST(ReshardAfterForwardGroup, ABadGroupSizeIsNamedWithTheFix) {
     o.reshard_after_forward_group_size = 2;
     o.strategy = ShardingStrategy::kShardGradOp;
     EXPECT_EQ(error_of([&] { fully_shard(MlpNet(), o); }),
-              "ShardingOptions::reshard_after_forward_group_size=2 needs a strategy that reshards "
-              "after forward (kFullShard or kHybridShard); kShardGradOp, kZero2, kZero1 and "
-              "kNoShard keep full parameters into backward. Set it to 0, or use kFullShard");
+              "ShardingOptions::reshard_after_forward_group_size=2 needs a strategy that frees "
+              "parameters after forward (ShardingOptions::strategy=kFullShard or kHybridShard); "
+              "kShardGradOp keeps full parameters into backward. Set it to 0, or use kFullShard");
     // Within HYBRID_SHARD's groups of 2 there is no smaller group to reshard to.
     o.strategy = ShardingStrategy::kHybridShard;
     o.hybrid_group_size = 2;

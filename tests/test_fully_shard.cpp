@@ -244,8 +244,10 @@ TEST(FullyShard, BadOptionsAreRejectedWithTheValue) {
     fully_shard(Nested(), o);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "ShardingOptions::max_gathered_units=0 must be at least 1 (the unit that computes)");
+    EXPECT_EQ(
+        std::string(e.what_without_backtrace()),
+        "ShardingOptions::max_gathered_units=0 must be at least 1 (the unit that computes; 1: "
+        "no prefetch)");
   }
 }
 

@@ -179,8 +179,7 @@ TEST(MixedPrecision, ReduceDtypeBelowFp16IsRejected) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "MixedPrecision::reduce_dtype=Char is unsupported; gradients reduce in Float, "
-              "BFloat16 or Half");
+              "MixedPrecision::reduce_dtype=Char is unsupported; use Float, BFloat16 or Half");
   }
 }
 

@@ -228,10 +228,10 @@ TEST(NvmeParams, NeedsTheOptimizerStateInFilesToo) {
   ShardingOptions o = options(ProcessGroup(), dir.path, false, true);
   o.offload_optimizer.device = OffloadDevice::kCpu;
   EXPECT_EQ(error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); }),
-            "ShardingOptions::offload_param.device=nvme needs offload_optimizer.device=nvme too "
-            "(got cpu): the optimizer steps the fp32 masters where they are, streaming them from "
-            "the files with its moments. Set offload_optimizer.device=nvme, or "
-            "offload_param.device=cpu");
+            "ShardingOptions::offload_param.device=nvme needs "
+            "ShardingOptions::offload_optimizer.device=nvme too (got cpu): the optimizer steps the "
+            "fp32 masters where they are, streaming them from the files with its moments. Offload "
+            "the optimizer to NVMe too, or the parameters to cpu");
 }
 
 TEST(NvmeParams, PureBf16HasNoMastersToOffload) {
@@ -240,8 +240,8 @@ TEST(NvmeParams, PureBf16HasNoMastersToOffload) {
   o.mixed_precision.master_dtype = torch::kBFloat16;
   EXPECT_EQ(error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); }),
             "ShardingOptions::offload_param.device=nvme keeps fp32 masters in files; "
-            "MixedPrecision::master_dtype=BFloat16 (pure bf16) has none. Use master_dtype=Float, "
-            "or offload_param.device=cpu");
+            "MixedPrecision::master_dtype=BFloat16 (pure bf16) has none. Use "
+            "MixedPrecision::master_dtype=Float, or ShardingOptions::offload_param.device=cpu");
 }
 
 TEST(NvmeParams, PersistentStrategiesAreRefused) {
@@ -250,7 +250,8 @@ TEST(NvmeParams, PersistentStrategiesAreRefused) {
   o.strategy = ShardingStrategy::kZero2;
   EXPECT_NE(error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); })
                 .find("ShardingOptions::offload_param.device=nvme needs a strategy that frees "
-                      "parameters after use (kFullShard, ZeRO-3, or kHybridShard)"),
+                      "parameters after use (ShardingOptions::strategy=kFullShard, ZeRO-3, or "
+                      "kHybridShard)"),
             std::string::npos);
 }
 

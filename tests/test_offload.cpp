@@ -284,9 +284,10 @@ TEST(DeprecatedCpuOffload, TrainsBitForBitLikeBothOffloadsOnTheHost) {
 #pragma GCC diagnostic pop
   o.offload_optimizer.device = OffloadDevice::kNvme;
   EXPECT_EQ(shard_error(o),
-            "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
-            "offload_optimizer or offload_param; use one or the other (cpu_offload is "
-            "deprecated: offload_optimizer.device = offload_param.device = kCpu)");
+            "ShardingOptions::cpu_offload (everything to host memory) contradicts "
+            "ShardingOptions::offload_optimizer.device=nvme and "
+            "ShardingOptions::offload_param.device=none; use one or the other "
+            "(ShardingOptions::cpu_offload means both offloads on the host)");
 }
 
 #ifndef USE_C10D_NCCL

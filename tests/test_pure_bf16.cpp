@@ -357,8 +357,9 @@ TEST(PureBf16, BadCombinationsAreRefusedNamingTheFix) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "MixedPrecision::master_dtype=BFloat16 (pure bf16) needs param_dtype=BFloat16 too "
-              "(got Float): the gathered parameters cannot be more precise than the shards");
+              "MixedPrecision::master_dtype=BFloat16 (pure bf16) needs "
+              "MixedPrecision::param_dtype=BFloat16 too (got Float): the gathered parameters "
+              "cannot be more precise than the shards");
   }
   o.mixed_precision.param_dtype = torch::kBFloat16;
   o.mixed_precision.keep_fp32_policy = always_wrap_policy();
@@ -368,7 +369,7 @@ TEST(PureBf16, BadCombinationsAreRefusedNamingTheFix) {
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "MixedPrecision::keep_fp32_policy keeps units in fp32, which pure bf16 "
-              "(master_dtype=BFloat16) has no fp32 values for; drop one of them");
+              "(MixedPrecision::master_dtype=BFloat16) has no fp32 values for; drop one of them");
   }
   o.mixed_precision.keep_fp32_policy = nullptr;
   o.mixed_precision.master_dtype = torch::kHalf;

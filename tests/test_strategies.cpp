@@ -179,7 +179,7 @@ TEST(Strategies, HybridGroupSizeMustDivideTheWorld) {
     } catch (const c10::Error& e) {
       EXPECT_EQ(std::string(e.what_without_backtrace()),
                 "ShardingOptions::hybrid_group_size=2 must divide the world size 3 (e.g. the "
-                "number of ranks per node)");
+                "ranks per node), or be 0 for the whole world");
     }
   });
 }

@@ -358,7 +358,8 @@ TEST(OffloadGranularity, OffloadParamAloneOrUnderAPersistentStrategyIsRefused) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("ShardingOptions::offload_param.device=cpu needs offload_optimizer too"),
+                  .find("ShardingOptions::offload_param.device=cpu needs "
+                        "ShardingOptions::offload_optimizer.device too"),
               std::string::npos)
         << e.what_without_backtrace();
   }

@@ -2,6 +2,8 @@
 // groups, links and attributes. Datasets are in h5_dataset.cpp (the map in h5_detail.h).
 #include "h5_detail.h"
 
+#include "../publish.h"
+
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -154,7 +156,7 @@ Obj create_file(const std::string& path) {
   H5Pset_small_data_block_size(fapl, 1 << 20);
   hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, fcpl, fapl);
   TORCH_CHECK(f >= 0, "cannot create checkpoint file ", path, ": ", reason(),
-              ". Check that the directory exists, is writable and has free space.");
+              ckpt::kCheckTheDirectory);
   return Obj(f, H5Fclose);
 }
 

@@ -156,8 +156,7 @@ std::string index_json(const std::vector<Spec>& specs, const std::vector<FilePla
 FileWriter::FileWriter(std::string path, const std::string& header, uint64_t data_bytes)
     : path_(std::move(path)), tmp_(path_ + ".tmp"), expected_(data_bytes) {
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "cannot create ", tmp_, ": ", err_text(),
-              ". Check that the directory exists, is writable and has free space.");
+  TORCH_CHECK(fd_ >= 0, "cannot create ", tmp_, ": ", err_text(), ckpt::kCheckTheDirectory);
   write_all(fd_, header.data(), header.size(), tmp_);
 }
 

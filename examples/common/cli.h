@@ -38,6 +38,22 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// A --prompt must give at least one token.
+inline void check_prompt(bool empty) {
+  if (empty) throw UsageError("--prompt is empty; give at least one byte of text to continue");
+}
+
+/// fn's result; the std::invalid_argument of a rule it broke (the options core's, whose
+/// messages name the flags) as a UsageError.
+template <class Fn>
+auto usage_checked(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+}
+
 /// Parses argv with `options`. std::nullopt after printing --help; a UsageError for an
 /// argument no flag takes, or for a `required` flag left out.
 inline std::optional<cxxopts::ParseResult> parse_command_line(

@@ -104,8 +104,7 @@ int run(int argc, char** argv) {
   const int64_t n_new = r["max-new-tokens"].as<int64_t>();
   const double temperature = r["temperature"].as<double>();
   const int64_t top_k = r["top-k"].as<int64_t>();
-  if (prompt.empty())
-    throw UsageError("--prompt is empty; give at least one byte of text to continue");
+  examples::check_prompt(prompt.empty());
   if (n_new <= 0)
     throw UsageError("--max-new-tokens " + std::to_string(n_new) + " must be positive");
   if (!(temperature > 0)) {

@@ -9,6 +9,7 @@
 #include <fsdp/pipeline.h>
 
 #include "../common/attention.h"
+#include "../common/layers.h"
 #include "../common/trainer/lm_config.h"
 
 #include <torch/torch.h>
@@ -225,9 +226,9 @@ inline std::string layer_param_name(const std::string& name) {
   for (const char* layer : {"embed.", "head."})
     if (name.rfind(layer, 0) == 0) return name.substr(std::strlen(layer));
   const size_t dot = name.find('.');
-  TORCH_CHECK(name.rfind("block", 0) == 0 && dot != std::string::npos && dot > 5 &&
-                  name.find_first_not_of("0123456789", 5) == dot,
-              "gpt::layer_param_name: '", name, "' is not a parameter of as_layers' layers");
+  examples::check_layer_param_name(name.rfind("block", 0) == 0 && dot != std::string::npos &&
+                                       dot > 5 && name.find_first_not_of("0123456789", 5) == dot,
+                                   "gpt::layer_param_name", name);
   return "blocks." + name.substr(5, dot - 5) + name.substr(dot);
 }
 

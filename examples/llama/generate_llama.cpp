@@ -280,8 +280,7 @@ int run(int argc, char** argv) {
   std::vector<int64_t> prompt;
   if (r.count("prompt")) {
     for (unsigned char c : r["prompt"].as<std::string>()) prompt.push_back(c);
-    if (prompt.empty())
-      throw UsageError("--prompt is empty; give at least one byte of text to continue");
+    examples::check_prompt(prompt.empty());
     for (int64_t id : prompt) {
       if (id >= cfg.vocab_size) {
         throw UsageError("--prompt has byte " + std::to_string(id) + ", not below vocab_size " +

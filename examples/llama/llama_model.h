@@ -16,7 +16,9 @@
 // it appends each new position's keys and values and attends over the cache.
 
 #include <fsdp/fully_sharded_module.h>
+
 #include <fsdp/pipeline.h>
+#include "../common/layers.h"
 
 #include "../common/attention.h"
 #include "../common/trainer/lm_config.h"
@@ -395,9 +397,9 @@ inline std::string layer_param_name(const std::string& name) {
     return "model." + (name[0] == 'h' ? name.substr(5) : name);
   if (name.rfind("head.", 0) == 0) return name.substr(5);
   const size_t dot = name.find('.');
-  TORCH_CHECK(name.rfind("layer", 0) == 0 && dot != std::string::npos && dot > 5 &&
-                  name.find_first_not_of("0123456789", 5) == dot,
-              "llama::layer_param_name: '", name, "' is not a parameter of as_layers' layers");
+  examples::check_layer_param_name(name.rfind("layer", 0) == 0 && dot != std::string::npos &&
+                                       dot > 5 && name.find_first_not_of("0123456789", 5) == dot,
+                                   "llama::layer_param_name", name);
   return "model.layers." + name.substr(5, dot - 5) + name.substr(dot);
 }
 

@@ -24,6 +24,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
@@ -123,6 +124,10 @@ class FusedAdamW : public torch::optim::AdamW {
   /// One group's parameters through at::_fused_adamw_, a launch per device and dtype.
   void step_aten(const std::vector<torch::Tensor>& params, const torch::optim::AdamWOptions& o);
 
+  /// The model's barrier before its shards change (Note [Background staging]): over a
+  /// ShardedModel or its ShardParamGroups; over plain tensors none (the end of each
+  /// backward waits for a save's copies, as it does for any optimizer).
+  std::function<void()> shard_change_barrier_;
   Kernel kernel_ = Kernel::kAuto;
   Bf16Rounding bf16_rounding_ = Bf16Rounding::kNearest;
   uint64_t rounding_seed_ = 0;  ///< set_bf16_rounding's seed (kStochastic's random bits)

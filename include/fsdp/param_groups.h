@@ -32,6 +32,11 @@
 
 namespace fsdp {
 
+class ShardParamGroups;
+namespace detail {
+std::function<void()> shard_change_barrier_of(const ShardParamGroups& groups);
+}  // namespace detail
+
 /// One group's options. Unset fields take the optimizer's defaults (the options passed to
 /// ShardParamGroups::param_groups).
 struct GroupOptions {
@@ -123,6 +128,9 @@ class ShardParamGroups {
   const ProcessGroup& process_group() const;
 
  private:
+  // The model's barrier before its shards change (Note [Background staging]), for
+  // FusedAdamW over these groups.
+  friend std::function<void()> detail::shard_change_barrier_of(const ShardParamGroups& groups);
   struct State;
   std::shared_ptr<State> state_;
 };

@@ -6,6 +6,7 @@
 // LibTorch (2.6 and newer) has (docs/design.md, "LibTorch facts"). Gloo and NCCL live in
 // their own files; CMake swaps in a stand-in that throws when one is not built.
 
+#include <fsdp/core/options.h>
 #include <fsdp/process_group.h>
 
 #include <torch/torch.h>
@@ -19,6 +20,10 @@
 
 namespace fsdp {
 namespace detail {
+
+/// A backend's name (auto, gloo or nccl) as the options core checks it, its error a
+/// c10::Error naming `option` (src/comm/device.cpp).
+void check_backend_name(const std::string& name, const std::string& option, core::Surface s);
 class Backend;
 
 /// What a ProcessGroup handle holds (declared opaque in fsdp/process_group.h).

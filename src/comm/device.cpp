@@ -43,10 +43,18 @@ int64_t ranks_on_this_machine() {
 
 }  // namespace
 
+void detail::check_backend_name(const std::string& name, const std::string& option,
+                                core::Surface s) {
+  try {  // the options core's rule (Note [Options core])
+    core::check_backend(name, option, s);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
 torch::Device choose_device(const std::string& spec, const std::string& what,
                             const std::string& backend) {
-  TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl", "backend '", backend,
-              "' is unknown; use auto, gloo or nccl");
+  detail::check_backend_name(backend, "backend", core::Surface::kFlags);
   if (spec == "cpu") return torch::kCPU;
   if (spec == "auto" || spec.empty()) {
     // The GPUs, when there is one for each of this node's ranks: NCCL refuses two ranks
@@ -92,8 +100,7 @@ std::string backend_for(const torch::Device& device) { return device.is_cuda() ?
 std::string backend_for(const torch::Device& device, const std::string& choice,
                         const std::string& what) {
   if (choice == "auto") return backend_for(device);
-  TORCH_CHECK(choice == "gloo" || choice == "nccl", what, " ", choice,
-              " is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or nccl");
+  detail::check_backend_name(choice, what, core::Surface::kFlags);
   TORCH_CHECK(choice == "gloo" || device.is_cuda(), what, " nccl needs a GPU, but the device is ",
               device.str(), "; use ", what, " gloo (or auto) on the CPU");
   return choice;

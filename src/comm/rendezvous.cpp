@@ -148,8 +148,7 @@ double rendezvous_timeout_s(const ProcessGroupOptions& options) {
 // "gloo" or "nccl": ProcessGroupOptions::backend, with "auto" resolved.
 std::string resolve_backend(const ProcessGroupOptions& options) {
   const std::string& backend = options.backend;
-  TORCH_CHECK(backend == "auto" || backend == "gloo" || backend == "nccl",
-              "ProcessGroupOptions::backend='", backend, "' is unknown; use auto, gloo or nccl");
+  detail::check_backend_name(backend, "ProcessGroupOptions::backend", core::Surface::kApi);
   if (backend != "auto") return backend;
   // The backend of the device "auto" computes on: NCCL only when this node has a GPU for
   // each of its ranks (LOCAL_WORLD_SIZE), so CPU ranks beside too few GPUs use Gloo

@@ -5,6 +5,8 @@
 
 #include "relaxed_json.h"
 
+#include <fsdp/core/options.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -292,9 +294,12 @@ void ConfigReader::pipeline(const json& pl) {
   if (pl.contains("stages")) {
     out_.pipeline_stages =
         static_cast<int>(integer("pipeline.stages", pl["stages"], p_.pipeline_stages, 1));
-    TORCH_CHECK(p_.world_size % out_.pipeline_stages == 0, "ds_config: pipeline.stages ",
-                out_.pipeline_stages, " does not divide the world size ", p_.world_size,
-                ": the world is stages x data-parallel ranks; use a divisor of ", p_.world_size);
+    try {  // the options core's rule (Note [Options core])
+      core::check_pipeline_stages(out_.pipeline_stages, p_.world_size, "ds_config: pipeline.stages",
+                                  core::Surface::kFlags);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, e.what());
+    }
     note("pipeline.stages", pl["stages"], true,
          "PipelineOptions::stages: the model's layers in stages over the ranks, each stage "
          "sharded over world / stages ranks",
@@ -341,7 +346,7 @@ void ConfigReader::pipeline(const json& pl) {
 bool ConfigReader::fp16_section(const json& f) {
   bool fp16 = false;
   check_keys(
-      f, "fp16",
+      f, "fp16",  // DeepSpeed's key
       {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
        "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"});
   if (f.contains("enabled")) {
@@ -434,12 +439,12 @@ bool ConfigReader::bf16_section(const json& f, const std::string& b) {
 }
 
 void ConfigReader::precision(const json& j) {
-  TORCH_CHECK(!(j.contains("bf16") && j.contains("bfloat16")),
+  TORCH_CHECK(!(j.contains("bf16") && j.contains("bfloat16")),  // DeepSpeed's keys
               "ds_config: both bf16 and bfloat16 are given; bfloat16 is the old name of bf16, "
               "keep one");
   bool fp16 = false, bf16 = false;
-  if (j.contains("fp16")) fp16 = fp16_section(j["fp16"]);
-  const char* bkey = j.contains("bf16") ? "bf16" : "bfloat16";
+  if (j.contains("fp16")) fp16 = fp16_section(j["fp16"]);       // DeepSpeed's key
+  const char* bkey = j.contains("bf16") ? "bf16" : "bfloat16";  // DeepSpeed's keys
   if (j.contains(bkey)) bf16 = bf16_section(j[bkey], bkey);
   TORCH_CHECK(!(fp16 && bf16),
               "ds_config: bfloat16 and fp16 modes cannot be simultaneously enabled");
@@ -609,26 +614,10 @@ void ConfigReader::scheduler(const json& s) {
 // ---- zero_optimization ------------------------------------------------------------------
 
 const char* ds_strategy_name(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::kFullShard:
-      return "kFullShard";
-    case ShardingStrategy::kShardGradOp:
-      return "kShardGradOp";
-    case ShardingStrategy::kNoShard:
-      return "kNoShard";
-    case ShardingStrategy::kHybridShard:
-      return "kHybridShard";
-    case ShardingStrategy::kZero2:
-      return "kZero2";
-    case ShardingStrategy::kZero1:
-      return "kZero1";
-  }
-  return "?";
+  return core::strategy_name(s, core::Surface::kApi);
 }
 
-const char* ds_offload_name(OffloadDevice d) {
-  return d == OffloadDevice::kCpu ? "cpu" : d == OffloadDevice::kNvme ? "nvme" : "none";
-}
+const char* ds_offload_name(OffloadDevice d) { return to_string(d); }
 
 void ConfigReader::offload(const json& o, const std::string& path, OffloadConfig& c, bool param) {
   if (o.is_null()) {
@@ -646,11 +635,12 @@ void ConfigReader::offload(const json& o, const std::string& path, OffloadConfig
       std::string("ShardingOptions::") + (param ? "offload_param" : "offload_optimizer");
   if (o.contains("device")) {
     const std::string d = string(path + ".device", o["device"], "\"cpu\", \"nvme\" or \"none\"");
-    TORCH_CHECK(d == "cpu" || d == "nvme" || d == "none", "ds_config: ", path, ".device \"", d,
-                "\" is unknown; use cpu, nvme or none");
-    c.device = d == "cpu"    ? OffloadDevice::kCpu
-               : d == "nvme" ? OffloadDevice::kNvme
-                             : OffloadDevice::kNone;
+    try {  // the options core's names (Note [Options core])
+      c.device = core::parse_offload(d, core::Option::kOffloadParam, core::Surface::kFlags);
+    } catch (const std::invalid_argument&) {
+      TORCH_CHECK(false, "ds_config: ", path, ".device \"", d,
+                  "\" is unknown; use cpu, nvme or none");
+    }
     note(path + ".device", o["device"], true, field + ".device = " + ds_offload_name(c.device));
   }
   const std::string unused = c.device == OffloadDevice::kNone ? "; device none, so no effect" : "";
@@ -942,7 +932,8 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
   // Note [Every problem at once]: each part on its own, then one error for all.
   r.check_keys(j, "",
                {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
+                "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer",
+                "scheduler",  // DeepSpeed's keys
                 "zero_optimization", "steps_per_print", "wall_clock_breakdown", "pipeline"});
   if (j.contains("pipeline")) r.attempt([&] { r.pipeline(j["pipeline"]); });
   r.attempt([&] { r.batch(j); });

@@ -1,5 +1,6 @@
 // fully_shard: walks the module tree, lets the policy pick units, assigns parameters,
 // and points each wrap point at its unit.
+#include <fsdp/core/options.h>
 #include "engine_access.h"
 #include "host_heap.h"
 #include "nvme/io_engine.h"
@@ -120,39 +121,49 @@ void collect_units(WrapNode& node, std::vector<WrapNode*>& out) {
   for (auto& c : node.children) collect_units(*c, out);
 }
 
-// DeepSpeed's offload sections, as ShardingOptions::offload_optimizer and offload_param.
-void validate_offload(const ShardingOptions& o) {
-  const OffloadDevice opt = o.offload_optimizer.device, par = o.offload_param.device;
-  TORCH_CHECK(par == OffloadDevice::kNone || opt != OffloadDevice::kNone,
-              "ShardingOptions::offload_param.device=", fsdp::to_string(par),
-              " needs offload_optimizer too: the fp32 master shard is the parameter here, so "
-              "parameters can leave the device only with the optimizer state. Set "
-              "offload_optimizer.device as well, or offload the optimizer alone");
-  TORCH_CHECK(par != OffloadDevice::kNvme || o.strategy == ShardingStrategy::kFullShard ||
-                  o.strategy == ShardingStrategy::kHybridShard,
-              "ShardingOptions::offload_param.device=", fsdp::to_string(par),
-              " needs a strategy that frees parameters after use (kFullShard, ZeRO-3, or "
-              "kHybridShard), as DeepSpeed's offload_param needs stage 3");
-  // Note [NVMe parameters]: the masters go to files beside the optimizer's state, which
-  // streams them with its moments.
-  TORCH_CHECK(par != OffloadDevice::kNvme || opt == OffloadDevice::kNvme,
-              "ShardingOptions::offload_param.device=nvme needs offload_optimizer.device=nvme "
-              "too (got ",
-              fsdp::to_string(opt),
-              "): the optimizer steps the fp32 masters where they are, streaming them from the "
-              "files with its moments. Set offload_optimizer.device=nvme, or "
-              "offload_param.device=cpu");
-  TORCH_CHECK(par != OffloadDevice::kNvme || o.mixed_precision.master_dtype == at::kFloat,
-              "ShardingOptions::offload_param.device=nvme keeps fp32 masters in files; "
-              "MixedPrecision::master_dtype=BFloat16 (pure bf16) has none. Use master_dtype=Float, "
-              "or offload_param.device=cpu");
-  // The directories' existence and writability now, before anything is built; the free
-  // space when the files are reserved (the bytes are known then).
-  if (opt == OffloadDevice::kNvme)
-    nvme::check_nvme_dir(o.offload_optimizer.nvme_path,
-                         "ShardingOptions::offload_optimizer.nvme_path");
-  if (par == OffloadDevice::kNvme)
-    nvme::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
+// The option rules are the options core's (Note [Options core]), in the API's words;
+// its std::invalid_argument becomes the c10::Error the engine's other checks throw.
+template <class Fn>
+auto core_checked(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+Precision precision_of(at::ScalarType t, core::Option option) {
+  if (t == at::kFloat) return Precision::kFp32;
+  if (t == at::kBFloat16) return Precision::kBf16;
+  if (t == at::kHalf) return Precision::kFp16;
+  core_checked([&] { core::unsupported_dtype(option, c10::toString(t), core::Surface::kApi); });
+  return Precision::kFp32;  // not reached
+}
+
+core::Options core_options(const ShardingOptions& o, bool cpu_offload) {
+  core::Options c;
+  c.strategy = o.strategy;
+  c.world_size = o.process_group.size();
+  c.hybrid_group_size = o.hybrid_group_size;
+  c.hpz_group_size = o.reshard_after_forward_group_size;
+  c.offload_optimizer = o.offload_optimizer.device;
+  c.offload_param = o.offload_param.device;
+  c.cpu_offload = cpu_offload;
+  const MixedPrecision& mp = o.mixed_precision;
+  c.param = precision_of(mp.param_dtype, core::Option::kPrecision);
+  c.reduce = precision_of(mp.reduce_dtype, core::Option::kReduceDtype);
+  c.master = precision_of(mp.master_dtype, core::Option::kMasterDtype);
+  c.keep_fp32 = mp.keep_fp32_policy != nullptr;
+  c.max_gathered_units = o.max_gathered_units;
+  c.activation_checkpointing = o.checkpoint_policy != nullptr;
+  c.offload_activations = o.offload_activations;
+  const QuantizedCommunication& q = o.quantized_communication;
+  c.quantize_weights = q.weights;
+  c.quantize_gradients = q.gradients;
+  c.weight_bits = q.weight_bits;
+  c.gradient_bits = q.gradient_bits;
+  c.quantize_block = q.block_size;
+  return c;
 }
 
 // ShardingOptions::cpu_offload (deprecated) as what it means, offload_optimizer and
@@ -165,11 +176,7 @@ ShardingOptions resolve_deprecated(const ShardingOptions& given) {
   o.cpu_offload = false;
 #pragma GCC diagnostic pop
   if (!cpu_offload) return o;
-  TORCH_CHECK(o.offload_optimizer.device != OffloadDevice::kNvme &&
-                  o.offload_param.device != OffloadDevice::kNvme,
-              "ShardingOptions::cpu_offload (offload to host memory) contradicts an NVMe "
-              "offload_optimizer or offload_param; use one or the other (cpu_offload is "
-              "deprecated: offload_optimizer.device = offload_param.device = kCpu)");
+  core_checked([&] { core::validate(core_options(given, true), core::Surface::kApi); });
   TORCH_WARN_ONCE(
       "ShardingOptions::cpu_offload is deprecated and goes in the next release: "
       "set offload_optimizer.device and offload_param.device to "
@@ -179,75 +186,23 @@ ShardingOptions resolve_deprecated(const ShardingOptions& given) {
   return o;
 }
 
-void validate_quantized(const QuantizedCommunication& q) {
-  if (!q.weights && !q.gradients) return;
-  for (auto [bits, name] :
-       {std::pair{q.weight_bits, "weight_bits"}, std::pair{q.gradient_bits, "gradient_bits"}}) {
-    TORCH_CHECK(bits == 8 || bits == 4, "QuantizedCommunication::", name, "=", bits,
-                " is unsupported; use 8 (int8) or 4 (int4)");
-  }
-  TORCH_CHECK(q.block_size >= 1, "QuantizedCommunication::block_size=", q.block_size,
-              " must be at least 1 element (2048 is DeepSpeed's kind of default)");
-  TORCH_CHECK(q.scale_dtype == at::kFloat || q.scale_dtype == at::kBFloat16,
-              "QuantizedCommunication::scale_dtype=", q.scale_dtype,
-              " is unsupported; use Float or BFloat16");
-}
-
 void validate(const ShardingOptions& o) {
-  validate_quantized(o.quantized_communication);
   TORCH_CHECK(o.auto_wrap_policy != nullptr,
               "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
               "shard everything as one unit");
-  TORCH_CHECK(o.max_gathered_units >= 1,
-              "ShardingOptions::max_gathered_units=", o.max_gathered_units,
-              " must be at least 1 (the unit that computes)");
-  const int world = o.process_group.size();
-  if (o.strategy == ShardingStrategy::kHybridShard) {
-    const int g = o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
-    TORCH_CHECK(g >= 1 && world % g == 0,
-                "ShardingOptions::hybrid_group_size=", o.hybrid_group_size,
-                " must divide the world size ", world, " (e.g. the number of ranks per node)");
-  }
-  if (const int k = o.reshard_after_forward_group_size; k != 0) {
-    const bool full = o.strategy == ShardingStrategy::kFullShard;
-    TORCH_CHECK(full || o.strategy == ShardingStrategy::kHybridShard,
-                "ShardingOptions::reshard_after_forward_group_size=", k,
-                " needs a strategy that reshards after forward (kFullShard or kHybridShard); "
-                "kShardGradOp, kZero2, kZero1 and kNoShard keep full parameters into backward. "
-                "Set it to 0, or "
-                "use kFullShard");
-    const int g = full || o.hybrid_group_size == 0 ? world : o.hybrid_group_size;
-    TORCH_CHECK(k > 1 && k < g && g % k == 0,
-                "ShardingOptions::reshard_after_forward_group_size=", k,
-                " must divide the shard group size ", g, " and lie strictly between 1 and ", g,
-                " (e.g. the number of ranks per node); 0 reshards to the whole shard group");
-  }
-  validate_offload(o);
-  TORCH_CHECK(!o.offload_activations || o.checkpoint_policy != nullptr,
-              "ShardingOptions::offload_activations keeps the inputs that activation "
-              "checkpointing saves in host memory, but checkpoint_policy is empty; set "
-              "checkpoint_policy (e.g. fsdp::module_type_policy<Block>()) too");
-  auto ok_dtype = [](at::ScalarType t) {
-    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-  };
-  TORCH_CHECK(ok_dtype(o.mixed_precision.param_dtype),
-              "MixedPrecision::param_dtype=", o.mixed_precision.param_dtype,
-              " is unsupported; use Float, BFloat16 or Half");
-  TORCH_CHECK(ok_dtype(o.mixed_precision.reduce_dtype),
-              "MixedPrecision::reduce_dtype=", o.mixed_precision.reduce_dtype,
-              " is unsupported; gradients reduce in Float, BFloat16 or Half");
-  const auto master = o.mixed_precision.master_dtype;
-  TORCH_CHECK(master == at::kFloat || master == at::kBFloat16,
-              "MixedPrecision::master_dtype=", master,
-              " is unsupported; use Float (fp32 masters) or BFloat16 (pure bf16)");
-  TORCH_CHECK(master == at::kFloat || o.mixed_precision.param_dtype == at::kBFloat16,
-              "MixedPrecision::master_dtype=BFloat16 (pure bf16) needs param_dtype=BFloat16 "
-              "too (got ",
-              o.mixed_precision.param_dtype,
-              "): the gathered parameters cannot be more precise than the shards");
-  TORCH_CHECK(master == at::kFloat || o.mixed_precision.keep_fp32_policy == nullptr,
-              "MixedPrecision::keep_fp32_policy keeps units in fp32, which pure bf16 "
-              "(master_dtype=BFloat16) has no fp32 values for; drop one of them");
+  core_checked([&] { core::validate(core_options(o, false), core::Surface::kApi); });
+  const QuantizedCommunication& q = o.quantized_communication;
+  TORCH_CHECK(
+      !(q.weights || q.gradients) || q.scale_dtype == at::kFloat || q.scale_dtype == at::kBFloat16,
+      "QuantizedCommunication::scale_dtype=", q.scale_dtype,
+      " is unsupported; use Float or BFloat16");
+  // The directories' existence and writability now, before anything is built; the free
+  // space when the files are reserved (the bytes are known then).
+  if (o.offload_optimizer.device == OffloadDevice::kNvme)
+    nvme::check_nvme_dir(o.offload_optimizer.nvme_path,
+                         "ShardingOptions::offload_optimizer.nvme_path");
+  if (o.offload_param.device == OffloadDevice::kNvme)
+    nvme::check_nvme_dir(o.offload_param.nvme_path, "ShardingOptions::offload_param.nvme_path");
 }
 
 }  // namespace

@@ -67,10 +67,17 @@ void add_backward_observer(const ShardedModel& model, std::function<void(bool)> 
   model_runtime(model).add_backward_observer(std::move(f));
 }
 
-void set_shard_change_barrier(void (*barrier)()) { shard_change_barrier_fn().store(barrier); }
+void set_shard_change_barrier(const ShardedModel& model, std::function<void()> barrier) {
+  model_runtime(model).set_shard_change_barrier(std::move(barrier));
+}
 
-void shard_change_barrier() {
-  if (auto* barrier = shard_change_barrier_fn().load()) barrier();
+std::function<void()> shard_change_barrier_of(const ShardedModel& model) {
+  // Weakly: a FusedAdamW or a scope may outlive the model, whose barrier then has nothing
+  // left to guard.
+  std::weak_ptr<Runtime> runtime = model_runtime(model).shared_from_this();
+  return [runtime] {
+    if (auto r = runtime.lock()) r->shard_change_barrier();
+  };
 }
 
 void rename_parameters(ShardedModel& model,

@@ -60,11 +60,6 @@ void Runtime::set_flat_config(const FlatConfig& cfg) {
   comm_ = std::make_unique<CommContext>(&acct_, cfg.transfers);
 }
 
-std::atomic<void (*)()>& shard_change_barrier_fn() {
-  static std::atomic<void (*)()> barrier{nullptr};
-  return barrier;
-}
-
 Unit& Runtime::add_unit(const std::string& fqn) {
   TORCH_INTERNAL_ASSERT(comm_ != nullptr, "add_unit before set_flat_config");
   units_.push_back(std::make_shared<Unit>(fqn, static_cast<int>(units_.size()), *comm_));
@@ -363,7 +358,7 @@ void Runtime::end_of_backward() {
   order_frozen_ = true;
   for (auto& f : backward_observers_) f(false);
   recount_grads();
-  if (auto* barrier = shard_change_barrier_fn().load()) barrier();  // the step comes next
+  shard_change_barrier();  // the step comes next
 }
 
 void Runtime::wait_transfers() { comm_->wait_transfers(); }

@@ -27,9 +27,6 @@ enum class Phase { kIdle, kForward, kBackward };
 
 const char* to_string(Phase s);
 
-/// What runs before the shards may change (detail::set_shard_change_barrier).
-std::atomic<void (*)()>& shard_change_barrier_fn();
-
 class Runtime : public std::enable_shared_from_this<Runtime> {
  public:
   explicit Runtime(ShardingOptions options);
@@ -81,6 +78,17 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void add_backward_observer(std::function<void(bool starting)> f) {
     backward_observers_.push_back(std::move(f));
   }
+  /// What must run before this model's shards, or an optimizer's state over them,
+  /// change: an asynchronous save's background staging waits there (Note [Background
+  /// staging]). The end of every backward runs it last; FusedAdamW::step,
+  /// import_consolidated and a FullParamsScope's writeback run it through
+  /// shard_change_barrier_of(). Empty: nothing.
+  void set_shard_change_barrier(std::function<void()> barrier) {
+    shard_change_barrier_ = std::move(barrier);
+  }
+  void shard_change_barrier() const {
+    if (shard_change_barrier_) shard_change_barrier_();
+  }
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
   bool no_sync() const { return !comm_->gradient_sync(); }
   void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
@@ -131,6 +139,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   /// set_prefetch(): [0] forward, [1] backward.
   std::map<const Unit*, std::vector<Unit*>> explicit_prefetch_[2];
   std::vector<std::function<void(bool)>> backward_observers_;  ///< add_backward_observer()
+  std::function<void()> shard_change_barrier_;                 ///< set_shard_change_barrier()
 };
 
 }  // namespace detail

@@ -170,6 +170,12 @@ detail::SequentialEntryImpl::SequentialEntryImpl(torch::nn::AnyModule module, bo
   if (at_construction) constructed();
 }
 
+void detail::check_layer_made(const torch::nn::AnyModule& module, int64_t i,
+                              const std::string& name) {
+  TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i, " ('",
+              name, "')");
+}
+
 Sharded<torch::nn::Sequential> detail::shard_layers_as_built(
     int64_t first, int64_t last,
     const std::function<std::pair<std::string, torch::nn::AnyModule>(int64_t)>& make,
@@ -178,7 +184,7 @@ Sharded<torch::nn::Sequential> detail::shard_layers_as_built(
   detail::ConstructionScope scope(options);
   for (int64_t i = first; i < last; ++i) {
     auto [name, module] = make(i);
-    TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i);
+    detail::check_layer_made(module, i, name);
     entries.insert(name, torch::nn::AnyModule(std::make_shared<SequentialEntryImpl>(
                              std::move(module), /*at_construction=*/true)));
   }

@@ -4,6 +4,8 @@
 
 #include "rules.h"
 
+#include <fsdp/core/options.h>
+
 #include <algorithm>
 #include <functional>
 #include <stdexcept>
@@ -15,30 +17,11 @@ using estimate_rules::bad;
 using estimate_rules::precision_bytes;
 using estimate_rules::round_up;
 
-// Ranks each flat parameter is split over (src/engine/fully_shard.cpp: FULL_SHARD and
-// SHARD_GRAD_OP shard over the world, HYBRID_SHARD within groups, NO_SHARD not at all).
-int shard_group_size(const EstimateInput& in) {
-  switch (in.strategy) {
-    case ShardingStrategy::kFullShard:
-    case ShardingStrategy::kShardGradOp:
-    case ShardingStrategy::kZero2:
-    case ShardingStrategy::kZero1:
-      return in.world_size;
-    case ShardingStrategy::kNoShard:
-      return 1;
-    case ShardingStrategy::kHybridShard: {
-      const int g = in.hybrid_group_size == 0 ? in.world_size : in.hybrid_group_size;
-      if (g < 1 || in.world_size % g != 0) {
-        bad("--hybrid-group-size " + std::to_string(in.hybrid_group_size) +
-            " is invalid; it must divide the world size " + std::to_string(in.world_size) +
-            " (e.g. the ranks per node), or be 0 for the whole world");
-      }
-      return g;
-    }
-  }
-  bad("strategy " + std::to_string(static_cast<int>(in.strategy)) +
-      " is not a ShardingStrategy; use one of its enumerators");
-}
+// The options the rules read (src/core/options.h), as the estimator holds them.
+core::Options core_options(const EstimateInput& in);
+
+// Ranks each flat parameter is split over, as the engine splits them.
+int shard_group_size(const EstimateInput& in) { return core::shard_group_size(core_options(in)); }
 
 // DeepSpeed's offload_optimizer / offload_param as the engine resolves them: the legacy
 // cpu_offload is both to the host.
@@ -67,22 +50,41 @@ Offload offload_of(const EstimateInput& in) {
   return {in.offload_optimizer, in.offload_param, persistent};
 }
 
-// Runtime::reshard_after_forward frees non-root units after forward only under FULL_SHARD
-// and HYBRID_SHARD; SHARD_GRAD_OP frees them after backward, ZeRO-1/2 keep them between
-// steps and NO_SHARD never frees them.
 bool reshards_after_forward(const EstimateInput& in) {
-  return in.strategy == ShardingStrategy::kFullShard ||
-         in.strategy == ShardingStrategy::kHybridShard;
+  return core::reshards_after_forward(in.strategy);
 }
 
-bool keeps_params(const EstimateInput& in) {
-  return in.strategy == ShardingStrategy::kZero2 || in.strategy == ShardingStrategy::kZero1;
-}
+bool keeps_params(const EstimateInput& in) { return core::keeps_params(in.strategy); }
 
 void require_positive(const char* flag, int64_t v) {
-  if (v <= 0) bad(std::string(flag) + " " + std::to_string(v) + " is invalid; it must be positive");
+  core::check_positive(v, flag, core::Surface::kFlags);
 }
 
+core::Options core_options(const EstimateInput& in) {
+  core::Options o;
+  o.strategy = in.strategy;
+  o.world_size = in.world_size;
+  o.hybrid_group_size = in.hybrid_group_size;
+  o.hpz_group_size = in.reshard_after_forward_group_size;
+  o.offload_optimizer = in.offload_optimizer;
+  o.offload_param = in.offload_param;
+  o.cpu_offload = legacy_cpu_offload(in);
+  o.nvme_buffer_bytes = in.nvme_buffer_bytes;
+  o.param = o.reduce = in.precision;
+  o.master = in.pure_bf16 ? Precision::kBf16 : Precision::kFp32;
+  o.max_gathered_units = in.max_gathered_units;
+  o.activation_checkpointing = in.activation_checkpointing;
+  o.offload_activations = in.offload_activations;
+  o.quantize_weights = in.quantized_weights;
+  o.quantize_gradients = in.quantized_gradients;
+  o.weight_bits = in.weight_bits;
+  o.gradient_bits = in.gradient_bits;
+  o.quantize_block = in.quantization_block;
+  return o;
+}
+
+// The options' rules are the core's (in the flags' words: fsdp-estimate passes the
+// messages on as they are); the model's shape and the nodes are the estimator's own.
 void validate(const EstimateInput& in) {
   if (in.unit_params.empty()) {
     bad("no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params "
@@ -92,18 +94,7 @@ void validate(const EstimateInput& in) {
     if (n < 0)
       bad("a unit of " + std::to_string(n) + " parameters is invalid; counts must not be negative");
   }
-  if (in.world_size < 1)
-    bad("--world-size " + std::to_string(in.world_size) + " is invalid; it must be at least 1");
-  if (in.pure_bf16 && in.precision != Precision::kBf16)
-    bad("--pure-bf16 needs --precision bf16: the gathered parameters cannot be more precise "
-        "than the bf16 shards");
-  if (in.offload_activations && !in.activation_checkpointing)
-    bad("--offload-activations moves the inputs activation checkpointing keeps; add "
-        "--activation-checkpointing");
-  if (in.max_gathered_units < 1) {
-    bad("--max-gathered-units " + std::to_string(in.max_gathered_units) +
-        " is invalid; it must be at least 1 (the unit that computes)");
-  }
+  core::validate(core_options(in), core::Surface::kFlags);
   const TransformerShape& a = in.activations;
   if (a.n_layer > 0) {
     require_positive("--n-head", a.n_head);
@@ -117,53 +108,11 @@ void validate(const EstimateInput& in) {
   }
   if (a.micro_batch < 0)
     bad("--micro-batch " + std::to_string(a.micro_batch) + " is invalid; it must not be negative");
-  const Offload off = offload_of(in);
-  if (legacy_cpu_offload(in) &&
-      (in.offload_optimizer == OffloadDevice::kNvme || in.offload_param == OffloadDevice::kNvme)) {
-    bad("--cpu-offload (everything to host memory) contradicts --offload-optimizer " +
-        std::string(to_string(in.offload_optimizer)) + " --offload-param " +
-        to_string(in.offload_param) + "; use one or the other");
-  }
-  if (off.param != OffloadDevice::kNone && off.optimizer == OffloadDevice::kNone) {
-    bad(std::string("--offload-param ") + to_string(off.param) +
-        " needs --offload-optimizer too (the fp32 master shard is the parameter here); add "
-        "--offload-optimizer cpu or nvme");
-  }
-  if (off.param == OffloadDevice::kNvme && !reshards_after_forward(in)) {
-    bad("--offload-param nvme needs --strategy zero3 (full) or hybrid, which free parameters "
-        "after use; zero1, zero2, grad_op and none keep them on the device (--offload-param "
-        "cpu there only drops the device copy of the shards)");
-  }
-  if ((off.optimizer == OffloadDevice::kNvme || off.param == OffloadDevice::kNvme) &&
-      in.nvme_buffer_bytes < 1) {
-    bad("--nvme-buffer-bytes " + std::to_string(in.nvme_buffer_bytes) +
-        " is invalid; NVMe offload needs a positive host buffer (OffloadConfig::buffer_bytes)");
-  }
   if (in.gpus_per_node < 0 || (in.gpus_per_node > 0 && in.world_size % in.gpus_per_node != 0)) {
     bad("--gpus-per-node " + std::to_string(in.gpus_per_node) +
         " is invalid; it must divide the world size " + std::to_string(in.world_size) +
         " (or be 0: every rank on one node)");
   }
-  const int k = in.reshard_after_forward_group_size;
-  if (k != 0) {
-    const int group = shard_group_size(in);
-    const bool sharded = in.strategy == ShardingStrategy::kFullShard ||
-                         in.strategy == ShardingStrategy::kHybridShard;
-    if (!sharded || k <= 1 || k >= group || group % k != 0) {
-      bad("--reshard-after-forward-group-size " + std::to_string(k) +
-          " must divide the shard group size " + std::to_string(group) +
-          " and lie strictly between 1 and it, under --strategy full or hybrid (e.g. the number "
-          "of ranks per node); 0 reshards to the whole shard group");
-    }
-  }
-  for (auto [bits, flag] : {std::pair{in.weight_bits, "--quantize-weight-bits"},
-                            std::pair{in.gradient_bits, "--quantize-gradient-bits"}}) {
-    if (bits != 8 && bits != 4)
-      bad(std::string(flag) + " " + std::to_string(bits) + " is unsupported; use 8 or 4");
-  }
-  if (in.quantization_block < 1)
-    bad("--quantize-block " + std::to_string(in.quantization_block) +
-        " must be at least 1 element (2048 is the default)");
 }
 
 // The unit sizes the engine allocates with, per rank.
@@ -404,37 +353,6 @@ const MemoryTerm& MemoryEstimate::term(const std::string& key) const {
   throw std::invalid_argument("no memory term '" + key + "'");
 }
 
-const char* to_string(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32";
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-  }
-  return "unknown";
-}
-
-Precision parse_precision(const std::string& name) {
-  for (Precision p : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
-    if (name == to_string(p)) return p;
-  }
-  throw std::invalid_argument("precision '" + name + "' is unknown; use fp32, bf16 or fp16");
-}
-
-const char* to_string(OffloadDevice d) {
-  switch (d) {
-    case OffloadDevice::kNone:
-      return "none";
-    case OffloadDevice::kCpu:
-      return "cpu";
-    case OffloadDevice::kNvme:
-      return "nvme";
-  }
-  return "unknown";
-}
-
 // The model-state terms of estimate_memory: masters, gradients, AdamW's moments, and the
 // copies of the shards the gathers read (on the device with offload_optimizer alone, in
 // files with offload_param nvme).
@@ -451,7 +369,7 @@ void add_model_states(MemoryEstimate& est, const EstimateInput& in, const Layout
   const OffloadDevice masters = off.param == OffloadDevice::kNvme ? off.param : host_side;
   // Pure bf16 (MixedPrecision::master_dtype): all three in bf16, half the bytes.
   const int64_t master = in.pure_bf16 ? 2 : 4;
-  const std::string mdt = in.pure_bf16 ? "bf16" : "fp32";
+  const std::string mdt = to_string(in.pure_bf16 ? Precision::kBf16 : Precision::kFp32);
   est.terms.push_back(
       model_state("parameters", "parameters (" + mdt + " shards)", master * shard_elems, masters));
   est.terms.push_back(
@@ -570,7 +488,7 @@ std::vector<DeepSpeedRow> deepspeed_table(const EstimateInput& in, int* stage,
   validate(in);
   const bool zero3 = in.strategy == ShardingStrategy::kFullShard;
   if (!zero3 && !keeps_params(in)) {
-    bad("--deepspeed-table needs --strategy zero3 (full), zero2 or zero1: DeepSpeed estimates "
+    bad("--deepspeed-table needs --sharding zero3 (full), zero2 or zero1: DeepSpeed estimates "
         "stages 2 and 3 only (its stage-2 formula stands for stage 1 too)");
   }
   if (stage != nullptr) *stage = zero3 ? 3 : 2;

@@ -17,63 +17,6 @@ using estimate_rules::bad;
 using estimate_rules::precision_bytes;
 using estimate_rules::round_up;
 
-std::string list(const std::vector<int64_t>& v) {
-  std::ostringstream s;
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
-  return s.str();
-}
-
-std::vector<int64_t> explicit_bounds(const std::string& spec, int64_t layers, int stages,
-                                     const std::string& name) {
-  std::vector<int64_t> b{0};
-  std::stringstream in(spec);
-  for (std::string item; std::getline(in, item, ',');) {
-    char* end = nullptr;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || end == nullptr || *end != 0) {
-      bad(name + "'" + spec + "': '" + item +
-          "' is not a layer index; expected parameters, uniform, or the first layer of stages "
-          "1.." +
-          std::to_string(stages - 1) + " as a comma-separated list such as '" +
-          std::to_string(layers / 2) + "'");
-    }
-    b.push_back(v);
-  }
-  if (static_cast<int>(b.size()) != stages) {
-    bad(name + "'" + spec + "' gives " + std::to_string(b.size() - 1) +
-        " boundaries, but stages=" + std::to_string(stages) + " needs " +
-        std::to_string(stages - 1) + " (the first layer of each stage after the first)");
-  }
-  b.push_back(layers);
-  for (size_t i = 1; i < b.size(); ++i) {
-    if (b[i] <= b[i - 1]) {
-      bad(name + "'" + spec + "': boundaries must rise from 1 to " + std::to_string(layers - 1) +
-          " (each stage at least one layer of the " + std::to_string(layers) + "); got " + list(b));
-    }
-  }
-  return b;
-}
-
-std::vector<int64_t> balanced_bounds(const std::vector<int64_t>& weight, int stages) {
-  const auto layers = static_cast<int64_t>(weight.size());
-  std::vector<int64_t> prefix(weight.size() + 1, 0);
-  std::partial_sum(weight.begin(), weight.end(), prefix.begin() + 1);
-  const double total = static_cast<double>(prefix.back());
-  std::vector<int64_t> b{0};
-  for (int s = 1; s < stages; ++s) {
-    const double target = total * s / stages;
-    const int64_t lo = b.back() + 1, hi = layers - (stages - s);  // a layer left for each stage
-    int64_t i = lo;
-    while (i < hi && static_cast<double>(prefix[i]) < target) ++i;
-    if (i > lo &&
-        target - static_cast<double>(prefix[i - 1]) <= static_cast<double>(prefix[i]) - target)
-      --i;
-    b.push_back(i);
-  }
-  b.push_back(layers);
-  return b;
-}
-
 // Stage s's input: its layers as units under an empty root, its data-parallel ranks, and
 // its share of the activations (blocks 1 .. n_layer among the layers; the logits on the
 // last stage).
@@ -105,37 +48,13 @@ std::vector<int64_t> pipeline_partition(const std::vector<int64_t>& layer_params
                                         const std::string& partition,
                                         const std::string& stages_name,
                                         const std::string& partition_name) {
-  const auto layers = static_cast<int64_t>(layer_params.size());
-  if (stages < 1) bad(stages_name + std::to_string(stages) + " must be at least 1");
-  if (layers < stages) {
-    bad(stages_name + std::to_string(stages) + " but the model has " + std::to_string(layers) +
-        " layer(s), and each stage needs at least one: use at most " + std::to_string(layers) +
-        " stages, or split the model into more layers");
-  }
-  if (partition == "uniform")
-    return balanced_bounds(std::vector<int64_t>(layer_params.size(), 1), stages);
-  if (partition == "parameters") {
-    // A layer without parameters weighs a little, so stages still split between them.
-    std::vector<int64_t> w(layer_params);
-    for (auto& x : w) x = std::max<int64_t>(x, 1);
-    return balanced_bounds(w, stages);
-  }
-  return explicit_bounds(partition, layers, stages, partition_name);
+  return core::pipeline_partition(layer_params, stages, partition, stages_name, partition_name);
 }
 
 std::vector<StageEstimate> estimate_pipeline(const EstimateInput& in, const PipelineShape& p) {
   const int stages = p.stages;
-  if (stages < 1 || in.world_size % stages != 0) {
-    bad("--pipeline-stages " + std::to_string(stages) + " does not divide --world-size " +
-        std::to_string(in.world_size) +
-        ": the world is stages x data-parallel ranks; use a "
-        "divisor of " +
-        std::to_string(in.world_size));
-  }
-  if (p.micro_batches < 0) {
-    bad("--micro-batches " + std::to_string(p.micro_batches) +
-        " must be 0 (2 x --pipeline-stages) or positive");
-  }
+  core::check_pipeline_stages(stages, in.world_size, "--pipeline-stages", core::Surface::kFlags);
+  core::check_micro_batches(p.micro_batches, "--micro-batches", core::Surface::kFlags);
   const int m = p.micro_batches > 0 ? p.micro_batches : 2 * stages;
   if (!p.gpipe && m < stages) {
     bad("--micro-batches " + std::to_string(m) + " is fewer than --pipeline-stages " +

@@ -3,6 +3,8 @@
 
 #include <fsdp/strategy.h>
 
+#include <fsdp/core/options.h>
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -14,17 +16,6 @@ namespace fsdp::estimate_rules {
 
 inline int64_t round_up(int64_t n, int64_t g) { return (n + g - 1) / g * g; }
 
-// Bytes per element of the gathered parameters and reduced gradients.
-inline int64_t precision_bytes(Precision precision) {
-  switch (precision) {
-    case Precision::kFp32:
-      return 4;
-    case Precision::kBf16:
-    case Precision::kFp16:
-      return 2;
-  }
-  bad("precision " + std::to_string(static_cast<int>(precision)) +
-      " is not a Precision; use one of its enumerators");
-}
+using core::precision_bytes;
 
 }  // namespace fsdp::estimate_rules

@@ -20,6 +20,8 @@
 
 namespace fsdp {
 
+class ShardParamGroups;
+
 /// One flat parameter of a unit (a unit has one for trainable, one for frozen params).
 struct FlatParamInfo {
   std::string unit_fqn;                        ///< the owning unit ("" for the root)
@@ -54,6 +56,9 @@ Sharded<torch::nn::Sequential> shard_layers_as_built(
     int64_t first, int64_t last,
     const std::function<std::pair<std::string, torch::nn::AnyModule>(int64_t)>& make,
     const ShardingOptions& options);
+
+/// The error for a layer factory that made no module for layer `i` (named `name`).
+void check_layer_made(const torch::nn::AnyModule& module, int64_t i, const std::string& name);
 
 /// Every flat parameter, in unit order (root first, then units in module order).
 std::vector<FlatParamInfo> flat_params(const ShardedModel& model);
@@ -129,13 +134,17 @@ struct FlatSlot {
 /// Calls `f(true)` when each backward of `model` starts (before any gradient shard is
 /// written) and `f(false)` when it has ended, for as long as the model lives.
 void add_backward_observer(const ShardedModel& model, std::function<void(bool starting)> f);
-/// Sets what shard_change_barrier() runs: an asynchronous save's background staging
-/// waits there (Note [Background staging]). nullptr: nothing.
-void set_shard_change_barrier(void (*barrier)());
-/// Runs it, where the shards or an optimizer's state over them may be about to change:
-/// the end of every backward of every sharded model (last, once its gradients are
-/// reduced), FusedAdamW::step, import_consolidated and a FullParamsScope's writeback.
-void shard_change_barrier();
+/// Sets what must run before `model`'s shards or an optimizer's state over them change:
+/// an asynchronous save's background staging waits there (Note [Background staging]).
+/// The model's runtime owns it and runs it at the end of every backward (last, once the
+/// gradients are reduced). Empty: nothing.
+void set_shard_change_barrier(const ShardedModel& model, std::function<void()> barrier);
+/// Runs `model`'s barrier for as long as the model lives (then nothing): what
+/// FusedAdamW::step, import_consolidated and a FullParamsScope's writeback call before
+/// they change the shards.
+std::function<void()> shard_change_barrier_of(const ShardedModel& model);
+/// The same, for the model `groups` were made over (FusedAdamW over ShardParamGroups).
+std::function<void()> shard_change_barrier_of(const ShardParamGroups& groups);
 /// The original parameters of flat parameter `index`, in slot order.
 std::vector<FlatSlot> flat_slots(const ShardedModel& model, size_t index);
 

@@ -18,6 +18,10 @@ constexpr int64_t kIoAlign = 4096;
 
 enum class IoOp { kRead, kWrite };
 
+/// What an I/O error of the NVMe offload says to check.
+inline constexpr const char* kCheckTheDisk =
+    ". Check the disk (dmesg) and the free space of OffloadConfig::nvme_path";
+
 class IoEngine {
  public:
   virtual ~IoEngine() = default;

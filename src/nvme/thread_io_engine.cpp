@@ -28,7 +28,7 @@ void transfer_sync(IoOp op, int fd, void* buf, int64_t bytes, int64_t offset,
     TORCH_CHECK(r > 0, "NVMe offload: ", op == IoOp::kRead ? "reading " : "writing ", bytes,
                 " bytes at offset ", offset, " of ", what, " failed: ",
                 r == 0 ? std::string("unexpected end of file") : std::string(std::strerror(errno)),
-                ". Check the disk (dmesg) and the free space of OffloadConfig::nvme_path");
+                kCheckTheDisk);
     done += r;
   }
 }

@@ -91,8 +91,7 @@ class UringEngine final : public IoEngine {
       if (res < 0) {
         TORCH_CHECK(false, "NVMe offload: ", p.op == IoOp::kRead ? "reading " : "writing ", p.bytes,
                     " bytes at offset ", p.offset, " of ", *p.what,
-                    " failed: ", std::strerror(-res),
-                    ". Check the disk (dmesg) and the free space of OffloadConfig::nvme_path");
+                    " failed: ", std::strerror(-res), kCheckTheDisk);
       }
       if (res < p.bytes)
         transfer_sync(p.op, p.fd, static_cast<char*>(p.buf) + res, p.bytes - res, p.offset + res,

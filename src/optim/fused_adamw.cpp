@@ -74,7 +74,8 @@ FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOpt
     : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
 
 FusedAdamW::FusedAdamW(const ShardedModel& model, torch::optim::AdamWOptions defaults)
-    : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)) {
+    : torch::optim::AdamW(model.sharded_parameters(), std::move(defaults)),
+      shard_change_barrier_(detail::shard_change_barrier_of(model)) {
   for (const auto& t : detail::copy_out_targets(model)) set_copy_out(t.shard, t.copy, t.version);
   const OffloadConfig& nvme = model.sharding_options().offload_optimizer;
   if (nvme.device == OffloadDevice::kNvme) {
@@ -109,7 +110,8 @@ void FusedAdamW::offload_state(const OffloadConfig& config) {
 }
 
 FusedAdamW::FusedAdamW(const ShardParamGroups& groups, torch::optim::AdamWOptions defaults)
-    : torch::optim::AdamW(groups.param_groups(defaults), defaults) {
+    : torch::optim::AdamW(groups.param_groups(defaults), defaults),
+      shard_change_barrier_(detail::shard_change_barrier_of(groups)) {
   const OffloadConfig& nvme = groups.offload_optimizer();
   if (nvme.device == OffloadDevice::kNvme) {
     std::vector<torch::Tensor> views;  // the segments: contiguous fp32 ranges of the shards
@@ -227,7 +229,8 @@ detail::AdamWConstants adamw_constants(const torch::optim::AdamWOptions& o, int6
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   detail::trace::Scope span("optimizer", []() { return std::string("optimizer step"); });
-  detail::shard_change_barrier();  // Note [Background staging]: a save still copying the shards
+  // Note [Background staging]: a save still copying the shards.
+  if (shard_change_barrier_) shard_change_barrier_();
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure != nullptr) {

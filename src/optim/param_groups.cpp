@@ -14,7 +14,8 @@ struct ShardParamGroups::State {
   ParamGroupSpec spec;
   OffloadConfig offload_optimizer;
   OffloadConfig offload_param;
-  ProcessGroup process_group;  ///< the model's
+  ProcessGroup process_group;                  ///< the model's
+  std::function<void()> shard_change_barrier;  ///< the model's (Note [Background staging])
   std::vector<ShardSegment> segments;
   std::map<std::string, size_t> group_by_fqn;
   std::vector<int64_t> numel_total;
@@ -85,6 +86,7 @@ ShardParamGroups::ShardParamGroups(const ShardedModel& model, ParamGroupSpec spe
   state_->offload_optimizer = model.sharding_options().offload_optimizer;
   state_->offload_param = model.sharding_options().offload_param;
   state_->process_group = model.sharding_options().process_group;
+  state_->shard_change_barrier = detail::shard_change_barrier_of(model);
   TORCH_CHECK(!spec.groups.empty(),
               "ShardParamGroups: the spec has no groups; give at least one GroupOptions");
   TORCH_CHECK(static_cast<bool>(spec.rule),
@@ -215,5 +217,9 @@ const OffloadConfig& ShardParamGroups::offload_optimizer() const {
 const OffloadConfig& ShardParamGroups::offload_param() const { return state_->offload_param; }
 
 const ProcessGroup& ShardParamGroups::process_group() const { return state_->process_group; }
+
+std::function<void()> detail::shard_change_barrier_of(const ShardParamGroups& groups) {
+  return groups.state_->shard_change_barrier;
+}
 
 }  // namespace fsdp

@@ -1,8 +1,8 @@
 // Pipeline parallelism (Note [Pipeline schedules]): stages over ranks, micro-batches moved
 // between them point to point, sharding inside each stage.
+#include <fsdp/core/options.h>
 #include <fsdp/loss_scaler.h>
 #include <fsdp/pipeline.h>
-#include <fsdp/tools/estimate.h>
 
 #include "comm/backend.h"
 #include "internal/sharded_model.h"
@@ -91,8 +91,9 @@ PipelineSchedule parse_pipeline_schedule(const std::string& name, const std::str
 
 std::vector<int64_t> partition_layers(const std::vector<int64_t>& params,
                                       const PipelineOptions& options) {
-  try {  // the estimator's, so that fsdp-estimate splits as the engine does
-    return pipeline_partition(params, options.stages, options.partition);
+  try {  // the options core's, so that fsdp-estimate splits as the engine does
+    return core::pipeline_partition(params, options.stages, options.partition,
+                                    "PipelineOptions::stages=", "PipelineOptions::partition=");
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());
   }
@@ -102,11 +103,13 @@ PipelinedModel PipelinedModel::place(const std::vector<int64_t>& layer_params,
                                      const PipelineOptions& options) {
   const ProcessGroup& world = options.sharding.process_group;
   const int w = world.size(), stages = options.stages;
-  TORCH_CHECK(stages >= 1 && w % stages == 0, "PipelineOptions::stages=", stages,
-              " does not divide the world size ", w,
-              ": the world is stages × data-parallel ranks; use a divisor of ", w);
-  TORCH_CHECK(options.micro_batches >= 1, "PipelineOptions::micro_batches=", options.micro_batches,
-              " must be at least 1");
+  try {  // the options core's rules (Note [Options core])
+    core::check_pipeline_stages(stages, w, "PipelineOptions::stages", core::Surface::kApi);
+    core::check_micro_batches(options.micro_batches, "PipelineOptions::micro_batches",
+                              core::Surface::kApi);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
   TORCH_CHECK(options.schedule != PipelineSchedule::k1F1B || options.micro_batches >= stages,
               "PipelineOptions::micro_batches=", options.micro_batches,
               " is fewer than stages=", stages,
@@ -188,8 +191,7 @@ void set_rng_state(const at::Tensor& state) {
 // Makes layer i and drops it; returns its trainable parameter count.
 int64_t make_and_drop(const PipelineLayers& layers, int64_t i) {
   auto [name, module] = layers.make(i);
-  TORCH_CHECK(!module.is_empty(), "pipeline: the layer factory made no module for layer ", i, " ('",
-              name, "')");
+  detail::check_layer_made(module, i, name);
   return parameter_count(*module.ptr());
 }
 

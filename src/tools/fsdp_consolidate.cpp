@@ -9,6 +9,7 @@
 // stays about one parameter plus a constant whatever the model size.
 #include "checkpoint/offline.h"
 
+#include <fsdp/core/options.h>
 #include <fsdp/version.h>
 
 #include "tool_main.h"
@@ -36,8 +37,9 @@ cxxopts::Options make_options() {
       "fsdp-consolidate",
       "Turns a sharded fsdp checkpoint into one consolidated HDF5 file, or into safetensors");
   opts.positional_help("SHARDED_DIR OUT.h5|OUT_DIR");
-  opts.add_options()("dtype", "dtype of the written parameters: fp32, bf16 or fp16",
-                     cxxopts::value<std::string>()->default_value("fp32"))(
+  opts.add_options()(
+      "dtype", "dtype of the written parameters: fp32, bf16 or fp16",
+      cxxopts::value<std::string>()->default_value(fsdp::to_string(fsdp::Precision::kFp32)))(
       "format",
       "hdf5 (one file) or safetensors (a directory: model.safetensors, or shards and an index)",
       cxxopts::value<std::string>()->default_value("hdf5"))(
@@ -61,10 +63,15 @@ struct Request {
 };
 
 fsdp::ckpt::ExportDtype parse_dtype(const std::string& d) {
-  if (d == "fp32") return fsdp::ckpt::ExportDtype::kF32;
-  if (d == "bf16") return fsdp::ckpt::ExportDtype::kBF16;
-  if (d == "fp16") return fsdp::ckpt::ExportDtype::kF16;
-  throw fsdp::tools::UsageError("--dtype " + d + " is unknown; use fp32, bf16 or fp16");
+  fsdp::Precision p = fsdp::Precision::kFp32;
+  try {  // the options core's names (Note [Options core])
+    p = fsdp::core::parse_precision(d, "--dtype", fsdp::core::Surface::kFlags);
+  } catch (const std::invalid_argument& e) {
+    throw fsdp::tools::UsageError(e.what());
+  }
+  return p == fsdp::Precision::kFp32   ? fsdp::ckpt::ExportDtype::kF32
+         : p == fsdp::Precision::kBf16 ? fsdp::ckpt::ExportDtype::kBF16
+                                       : fsdp::ckpt::ExportDtype::kF16;
 }
 
 uint64_t parse_max_shard(const std::string& m) {

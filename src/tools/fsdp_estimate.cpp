@@ -6,10 +6,15 @@
 //   fsdp-estimate (--n-layer L --n-head H --d-model D --block-size S [--vocab-size V]
 //                  | --params N [--units K] | --unit-sizes N0,N1,... | --unit-sizes-file F)
 //                 [--world-size W | --nodes M] [--gpus-per-node G]
-//                 [--strategy zero1|zero2|zero3|full|grad_op|none|hybrid] [--hybrid-group-size G]
+//                 [--sharding full|grad_op|none|hybrid|zero1|zero2|zero3] [--hybrid-group-size G]
 //                 [--precision fp32|bf16|fp16] [--offload-optimizer none|cpu|nvme]
-//                 [--offload-param none|cpu|nvme] [--cpu-offload] [--activation-checkpointing]
-//                 [--micro-batch B] [--max-gathered-units K] [--deepspeed-table] [--json]
+//                 [--offload-param none|cpu|nvme] [--cpu-offload] [--activation-checkpointing
+//                 none|all]
+//                 [--master-dtype fp32|bf16] [--hpz-group-size K] [--micro-batch B]
+//                 [--max-gathered-units K] [--deepspeed-table] [--json]
+// Its flags are train_gpt's; --strategy, --pure-bf16 and --reshard-after-forward-group-size
+// are the deprecated names of --sharding, --master-dtype bf16 and --hpz-group-size.
+#include <fsdp/core/options.h>
 #include <fsdp/tools/estimate.h>
 #include <fsdp/version.h>
 
@@ -26,6 +31,7 @@
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 namespace {
 
@@ -101,8 +107,9 @@ cxxopts::Options make_options() {
       "nodes", "nodes (world size = nodes x --gpus-per-node)", cxxopts::value<int>())(
       "gpus-per-node", "ranks per node, for the per-node figures (0: all on one node)",
       cxxopts::value<int>()->default_value("0"))(
-      "strategy", "zero1|zero2|zero3|full|grad_op|none|hybrid (zero3 = full)",
-      cxxopts::value<std::string>()->default_value("full"))(
+      "sharding", "full|grad_op|none|hybrid|zero1|zero2|zero3 (zero3 = full), as train_gpt's",
+      cxxopts::value<std::string>()->default_value(fsdp::core::strategy_name(
+          fsdp::ShardingStrategy::kFullShard, fsdp::core::Surface::kFlags)))(
       "hybrid-group-size", "ranks per shard group for hybrid (0: the world)",
       cxxopts::value<int>()->default_value("0"))(
       "quantize-weights",
@@ -113,12 +120,12 @@ cxxopts::Options make_options() {
       "quantize-gradient-bits", "8 or 4", cxxopts::value<int>()->default_value("8"))(
       "quantize-block", "elements per quantization scale",
       cxxopts::value<int64_t>()->default_value("2048"))(
-      "reshard-after-forward-group-size",
-      "hpZ: after forward each unit keeps 1/K of its parameters, and backward gathers within K "
-      "ranks (ShardingOptions::reshard_after_forward_group_size; 0: off)",
+      "hpz-group-size",
+      "ZeRO++ hpZ: after forward each unit keeps 1/K of its parameters, and backward gathers "
+      "within K ranks (ShardingOptions::reshard_after_forward_group_size; 0: off)",
       cxxopts::value<int>()->default_value("0"))(
       "precision", "fp32|bf16|fp16: gathered parameters and reduced gradients",
-      cxxopts::value<std::string>()->default_value("fp32"))(
+      cxxopts::value<std::string>()->default_value(fsdp::to_string(fsdp::Precision::kFp32)))(
       "offload-optimizer",
       "none|cpu|nvme: fp32 shards, gradients and AdamW state off the device "
       "(ShardingOptions::offload_optimizer)",
@@ -131,17 +138,19 @@ cxxopts::Options make_options() {
       cxxopts::value<int64_t>()->default_value("67108864"))(
       "cpu-offload",
       "fp32 shards, gradients and optimizer state in host memory (the same as "
-      "--offload-optimizer cpu --offload-param cpu)")("activation-checkpointing",
-                                                      "recompute every block in backward")(
+      "--offload-optimizer cpu --offload-param cpu)")(
+      "activation-checkpointing", "none|all (all: every block recomputed in backward)",
+      cxxopts::value<std::string>()->default_value("none"))(
       "offload-activations",
       "the checkpointed blocks' inputs in host memory (ShardingOptions::offload_activations)")(
-      "pure-bf16",
-      "shards, gradients and optimizer state in bf16 (MixedPrecision::master_dtype; with "
-      "--precision bf16)")("micro-batch",
-                           "sequences per rank per micro-batch, for activations (GPT only)",
-                           cxxopts::value<int64_t>()->default_value("1"))(
-      "max-gathered-units", "ShardingOptions::max_gathered_units",
-      cxxopts::value<int>()->default_value("2"));
+      "master-dtype",
+      "fp32|bf16: the shards, their gradients and the optimizer state (bf16 is pure bf16: "
+      "MixedPrecision::master_dtype, with --precision bf16)",
+      cxxopts::value<std::string>()->default_value(fsdp::to_string(fsdp::Precision::kFp32)))(
+      "micro-batch", "sequences per rank per micro-batch, for activations (GPT only)",
+      cxxopts::value<int64_t>()->default_value("1"))("max-gathered-units",
+                                                     "ShardingOptions::max_gathered_units",
+                                                     cxxopts::value<int>()->default_value("2"));
   o.add_options("Pipeline (train_gpt --pipeline-stages)")(
       "pipeline-stages",
       "stages over the ranks (divides --world-size; each stage sharded over world/stages "
@@ -157,6 +166,12 @@ cxxopts::Options make_options() {
       cxxopts::value<std::string>()->default_value("parameters"))(
       "reduce-every-micro-batch",
       "each micro-batch's backward reduces (PipelineOptions::reduce_once = false)");
+  // The names before fsdp-estimate took train_gpt's (CHANGELOG.md); they go in the next
+  // release.
+  o.add_options("Deprecated (train_gpt's names above replace them)")(
+      "strategy", "deprecated: --sharding", cxxopts::value<std::string>())(
+      "reshard-after-forward-group-size", "deprecated: --hpz-group-size", cxxopts::value<int>())(
+      "pure-bf16", "deprecated: --master-dtype bf16");
   o.add_options("Output")("json", "print JSON instead of a table")(
       "deepspeed-table",
       "DeepSpeed's model-state table (offload_param x offload_optimizer x zero_init) with this "
@@ -164,49 +179,42 @@ cxxopts::Options make_options() {
   return o;
 }
 
-// The names --strategy and --precision take, and what they mean.
-struct StrategyName {
-  const char* name;
-  fsdp::ShardingStrategy strategy;
-};
-// The first name of a strategy is the one printed.
-constexpr StrategyName kStrategies[] = {{"full", fsdp::ShardingStrategy::kFullShard},
-                                        {"zero3", fsdp::ShardingStrategy::kFullShard},
-                                        {"zero2", fsdp::ShardingStrategy::kZero2},
-                                        {"zero1", fsdp::ShardingStrategy::kZero1},
-                                        {"grad_op", fsdp::ShardingStrategy::kShardGradOp},
-                                        {"none", fsdp::ShardingStrategy::kNoShard},
-                                        {"hybrid", fsdp::ShardingStrategy::kHybridShard}};
-constexpr fsdp::OffloadDevice kOffloadDevices[] = {
-    fsdp::OffloadDevice::kNone, fsdp::OffloadDevice::kCpu, fsdp::OffloadDevice::kNvme};
-fsdp::ShardingStrategy parse_strategy(const std::string& text) {
-  for (const auto& s : kStrategies) {
-    if (text == s.name) return s.strategy;
+// A value the options core reads (Note [Options core]), its error a UsageError.
+template <class Fn>
+auto flag_checked(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    bad_input(e.what());
   }
-  bad_input("--strategy '" + text +
-            "' is unknown; use zero1, zero2, zero3 (or full), grad_op, none or hybrid");
+}
+
+// --pure-bf16 (deprecated): --master-dtype bf16.
+fsdp::Precision renamed_switch(const cxxopts::ParseResult& r, fsdp::Precision master) {
+  std::cerr << "fsdp-estimate: --pure-bf16 is deprecated and goes in the next release; use "
+               "--master-dtype bf16\n";
+  if (r.count("master-dtype") > 0 && master != fsdp::Precision::kBf16)
+    bad_input("--pure-bf16 (deprecated) and --master-dtype " + r["master-dtype"].as<std::string>() +
+              " disagree; give --master-dtype alone");
+  return fsdp::Precision::kBf16;
 }
 
 const char* strategy_name(fsdp::ShardingStrategy strategy) {
-  for (const auto& s : kStrategies) {
-    if (s.strategy == strategy) return s.name;
-  }
-  return "unknown";
+  return fsdp::core::strategy_name(strategy, fsdp::core::Surface::kFlags);
 }
 
-fsdp::Precision parse_precision_flag(const std::string& text) {
-  try {
-    return fsdp::parse_precision(text);
-  } catch (const std::invalid_argument& e) {
-    bad_input(std::string("--") + e.what());
-  }
-}
-
-fsdp::OffloadDevice parse_offload(const char* flag, const std::string& text) {
-  for (fsdp::OffloadDevice d : kOffloadDevices) {
-    if (text == fsdp::to_string(d)) return d;
-  }
-  bad_input(std::string("--") + flag + " '" + text + "' is unknown; use none, cpu or nvme");
+// A flag renamed to train_gpt's name: the old one still works, with a warning, and the
+// two may not disagree.
+template <class T>
+T renamed(const cxxopts::ParseResult& r, const char* now, const char* before) {
+  if (r.count(before) == 0) return r[now].as<T>();
+  std::cerr << "fsdp-estimate: --" << before
+            << " is deprecated and goes in the next release; use --" << now << "\n";
+  const T old = r[before].as<T>();
+  if (r.count(now) > 0 && !(r[now].as<T>() == old))
+    bad_input(std::string("--") + before + " (deprecated) and --" + now + " disagree; give --" +
+              now + " alone");
+  return old;
 }
 
 // --unit-sizes / --unit-sizes-file: whole non-negative counts, root first.
@@ -303,25 +311,24 @@ void read_model(const cxxopts::ParseResult& r, fsdp::EstimateInput& in) {
     m.block_size = r["block-size"].as<int64_t>();
     m.vocab_size = r["vocab-size"].as<int64_t>();
     m.micro_batch = r["micro-batch"].as<int64_t>();
-    if (m.n_layer <= 0)
-      bad_input("--n-layer " + std::to_string(m.n_layer) + " is invalid; it must be positive");
-    if (m.micro_batch <= 0)
-      bad_input("--micro-batch " + std::to_string(m.micro_batch) +
-                " is invalid; it must be positive");
+    flag_checked([&] {
+      fsdp::core::check_positive(m.n_layer, "--n-layer", fsdp::core::Surface::kFlags);
+      fsdp::core::check_positive(m.micro_batch, "--micro-batch", fsdp::core::Surface::kFlags);
+      return 0;
+    });
     // Shape errors (d_model % n_head, ...) are estimate_memory's, in the same words.
     in.unit_params = fsdp::tools::gpt_unit_params(m.n_layer, std::max<int64_t>(m.d_model, 0),
                                                   std::max<int64_t>(m.block_size, 0),
                                                   std::max<int64_t>(m.vocab_size, 0));
     return;
   }
-  if (!r.count("params"))
-    bad_input(
-        "no model given; give a GPT shape (--n-layer --n-head --d-model --block-size) or --params "
-        "N");
+  if (!r.count("params")) return;  // no model: estimate_memory says so, and how to give one
   const int64_t params = parse_count(r["params"].as<std::string>());
   const int64_t units = r["units"].as<int64_t>();
-  if (units <= 0)
-    bad_input("--units " + std::to_string(units) + " is invalid; it must be positive");
+  flag_checked([&] {
+    fsdp::core::check_positive(units, "--units", fsdp::core::Surface::kFlags);
+    return 0;
+  });
   // An empty root and `units` units as equal as integers allow: the largest is what
   // bounds the gathered memory.
   in.unit_params = {0};
@@ -349,36 +356,63 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
     }
     in.world_size = nodes * in.gpus_per_node;
   }
-  in.strategy = parse_strategy(r["strategy"].as<std::string>());
+  namespace core = fsdp::core;
+  const auto flags = core::Surface::kFlags;
+  in.strategy = flag_checked([&] {
+    return core::parse_strategy(renamed<std::string>(r, "sharding", "strategy"), "--sharding");
+  });
   in.hybrid_group_size = r["hybrid-group-size"].as<int>();
-  in.reshard_after_forward_group_size = r["reshard-after-forward-group-size"].as<int>();
+  in.reshard_after_forward_group_size =
+      renamed<int>(r, "hpz-group-size", "reshard-after-forward-group-size");
   in.quantized_weights = r.count("quantize-weights") > 0;
   in.quantized_gradients = r.count("quantize-gradients") > 0;
   in.weight_bits = r["quantize-weight-bits"].as<int>();
   in.gradient_bits = r["quantize-gradient-bits"].as<int>();
   in.quantization_block = r["quantize-block"].as<int64_t>();
   if (r.count("hybrid-group-size") && in.strategy != fsdp::ShardingStrategy::kHybridShard) {
-    bad_input("--hybrid-group-size applies to --strategy hybrid only");
+    bad_input("--hybrid-group-size applies to --sharding hybrid only");
   }
-  in.precision = parse_precision_flag(r["precision"].as<std::string>());
-  in.offload_optimizer =
-      parse_offload("offload-optimizer", r["offload-optimizer"].as<std::string>());
-  in.offload_param = parse_offload("offload-param", r["offload-param"].as<std::string>());
-  if (r.count("cpu-offload") > 0) {  // both to the host
-    if (in.offload_optimizer == fsdp::OffloadDevice::kNvme ||
-        in.offload_param == fsdp::OffloadDevice::kNvme) {
-      bad_input(std::string("--cpu-offload (everything to host memory) contradicts "
-                            "--offload-optimizer ") +
-                fsdp::to_string(in.offload_optimizer) + " --offload-param " +
-                fsdp::to_string(in.offload_param) + "; use one or the other");
-    }
-    in.offload_optimizer = in.offload_param = fsdp::OffloadDevice::kCpu;
-  }
+  in.precision = flag_checked([&] {
+    return core::parse_precision(r["precision"].as<std::string>(), core::Option::kPrecision, flags);
+  });
+  in.offload_optimizer = flag_checked([&] {
+    return core::parse_offload(r["offload-optimizer"].as<std::string>(),
+                               core::Option::kOffloadOptimizer, flags);
+  });
+  in.offload_param = flag_checked([&] {
+    return core::parse_offload(r["offload-param"].as<std::string>(), core::Option::kOffloadParam,
+                               flags);
+  });
   in.nvme_buffer_bytes = r["nvme-buffer-bytes"].as<int64_t>();
-  in.activation_checkpointing = r.count("activation-checkpointing") > 0;
+  const std::string checkpointing = r["activation-checkpointing"].as<std::string>();
+  if (checkpointing != "none" && checkpointing != "all") {
+    bad_input("--activation-checkpointing " + checkpointing +
+              " is not estimated; use none or all (train_gpt's every:K checkpoints fewer blocks, "
+              "so all is its upper bound)");
+  }
+  in.activation_checkpointing = checkpointing == "all";
   in.offload_activations = r.count("offload-activations") > 0;
-  in.pure_bf16 = r.count("pure-bf16") > 0;
+  fsdp::Precision master = flag_checked([&] {
+    return core::parse_precision(r["master-dtype"].as<std::string>(), core::Option::kMasterDtype,
+                                 flags);
+  });
+  if (r.count("pure-bf16") > 0) master = renamed_switch(r, master);
+  in.pure_bf16 = master == fsdp::Precision::kBf16;
   in.max_gathered_units = r["max-gathered-units"].as<int>();
+  // --cpu-offload: both offloads on the host; the rules (an NVMe offload beside it is
+  // refused) are the core's, which estimate_memory applies with the rest.
+  core::Options legacy;
+  legacy.cpu_offload = r.count("cpu-offload") > 0;
+  legacy.offload_optimizer = in.offload_optimizer;
+  legacy.offload_param = in.offload_param;
+  legacy.world_size_known = false;
+  flag_checked([&] {
+    core::validate(legacy, flags);
+    return 0;
+  });
+  const core::Options both = core::resolved(legacy);
+  in.offload_optimizer = both.offload_optimizer;
+  in.offload_param = both.offload_param;
   return in;
 }
 
@@ -633,9 +667,25 @@ int run_pipeline(const cxxopts::ParseResult& r, fsdp::EstimateInput in) {
   return 0;
 }
 
+// --activation-checkpointing was a switch before it took train_gpt's values; alone (the
+// last argument, or one before another flag) it still means all, with a warning.
+std::vector<char*> with_switches_resolved(int argc, char** argv) {
+  static char all[] = "--activation-checkpointing=all";
+  std::vector<char*> args(argv, argv + argc);
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) != "--activation-checkpointing") continue;
+    if (i + 1 < argc && argv[i + 1][0] != '-') continue;
+    std::cerr << "fsdp-estimate: --activation-checkpointing alone is deprecated and goes in the "
+                 "next release; write --activation-checkpointing all\n";
+    args[i] = all;
+  }
+  return args;
+}
+
 int run(int argc, char** argv) {
   auto options = make_options();
-  const auto r = options.parse(argc, argv);
+  std::vector<char*> args = with_switches_resolved(argc, argv);
+  const auto r = options.parse(static_cast<int>(args.size()), args.data());
   if (r.count("help")) {
     std::cout << options.help() << kNotes;
     return 0;

@@ -22,7 +22,7 @@ FullParamsScope::~FullParamsScope() {
   // Written back only in fp32: a low-precision copy would round the shards.
   const bool writeback = options_.writeback && keeps(model_, options_) &&
                          model_.sharding_options().mixed_precision.param_dtype == at::kFloat;
-  if (writeback) detail::shard_change_barrier();  // Note [Background staging]
+  if (writeback) detail::shard_change_barrier_of(model_)();  // Note [Background staging]
   detail::release_units(model_, writeback);
 }
 

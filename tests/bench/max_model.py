@@ -47,7 +47,7 @@ NVME = "@NVME@"
 # name, train_gpt flags, fsdp-estimate flags (None: the mode cannot run here; the flags
 # then show the refusal).
 MODES = [
-    ("plain (no sharding, fp32)", ["--sharding", "none"], ["--strategy", "none"]),
+    ("plain (no sharding, fp32)", ["--sharding", "none"], ["--sharding", "none"]),
     ("ZeRO-3 bf16", ["--precision", "bf16"], ["--precision", "bf16"]),
     ("offload_optimizer=cpu", ["--precision", "bf16", "--offload-optimizer", "cpu"],
      ["--precision", "bf16", "--offload-optimizer", "cpu"]),
@@ -56,7 +56,7 @@ MODES = [
      ["--precision", "bf16", "--offload-optimizer", "cpu", "--offload-param", "cpu"]),
     ("pure bf16 + offload_optimizer=cpu",
      ["--precision", "bf16", "--master-dtype", "bf16", "--offload-optimizer", "cpu"],
-     ["--precision", "bf16", "--pure-bf16", "--offload-optimizer", "cpu"]),
+     ["--precision", "bf16", "--master-dtype", "bf16", "--offload-optimizer", "cpu"]),
     ("offload_optimizer=nvme",
      ["--precision", "bf16", "--offload-optimizer", "nvme", "--nvme-path", NVME],
      ["--precision", "bf16", "--offload-optimizer", "nvme"]),

@@ -82,7 +82,7 @@ def printed_rows(fn, *args, **kwargs):
 
 
 def run_estimate(exe, model, nodes, gpn, strategy):
-    cmd = [exe, *model, "--nodes", str(nodes), "--gpus-per-node", str(gpn), "--strategy", strategy,
+    cmd = [exe, *model, "--nodes", str(nodes), "--gpus-per-node", str(gpn), "--sharding", strategy,
            "--precision", "fp16", "--deepspeed-table", "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

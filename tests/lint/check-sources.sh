@@ -52,7 +52,7 @@ sed -e 's/@PROJECT_VERSION_MAJOR@/0/; s/@PROJECT_VERSION_MINOR@/0/; s/@PROJECT_V
     -e 's/@PROJECT_VERSION@/0.0.0/' include/fsdp/version.h.in > "$tmp/fsdp/version.h"
 
 if [[ $all == 1 ]]; then
-  mapfile -t files < <(ls src/*.cpp src/*/*.cpp src/*/*/*.cpp checkpoint/*.cpp wrap_policies/*.cpp \
+  mapfile -t files < <(ls src/*/*.cpp src/*/*/*.cpp checkpoint/*.cpp wrap_policies/*.cpp \
     examples/*/*.cpp tests/*.cpp tests/support/*.cpp tests/bench/*.cpp |
     grep -v -e no_nccl.cpp -e no_cuda_transfers.cpp -e no_gloo.cpp -e no_hdf5.cpp)
 else

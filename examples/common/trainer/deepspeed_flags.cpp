@@ -2,6 +2,8 @@
 
 #include "../cli.h"
 
+#include <fsdp/core/options.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -20,21 +22,7 @@ std::string to_text(int v) { return std::to_string(v); }
 std::string to_text(bool v) { return v ? "true" : "false"; }
 std::string to_text(const std::string& v) { return v; }
 std::string to_text(fsdp::ShardingStrategy s) {
-  switch (s) {
-    case fsdp::ShardingStrategy::kFullShard:
-      return "full (zero3)";
-    case fsdp::ShardingStrategy::kShardGradOp:
-      return "grad_op";
-    case fsdp::ShardingStrategy::kNoShard:
-      return "none";
-    case fsdp::ShardingStrategy::kHybridShard:
-      return "hybrid";
-    case fsdp::ShardingStrategy::kZero2:
-      return "zero2";
-    case fsdp::ShardingStrategy::kZero1:
-      return "zero1";
-  }
-  return "?";
+  return fsdp::core::strategy_name(s, fsdp::core::Surface::kFlags);
 }
 std::string to_text(fsdp::OffloadDevice d) { return fsdp::to_string(d); }
 

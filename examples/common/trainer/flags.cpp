@@ -6,6 +6,7 @@
 #include "config_file.h"
 #include "sharding_options.h"
 
+#include <fsdp/core/options.h>
 #include <cxxopts.hpp>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 namespace lm {
 namespace {
 
+using examples::usage_checked;
 using examples::UsageError;
 
 Program& current_program() {  // parse_flags sets it
@@ -554,10 +556,10 @@ void check_loss_scaler(const fsdp::LossScalerOptions& ls) {
 }
 
 fsdp::OffloadDevice parse_offload_device(const std::string& flag, const std::string& v) {
-  if (v == "none") return fsdp::OffloadDevice::kNone;
-  if (v == "cpu") return fsdp::OffloadDevice::kCpu;
-  if (v == "nvme") return fsdp::OffloadDevice::kNvme;
-  throw UsageError("--" + flag + " " + v + " is unknown; use none, cpu or nvme");
+  const auto option = flag == "offload-param" ? fsdp::core::Option::kOffloadParam
+                                              : fsdp::core::Option::kOffloadOptimizer;
+  return usage_checked(
+      [&] { return fsdp::core::parse_offload(v, option, fsdp::core::Surface::kFlags); });
 }
 
 namespace {
@@ -568,17 +570,7 @@ void read_pure_bf16(const cxxopts::ParseResult& r, ShardingFlags& s) {
   using Rounding = fsdp::FusedAdamW::Bf16Rounding;
   const auto master = r["master-dtype"].as<std::string>();
   const auto rounding = r["bf16-rounding"].as<std::string>();
-  if (master == "bf16") {
-    if (s.precision != "bf16") {
-      throw UsageError("--master-dtype bf16 (pure bf16) needs --precision bf16 (this run is " +
-                       s.precision +
-                       "): the gathered parameters cannot be more precise "
-                       "than the shards");
-    }
-    s.options.mixed_precision.master_dtype = torch::kBFloat16;
-  } else if (master != "fp32") {
-    throw UsageError("--master-dtype " + master + " is unknown; use fp32 or bf16");
-  }
+  if (master == "bf16") s.options.mixed_precision.master_dtype = torch::kBFloat16;
   if (rounding != "auto" && rounding != "nearest" && rounding != "stochastic" &&
       rounding != "compensated") {
     throw UsageError("--bf16-rounding " + rounding +
@@ -615,21 +607,49 @@ void read_zero_plus_plus(const cxxopts::ParseResult& r, fsdp::ShardingOptions& o
   q.weight_bits = r["quantize-weight-bits"].as<int>();
   q.gradient_bits = r["quantize-gradient-bits"].as<int>();
   q.block_size = r["quantize-block"].as<int64_t>();
-  for (auto [name, bits] : {std::pair{"quantize-weight-bits", q.weight_bits},
-                            std::pair{"quantize-gradient-bits", q.gradient_bits}}) {
-    if (bits != 8 && bits != 4)
-      throw UsageError("--" + std::string(name) + " " + std::to_string(bits) +
-                       " is unsupported; use 8 (int8) or 4 (int4)");
-  }
-  if (q.block_size < 1)
-    throw UsageError("--quantize-block " + std::to_string(q.block_size) +
-                     " must be at least 1 element (2048 is the default)");
   const bool tuned = r.count("quantize-weight-bits") + r.count("quantize-gradient-bits") +
                      r.count("quantize-block");
   if (tuned && !q.weights && !q.gradients)
     throw UsageError(
         "--quantize-weight-bits, --quantize-gradient-bits and --quantize-block tune "
         "--quantize-weights and --quantize-gradients, and neither is given; add one");
+}
+
+// The sharding options' rules, in the flags' words (Note [Options core]). The world's
+// size is not known yet: the engine checks what needs it (--hybrid-group-size,
+// --hpz-group-size's range) when it builds the model. --cpu-offload then means what it
+// always did: both offloads on the host.
+void check_options(const cxxopts::ParseResult& r, ShardingFlags& s) {
+  namespace core = fsdp::core;
+  const fsdp::ShardingOptions& o = s.options;
+  core::Options c;
+  c.world_size_known = false;
+  c.strategy = o.strategy;
+  c.hybrid_group_size = o.hybrid_group_size;
+  c.hpz_group_size = o.reshard_after_forward_group_size;
+  c.offload_optimizer = o.offload_optimizer.device;
+  c.offload_param = o.offload_param.device;
+  c.cpu_offload = r.count("cpu-offload") > 0;
+  usage_checked([&] {
+    c.param = c.reduce =
+        core::parse_precision(s.precision, core::Option::kPrecision, core::Surface::kFlags);
+    c.master = core::parse_precision(r["master-dtype"].as<std::string>(),
+                                     core::Option::kMasterDtype, core::Surface::kFlags);
+    c.max_gathered_units = o.max_gathered_units;
+    c.activation_checkpointing = o.checkpoint_policy != nullptr;
+    c.offload_activations = o.offload_activations;
+    const fsdp::QuantizedCommunication& q = o.quantized_communication;
+    c.quantize_weights = q.weights;
+    c.quantize_gradients = q.gradients;
+    c.weight_bits = q.weight_bits;
+    c.gradient_bits = q.gradient_bits;
+    c.quantize_block = q.block_size;
+    core::validate(c, core::Surface::kFlags);
+    return 0;
+  });
+  const core::Options resolved = core::resolved(c);
+  s.options.offload_optimizer.device = resolved.offload_optimizer;
+  s.options.offload_param.device = resolved.offload_param;
 }
 
 ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
@@ -654,31 +674,13 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
                                r["activation-checkpointing"].as<std::string>(),
                                current_program().block_policy);
   s.options.offload_activations = r.count("offload-activations") > 0;
-  if (s.options.offload_activations && s.options.checkpoint_policy == nullptr) {
-    throw UsageError(
-        "--offload-activations keeps the inputs that activation checkpointing saves, and this "
-        "run checkpoints none; add --activation-checkpointing all (or every:K)");
-  }
   s.options.offload_optimizer.device =
       parse_offload_device("offload-optimizer", r["offload-optimizer"].as<std::string>());
   s.options.offload_param.device =
       parse_offload_device("offload-param", r["offload-param"].as<std::string>());
-  if (r.count("cpu-offload") > 0) {  // both to the host, as before the two flags existed
-    for (auto [flag, cfg] : {std::pair{"offload-optimizer", &s.options.offload_optimizer},
-                             std::pair{"offload-param", &s.options.offload_param}}) {
-      if (cfg->device == fsdp::OffloadDevice::kNvme)
-        throw UsageError("--cpu-offload (offload to host memory) contradicts --" +
-                         std::string(flag) + " nvme; use one or the other");
-      cfg->device = fsdp::OffloadDevice::kCpu;
-    }
-  }
   s.options.offload_optimizer.nvme_path = s.options.offload_param.nvme_path =
       r["nvme-path"].as<std::string>();
   s.options.max_gathered_units = r["max-gathered-units"].as<int>();
-  if (s.options.max_gathered_units < 1) {
-    throw UsageError("--max-gathered-units " + std::to_string(s.options.max_gathered_units) +
-                     " must be at least 1 (1: no prefetch)");
-  }
   for (const auto& [name, field] :
        {std::pair<const char*, int64_t*>{"max-live-numel", &s.options.max_live_numel},
         {"prefetch-bucket-numel", &s.options.prefetch_bucket_numel},
@@ -696,13 +698,15 @@ ShardingFlags read_sharding(const cxxopts::ParseResult& r) {
   s.device = r["device"].as<std::string>();
   s.wrap = r["wrap"].as<std::string>();
   const std::string backend = r["backend"].as<std::string>();
-  if (backend != "auto" && backend != "gloo" && backend != "nccl")
-    throw UsageError("--backend " + backend +
-                     " is unknown; use auto (nccl on a GPU, gloo on the CPU), gloo or nccl");
+  usage_checked([&] {
+    fsdp::core::check_backend(backend, "--backend", fsdp::core::Surface::kFlags);
+    return 0;
+  });
   s.options.device = examples::parse_device_flag(s.device, backend);
   s.backend = examples::parse_backend_flag(s.options.device, backend);
   s.options.prefetch = r.count("no-prefetch") == 0;
   read_zero_plus_plus(r, s.options);
+  check_options(r, s);
   read_pure_bf16(r, s);
   s.options.trace = r["trace"].as<std::string>();
   return s;
@@ -721,8 +725,10 @@ CheckpointFlags read_checkpoint(const cxxopts::ParseResult& r) {
   if (current_program().hf_config_json) {
     c.export_hf = r["export-hf"].as<std::string>();
     c.export_dtype = r["export-dtype"].as<std::string>();
-    if (c.export_dtype != "fp32" && c.export_dtype != "bf16" && c.export_dtype != "fp16")
-      throw UsageError("--export-dtype " + c.export_dtype + " is unknown; use fp32, bf16 or fp16");
+    usage_checked([&] {
+      return fsdp::core::parse_precision(c.export_dtype, "--export-dtype",
+                                         fsdp::core::Surface::kFlags);
+    });
   }
   return c;
 }
@@ -757,8 +763,11 @@ namespace {
 PipelineFlags read_pipeline(const cxxopts::ParseResult& r) {
   PipelineFlags p;
   p.stages = r["pipeline-stages"].as<int>();
-  if (p.stages < 1)
-    throw UsageError("--pipeline-stages " + std::to_string(p.stages) + " must be at least 1");
+  usage_checked([&] {
+    fsdp::core::check_pipeline_stages(p.stages, 0, "--pipeline-stages",
+                                      fsdp::core::Surface::kFlags);
+    return 0;
+  });
   try {
     p.schedule = fsdp::parse_pipeline_schedule(r["pipeline-schedule"].as<std::string>(),
                                                "--pipeline-schedule");
@@ -766,9 +775,11 @@ PipelineFlags read_pipeline(const cxxopts::ParseResult& r) {
     throw UsageError(e.what_without_backtrace());
   }
   p.micro_batches = r["micro-batches"].as<int>();
-  if (p.micro_batches < 0)
-    throw UsageError("--micro-batches " + std::to_string(p.micro_batches) +
-                     " must be 0 (2 x --pipeline-stages) or positive");
+  usage_checked([&] {
+    fsdp::core::check_micro_batches(p.micro_batches, "--micro-batches",
+                                    fsdp::core::Surface::kFlags);
+    return 0;
+  });
   if (p.micro_batches == 0) p.micro_batches = 2 * p.stages;
   p.partition = r["partition"].as<std::string>();
   return p;
@@ -816,10 +827,11 @@ std::optional<Flags> parse_flags(const Program& program, int argc, char** argv) 
 
 void check_batch_for_world(const TrainingFlags& t, int world, const PipelineFlags& p) {
   if (p.stages > 1) {
-    if (world % p.stages != 0)
-      throw UsageError("--pipeline-stages " + std::to_string(p.stages) +
-                       " does not divide the world size " + std::to_string(world) +
-                       ": the world is stages x data-parallel ranks");
+    usage_checked([&] {
+      fsdp::core::check_pipeline_stages(p.stages, world, "--pipeline-stages",
+                                        fsdp::core::Surface::kFlags);
+      return 0;
+    });
     const int64_t dp = world / p.stages, unit = dp * p.micro_batches;
     if (t.batch_size % unit != 0)
       throw UsageError("--batch-size " + std::to_string(t.batch_size) + " must be divisible by " +

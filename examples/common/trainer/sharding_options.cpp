@@ -3,9 +3,12 @@
 #include "../cli.h"
 #include "lm_config.h"
 
+#include <fsdp/core/options.h>
+
 namespace lm {
 namespace {
 
+using examples::usage_checked;
 using examples::UsageError;
 
 void set_precision(const std::string& precision, fsdp::MixedPrecision& mp) {
@@ -19,21 +22,16 @@ void set_precision(const std::string& precision, fsdp::MixedPrecision& mp) {
     mp.param_dtype = torch::kHalf;
     mp.reduce_dtype = torch::kHalf;
     mp.output_dtype = torch::kFloat32;
-  } else if (precision != "fp32") {
-    throw UsageError("--precision " + precision + " is unknown; use fp32, bf16 or fp16");
+  } else {
+    usage_checked([&] {
+      return fsdp::core::parse_precision(precision, fsdp::core::Option::kPrecision,
+                                         fsdp::core::Surface::kFlags);
+    });
   }
 }
 
 fsdp::ShardingStrategy parse_sharding(const std::string& s) {
-  if (s == "full") return fsdp::ShardingStrategy::kFullShard;
-  if (s == "grad_op") return fsdp::ShardingStrategy::kShardGradOp;
-  if (s == "none") return fsdp::ShardingStrategy::kNoShard;
-  if (s == "hybrid") return fsdp::ShardingStrategy::kHybridShard;
-  if (s == "zero1") return fsdp::ShardingStrategy::kZero1;
-  if (s == "zero2") return fsdp::ShardingStrategy::kZero2;
-  if (s == "zero3") return fsdp::ShardingStrategy::kFullShard;
-  throw UsageError("--sharding " + s +
-                   " is unknown; use full (= zero3), grad_op, zero2, zero1, none or hybrid");
+  return usage_checked([&] { return fsdp::core::parse_strategy(s, "--sharding"); });
 }
 
 fsdp::WrapPolicy parse_wrap(const std::string& s, const fsdp::WrapPolicy& block) {
