@@ -6,7 +6,7 @@
 #include "publish.h"
 #include "save_hook.h"
 
-#include "internal/sharded_model.h"
+#include "internal/checkpoint_view.h"
 
 #include <atomic>
 #include <chrono>

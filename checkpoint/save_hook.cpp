@@ -1,6 +1,6 @@
 #include "save_hook.h"
 
-#include "internal/sharded_model.h"
+#include "internal/checkpoint_view.h"
 
 #include <functional>
 

@@ -1,5 +1,5 @@
 #pragma once
-// The tests' way into a save (detail::set_save_hook, src/internal/sharded_model.h): each
+// The tests' way into a save (detail::set_save_hook, src/internal/checkpoint_view.h): each
 // step of a save calls the hook first, so a test can fail it as a full disk or running
 // out of memory would, or hold it to kill the process inside it.
 

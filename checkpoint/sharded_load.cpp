@@ -13,7 +13,7 @@
 #include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 
-#include "internal/sharded_model.h"
+#include "internal/checkpoint_view.h"
 
 #include <filesystem>
 #include <map>

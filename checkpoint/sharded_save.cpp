@@ -12,7 +12,7 @@
 #include <fsdp/pipeline.h>
 #include <fsdp/process_group.h>
 
-#include "internal/sharded_model.h"
+#include "internal/checkpoint_view.h"
 
 #include <chrono>
 #include <memory>

@@ -8,7 +8,7 @@
 
 #include <fsdp/checkpoint.h>
 
-#include "internal/sharded_model.h"
+#include "internal/checkpoint_view.h"
 
 #include <torch/torch.h>
 

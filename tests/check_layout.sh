@@ -6,7 +6,7 @@
 #   2. a quoted #include, or an #include <fsdp/...>, names a file of a folder the
 #      includer's folder may include (an example: its own folder, never another example's);
 #   3. the facade (include/fsdp/fully_sharded_module.h and every header that includes it,
-#      src/internal/sharded_model.h among them) is included only by the folders whose
+#      src/internal/model_view.h and its views among them) is included only by the folders whose
 #      "Facade" column says yes, and inside src/engine only from the top rank;
 #   4. inside src/engine a file includes engine files of its own rank or below;
 #   5. src/comm and the engine below its top rank never name WrapPointImpl, ShardedModel

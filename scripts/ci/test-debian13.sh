@@ -39,9 +39,10 @@ FILES=(test_process_group test_parity test_grad_accum test_activation_checkpoint
 . scripts/lib/python-env.sh
 . scripts/lib/build.sh
 fsdp_torch_setup
-fsdp_configure debian13 "$B"
-# The binaries that hold these files (tests/CMakeLists.txt, "Test binaries"), with the
-# programs the tests run (test_programs and test_checkpoint depend on most).
+# Only these files are built (FSDP_TEST_FILES; test_examples for the torchrun case), in
+# the binaries that hold them (tests/CMakeLists.txt, "Test binaries"), with the programs
+# the tests run (test_programs and test_checkpoint depend on most).
+fsdp_configure debian13 "$B" "-DFSDP_TEST_FILES=$(IFS=';'; echo "${FILES[*]}");test_examples"
 cmake --build "$B" --target test_comm test_engine test_training test_checkpoint test_programs generate \
   fsdp-consolidate fsdp-inspect
 fsdp_ctest "$B" --no-tests=error -L "^($(IFS='|'; echo "${FILES[*]}")|interop|build)\$" "$@"

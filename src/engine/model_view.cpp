@@ -1,4 +1,4 @@
-// The model view (src/internal/sharded_model.h): what the engine lends about a sharded
+// The model view (src/internal/model_view.h and its views, one per client): what the engine lends about a sharded
 // model to checkpoints, the optimizer and the training helpers, and the ShardedModel
 // queries that read the same tables.
 #include "engine_access.h"

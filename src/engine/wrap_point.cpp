@@ -3,7 +3,7 @@
 #include <fsdp/activation_checkpoint.h>
 
 #include "engine_access.h"
-#include "internal/sharded_model.h"
+#include "internal/pipeline_view.h"
 
 #include <sstream>
 

@@ -4,7 +4,7 @@
 
 #include "adamw_kernels.h"
 #include "internal/optim_key.h"
-#include "internal/sharded_model.h"
+#include "internal/optim_view.h"
 #include "nvme_adamw.h"
 #include "parallel_range.h"
 

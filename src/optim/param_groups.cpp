@@ -2,7 +2,7 @@
 // groups over flat shards").
 #include <fsdp/param_groups.h>
 
-#include "internal/sharded_model.h"
+#include "internal/optim_view.h"
 
 #include <algorithm>
 #include <map>

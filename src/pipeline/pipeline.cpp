@@ -5,7 +5,7 @@
 #include <fsdp/pipeline.h>
 
 #include "comm/backend.h"
-#include "internal/sharded_model.h"
+#include "internal/pipeline_view.h"
 #include "trace/trace.h"
 #include "train/clip_grad.h"
 

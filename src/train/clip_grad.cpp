@@ -3,7 +3,7 @@
 #include <fsdp/clip_grad.h>
 #include "trace/trace.h"
 
-#include "internal/sharded_model.h"
+#include "internal/train_view.h"
 
 #include <cmath>
 #include <limits>

@@ -1,8 +1,8 @@
 // Full parameters on demand: FullParamsScope and full_state_dict, through the model
-// view (src/internal/sharded_model.h).
+// view (src/internal/train_view.h).
 #include <fsdp/full_params.h>
 
-#include "internal/sharded_model.h"
+#include "internal/train_view.h"
 
 namespace fsdp {
 

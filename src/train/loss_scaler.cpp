@@ -1,6 +1,6 @@
 #include <fsdp/loss_scaler.h>
 
-#include "internal/sharded_model.h"
+#include "internal/train_view.h"
 
 #include <cmath>
 
