@@ -2,7 +2,7 @@
 # errors) but not the rest of LibTorch. One list for the library (CMakeLists.txt) and
 # the fuzz targets (tests/fuzz/CMakeLists.txt), as absolute paths.
 set(FSDP_CKPT_CORE_SOURCES
-    h5/h5.cpp h5/h5_convert.cpp h5/h5_geometry.cpp h5/h5_checksums.cpp h5/h5_dataset.cpp
-    h5/h5_direct.cpp
-    safetensors/safetensors.cpp layout.cpp offline.cpp inspect.cpp publish.cpp reshard_plan.cpp)
+    format/h5/h5.cpp format/h5/h5_convert.cpp format/h5/h5_geometry.cpp format/h5/h5_checksums.cpp
+    format/h5/h5_dataset.cpp format/h5/h5_direct.cpp format/safetensors/safetensors.cpp
+    format/layout.cpp format/publish.cpp format/reshard_plan.cpp offline/offline.cpp offline/inspect.cpp)
 list(TRANSFORM FSDP_CKPT_CORE_SOURCES PREPEND ${CMAKE_CURRENT_LIST_DIR}/)

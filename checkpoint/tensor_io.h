@@ -1,7 +1,7 @@
 #pragma once
 // Tensors in and out of checkpoint datasets (the LibTorch side of the checkpoint code).
 
-#include "layout.h"
+#include "format/layout.h"
 
 #include <ATen/ATen.h>
 

@@ -102,7 +102,7 @@ resolve() {  # resolve INCLUDER NAME -> path relative to ROOT, or nothing
   elif [ -f "include/$2" ]; then echo "include/$2"
   elif [ -f "include/$2.in" ]; then echo "include/$2.in"  # configured into the build tree (version.h)
   elif [ -f "src/$2" ]; then echo "src/$2"
-  elif [ -f "$2" ]; then echo "$2"  # from the project's root (the tools' "checkpoint/offline.h")
+  elif [ -f "$2" ]; then echo "$2"  # from the project's root (the tools' "checkpoint/offline/offline.h")
   fi
 }
 EDGES=()

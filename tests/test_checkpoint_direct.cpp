@@ -8,7 +8,7 @@
 #include "support/models.h"
 #include "support/multirank.h"
 
-#include "../checkpoint/h5/h5.h"
+#include "../checkpoint/format/h5/h5.h"
 #include "../src/internal/optim_key.h"
 
 #include <gtest/gtest.h>

@@ -2,8 +2,8 @@
 // atomic-publish helper every writer uses.
 #include "support/checkpoint_helpers.h"
 
-#include "../checkpoint/crc32c.h"
-#include "../checkpoint/publish.h"
+#include "../checkpoint/format/crc32c.h"
+#include "../checkpoint/format/publish.h"
 
 #include <gtest/gtest.h>
 

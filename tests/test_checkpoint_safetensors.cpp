@@ -9,7 +9,7 @@
 #include "support/models.h"
 #include "support/multirank.h"
 
-#include "../checkpoint/safetensors/safetensors.h"
+#include "../checkpoint/format/safetensors/safetensors.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-// The reshard planner (checkpoint/reshard_plan.h) on its own: no files, no LibTorch.
-#include "../checkpoint/reshard_plan.h"
+// The reshard planner (checkpoint/format/reshard_plan.h) on its own: no files, no LibTorch.
+#include "../checkpoint/format/reshard_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // The safetensors writer and reader against the format's rules (Note [Safetensors]):
 // header length and padding, offsets, dtype names, Hugging Face's file split and index,
 // and every malformed file the reader must refuse.
-#include "../checkpoint/safetensors/safetensors.h"
+#include "../checkpoint/format/safetensors/safetensors.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

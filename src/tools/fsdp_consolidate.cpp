@@ -7,7 +7,7 @@
 //
 // No process group: it reads the rank files one parameter at a time, so its memory
 // stays about one parameter plus a constant whatever the model size.
-#include "checkpoint/offline.h"
+#include "checkpoint/offline/offline.h"
 
 #include <fsdp/core/options.h>
 #include <fsdp/version.h>

@@ -6,7 +6,7 @@
 // or a consolidated .h5 file. Exits 0 when the checkpoint is complete and every
 // checksum matches, 1 on any problem (named on stderr), 2 on bad usage.
 #include <fsdp/version.h>
-#include "checkpoint/offline.h"
+#include "checkpoint/offline/offline.h"
 
 #include "tool_main.h"
 

@@ -1,9 +1,9 @@
-// The consolidated-file reader the tools use (checkpoint/inspect.cpp: fsdp-inspect
+// The consolidated-file reader the tools use (checkpoint/offline/inspect.cpp: fsdp-inspect
 // --verify reads every dataset and checks its checksums): the input is a consolidated
 // .h5 file.
 #include "fuzz_support.h"
-#include "layout.h"
-#include "offline.h"
+#include "format/layout.h"
+#include "offline/offline.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = fuzz::scratch() + "/model.h5";

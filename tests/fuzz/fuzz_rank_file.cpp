@@ -1,10 +1,10 @@
-// The sharded rank-file loader (checkpoint/layout.cpp, ShardedReader): the input is
+// The sharded rank-file loader (checkpoint/format/layout.cpp, ShardedReader): the input is
 // rank 0's file of a one-rank checkpoint. Whatever index it yields is read in full, as
 // the offline consolidation and the resharding loader do, and the checksums verified
 // (fsdp-inspect --verify's path).
 #include "fuzz_support.h"
-#include "layout.h"
-#include "offline.h"
+#include "format/layout.h"
+#include "offline/offline.h"
 
 #include <vector>
 

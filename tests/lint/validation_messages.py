@@ -11,7 +11,7 @@ adjacent literals joined. Each literal of six words or more is a sentence of a m
 a sentence that two statements hold is reported with both places, and the exit status is
 1. Short pieces (" is unknown; use ", an option's name) are shared on purpose and not
 counted. With src among the folders it also finds a strategy's or a precision's name
-spelled in src/ outside the options core (src/core/options.cpp), which names them once.
+spelled in src/ outside the options core (src/core/options_core.cpp), which names them once.
 """
 import argparse
 import os
@@ -68,7 +68,7 @@ def sentences(statement):
     return [p.strip() for p in pieces if len(p.split()) >= 6 and len(p.strip()) >= 30]
 
 
-# The strategies' and precisions' names (src/core/options.cpp's tables): written in one
+# The strategies' and precisions' names (src/core/options_core.cpp's tables): written in one
 # file of the library (issue 54), the options core.
 NAMES = {"full", "grad_op", "hybrid", "zero1", "zero2", "zero3", "kFullShard", "kShardGradOp",
          "kNoShard", "kHybridShard", "kZero1", "kZero2", "fp32", "bf16", "fp16"}
@@ -122,7 +122,7 @@ def main():
              if len({w.rsplit(":", 1)[0] for w in where}) > 1}
     for s, where in sorted(twice.items()):
         print(f'validation_messages: "{s}" is written {len(where)} times: {", ".join(where)}; '
-              "write it once (the options core, src/core/options.cpp, for an option's rule) "
+              "write it once (the options core, src/core/options_core.cpp, for an option's rule) "
               "and call it")
     print(f"validation_messages: {files} files, {len(seen)} message sentences, "
           f"{len(twice)} written more than once")

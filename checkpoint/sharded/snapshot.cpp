@@ -3,7 +3,7 @@
 #include "optim_state.h"
 #include "rank_parts.h"
 #include "save_hook.h"
-#include "tensor_io.h"
+#include "../tensor_io.h"
 #include "trace/trace.h"
 
 #include <cstdlib>

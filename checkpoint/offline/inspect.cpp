@@ -1,5 +1,5 @@
 // Describes and verifies a checkpoint (fsdp-inspect).
-#include "layout.h"
+#include "../format/layout.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,11 +1,11 @@
 // Consolidated checkpoints: one HDF5 file in the layout of docs/design.md, "Contracts", written
 // from a live sharded model or offline from a sharded checkpoint, and read back into a
 // sharded model (each rank its own slice) or a plain module.
-#include "agree.h"
-#include "name_match.h"
-#include "optim_state.h"
-#include "safetensors/safetensors.h"
-#include "tensor_io.h"
+#include "../agree.h"
+#include "../name_match.h"
+#include "../sharded/optim_state.h"
+#include "../format/safetensors/safetensors.h"
+#include "../tensor_io.h"
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>

@@ -29,8 +29,7 @@
 // rank), its first file holds the part's /buffers, and world_size and rank are the job's.
 
 #include "h5/h5.h"
-
-#include "offline.h"
+#include "weights.h"
 
 #include <functional>
 

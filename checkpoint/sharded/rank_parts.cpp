@@ -2,7 +2,7 @@
 // (see rank_parts.h).
 #include "rank_parts.h"
 #include "optim_state.h"
-#include "tensor_io.h"
+#include "../tensor_io.h"
 
 #include <fsdp/fully_sharded_module.h>
 

@@ -1,7 +1,7 @@
 #include "dir_protocol.h"
 
-#include "agree.h"
-#include "publish.h"
+#include "../agree.h"
+#include "../format/publish.h"
 
 #include <ATen/ATen.h>
 

@@ -1,8 +1,8 @@
 // The consolidated-file writer and offline consolidation. No LibTorch here: the tools
 // built on this start fast and keep about one parameter in memory (see layout.h).
-#include "layout.h"
-#include "publish.h"
-#include "safetensors/safetensors.h"
+#include "../format/layout.h"
+#include "../format/publish.h"
+#include "../format/safetensors/safetensors.h"
 
 #include <c10/util/Exception.h>
 
@@ -233,20 +233,6 @@ void write_hf_config(const std::string& dir, const std::map<std::string, AttrVal
   TORCH_CHECK(text != nullptr, "model attribute ", kHfConfigAttr,
               " must be a string (a Hugging Face config.json)");
   write_atomically(std::filesystem::path(dir) / "config.json", *text);
-}
-
-std::string Layout::name(const std::string& fqn) const { return name_for ? name_for(fqn) : fqn; }
-
-bool Layout::transposed(const std::string& fqn, const std::vector<int64_t>& shape) const {
-  if (!transpose || !transpose(fqn)) return false;
-  TORCH_CHECK(shape.size() == 2, what, " '", fqn, "', which has ", shape.size(),
-              " dimensions; only 2-D tensors transpose");
-  return true;
-}
-
-std::vector<int64_t> Layout::file_shape(const std::string& fqn, std::vector<int64_t> shape) const {
-  if (transposed(fqn, shape)) std::swap(shape[0], shape[1]);
-  return shape;
 }
 
 namespace {

@@ -1,7 +1,7 @@
 #pragma once
-// What the offline tools (src/tools: fsdp-consolidate, fsdp-inspect) call in checkpoint/,
-// without LibTorch: fsdp_ckpt_core implements it (offline.cpp, inspect.cpp). The public
-// consolidate_checkpoint and inspect_checkpoint (<fsdp/checkpoint.h>) call the same.
+// The vocabulary of exported weights, shared by the live exports (checkpoint/export), the
+// offline tools (checkpoint/offline) and the layout (layout.h): their element type, the
+// progress callback, and another framework's names and transposes for safetensors.
 
 #include <cstddef>
 #include <cstdint>
@@ -17,10 +17,6 @@ enum class ExportDtype { kF32, kBF16, kF16 };
 /// Called after each parameter with (done, total, its FQN).
 using Progress = std::function<void(size_t, size_t, const std::string&)>;
 
-/// Offline consolidation into one HDF5 file (fsdp-consolidate): no process group, one
-/// parameter at a time.
-void consolidate_offline(const std::string& sharded, const std::string& out_file, ExportDtype dtype,
-                         bool with_optimizer, const Progress& progress);
 /// Another framework's layout for safetensors (SafetensorsOptions::name_for, ::transpose):
 /// the name each tensor is written under ("" leaves it out), and which 2-D ones are
 /// written transposed. Unset: clean FQNs, as they are.
@@ -38,15 +34,5 @@ struct Layout {
   /// `shape` as written.
   std::vector<int64_t> file_shape(const std::string& fqn, std::vector<int64_t> shape) const;
 };
-
-/// Offline consolidation into safetensors (fsdp-consolidate --format safetensors): the
-/// directory `out_dir` gets what export_safetensors writes from the live model with the
-/// same layout, byte for byte, reading one parameter at a time.
-void consolidate_offline_safetensors(const std::string& sharded, const std::string& out_dir,
-                                     ExportDtype dtype, uint64_t max_shard_size,
-                                     const Progress& progress, const Layout& layout = {});
-
-/// Describes and verifies a sharded checkpoint directory or a consolidated file.
-std::string inspect(const std::string& path, bool verify);
 
 }  // namespace fsdp::ckpt

@@ -1,7 +1,7 @@
 // Sharded saves, synchronous and asynchronous (include/fsdp/checkpoint.h): the directory
 // protocol (dir_protocol.h) around this rank's snapshot (snapshot.h), written at once or
 // by the background job (async_save.h).
-#include "agree.h"
+#include "../agree.h"
 #include "async_save.h"
 #include "dir_protocol.h"
 #include "save_hook.h"

@@ -1,5 +1,5 @@
 // Consolidated and safetensors exports of a pipelined model (include/fsdp/checkpoint.h).
-#include "agree.h"
+#include "../agree.h"
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>

@@ -4,7 +4,7 @@
 // to both. The rank file's writer (snapshot.cpp) and the load (sharded_load.cpp) call
 // them in the file's order.
 
-#include "layout.h"
+#include "../format/layout.h"
 
 #include <fsdp/checkpoint.h>
 

@@ -4,7 +4,7 @@
 // asynchronous save, staged into host memory that the model keeps for the next one
 // (Note [Staging reuse]).
 
-#include "layout.h"
+#include "../format/layout.h"
 
 #include <fsdp/checkpoint.h>
 

@@ -1,9 +1,9 @@
 #include "async_save.h"
 #include "trace/trace.h"
 
-#include "agree.h"
-#include "layout.h"
-#include "publish.h"
+#include "../agree.h"
+#include "../format/layout.h"
+#include "../format/publish.h"
 #include "save_hook.h"
 
 #include "internal/checkpoint_view.h"

@@ -242,4 +242,19 @@ std::string describe_shape(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
+// Another framework's names and transposes (weights.h).
+std::string Layout::name(const std::string& fqn) const { return name_for ? name_for(fqn) : fqn; }
+
+bool Layout::transposed(const std::string& fqn, const std::vector<int64_t>& shape) const {
+  if (!transpose || !transpose(fqn)) return false;
+  TORCH_CHECK(shape.size() == 2, what, " '", fqn, "', which has ", shape.size(),
+              " dimensions; only 2-D tensors transpose");
+  return true;
+}
+
+std::vector<int64_t> Layout::file_shape(const std::string& fqn, std::vector<int64_t> shape) const {
+  if (transposed(fqn, shape)) std::swap(shape[0], shape[1]);
+  return shape;
+}
+
 }  // namespace fsdp::ckpt
