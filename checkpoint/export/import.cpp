@@ -1,6 +1,6 @@
-// Consolidated checkpoints: one HDF5 file in the layout of docs/design.md, "Contracts", written
-// from a live sharded model or offline from a sharded checkpoint, and read back into a
-// sharded model (each rank its own slice) or a plain module.
+// Consolidated weights back into a model: import_consolidated into a sharded model
+// (each rank its own slice) or a pipeline, load_consolidated into a plain module, from
+// the HDF5 file of the contract or safetensors; and a file's attributes.
 #include "../agree.h"
 #include "../name_match.h"
 #include "../sharded/optim_state.h"
@@ -24,21 +24,6 @@ namespace fs = std::filesystem;
 namespace fsdp {
 namespace ckpt {
 namespace {
-
-ExportDtype export_dtype(torch::Dtype d) {
-  TORCH_CHECK(d == torch::kFloat32 || d == torch::kBFloat16 || d == torch::kFloat16,
-              "export dtype ", c10::toString(d),
-              " is not supported; use float32, bfloat16 or float16");
-  return d == torch::kFloat32    ? ExportDtype::kF32
-         : d == torch::kBFloat16 ? ExportDtype::kBF16
-                                 : ExportDtype::kF16;
-}
-
-h5::Elem export_elem(torch::Dtype d) { return elem_of(export_dtype(d)); }
-
-h5::Elem buffer_elem(const at::Tensor& b, h5::Elem dtype) {
-  return b.is_floating_point() ? dtype : storage_elem(b.scalar_type());
-}
 
 std::set<std::string> datasets_of(hid_t model, const std::string& where) {
   auto v = h5::children(model, where);
@@ -159,35 +144,6 @@ class SafetensorsSource : public WeightSource {
   std::string where_;
 };
 
-// The exports' protocol: rank 0 writes; on a write error it stops writing but keeps
-// taking part in the gathers, so no rank hangs, and every rank throws at the end.
-class Rank0Writes {
- public:
-  explicit Rank0Writes(const ProcessGroup& pg) : pg_(pg), writer_(pg.rank() == 0) {}
-  bool writer() const { return writer_; }
-  /// Runs `fn` on rank 0 unless an earlier call failed there.
-  void operator()(const std::function<void()>& fn) {
-    if (!writer_ || !error_.empty()) return;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      error_ = e.what();
-    }
-  }
-  /// Collective: when rank 0 failed, runs `abandon` there and throws on every rank,
-  /// "<what> failed: <rank 0's error>".
-  void check(const std::string& what, const std::function<void()>& abandon) {
-    if (!rank0_failed(pg_, error_)) return;
-    if (writer_) abandon();
-    TORCH_CHECK(false, what, " failed", failure_detail(error_, " on rank 0 (see its error)"));
-  }
-
- private:
-  const ProcessGroup& pg_;
-  bool writer_;
-  std::string error_;
-};
-
 std::unique_ptr<WeightSource> open_weights(const std::string& path) {
   if (st::is_safetensors(path)) return std::make_unique<SafetensorsSource>(path);
   return std::make_unique<Hdf5Source>(path);
@@ -195,156 +151,6 @@ std::unique_ptr<WeightSource> open_weights(const std::string& path) {
 
 }  // namespace
 }  // namespace ckpt
-
-void export_consolidated(const std::string& file, const ShardedModel& root,
-                         torch::optim::Optimizer* optimizer, const TrainingState& state,
-                         const ExportOptions& options) {
-  detail::trace::Scope span("checkpoint", []() { return std::string("consolidated export"); });
-  using namespace ckpt;
-  const h5::Elem elem = export_elem(options.dtype);
-  TORCH_CHECK(!options.with_optimizer || optimizer,
-              "export_consolidated: with_optimizer needs the optimizer");
-  Rank0Writes guarded(root.sharding_options().process_group);
-  const bool writer = guarded.writer();
-  const std::string kind = options.with_optimizer ? optimizer_kind(*optimizer) : "";
-  std::unique_ptr<ConsolidatedWriter> w;
-  guarded([&] {
-    w = std::make_unique<ConsolidatedWriter>(file, elem, state.step, state.model_attrs, kind);
-  });
-
-  const auto shards = detail::local_shards(root);
-  for (size_t k = 0; k < shards.size(); ++k) {
-    const LocalShard& ls = shards[k];
-    {
-      at::Tensor full = detail::gather_flat(root, k, ls.shard);
-      guarded([&] {
-        for (const auto& p : ls.params) {
-          write_tensor(w->model, p.fqn, full.narrow(0, p.offset, p.numel).view(p.shape), elem,
-                       w->tmp + ":/model");
-        }
-      });
-    }
-    if (!options.with_optimizer || !ls.info.requires_grad) continue;
-    ParamState st = get_shard_state(*optimizer, ls.shard);
-    if (st.tensors.empty()) continue;  // not stepped yet
-    // Each parameter's group: the shard's, or that of the view holding its first element.
-    const int whole = find_param(*optimizer, ls.shard).first;
-    const auto views = whole >= 0 ? std::vector<std::pair<at::Tensor, int64_t>>{}
-                                  : shard_views(*optimizer, ls.shard);
-    guarded([&] {
-      for (const auto& p : ls.params) {
-        int g = whole;
-        for (const auto& [v, off] : views) {
-          const int64_t first = std::max<int64_t>(p.offset - ls.begin, 0);
-          if (first >= off && first < off + v.numel()) g = find_param(*optimizer, v).first;
-        }
-        if (g < 0) g = std::max(shard_group(*optimizer, ls.shard), 0);
-        w->optim_group(p.fqn, st.step, group_hparams(*optimizer, static_cast<size_t>(g)));
-      }
-    });
-    for (const auto& [name, t] : st.tensors) {
-      at::Tensor full = detail::gather_flat(root, k, t.reshape({-1}));
-      guarded([&] {
-        for (const auto& p : ls.params) {
-          write_tensor(w->optim, p.fqn + "/" + name,
-                       full.narrow(0, p.offset, p.numel).view(p.shape), h5::Elem::kF32,
-                       w->tmp + ":/optimizer");
-        }
-      });
-    }
-    if (options.verbose && writer) {
-      std::cout << "[fsdp] export: flat parameter " << k + 1 << "/" << shards.size() << " (unit '"
-                << ls.info.unit_fqn << "')" << std::endl;
-    }
-  }
-  guarded([&] {
-    for (const auto& [name, b] : named_buffers_clean(root.as_module())) {
-      write_tensor(w->model, name, b, buffer_elem(b, elem), w->tmp + ":/model");
-    }
-    w->finish();
-  });
-  guarded.check("export_consolidated to " + file, [&] {
-    if (w) w->abandon();
-  });
-}
-
-void export_safetensors(const std::string& dir, const ShardedModel& model,
-                        const TrainingState& state, const SafetensorsOptions& options) {
-  detail::trace::Scope span("checkpoint", []() { return std::string("safetensors export"); });
-  using namespace ckpt;
-  const h5::Elem elem = export_elem(options.dtype);
-  Rank0Writes guarded(model.sharding_options().process_group);
-  const bool writer = guarded.writer();
-  const auto shards = detail::local_shards(model);
-  const auto buffers = named_buffers_clean(model.as_module());
-  // Every tensor, in order: each flat parameter's original parameters (aliases as copies
-  // of their own), then the buffers. Every rank knows them; rank 0 writes.
-  // SafetensorsOptions::name_for and ::transpose: another framework's names and layout.
-  const Layout layout{options.name_for, options.transpose,
-                      "export_safetensors: SafetensorsOptions::transpose picks"};
-  std::vector<st::Spec> specs;
-  for (const auto& ls : shards) {
-    for (const auto& p : ls.params) {
-      if (!layout.name(p.fqn).empty())
-        specs.push_back(
-            {layout.name(p.fqn), safetensors_dtype(elem), layout.file_shape(p.fqn, p.shape)});
-    }
-  }
-  for (const auto& [name, b] : buffers) {
-    if (!layout.name(name).empty()) {
-      specs.push_back({layout.name(name), safetensors_dtype(buffer_elem(b, elem)),
-                       layout.file_shape(name, b.sizes().vec())});
-    }
-  }
-  std::unique_ptr<st::DirWriter> w;
-  guarded([&] {
-    w = std::make_unique<st::DirWriter>(dir, specs,
-                                        safetensors_metadata(elem, state.step, state.model_attrs),
-                                        options.max_shard_size);
-  });
-  size_t i = 0;
-  for (size_t k = 0; k < shards.size(); ++k) {
-    const LocalShard& ls = shards[k];
-    at::Tensor full = detail::gather_flat(model, k, ls.shard);
-    guarded([&] {
-      // A parameter must arrive whole: DeepSpeed once saved the empty placeholders of
-      // sharded parameters as "the model" (deepspeed#6836).
-      TORCH_CHECK(full.numel() == ls.info.numel, "export_safetensors: unit '", ls.info.unit_fqn,
-                  "' gathered ", full.numel(), " elements, its table has ", ls.info.numel);
-      for (const auto& p : ls.params) {
-        if (layout.name(p.fqn).empty()) continue;
-        at::Tensor value = full.narrow(0, p.offset, p.numel);
-        if (layout.transposed(p.fqn, p.shape))
-          value = value.view(p.shape).t().contiguous().view(-1);
-        at::Tensor v = file_bytes(value, elem);
-        TORCH_CHECK(v.numel() == p.numel, "export_safetensors: parameter '", p.fqn, "' has ",
-                    v.numel(), " elements, its shape needs ", p.numel);
-        w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
-      }
-    });
-    if (options.verbose && writer) {
-      std::cout << "[fsdp] safetensors export: flat parameter " << k + 1 << "/" << shards.size()
-                << " (unit '" << ls.info.unit_fqn << "')" << std::endl;
-    }
-  }
-  guarded([&] {
-    for (const auto& [name, b] : buffers) {
-      if (layout.name(name).empty()) continue;
-      at::Tensor v = file_bytes(layout.transposed(name, b.sizes().vec()) ? b.t().contiguous() : b,
-                                buffer_elem(b, elem));
-      w->add(i++, v.data_ptr(), static_cast<uint64_t>(v.numel()) * v.element_size());
-    }
-    w->finish();
-    write_hf_config(dir, state.model_attrs);
-  });
-  guarded.check("export_safetensors to " + dir,
-                [&] { w.reset(); });  // removes its unpublished files
-  if (options.verbose && writer) {
-    std::cout << "[fsdp] safetensors export: " << specs.size() << " tensors in "
-              << w->files().size() << " file" << (w->files().size() == 1 ? "" : "s") << " in "
-              << dir << std::endl;
-  }
-}
 
 namespace ckpt {
 namespace {
@@ -546,25 +352,6 @@ std::map<std::string, AttrValue> consolidated_attributes(const std::string& file
   std::map<std::string, AttrValue> out;
   for (const auto& n : h5::attr_names(f, file)) out[n] = h5::get_attr(f, n, file);
   return out;
-}
-
-void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
-                            const ConsolidateOptions& options) {
-  if (options.format == WeightsFormat::kSafetensors) {
-    TORCH_CHECK(!options.with_optimizer,
-                "consolidate_checkpoint: safetensors holds weights only; "
-                "with_optimizer needs the HDF5 format");
-    ckpt::consolidate_offline_safetensors(sharded, out_file, ckpt::export_dtype(options.dtype),
-                                          options.max_shard_size, options.progress,
-                                          {options.name_for, options.transpose});
-    return;
-  }
-  ckpt::consolidate_offline(sharded, out_file, ckpt::export_dtype(options.dtype),
-                            options.with_optimizer, options.progress);
-}
-
-std::string inspect_checkpoint(const std::string& path, bool verify) {
-  return ckpt::inspect(path, verify);
 }
 
 }  // namespace fsdp
