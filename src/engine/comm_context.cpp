@@ -41,7 +41,8 @@ void CommContext::wait_gathers(const Unit& unit) {
 // The engine's collectives are issued here, as FSDP2 keeps them in _fsdp_collectives.py:
 // the all-gather of each flat parameter (its input prepared by FlatParam::gather_input,
 // which keeps storage and casting), the reduce-scatter and all-reduce of its gradient.
-// (Exports gather through FlatParam::gather_like, outside training.)
+// The few others are below: sync_module_states' broadcast, the exports' gathers, the
+// change check's and clipping's all-reduces, the trace's barrier.
 std::shared_ptr<Work> CommContext::all_gather(FlatParam& flat) {
   FlatParam::GatherInput in = flat.gather_input();
   if (in.done) return std::make_shared<DoneWork>();
@@ -288,5 +289,43 @@ void CommContext::finish_backward() {
 void CommContext::wait_transfers() {
   if (transfers_) transfers_->wait_host();
 }
+
+void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct, const std::string& label) {
+  CollectiveLabel scope(label);
+  group.broadcast(v, 0);
+  const int64_t bytes = v.numel() * static_cast<int64_t>(sizeof(float));
+  acct.count(Collective::kBroadcast, bytes, group.wire_bytes(WireOp::kBroadcast, bytes, at::kFloat, 0));
+}
+
+at::Tensor gather_like(const FlatParam& flat, const at::Tensor& shard_like) {
+  TORCH_CHECK(shard_like.numel() == flat.shard_numel(), "gather: expected a tensor of ",
+              flat.shard_numel(), " elements laid out like the shard, got ", shard_like.numel());
+  at::NoGradGuard no_grad;
+  const FlatConfig& cfg = flat.config();
+  // On the compute device, where the collectives run (with offload the shard is on the host).
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg.device);
+  at::Tensor out = at::empty({flat.padded_numel()}, opts);
+  if (cfg.shard_group->size() > 1) {
+    const int64_t bytes = flat.padded_numel() * static_cast<int64_t>(sizeof(float));
+    cfg.acct->count(Collective::kAllGather, bytes,
+                    cfg.shard_group->wire_bytes(WireOp::kAllGather, bytes, at::kFloat, 0));
+  }
+  CollectiveLabel label(flat.label());
+  cfg.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
+  return out;
+}
+
+void all_reduce(Backend& group, const at::Tensor& tensor, ReduceKind kind, Accounting* acct,
+                const std::string& label) {
+  if (acct != nullptr && group.size() > 1) {
+    const auto bytes = static_cast<int64_t>(tensor.nbytes());
+    acct->count(Collective::kAllReduce, bytes,
+                group.wire_bytes(WireOp::kAllReduce, bytes, tensor.scalar_type(), 0));
+  }
+  CollectiveLabel scope(label);
+  group.all_reduce(tensor, kind)->wait();
+}
+
+void barrier(Backend& group) { group.barrier(); }
 
 }  // namespace fsdp::detail

@@ -34,6 +34,21 @@ namespace fsdp::detail {
 
 class Unit;
 
+// Note [Collectives in one place]: the engine's collectives besides a step's gathers and
+// reductions, here too, each counted where the accounting counts collectives.
+/// sync_module_states: `v` (fp32, one parameter's values) from rank 0 of `group`.
+void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct, const std::string& label);
+/// `shard_like` (shard_numel fp32 elements laid out like `flat`'s shard: the shard, or
+/// state laid out like it) all-gathered over the shard group into a new fp32 tensor of
+/// padded_numel elements on the compute device (exports and full parameters).
+at::Tensor gather_like(const FlatParam& flat, const at::Tensor& shard_like);
+/// `tensor` summed (or its maximum taken) over `group` in place, counted in `acct` when
+/// given.
+void all_reduce(Backend& group, const at::Tensor& tensor, ReduceKind kind, Accounting* acct,
+                const std::string& label);
+/// Every rank of `group` reaches here before any goes on.
+void barrier(Backend& group);
+
 class CommContext {
  public:
   /// `transfers` is null without cpu_offload.

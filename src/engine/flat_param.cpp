@@ -37,7 +37,7 @@ int64_t bytes_of(int64_t numel, at::ScalarType t) {
 }  // namespace
 
 FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatConfig& cfg,
-                     Backend* broadcast_group)
+                     const SyncFromRank0& sync)
     : slots_(std::move(slots)), trainable_(trainable), cfg_(cfg) {
   at::NoGradGuard no_grad;
   for (auto& s : slots_) {
@@ -61,16 +61,9 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   auto master = fp32.dtype(cfg_.master_dtype);
   shard_ = at::zeros({shard_numel_}, master);
   const int64_t lo = cfg_.shard_group->rank() * shard_numel_, hi = lo + shard_numel_;
-  const bool sync = broadcast_group != nullptr && broadcast_group->size() > 1;
   for (auto& s : slots_) {
     at::Tensor v = s.param.detach().reshape({-1}).to(fp32).contiguous();
-    if (sync) {
-      CollectiveLabel label(this->label());
-      broadcast_group->broadcast(v, 0);
-      const int64_t bytes = bytes_of(s.numel, at::kFloat);
-      cfg_.acct->count(Collective::kBroadcast, bytes,
-                       broadcast_group->wire_bytes(WireOp::kBroadcast, bytes, at::kFloat, 0));
-    }
+    if (sync) sync(v, label());  // comm_context.cpp's broadcast_from_rank0
     const int64_t a = std::max(lo, s.offset), b = std::min(hi, s.offset + s.numel);
     if (a < b) shard_.narrow(0, a - lo, b - a).copy_(v.narrow(0, a - s.offset, b - a));
     s.param.set_data(at::empty({0}, s.param.options()));
@@ -500,21 +493,5 @@ bool FlatParam::changed_since_gather() const {
   return !at::equal(mine, expected.to(mine.device()));
 }
 
-at::Tensor FlatParam::gather_like(const at::Tensor& shard_like) const {
-  TORCH_CHECK(shard_like.numel() == shard_numel_, "gather: expected a tensor of ", shard_numel_,
-              " elements laid out like the shard, got ", shard_like.numel());
-  at::NoGradGuard no_grad;
-  // On the compute device, where the collectives run (with offload the shard is on the host).
-  auto opts = at::TensorOptions().dtype(at::kFloat).device(cfg_.device);
-  at::Tensor out = at::empty({padded_}, opts);
-  if (cfg_.shard_group->size() > 1) {
-    const int64_t bytes = bytes_of(padded_, at::kFloat);
-    cfg_.acct->count(Collective::kAllGather, bytes,
-                     cfg_.shard_group->wire_bytes(WireOp::kAllGather, bytes, at::kFloat, 0));
-  }
-  CollectiveLabel label(this->label());
-  cfg_.shard_group->all_gather(out, shard_like.detach().to(opts).contiguous())->wait();
-  return out;
-}
 
 }  // namespace fsdp::detail

@@ -75,10 +75,13 @@ struct FlatConfig {
 
 class FlatParam {
  public:
-  /// Flattens `slots` (offsets assigned here) and keeps this rank's shard. With
-  /// `source_rank0`, rank 0's values are broadcast over `world` first.
+  /// Gives `values` (one parameter's, fp32) rank 0's (sync_module_states); `label` names
+  /// the flat parameter in errors and traces. Empty: each rank keeps its own.
+  using SyncFromRank0 = std::function<void(at::Tensor& values, const std::string& label)>;
+  /// Flattens `slots` (offsets assigned here) and keeps this rank's shard, each
+  /// parameter's values first passed through `sync` when it is given.
   FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatConfig& cfg,
-            Backend* broadcast_group);
+            const SyncFromRank0& sync = nullptr);
   ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
@@ -196,11 +199,6 @@ class FlatParam {
   /// a host buffer, written back after `fn` when `write`.
   void visit_grad(bool write, const std::function<void(at::Tensor&)>& fn);
 
-  /// This rank's fp32 shard gathered into a new fp32 full tensor (for export).
-  at::Tensor gather_fp32() const { return gather_like(shard_); }
-  /// `shard_like` (shard_numel fp32 elements: the shard or state laid out like it)
-  /// gathered over the shard group into a new fp32 tensor of padded_numel elements.
-  at::Tensor gather_like(const at::Tensor& shard_like) const;
 
  private:
   /// Frees the post-forward slice, if any.

@@ -292,12 +292,18 @@ std::vector<std::unique_ptr<FlatParam>> make_flats(
     const std::vector<std::pair<std::string, at::Tensor>>& params, const FlatConfig& cfg,
     Backend* bcast) {
   UnitSlots slots = unit_slots(params);
+  FlatParam::SyncFromRank0 sync;
+  if (bcast != nullptr && bcast->size() > 1) {
+    sync = [bcast, acct = cfg.acct](at::Tensor& v, const std::string& label) {
+      broadcast_from_rank0(*bcast, v, *acct, label);
+    };
+  }
   std::vector<std::unique_ptr<FlatParam>> out;
   if (!slots.trainable.empty()) {
-    out.push_back(std::make_unique<FlatParam>(std::move(slots.trainable), true, cfg, bcast));
+    out.push_back(std::make_unique<FlatParam>(std::move(slots.trainable), true, cfg, sync));
   }
   if (!slots.frozen.empty()) {
-    out.push_back(std::make_unique<FlatParam>(std::move(slots.frozen), false, cfg, bcast));
+    out.push_back(std::make_unique<FlatParam>(std::move(slots.frozen), false, cfg, sync));
   }
   return out;
 }

@@ -124,7 +124,7 @@ std::vector<LocalShard> local_shards(const ShardedModel& model) {
 torch::Tensor gather_flat(const ShardedModel& model, size_t index,
                           const torch::Tensor& shard_like) {
   detail::FlatParam& f = flat_at(model, index, "gather_flat");
-  at::Tensor full = f.gather_like(shard_like);
+  at::Tensor full = gather_like(f, shard_like);
   // Counted while the caller holds it: the deleter keeps the storage and releases the bytes.
   auto* acct = &model_runtime(model).acct();
   const int64_t bytes = full.numel() * static_cast<int64_t>(sizeof(float));
@@ -185,10 +185,8 @@ void visit_grad_shards(const ShardedModel& model, bool write,
 }
 
 void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max) {
-  model_runtime(model)
-      .flat_config()
-      .shard_group->all_reduce(tensor, max ? ReduceKind::kMax : ReduceKind::kSum)
-      ->wait();
+  all_reduce(*model_runtime(model).flat_config().shard_group, tensor,
+             max ? ReduceKind::kMax : ReduceKind::kSum, nullptr, "a reduction over the shard group");
 }
 
 void gather_units(const ShardedModel& model, bool keep) {
@@ -214,7 +212,8 @@ void release_units(const ShardedModel& model, bool writeback) {
 }
 
 torch::Tensor full_flat_fp32(const ShardedModel& model, size_t index) {
-  return flat_at(model, index, "full_flat_fp32").gather_fp32();
+  const FlatParam& f = flat_at(model, index, "full_flat_fp32");
+  return gather_like(f, f.shard());
 }
 
 std::vector<FlatSlot> flat_slots(const ShardedModel& model, size_t index) {

@@ -38,7 +38,7 @@ Runtime::Runtime(ShardingOptions options) : options_(std::move(options)) {
     } catch (const c10::Error&) {  // no consistent launcher environment: the group's ranks
     }
     trace::start(dir, rank, world);
-    GroupAccess::backend(pg)->barrier();
+    barrier(*GroupAccess::backend(pg));
     trace::mark_sync();
   }
 }
@@ -261,11 +261,7 @@ void Runtime::reshard_changed() {
   Backend& group = *flats_.front()->config().shard_group;
   if (group.size() > 1) {
     at::Tensor agreed = flags.to(options_.device);
-    const auto bytes = static_cast<int64_t>(agreed.nbytes());
-    acct_.count(Collective::kAllReduce, bytes,
-                group.wire_bytes(WireOp::kAllReduce, bytes, at::kInt, 0));
-    CollectiveLabel label("the change check of units kept gathered");
-    group.all_reduce(agreed, ReduceKind::kMax)->wait();
+    all_reduce(group, agreed, ReduceKind::kMax, &acct_, "the change check of units kept gathered");
     flags = agreed.to(at::kCPU);
   }
   for (size_t i = 0; i < kept.size(); ++i) {
