@@ -396,6 +396,12 @@ fsdp::EstimateInput read_input(const cxxopts::ParseResult& r) {
     return core::parse_precision(r["master-dtype"].as<std::string>(), core::Option::kMasterDtype,
                                  flags);
   });
+  if (master == fsdp::Precision::kFp16) {  // a precision, but not a master's
+    flag_checked([&] {
+      core::unsupported_dtype(core::Option::kMasterDtype, fsdp::to_string(master), flags);
+      return 0;
+    });
+  }
   if (r.count("pure-bf16") > 0) master = renamed_switch(r, master);
   in.pure_bf16 = master == fsdp::Precision::kBf16;
   in.max_gathered_units = r["max-gathered-units"].as<int>();
