@@ -26,14 +26,14 @@ case "$MODE" in
 esac
 # The margin for start-up and exit, measured here rather than assumed: the same ranks,
 # started alike, only load the program (LibTorch's libraries and their initialisation)
-# and exit (--version). On a loaded 2-core machine that took 2.5 s, where an idle one
+# and exit (--help). On a loaded 2-core machine that took 2.5 s, where an idle one
 # takes 1 s; a fixed 3 s margin failed there by 78 ms. Twice the measured time plus a
 # second, at least 3 s: a rank that waited on Gloo's own retries (5x the timeout, Note
 # [Gloo connection deadline]) still fails.
 for r in $RANKS; do
   h="$H1"
   [ "$r" -ge 2 ] && h="$H2"
-  mh_run "$h" "$OUT/start$r.log" "$BIN/train_gpt" --version
+  mh_run "$h" "$OUT/start$r.log" "$BIN/train_gpt" --help
 done
 mh_wait_all
 START_MS=0
@@ -43,7 +43,7 @@ for r in $RANKS; do
 done
 MARGIN_MS=$((2 * START_MS + 1000))
 [ "$MARGIN_MS" -lt 3000 ] && MARGIN_MS=3000
-echo "deadlines.sh: start-up and exit took up to $START_MS ms (train_gpt --version on every rank at once): margin $MARGIN_MS ms"
+echo "deadlines.sh: start-up and exit took up to $START_MS ms (train_gpt --help on every rank at once): margin $MARGIN_MS ms"
 for r in $RANKS; do
   h="$H1"
   [ "$r" -ge 2 ] && h="$H2"
