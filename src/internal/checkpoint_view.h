@@ -3,7 +3,7 @@
 // buffers an asynchronous save stages into, the barrier it registers (Note [Background
 // staging]) and the tests' hook into a save.
 
-#include "internal/model_view.h"
+#include "model_view.h"
 
 #include <map>
 

@@ -3,7 +3,7 @@
 // in its update pass, the backward observers ShardParamGroups keeps its views with, and
 // the barrier over a ShardParamGroups' model.
 
-#include "internal/model_view.h"
+#include "model_view.h"
 
 #include <atomic>
 #include <memory>

@@ -2,7 +2,7 @@
 // The model view for src/pipeline (model_view.h): stages built layer by layer under
 // sharded construction, and their parameters renamed to the whole model's names.
 
-#include "internal/model_view.h"
+#include "model_view.h"
 
 #include <utility>
 

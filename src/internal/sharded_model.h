@@ -2,8 +2,8 @@
 // Every view of the model view at once (model_view.h and the views one per client), for
 // the tests. The library's folders include their own view only.
 
-#include "internal/checkpoint_view.h"
-#include "internal/model_view.h"
-#include "internal/optim_view.h"
-#include "internal/pipeline_view.h"
-#include "internal/train_view.h"
+#include "checkpoint_view.h"
+#include "model_view.h"
+#include "optim_view.h"
+#include "pipeline_view.h"
+#include "train_view.h"

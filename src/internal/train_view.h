@@ -2,7 +2,7 @@
 // The model view for src/train (model_view.h): the gradient shards clipping and loss
 // scaling read, and the gathers and slots of full parameters.
 
-#include "internal/model_view.h"
+#include "model_view.h"
 
 namespace fsdp {
 
