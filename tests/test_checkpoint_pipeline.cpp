@@ -1,8 +1,8 @@
-// Checkpoints of pipelined models (Note [Pipelined checkpoints] in checkpoint/sharded/sharded_save.cpp):
-// one checkpoint of every stage, resumed at another layout (other stages, FULL_SHARD inside
-// them, or no pipeline at all) and the reverse, with the losses of the same model trained
-// without interruption in one process; the files' layout as fsdp-inspect verifies it; and
-// PipelineOptions::parameter_names.
+// Checkpoints of pipelined models (Note [Pipelined checkpoints] in
+// checkpoint/sharded/sharded_save.cpp): one checkpoint of every stage, resumed at another layout
+// (other stages, FULL_SHARD inside them, or no pipeline at all) and the reverse, with the losses of
+// the same model trained without interruption in one process; the files' layout as fsdp-inspect
+// verifies it; and PipelineOptions::parameter_names.
 #include <fsdp/checkpoint.h>
 #include <fsdp/full_params.h>
 #include <fsdp/pipeline.h>

@@ -176,7 +176,7 @@ TEST(EstimateRules, AValueOutsideTheEnumsIsNamed) {
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()),
-              "strategy 7 is not a ShardingStrategy; use one of its enumerators");
+              "--sharding 7 is not a strategy; use full, grad_op, none, hybrid, zero2 or zero1");
   }
   in.strategy = ShardingStrategy::kFullShard;
   in.precision = static_cast<Precision>(9);
@@ -184,7 +184,7 @@ TEST(EstimateRules, AValueOutsideTheEnumsIsNamed) {
     estimate_memory(in);
     FAIL() << "no error";
   } catch (const std::invalid_argument& e) {
-    EXPECT_EQ(std::string(e.what()), "precision 9 is not a Precision; use one of its enumerators");
+    EXPECT_EQ(std::string(e.what()), "--precision 9 is unsupported; use fp32, bf16 or fp16");
   }
 }
 
@@ -1232,7 +1232,7 @@ TEST(EstimateTool, PipelineStagesOneEstimateEach) {
       << "--params' equal units are the layers, without the empty root";
   auto bad = run_command(tool({"--params", "1e6", "--units", "2", "--pipeline-stages", "4"}));
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.output.find("--pipeline-stages 4 does not divide --world-size 1"),
+  EXPECT_NE(bad.output.find("--pipeline-stages 4 does not divide the world size 1"),
             std::string::npos)
       << bad.output;
 }

@@ -1,11 +1,11 @@
 // Consolidated HDF5 files from a live sharded model (docs/design.md, "Contracts"), and
 // the exports' shared pieces (export.h).
-#include "export.h"
 #include "../agree.h"
+#include "../format/safetensors/safetensors.h"
 #include "../name_match.h"
 #include "../sharded/optim_state.h"
-#include "../format/safetensors/safetensors.h"
 #include "../tensor_io.h"
+#include "export.h"
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>

@@ -1,10 +1,10 @@
 // Hugging Face's safetensors from a live sharded model (Note [Safetensors]).
-#include "export.h"
 #include "../agree.h"
+#include "../format/safetensors/safetensors.h"
 #include "../name_match.h"
 #include "../sharded/optim_state.h"
-#include "../format/safetensors/safetensors.h"
 #include "../tensor_io.h"
+#include "export.h"
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>

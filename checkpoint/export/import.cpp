@@ -2,9 +2,9 @@
 // (each rank its own slice) or a pipeline, load_consolidated into a plain module, from
 // the HDF5 file of the contract or safetensors; and a file's attributes.
 #include "../agree.h"
+#include "../format/safetensors/safetensors.h"
 #include "../name_match.h"
 #include "../sharded/optim_state.h"
-#include "../format/safetensors/safetensors.h"
 #include "../tensor_io.h"
 #include "trace/trace.h"
 

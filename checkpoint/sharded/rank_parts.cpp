@@ -1,8 +1,8 @@
 // The parts of a rank file besides the flat parameters, written and read side by side
 // (see rank_parts.h).
 #include "rank_parts.h"
-#include "optim_state.h"
 #include "../tensor_io.h"
+#include "optim_state.h"
 
 #include <fsdp/fully_sharded_module.h>
 

@@ -1,12 +1,12 @@
 // Loading a sharded checkpoint saved at any world size and under any wrap policy
 // (include/fsdp/checkpoint.h; docs/design.md, "Checkpoints").
-#include "async_save.h"
 #include "../format/layout.h"
+#include "../format/reshard_plan.h"
 #include "../name_match.h"
+#include "../tensor_io.h"
+#include "async_save.h"
 #include "optim_state.h"
 #include "rank_parts.h"
-#include "../format/reshard_plan.h"
-#include "../tensor_io.h"
 #include "trace/trace.h"
 
 #include <fsdp/checkpoint.h>

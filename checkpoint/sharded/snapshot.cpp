@@ -1,9 +1,9 @@
 #include "snapshot.h"
 
+#include "../tensor_io.h"
 #include "optim_state.h"
 #include "rank_parts.h"
 #include "save_hook.h"
-#include "../tensor_io.h"
 #include "trace/trace.h"
 
 #include <cstdlib>

@@ -20,6 +20,11 @@
 namespace fsdp {
 namespace {
 
+// The names of DeepSpeed's precision sections: its config's keys, not this library's
+// precisions (which the options core names).
+constexpr const char* kFp16Key = "fp16";  // DeepSpeed's key
+constexpr const char* kBf16Key = "bf16";  // DeepSpeed's key
+
 using nlohmann::json;
 
 std::string number_text(double v) {
@@ -346,7 +351,7 @@ void ConfigReader::pipeline(const json& pl) {
 bool ConfigReader::fp16_section(const json& f) {
   bool fp16 = false;
   check_keys(
-      f, "fp16",  // DeepSpeed's key
+      f, kFp16Key,
       {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
        "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"});
   if (f.contains("enabled")) {
@@ -439,12 +444,12 @@ bool ConfigReader::bf16_section(const json& f, const std::string& b) {
 }
 
 void ConfigReader::precision(const json& j) {
-  TORCH_CHECK(!(j.contains("bf16") && j.contains("bfloat16")),  // DeepSpeed's keys
+  TORCH_CHECK(!(j.contains(kBf16Key) && j.contains("bfloat16")),
               "ds_config: both bf16 and bfloat16 are given; bfloat16 is the old name of bf16, "
               "keep one");
   bool fp16 = false, bf16 = false;
-  if (j.contains("fp16")) fp16 = fp16_section(j["fp16"]);       // DeepSpeed's key
-  const char* bkey = j.contains("bf16") ? "bf16" : "bfloat16";  // DeepSpeed's keys
+  if (j.contains(kFp16Key)) fp16 = fp16_section(j[kFp16Key]);
+  const char* bkey = j.contains(kBf16Key) ? kBf16Key : "bfloat16";
   if (j.contains(bkey)) bf16 = bf16_section(j[bkey], bkey);
   TORCH_CHECK(!(fp16 && bf16),
               "ds_config: bfloat16 and fp16 modes cannot be simultaneously enabled");
@@ -930,11 +935,20 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
   out.sharding.strategy = ShardingStrategy::kNoShard;  // stage 0 when zero_optimization is absent
   ConfigReader r(program, out);
   // Note [Every problem at once]: each part on its own, then one error for all.
-  r.check_keys(j, "",
-               {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "fp16", "bf16", "bfloat16", "optimizer",
-                "scheduler",  // DeepSpeed's keys
-                "zero_optimization", "steps_per_print", "wall_clock_breakdown", "pipeline"});
+  const std::vector<std::string> keys = {"train_batch_size",
+                                         "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps",
+                                         "gradient_clipping",
+                                         kFp16Key,
+                                         kBf16Key,
+                                         "bfloat16",
+                                         "optimizer",
+                                         "scheduler",
+                                         "zero_optimization",
+                                         "steps_per_print",
+                                         "wall_clock_breakdown",
+                                         "pipeline"};
+  r.check_keys(j, "", keys);
   if (j.contains("pipeline")) r.attempt([&] { r.pipeline(j["pipeline"]); });
   r.attempt([&] { r.batch(j); });
   if (j.contains("gradient_clipping")) {

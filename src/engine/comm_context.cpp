@@ -290,11 +290,13 @@ void CommContext::wait_transfers() {
   if (transfers_) transfers_->wait_host();
 }
 
-void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct, const std::string& label) {
+void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct,
+                          const std::string& label) {
   CollectiveLabel scope(label);
   group.broadcast(v, 0);
   const int64_t bytes = v.numel() * static_cast<int64_t>(sizeof(float));
-  acct.count(Collective::kBroadcast, bytes, group.wire_bytes(WireOp::kBroadcast, bytes, at::kFloat, 0));
+  acct.count(Collective::kBroadcast, bytes,
+             group.wire_bytes(WireOp::kBroadcast, bytes, at::kFloat, 0));
 }
 
 at::Tensor gather_like(const FlatParam& flat, const at::Tensor& shard_like) {

@@ -37,7 +37,8 @@ class Unit;
 // Note [Collectives in one place]: the engine's collectives besides a step's gathers and
 // reductions, here too, each counted where the accounting counts collectives.
 /// sync_module_states: `v` (fp32, one parameter's values) from rank 0 of `group`.
-void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct, const std::string& label);
+void broadcast_from_rank0(Backend& group, at::Tensor& v, Accounting& acct,
+                          const std::string& label);
 /// `shard_like` (shard_numel fp32 elements laid out like `flat`'s shard: the shard, or
 /// state laid out like it) all-gathered over the shard group into a new fp32 tensor of
 /// padded_numel elements on the compute device (exports and full parameters).

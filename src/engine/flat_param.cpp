@@ -493,5 +493,4 @@ bool FlatParam::changed_since_gather() const {
   return !at::equal(mine, expected.to(mine.device()));
 }
 
-
 }  // namespace fsdp::detail

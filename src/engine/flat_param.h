@@ -199,7 +199,6 @@ class FlatParam {
   /// a host buffer, written back after `fn` when `write`.
   void visit_grad(bool write, const std::function<void(at::Tensor&)>& fn);
 
-
  private:
   /// Frees the post-forward slice, if any.
   void drop_slice();

@@ -3,9 +3,9 @@
 // host memory, NVMe space) is preflight.cpp's.
 #include "engine_access.h"
 #include "host_heap.h"
-#include "preflight.h"
 #include "nvme/io_engine.h"
 #include "nvme/state_file.h"
+#include "preflight.h"
 
 #include <cstdlib>
 #if defined(__GLIBC__)

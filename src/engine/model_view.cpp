@@ -1,6 +1,6 @@
-// The model view (src/internal/model_view.h and its views, one per client): what the engine lends about a sharded
-// model to checkpoints, the optimizer and the training helpers, and the ShardedModel
-// queries that read the same tables.
+// The model view (src/internal/model_view.h and its views, one per client): what the engine lends
+// about a sharded model to checkpoints, the optimizer and the training helpers, and the
+// ShardedModel queries that read the same tables.
 #include "engine_access.h"
 #include "internal/sharded_model.h"
 
@@ -186,7 +186,8 @@ void visit_grad_shards(const ShardedModel& model, bool write,
 
 void shard_group_all_reduce(const ShardedModel& model, const torch::Tensor& tensor, bool max) {
   all_reduce(*model_runtime(model).flat_config().shard_group, tensor,
-             max ? ReduceKind::kMax : ReduceKind::kSum, nullptr, "a reduction over the shard group");
+             max ? ReduceKind::kMax : ReduceKind::kSum, nullptr,
+             "a reduction over the shard group");
 }
 
 void gather_units(const ShardedModel& model, bool keep) {

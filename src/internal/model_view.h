@@ -40,7 +40,6 @@ struct LocalShard {
   std::vector<ParamInfo> params;  ///< original parameters inside, aliases included
 };
 
-
 namespace detail {
 
 /// Every flat parameter, in unit order (root first, then units in module order).

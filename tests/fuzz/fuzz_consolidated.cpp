@@ -1,8 +1,8 @@
 // The consolidated-file reader the tools use (checkpoint/offline/inspect.cpp: fsdp-inspect
 // --verify reads every dataset and checks its checksums): the input is a consolidated
 // .h5 file.
-#include "fuzz_support.h"
 #include "format/layout.h"
+#include "fuzz_support.h"
 #include "offline/offline.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

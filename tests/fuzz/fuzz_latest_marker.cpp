@@ -1,7 +1,7 @@
 // Resolving a checkpoint directory's `latest` marker (checkpoint/format/layout.cpp): the input
 // is the marker's text; the directory also holds one real-looking checkpoint name.
-#include "fuzz_support.h"
 #include "format/layout.h"
+#include "fuzz_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string dir = [] {

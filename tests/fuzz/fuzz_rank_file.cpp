@@ -2,8 +2,8 @@
 // rank 0's file of a one-rank checkpoint. Whatever index it yields is read in full, as
 // the offline consolidation and the resharding loader do, and the checksums verified
 // (fsdp-inspect --verify's path).
-#include "fuzz_support.h"
 #include "format/layout.h"
+#include "fuzz_support.h"
 #include "offline/offline.h"
 
 #include <vector>

@@ -1,7 +1,7 @@
 // The safetensors reader (checkpoint/safetensors.cpp): the input is a whole .safetensors
 // file (8-byte header length, JSON header, data). Every tensor it accepts is read.
-#include "fuzz_support.h"
 #include "format/safetensors/safetensors.h"
+#include "fuzz_support.h"
 
 #include <vector>
 

@@ -72,7 +72,7 @@ def sentences(statement):
 # file of the library (issue 54), the options core.
 NAMES = {"full", "grad_op", "hybrid", "zero1", "zero2", "zero3", "kFullShard", "kShardGradOp",
          "kNoShard", "kHybridShard", "kZero1", "kZero2", "fp32", "bf16", "fp16"}
-NAMES_HOME = os.path.join("src", "core", "options.cpp")
+NAMES_HOME = os.path.join("src", "core", "options_core.cpp")
 
 
 def names_outside_core(root, top):
