@@ -372,7 +372,8 @@ TEST(OffloadGranularity, OffloadParamAloneOrUnderAPersistentStrategyIsRefused) {
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())
-                  .find("needs a strategy that frees parameters after use (kFullShard"),
+                  .find("needs a strategy that frees parameters after use "
+                        "(ShardingOptions::strategy=kFullShard"),
               std::string::npos)
         << e.what_without_backtrace();
   }
