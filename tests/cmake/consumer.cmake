@@ -57,24 +57,14 @@ if(MODE STREQUAL "package" OR MODE STREQUAL "minimal")
   set(env_prefix "CMAKE_PREFIX_PATH=${prefix}:${PREFIX}")
 else()
   list(APPEND args "-DFSDP_SOURCE_DIR=${SOURCE}" "-DCMAKE_PREFIX_PATH=${PREFIX}")
-  # The library's sources are compiled here again, as the user's build compiles them.
-  # Where the suite's build directory sits right under the source tree (build/, as the
-  # README's), the library's build goes beside it (build-consumer-<mode>/, which
-  # .gitignore ignores): ccache then sees every path under the source tree relative to
-  # a build directory one level down, as the suite's own build did (CMakeLists.txt, its
-  # launcher), and reuses its objects and precompiled header; the user's project still
-  # configures and links the library from source. Elsewhere it goes in <dir>/fsdp-libtorch.
-  get_filename_component(build_parent "${BUILD}" DIRECTORY)
-  get_filename_component(build_name "${BUILD}" NAME)
-  set(basedir "${SCRATCH}")
-  if(build_parent STREQUAL SOURCE)
-    set(basedir "${SOURCE}")
-    list(APPEND args "-DFSDP_BINARY_DIR=${SOURCE}/${build_name}-consumer-${MODE}")
-  endif()
+  # The library's sources are compiled here again. Both modes put its build in
+  # <dir>/fsdp-libtorch and ccache sees paths under SCRATCH relative to the build
+  # directory, so the second mode (and the next run of the suite) reuses the first's
+  # objects and precompiled header instead of compiling them again.
   find_program(CCACHE ccache)
   if(CCACHE)
     set(launcher "${SCRATCH}/ccache-launcher.sh")
-    file(WRITE "${launcher}" "#!/bin/sh\nCCACHE_BASEDIR='${basedir}' CCACHE_NOHASHDIR=1 "
+    file(WRITE "${launcher}" "#!/bin/sh\nCCACHE_BASEDIR='${SCRATCH}' CCACHE_NOHASHDIR=1 "
          "CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime exec '${CCACHE}' \"$@\"\n")
     file(CHMOD "${launcher}" PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ GROUP_EXECUTE
          WORLD_READ WORLD_EXECUTE)
