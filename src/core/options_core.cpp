@@ -58,7 +58,7 @@ constexpr OptionName kOptionNames[] = {
 };
 
 struct StrategyName {
-  ShardingStrategy strategy;
+  ShardingStrategy value;
   const char* api;
   const char* flag;  ///< the printed name; more names below may parse to it
 };
@@ -76,7 +76,7 @@ constexpr StrategyName kStrategyNames[] = {
 constexpr const char* kZero3 = "zero3";
 
 struct PrecisionName {
-  Precision precision;
+  Precision value;
   const char* api;
   const char* flag;
 };
@@ -88,7 +88,7 @@ constexpr PrecisionName kPrecisionNames[] = {
 };
 
 struct OffloadName {
-  OffloadDevice device;
+  OffloadDevice value;
   const char* api;
   const char* flag;
 };
@@ -101,23 +101,17 @@ constexpr OffloadName kOffloadNames[] = {
     {OffloadDevice::kNvme, "nvme", "nvme"},
 };
 
-const char* find_name(ShardingStrategy v, Surface s) {
-  for (const auto& row : kStrategyNames)
-    if (row.strategy == v) return s == Surface::kApi ? row.api : row.flag;
+// A value's name in `table`, as `s` names it; nullptr where no row has it.
+template <class Table, class Enum>
+const char* name_in(const Table& table, Enum v, Surface s) {
+  for (const auto& row : table)
+    if (row.value == v) return s == Surface::kApi ? row.api : row.flag;
   return nullptr;
 }
 
-const char* find_name(Precision v, Surface s) {
-  for (const auto& row : kPrecisionNames)
-    if (row.precision == v) return s == Surface::kApi ? row.api : row.flag;
-  return nullptr;
-}
-
-const char* find_name(OffloadDevice v, Surface s) {
-  for (const auto& row : kOffloadNames)
-    if (row.device == v) return s == Surface::kApi ? row.api : row.flag;
-  return nullptr;
-}
+const char* find_name(ShardingStrategy v, Surface s) { return name_in(kStrategyNames, v, s); }
+const char* find_name(Precision v, Surface s) { return name_in(kPrecisionNames, v, s); }
+const char* find_name(OffloadDevice v, Surface s) { return name_in(kOffloadNames, v, s); }
 
 // A value's name, or its number where no table row has it (an enum cast from an int).
 template <class Enum>
@@ -342,7 +336,7 @@ const char* strategy_name(ShardingStrategy v, Surface s) {
 
 ShardingStrategy parse_strategy(const std::string& text, const std::string& option) {
   for (const auto& row : kStrategyNames)
-    if (text == row.flag) return row.strategy;
+    if (text == row.flag) return row.value;
   if (text == kZero3) return ShardingStrategy::kFullShard;
   bad(option + " " + text + " is unknown; use " + choices(kStrategyNames, Surface::kFlags) +
       " (zero3 is full)");
@@ -359,14 +353,14 @@ Precision parse_precision(const std::string& text, Option o, Surface s) {
 
 Precision parse_precision(const std::string& text, const std::string& option, Surface s) {
   for (const auto& row : kPrecisionNames)
-    if (text == row.flag) return row.precision;
+    if (text == row.flag) return row.value;
   bad(option + (s == Surface::kApi ? "=" : " ") + text + " is unknown; use " +
       choices(kPrecisionNames, Surface::kFlags));
 }
 
 OffloadDevice parse_offload(const std::string& text, Option o, Surface s) {
   for (const auto& row : kOffloadNames)
-    if (text == row.flag) return row.device;
+    if (text == row.flag) return row.value;
   bad(with(o, text, s) + " is unknown; use " + choices(kOffloadNames, Surface::kFlags));
 }
 
