@@ -18,13 +18,17 @@
 #include <torch/torch.h>
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <linux/tcp.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <map>
 #include <string>
+#include <vector>
 
 // Every case of this file in a namespace of its own: the test binaries compile their files in
 // batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
@@ -37,31 +41,66 @@ using fsdp::testing::run_ranks;
 
 namespace {
 
-// The payload bytes this process has written to all its TCP sockets, framing included:
-// tcp_info's bytes sent, less those sent again (retransmissions), plus those written but
-// not sent yet (a loaded machine may not have sent them when the collective's wait
-// returned). Linux 4.19 and newer.
-int64_t tcp_bytes_sent() {
-  int64_t total = 0;
-  DIR* d = opendir("/proc/self/fd");
-  if (d == nullptr) return -1;
-  while (dirent* e = readdir(d)) {
-    const int fd = std::atoi(e->d_name);
-    if (fd <= 2 || fd == dirfd(d)) continue;
-    int type = 0;
-    socklen_t len = sizeof type;
-    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) continue;
-    tcp_info info{};
-    len = sizeof info;
-    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) continue;
-    if (len < offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans) return -1;
-    total += static_cast<int64_t>(info.tcpi_bytes_sent) -
-             static_cast<int64_t>(info.tcpi_bytes_retrans) +
-             static_cast<int64_t>(info.tcpi_notsent_bytes);
-  }
-  closedir(d);
-  return total;
+// The payload bytes a TCP socket has been given to send: tcp_info's bytes sent, less those
+// sent again (retransmissions), plus those written but not sent yet (a loaded machine may
+// not have sent them when the collective's wait returned). Linux 4.19 and newer. -1 when
+// `fd` is no TCP socket or the kernel lacks the fields.
+int64_t socket_bytes(int fd) {
+  int type = 0;
+  socklen_t len = sizeof type;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) return -1;
+  tcp_info info{};
+  len = sizeof info;
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return -1;
+  if (len < offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans) return -1;
+  return static_cast<int64_t>(info.tcpi_bytes_sent) -
+         static_cast<int64_t>(info.tcpi_bytes_retrans) +
+         static_cast<int64_t>(info.tcpi_notsent_bytes);
 }
+
+// What this process has written to all its TCP sockets, framing included, counted so that
+// a socket closed between two counts keeps its bytes: each socket seen is held open by a
+// duplicate descriptor of this object's (keyed by its inode), and counted through it. Gloo
+// closes a pair's descriptor now and then in the middle of a test (seen on a loaded
+// machine: a split group's socket, its bytes for the step written, gone before the count
+// after the step), which took its bytes out of the total.
+class SocketBytes {
+ public:
+  SocketBytes() = default;
+  SocketBytes(const SocketBytes&) = delete;
+  SocketBytes& operator=(const SocketBytes&) = delete;
+  ~SocketBytes() {
+    for (const auto& [inode, fd] : held_) close(fd);
+  }
+  // The total now, over every socket open now or seen open before; -1 where it cannot be
+  // counted.
+  int64_t total() {
+    DIR* d = opendir("/proc/self/fd");
+    if (d == nullptr) return -1;
+    std::vector<int> fds;
+    while (dirent* e = readdir(d)) {
+      const int fd = std::atoi(e->d_name);
+      if (fd > 2 && fd != dirfd(d)) fds.push_back(fd);
+    }
+    closedir(d);
+    for (int fd : fds) {
+      struct stat st {};
+      if (socket_bytes(fd) < 0 || fstat(fd, &st) != 0 || held_.count(st.st_ino) != 0) continue;
+      const int copy = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+      if (copy >= 0) held_[st.st_ino] = copy;
+    }
+    int64_t sum = 0;
+    for (const auto& [inode, fd] : held_) {
+      const int64_t b = socket_bytes(fd);
+      if (b < 0) return -1;
+      sum += b;
+    }
+    return sum;
+  }
+
+ private:
+  std::map<ino_t, int> held_;  ///< a socket's inode, and this object's descriptor of it
+};
 
 Backend& backend(const fsdp::ProcessGroup& pg) { return *fsdp::detail::GroupAccess::backend(pg); }
 
@@ -69,13 +108,14 @@ Backend& backend(const fsdp::ProcessGroup& pg) { return *fsdp::detail::GroupAcce
 // this process send for it, less a barrier's own (measured alone just before).
 template <class Op>
 int64_t measured(Backend& group, Op&& op) {
+  SocketBytes sockets;
   group.barrier();
-  const int64_t a = tcp_bytes_sent();
+  const int64_t a = sockets.total();
   group.barrier();
-  const int64_t b = tcp_bytes_sent();
+  const int64_t b = sockets.total();
   op();
   group.barrier();
-  const int64_t c = tcp_bytes_sent();
+  const int64_t c = sockets.total();
   return (c - b) - (b - a);
 }
 
@@ -94,7 +134,7 @@ void expect_kernel_agrees(int64_t counted, int64_t kernel, int64_t messages,
 }  // namespace
 
 TEST(WireBytes, TheKernelCanCountThisProcesssTcpBytes) {
-  ASSERT_GE(tcp_bytes_sent(), 0) << "tcp_info has no tcpi_bytes_sent on this kernel";
+  ASSERT_GE(SocketBytes().total(), 0) << "tcp_info has no tcpi_bytes_sent on this kernel";
 }
 
 // Each collective of the Gloo backend: the closed form, and the kernel's count.
