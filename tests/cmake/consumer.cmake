@@ -58,9 +58,8 @@ if(MODE STREQUAL "package" OR MODE STREQUAL "minimal")
 else()
   # The library's sources compiled as part of a user's project that chose no build type,
   # CMake's default: no optimization and assertions on (NDEBUG unset), which the suite's
-  # own builds never compile, and about 40% less compiler time than Release's -O3 (a
-  # unity batch of the library: 27 s against 43 s on 2 cores), which this test spends
-  # twice as much as any other.
+  # own builds never compile, in a third less time than Release's -O3 (this test alone on
+  # a 2-core AMD EPYC, ccache off: 230 s against 349 s; docs/benchmarks.md).
   set(args -DFSDP_CONSUMER_MODE=${MODE} -DCMAKE_BUILD_TYPE=)
   list(APPEND args "-DFSDP_SOURCE_DIR=${SOURCE}" "-DCMAKE_PREFIX_PATH=${PREFIX}")
   # The library's sources are compiled here again. Both modes put its build in
