@@ -131,7 +131,7 @@ TEST(AsyncCheckpoint, TheEndOfABackwardWaitsForTheBackgroundCopy) {
     std::vector<at::Tensor> at_call;
     for (const auto& ls : fsdp::detail::local_shards(model)) at_call.push_back(ls.shard.clone());
     std::atomic<bool> forward_done{false};
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       if (step == "background stage") {
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (!forward_done && std::chrono::steady_clock::now() < give_up)
@@ -154,7 +154,7 @@ TEST(AsyncCheckpoint, TheEndOfABackwardWaitsForTheBackgroundCopy) {
     EXPECT_LE(pending.staging_wait_s(), backward_s);
     opt.step();
     EXPECT_EQ(pending.wait(), dir + "/step_00000001");
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     pg.barrier();
 
     torch::manual_seed(7);
@@ -199,7 +199,7 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
     }
 
     std::atomic<bool> changed{false};
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       while (step == "background stage" && pg.rank() == 1 && !changed)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     });
@@ -210,7 +210,7 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
     }
     changed = true;
     const std::string waited = error_of([&] { second.wait(); });
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
     const std::string unit = fsdp::detail::local_shards(model).at(0).info.unit_fqn;
     const std::string whose =
@@ -243,7 +243,7 @@ TEST(AsyncCheckpoint, AFusedAdamWStepWaitsForTheBackgroundCopyWithoutABackward) 
     for (auto& p : model.sharded_parameters()) p.mutable_grad() = torch::ones_like(p);
     std::vector<at::Tensor> at_call;
     for (const auto& ls : fsdp::detail::local_shards(model)) at_call.push_back(ls.shard.clone());
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       if (step == "background stage") std::this_thread::sleep_for(std::chrono::milliseconds(200));
     });
     SaveOptions so;
@@ -251,7 +251,7 @@ TEST(AsyncCheckpoint, AFusedAdamWStepWaitsForTheBackgroundCopyWithoutABackward) 
     AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
     opt.step();
     EXPECT_EQ(pending.wait(), dir + "/step_00000001");
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     auto again = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     load_sharded_checkpoint(dir, again);
     const auto loaded = fsdp::detail::local_shards(again);
@@ -372,7 +372,7 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& file) {
       if (step == "write" && pg.rank() == 1)
         throw std::runtime_error("No space left on device (injected)");
       (void)file;
@@ -387,7 +387,7 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
               std::string::npos)
         << waited;
     if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     pg.barrier();
     EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
@@ -430,7 +430,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
         ASSERT_EQ(pg.timeout_s(), 3.0);
         auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
         save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-        fsdp::detail::set_save_hook([&](const std::string& step, const std::string& file) {
+        fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& file) {
           if (step != "write" || pg.rank() != 1) return;
           const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
           while (fs::exists(tmp) && std::chrono::steady_clock::now() < give_up) {
@@ -456,7 +456,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
               << waited;
         }
         EXPECT_FALSE(fs::exists(tmp));
-        fsdp::detail::set_save_hook({});
+        fsdp::detail::set_save_hook(model, {});
         next_save_error(dir, model);
         pg.barrier();
         EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
@@ -477,13 +477,13 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     const int64_t snapshot_bytes = model.memory_stats().checkpoint_staging.current;
     ASSERT_GT(snapshot_bytes, 0);
     int staged = 0;
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       if (step == "stage" && pg.rank() == 1 && ++staged == 2)
         throw std::runtime_error("out of host memory (injected)");
     });
     const std::string msg = error_of(
         [&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos)
         << msg;
     EXPECT_NE(msg.find(pg.rank() == 1 ? "out of host memory (injected)"
@@ -510,7 +510,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
     save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string& what) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& what) {
       if (step == "publish" && what == dir + "/step_00000002")
         throw std::runtime_error("rename: Input/output error (injected)");
     });
@@ -525,7 +525,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
     } else {
       EXPECT_EQ(pending.wait(), dir + "/step_00000002");  // its own file is on disk
     }
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     const std::string next = next_save_error(dir, model);
     if (pg.rank() == 1)
       EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;

@@ -49,7 +49,7 @@ void crash_saver(const char* dir) {
     // Each save announces the write of its rank file and lingers in it (in the background
     // thread for an asynchronous one), so that the test's kill lands inside one on purpose.
     const std::string path = flag;
-    fsdp::detail::set_save_hook([path](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [path](const std::string& step, const std::string&) {
       if (step != "write") return;
       std::ofstream(path) << "writing\n";
       std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -268,11 +268,11 @@ TEST(ShardedCheckpoint, RankZeroFailuresFailTheSaveOnEveryRank) {
         << msg;
 
     save_sharded_checkpoint(dir + "/ck", model, nullptr, sample_state(1));
-    fsdp::detail::set_save_hook([&](const std::string& step, const std::string&) {
+    fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       if (step == "publish") throw std::runtime_error("rename: Input/output error (injected)");
     });
     msg = error_of([&] { save_sharded_checkpoint(dir + "/ck", model, nullptr, sample_state(2)); });
-    fsdp::detail::set_save_hook({});
+    fsdp::detail::set_save_hook(model, {});
     const std::string head =
         "save_sharded_checkpoint: publishing " + dir + "/ck/step_00000002 failed";
     EXPECT_NE(msg.find(pg.rank() == 0 ? head + ": rename: Input/output error (injected)"

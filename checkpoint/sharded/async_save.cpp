@@ -4,7 +4,6 @@
 #include "../agree.h"
 #include "../format/layout.h"
 #include "../format/publish.h"
-#include "save_hook.h"
 
 #include "internal/checkpoint_view.h"
 
@@ -191,7 +190,8 @@ std::string AsyncSaveJob::stage_pending() noexcept {
   std::string error;
   try {
     if (!snap_.pending.empty()) {
-      ckpt::call_save_hook("background stage", (plan_.tmp / ckpt::rank_file_name(rank_)).string());
+      detail::call_save_hook(model_, "background stage",
+                             (plan_.tmp / ckpt::rank_file_name(rank_)).string());
       error = ckpt::finish_staging(snap_);
     }
   } catch (const std::exception& e) {
@@ -218,7 +218,7 @@ std::string AsyncSaveJob::write_rank_file() {
     error = "staging " + file + " failed: " + error;
   } else {
     try {
-      call_save_hook("write", file);
+      detail::call_save_hook(model_, "write", file);
       write_snapshot(file, snap_);
       if (rank_ != 0) write_atomically(plan_.tmp / done_marker(rank_), "");
       return "";
@@ -241,7 +241,7 @@ std::string AsyncSaveJob::publish_when_complete() {
     std::string error = wait_for_other_ranks();
     if (!error.empty()) return error;
     for (int r = 1; r < world_; ++r) fs::remove(plan_.tmp / done_marker(r));
-    call_save_hook("publish", plan_.final_dir.string());
+    detail::call_save_hook(model_, "publish", plan_.final_dir.string());
     publish(plan_, options_.keep_last);
     if (options_.verbose) report_saved(plan_, world_, t0_, ", in the background");
     return "";

@@ -4,7 +4,6 @@
 #include "../agree.h"
 #include "async_save.h"
 #include "dir_protocol.h"
-#include "save_hook.h"
 #include "snapshot.h"
 #include "trace/trace.h"
 
@@ -59,7 +58,7 @@ std::string save_sync(const std::string& dir, const ShardedModel& root,
   std::string error;
   try {
     const std::string file = (plan.tmp / rank_file_name(rank)).string();
-    call_save_hook("write", file);
+    detail::call_save_hook(root, "write", file);
     RankSnapshot snap;
     {
       detail::trace::Scope s("checkpoint", []() { return std::string("checkpoint snapshot"); });
@@ -82,7 +81,7 @@ std::string save_sync(const std::string& dir, const ShardedModel& root,
   }
   detail::trace::Scope publishing("checkpoint", []() { return std::string("checkpoint publish"); });
   rank0_tries(pg, std::string(fn) + ": publishing " + plan.final_dir.string(), [&] {
-    call_save_hook("publish", plan.final_dir.string());
+    detail::call_save_hook(root, "publish", plan.final_dir.string());
     publish(plan, options.keep_last);
   });
   if (options.verbose && rank == 0) report_saved(plan, world, t0, "");

@@ -3,7 +3,6 @@
 #include "../tensor_io.h"
 #include "optim_state.h"
 #include "rank_parts.h"
-#include "save_hook.h"
 #include "trace/trace.h"
 
 #include <cstdlib>
@@ -87,7 +86,7 @@ void copy_staged(const at::Tensor& dst, const at::Tensor& src) {
 
 at::Tensor Stager::buffer(const std::string& key, at::IntArrayRef sizes,
                           const at::TensorOptions& options, bool pinned) {
-  call_save_hook("stage", key);
+  detail::call_save_hook(model_, "stage", key);
   at::Tensor host;
   auto it = spare_.find(key);
   if (it != spare_.end() && it->second.sizes() == sizes &&

@@ -71,6 +71,16 @@ void set_shard_change_barrier(const ShardedModel& model, std::function<void()> b
   model_runtime(model).set_shard_change_barrier(std::move(barrier));
 }
 
+void set_save_hook(const ShardedModel& model,
+                   std::function<void(const std::string&, const std::string&)> hook) {
+  model_runtime(model).set_save_hook(std::move(hook));
+}
+
+void call_save_hook(const ShardedModel& model, const char* step, const std::string& what) {
+  const auto& hook = model_runtime(model).save_hook();
+  if (hook) hook(step, what);
+}
+
 std::function<void()> shard_change_barrier_of(const ShardedModel& model) {
   // Weakly: a FusedAdamW or a scope may outlive the model, whose barrier then has nothing
   // left to guard.

@@ -89,6 +89,11 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   void shard_change_barrier() const {
     if (shard_change_barrier_) shard_change_barrier_();
   }
+  /// Tests only (detail::set_save_hook): what a save of this model calls before each of
+  /// its steps. Empty: nothing.
+  using SaveHook = std::function<void(const std::string&, const std::string&)>;
+  void set_save_hook(SaveHook hook) { save_hook_ = std::move(hook); }
+  const SaveHook& save_hook() const { return save_hook_; }
   /// Inside a NoSyncScope: backward keeps unsharded gradients instead of reducing.
   bool no_sync() const { return !comm_->gradient_sync(); }
   void set_no_sync(bool on) { comm_->set_gradient_sync(!on); }
@@ -140,6 +145,7 @@ class Runtime : public std::enable_shared_from_this<Runtime> {
   std::map<const Unit*, std::vector<Unit*>> explicit_prefetch_[2];
   std::vector<std::function<void(bool)>> backward_observers_;  ///< add_backward_observer()
   std::function<void()> shard_change_barrier_;                 ///< set_shard_change_barrier()
+  SaveHook save_hook_;                                         ///< set_save_hook()
 };
 
 }  // namespace detail

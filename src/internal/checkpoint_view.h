@@ -22,12 +22,16 @@ void account_checkpoint_staging(const ShardedModel& model, int64_t delta);
 /// ("flat_3/param", ...), kept for the next save to copy into (SaveOptions::keep_staging);
 /// counted in MemoryStats::checkpoint_staging. The model owns them: they go with it.
 std::map<std::string, torch::Tensor>& checkpoint_staging_pool(const ShardedModel& model);
-/// Tests only: called by a save with (step, what): ("write", the rank file) before it is
-/// written (by an asynchronous save in its thread), on rank 0 with ("publish", the
-/// checkpoint directory), and by an asynchronous save with ("stage", the buffer's key)
-/// before each staging copy. A throw there fails that
-/// step as running out of memory or a disk error would. Empty: none.
-void set_save_hook(std::function<void(const std::string&, const std::string&)> hook);
+/// Tests only: called by a save of `model` with (step, what): ("write", the rank file)
+/// before it is written (by an asynchronous save in its thread), on rank 0 with
+/// ("publish", the checkpoint directory), and by an asynchronous save with ("stage", the
+/// buffer's key) before each staging copy. A throw there fails that step as running out
+/// of memory or a disk error would. The model's runtime holds it, as it holds the shard
+/// change barrier: no other model, and no other test in the process, sees it. Empty: none.
+void set_save_hook(const ShardedModel& model,
+                   std::function<void(const std::string&, const std::string&)> hook);
+/// Calls `model`'s save hook, if it has one (the checkpoint code, before each step of a save).
+void call_save_hook(const ShardedModel& model, const char* step, const std::string& what);
 
 /// Sets what must run before `model`'s shards or an optimizer's state over them change:
 /// an asynchronous save's background staging waits there (Note [Background staging]).
