@@ -1,4 +1,4 @@
-// DeepSpeed configs taken as they are (fsdp::parse_deepspeed_config): every key's mapping,
+// DeepSpeed configs taken as they are (fsdp::deepspeed::parse_config): every key's mapping,
 // DeepSpeed's batch rule, "auto", the refusals with their messages, relaxed JSON, the
 // warm-up schedules against DeepSpeed's own numbers, and train_gpt --deepspeed-config at
 // world 2 against the same run given as plain flags.
@@ -20,16 +20,16 @@ using namespace fsdp::testing;
 // batches (tests/CMakeLists.txt, "Test binaries"), where anonymous namespaces would merge.
 namespace test_deepspeed_config_cases {
 
-using fsdp::DeepSpeedConfig;
 using fsdp::OffloadDevice;
 using fsdp::ShardingStrategy;
+using fsdp::deepspeed::Config;
 
 namespace {
 
-/// The message parse_deepspeed_config throws for `text` ("" if it does not throw).
-std::string error_of(const std::string& text, const fsdp::DeepSpeedProgramValues& p = {}) {
+/// The message deepspeed::parse_config throws for `text` ("" if it does not throw).
+std::string error_of(const std::string& text, const fsdp::deepspeed::ProgramValues& p = {}) {
   try {
-    fsdp::parse_deepspeed_config(text, p);
+    fsdp::deepspeed::parse_config(text, p);
   } catch (const c10::Error& e) {
     return e.what_without_backtrace();
   }
@@ -43,7 +43,7 @@ std::string error_of(const std::string& text, const fsdp::DeepSpeedProgramValues
         << "expected: " << (message) << "\ngot: " << got_; \
   } while (0)
 
-const fsdp::DeepSpeedNote& note(const DeepSpeedConfig& c, const std::string& key) {
+const fsdp::deepspeed::Note& note(const Config& c, const std::string& key) {
   for (const auto& n : c.notes)
     if (n.key == key) return n;
   throw std::runtime_error("no note for " + key);
@@ -54,13 +54,13 @@ std::string source(const std::string& rel) { return std::string(FSDP_SOURCE_DIR)
 // ---- every key's mapping ----------------------------------------------------------------
 
 TEST(DeepSpeedConfig, TheExampleZero3OffloadConfigMapsEveryKeyAndNotesEachOne) {
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = 2;
   p.gradient_accumulation_steps = 2;
   p.micro_batch_per_rank = 3;
   p.hidden_size = 32;
   const auto c =
-      fsdp::load_deepspeed_config(source("examples/gpt/ds_config_zero3_offload.json"), p);
+      fsdp::deepspeed::load_config(source("examples/gpt/ds_config_zero3_offload.json"), p);
   EXPECT_EQ(c.train_batch_size, 12);
   EXPECT_EQ(c.micro_batch_per_rank, 3);
   EXPECT_EQ(c.gradient_accumulation_steps, 2);
@@ -126,9 +126,9 @@ TEST(DeepSpeedConfig, TheExampleZero3OffloadConfigMapsEveryKeyAndNotesEachOne) {
 // The pipeline section: stages and partition map to fsdp::PipelineOptions, and the batch
 // rule counts the data-parallel ranks (world / stages), as DeepSpeed's pipe engine does.
 TEST(DeepSpeedConfig, ThePipelineSectionSetsStagesAndPartitionAndTheBatchRuleCountsReplicas) {
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = 4;
-  const auto c = fsdp::parse_deepspeed_config(
+  const auto c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 16, "gradient_accumulation_steps": 4,
           "pipeline": {"stages": 2, "partition": "uniform", "pipe_partitioned": true,
                        "grad_partitioned": true, "seed_layers": false,
@@ -143,12 +143,12 @@ TEST(DeepSpeedConfig, ThePipelineSectionSetsStagesAndPartitionAndTheBatchRuleCou
             std::string::npos)
       << c.describe();
   p.pipeline_stages = 4;  // "auto": the program's
-  const auto a = fsdp::parse_deepspeed_config(
+  const auto a = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 16, "pipeline": {"stages": "auto", "partition": "best"}})", p);
   EXPECT_EQ(a.pipeline_stages, 4);
   EXPECT_EQ(a.pipeline_partition, "parameters");
   EXPECT_EQ(a.micro_batch_per_rank, 16);  // one replica, one micro-batch
-  fsdp::DeepSpeedProgramValues four;
+  fsdp::deepspeed::ProgramValues four;
   four.world_size = 4;
   EXPECT_NE(error_of(R"({"train_batch_size": 16, "pipeline": {"stages": 3}})", four)
                 .find("ds_config: pipeline.stages 3 does not divide the world size 4"),
@@ -167,14 +167,14 @@ TEST(DeepSpeedConfig, StagesZeroToThreeBecomeNoShardZero1Zero2AndFullShard) {
                                    ShardingStrategy::kZero2, ShardingStrategy::kFullShard};
   for (int stage = 0; stage < 4; ++stage) {
     const auto c =
-        fsdp::parse_deepspeed_config(R"({"train_batch_size": 8, "zero_optimization": {"stage": )" +
-                                     std::to_string(stage) + "}}");
+        fsdp::deepspeed::parse_config(R"({"train_batch_size": 8, "zero_optimization": {"stage": )" +
+                                      std::to_string(stage) + "}}");
     EXPECT_EQ(c.sharding.strategy, want[stage]) << stage;
   }
   // No zero_optimization: DeepSpeed's stage 0. The old format: true is stage 1.
-  EXPECT_EQ(fsdp::parse_deepspeed_config(R"({"train_batch_size": 8})").sharding.strategy,
+  EXPECT_EQ(fsdp::deepspeed::parse_config(R"({"train_batch_size": 8})").sharding.strategy,
             ShardingStrategy::kNoShard);
-  EXPECT_EQ(fsdp::parse_deepspeed_config(R"({"train_batch_size": 8, "zero_optimization": true})")
+  EXPECT_EQ(fsdp::deepspeed::parse_config(R"({"train_batch_size": 8, "zero_optimization": true})")
                 .sharding.strategy,
             ShardingStrategy::kZero1);
   EXPECT_ERROR(R"({"train_batch_size": 8, "zero_optimization": {"stage": 4}})",
@@ -182,7 +182,7 @@ TEST(DeepSpeedConfig, StagesZeroToThreeBecomeNoShardZero1Zero2AndFullShard) {
 }
 
 TEST(DeepSpeedConfig, OffloadSectionsAndTheLegacyCpuOffloadMapAsDeepSpeedReadsThem) {
-  auto c = fsdp::parse_deepspeed_config(R"({"train_batch_size": 8, "zero_optimization": {
+  auto c = fsdp::deepspeed::parse_config(R"({"train_batch_size": 8, "zero_optimization": {
       "stage": 3,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": false,
                             "buffer_count": 4, "pipeline_read": false, "ratio": 1.0},
@@ -196,11 +196,11 @@ TEST(DeepSpeedConfig, OffloadSectionsAndTheLegacyCpuOffloadMapAsDeepSpeedReadsTh
   EXPECT_TRUE(note(c, "zero_optimization.offload_param.buffer_size").applied);
   EXPECT_FALSE(note(c, "zero_optimization.offload_optimizer.buffer_count").applied);
   // cpu_offload (deprecated) is DeepSpeed's offload_optimizer to the CPU, not both.
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "cpu_offload": true}})");
   EXPECT_EQ(c.sharding.offload_optimizer.device, OffloadDevice::kCpu);
   EXPECT_EQ(c.sharding.offload_param.device, OffloadDevice::kNone);
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "zero_optimization": {"stage": 3, "cpu_offload_param": true}})");
   EXPECT_EQ(c.sharding.offload_param.device, OffloadDevice::kCpu);
   EXPECT_ERROR(
@@ -213,18 +213,18 @@ TEST(DeepSpeedConfig, OffloadSectionsAndTheLegacyCpuOffloadMapAsDeepSpeedReadsTh
 }
 
 TEST(DeepSpeedConfig, Fp16AndBf16SectionsSetThePrecisionAndTheLossScaler) {
-  auto c = fsdp::parse_deepspeed_config(R"({"train_batch_size": 8, "bf16": {"enabled": true}})");
+  auto c = fsdp::deepspeed::parse_config(R"({"train_batch_size": 8, "bf16": {"enabled": true}})");
   EXPECT_EQ(c.precision, fsdp::Precision::kBf16);
   EXPECT_EQ(c.sharding.mixed_precision.param_dtype, torch::kBFloat16);
   EXPECT_EQ(*c.sharding.mixed_precision.output_dtype, torch::kFloat32);
-  c = fsdp::parse_deepspeed_config(R"({"train_batch_size": 8, "bfloat16": {"enabled": true}})");
+  c = fsdp::deepspeed::parse_config(R"({"train_batch_size": 8, "bfloat16": {"enabled": true}})");
   EXPECT_EQ(c.precision, fsdp::Precision::kBf16);
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "fp16": {"enabled": true, "loss_scale": 128}})");
   EXPECT_EQ(c.precision, fsdp::Precision::kFp16);
   EXPECT_EQ(c.loss_scaler.loss_scale, 128);
   // Keys of a section that is off are accepted with no effect, and say so.
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "fp16": {"enabled": false, "hysteresis": 4}})");
   EXPECT_EQ(c.precision, fsdp::Precision::kFp32);
   EXPECT_FALSE(note(c, "fp16.hysteresis").applied);
@@ -236,16 +236,16 @@ TEST(DeepSpeedConfig, Fp16AndBf16SectionsSetThePrecisionAndTheLossScaler) {
 }
 
 TEST(DeepSpeedConfig, AdamIsAdamWUnlessAdamWModeIsFalseAsInDeepSpeed) {
-  auto c = fsdp::parse_deepspeed_config(
+  auto c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "optimizer": {"type": "adam", "params": {"lr": 1e-4}}})");
   EXPECT_TRUE(c.optimizer.decoupled_weight_decay);
   EXPECT_EQ(c.optimizer.lr, 1e-4);
   EXPECT_EQ(c.optimizer.beta2, 0.999);  // FusedAdam's default
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})");
   EXPECT_FALSE(c.optimizer.decoupled_weight_decay);
   // AdamW stays AdamW whatever adam_w_mode says (engine.py: name == adamw or adam_w_mode).
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})");
   EXPECT_TRUE(c.optimizer.decoupled_weight_decay);
   EXPECT_ERROR(R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})",
@@ -259,18 +259,18 @@ TEST(DeepSpeedConfig, AdamIsAdamWUnlessAdamWModeIsFalseAsInDeepSpeed) {
 // ---- DeepSpeed's batch rule -------------------------------------------------------------
 
 TEST(DeepSpeedConfig, TheBatchRuleFillsTheMissingSizeAndRefusesAnInconsistentTriple) {
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = 4;
-  auto c = fsdp::parse_deepspeed_config(
+  auto c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2})", p);
   EXPECT_EQ(c.gradient_accumulation_steps, 4);
-  c = fsdp::parse_deepspeed_config(R"({"train_batch_size": 32, "gradient_accumulation_steps": 2})",
-                                   p);
+  c = fsdp::deepspeed::parse_config(R"({"train_batch_size": 32, "gradient_accumulation_steps": 2})",
+                                    p);
   EXPECT_EQ(c.micro_batch_per_rank, 4);
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})", p);
   EXPECT_EQ(c.train_batch_size, 24);
-  c = fsdp::parse_deepspeed_config(R"({"train_micro_batch_size_per_gpu": 3})", p);
+  c = fsdp::deepspeed::parse_config(R"({"train_micro_batch_size_per_gpu": 3})", p);
   EXPECT_EQ(c.train_batch_size, 12);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
   EXPECT_EQ(error_of(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
@@ -282,7 +282,7 @@ TEST(DeepSpeedConfig, TheBatchRuleFillsTheMissingSizeAndRefusesAnInconsistentTri
   EXPECT_NE(error_of(R"({"train_batch_size": 30})", p).find("30 != 7 * 1 * 4"), std::string::npos);
   EXPECT_EQ(error_of(R"({"gradient_accumulation_steps": 2})", p),
             "ds_config: Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
-            "provided (or the program's batch size: DeepSpeedProgramValues::"
+            "provided (or the program's batch size: deepspeed::ProgramValues::"
             "micro_batch_per_rank, train_gpt's --batch-size divisible by the data-parallel "
             "ranks x --grad-accum)");
   EXPECT_NE(error_of(R"({"train_batch_size": 2})", p)
@@ -293,7 +293,7 @@ TEST(DeepSpeedConfig, TheBatchRuleFillsTheMissingSizeAndRefusesAnInconsistentTri
 // ---- "auto" -----------------------------------------------------------------------------
 
 TEST(DeepSpeedConfig, AutoValuesAreFilledFromTheProgramAsTheTrainerDoes) {
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = 2;
   p.micro_batch_per_rank = 4;
   p.gradient_accumulation_steps = 3;
@@ -307,7 +307,7 @@ TEST(DeepSpeedConfig, AutoValuesAreFilledFromTheProgramAsTheTrainerDoes) {
   p.warmup_steps = 7;
   p.total_steps = 70;
   p.hidden_size = 64;
-  const auto c = fsdp::parse_deepspeed_config(R"({
+  const auto c = fsdp::deepspeed::parse_config(R"({
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
     "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
@@ -318,7 +318,7 @@ TEST(DeepSpeedConfig, AutoValuesAreFilledFromTheProgramAsTheTrainerDoes) {
                              "warmup_num_steps": "auto", "total_num_steps": "auto"}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
                           "stage3_param_persistence_threshold": "auto"}})",
-                                              p);
+                                               p);
   EXPECT_EQ(c.train_batch_size, 24);
   EXPECT_EQ(c.micro_batch_per_rank, 4);
   EXPECT_EQ(c.gradient_accumulation_steps, 3);
@@ -372,11 +372,11 @@ TEST(DeepSpeedConfig, AnUnknownKeyIsRefusedNamingItsPathTheClosestKeyAndTheSuppo
 // program's batch, with a note; "true" and "false" as strings are read for what they say,
 // with a note, where DeepSpeed reads any non-empty string as true.
 TEST(DeepSpeedConfig, ConfigsWithoutBatchKeysTakeTheProgramsBatch) {
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = 4;
   p.micro_batch_per_rank = 3;
   p.gradient_accumulation_steps = 2;
-  auto c = fsdp::parse_deepspeed_config(R"({"zero_optimization": {"stage": 2}})", p);
+  auto c = fsdp::deepspeed::parse_config(R"({"zero_optimization": {"stage": 2}})", p);
   EXPECT_EQ(c.micro_batch_per_rank, 3);
   EXPECT_EQ(c.gradient_accumulation_steps, 2);
   EXPECT_EQ(c.train_batch_size, 24);
@@ -386,7 +386,7 @@ TEST(DeepSpeedConfig, ConfigsWithoutBatchKeysTakeTheProgramsBatch) {
             std::string::npos)
       << c.describe();
   // gradient_accumulation_steps alone is the config's.
-  c = fsdp::parse_deepspeed_config(R"({"gradient_accumulation_steps": 4})", p);
+  c = fsdp::deepspeed::parse_config(R"({"gradient_accumulation_steps": 4})", p);
   EXPECT_EQ(c.train_batch_size, 3 * 4 * 4);
 }
 
@@ -410,7 +410,7 @@ TEST(DeepSpeedConfig, EveryProblemIsReportedInOneError) {
 }
 
 TEST(DeepSpeedConfig, TrueAndFalseStringsAreReadForWhatTheySay) {
-  auto c = fsdp::parse_deepspeed_config(
+  auto c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "bf16": {"enabled": "true"}, "fp16": {"enabled": "false"}})");
   EXPECT_EQ(c.precision, fsdp::Precision::kBf16);
   EXPECT_NE(c.describe().find("fp16.enabled = \"false\": applied: the string read as false "
@@ -440,7 +440,7 @@ TEST(DeepSpeedConfig, AValueOfTheWrongTypeIsRefusedNamingTheKeyTheValueAndWhatIt
 }
 
 TEST(DeepSpeedConfig, TrailingCommasAndCommentsAreAcceptedAsDeepSpeedsHjsonReaderDoes) {
-  const auto c = fsdp::parse_deepspeed_config(R"({
+  const auto c = fsdp::deepspeed::parse_config(R"({
     // pasted from a blog post
     "train_batch_size": 8,   # hjson comment
     "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95,],},},
@@ -450,7 +450,7 @@ TEST(DeepSpeedConfig, TrailingCommasAndCommentsAreAcceptedAsDeepSpeedsHjsonReade
   EXPECT_EQ(c.optimizer.beta2, 0.95);
   EXPECT_EQ(c.steps_per_print, 5);
   // Inside strings, commas and comment markers stay.
-  EXPECT_EQ(fsdp::parse_deepspeed_config(
+  EXPECT_EQ(fsdp::deepspeed::parse_config(
                 R"({"train_batch_size": 8, "zero_optimization": {"offload_optimizer":
                     {"device": "nvme", "nvme_path": "/a,}//b#c"}}})")
                 .sharding.offload_optimizer.nvme_path,
@@ -538,7 +538,7 @@ TEST(WarmupSchedule, RatesEqualDeepSpeedsLrSchedulesRunInPython) {
 }
 
 TEST(DeepSpeedConfig, Stage3ElementBoundsAreTheEnginesAndTheOtherTakesDeepSpeedsDefault) {
-  auto c = fsdp::parse_deepspeed_config(
+  auto c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
           "stage3_max_live_parameters": 3000000, "stage3_param_persistence_threshold": 1000}})");
   EXPECT_EQ(c.sharding.max_live_numel, 3000000);
@@ -546,7 +546,7 @@ TEST(DeepSpeedConfig, Stage3ElementBoundsAreTheEnginesAndTheOtherTakesDeepSpeeds
   EXPECT_EQ(c.sharding.max_gathered_units, INT_MAX);
   EXPECT_EQ(c.sharding.persistence_threshold_numel, 1000);
   // Below stage 3 they are noted as stage-3 only and change nothing.
-  c = fsdp::parse_deepspeed_config(
+  c = fsdp::deepspeed::parse_config(
       R"({"train_batch_size": 8, "zero_optimization": {"stage": 2,
           "stage3_max_live_parameters": 3000000}})");
   EXPECT_EQ(c.sharding.max_live_numel, 0);
@@ -704,6 +704,36 @@ TEST(TrainGpt, DeepSpeedConfigErrorsExitTwoNamingTheKeyOrTheConflictingFlag) {
   std::remove(cfg.c_str());
 }
 #endif
+
+// The names before fsdp::deepspeed stay one release, deprecated (CHANGELOG.md): a program
+// that wrote them still compiles, with a warning naming the new one, and gets the same.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(DeepSpeedConfig, TheNamesBeforeTheNamespaceStillReadTheSameConfig) {
+  const std::string json =
+      R"({"train_batch_size": 12, "gradient_accumulation_steps": 3, "zero_optimization": {"stage": 2},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}})";
+  fsdp::DeepSpeedProgramValues old_program;
+  old_program.world_size = 2;
+  const fsdp::DeepSpeedConfig old_names = fsdp::parse_deepspeed_config(json, old_program);
+  const fsdp::DeepSpeedOptimizer& old_optimizer = old_names.optimizer;
+  const std::vector<fsdp::DeepSpeedNote>& old_notes = old_names.notes;
+
+  fsdp::deepspeed::ProgramValues program;
+  program.world_size = 2;
+  const Config now = fsdp::deepspeed::parse_config(json, program);
+  EXPECT_EQ(old_names.describe(), now.describe());
+  EXPECT_EQ(old_names.sharding.strategy, ShardingStrategy::kZero2);
+  EXPECT_EQ(old_names.micro_batch_per_rank, 2);
+  EXPECT_DOUBLE_EQ(old_optimizer.lr, 0.002);
+  EXPECT_EQ(old_notes.size(), now.notes.size());
+
+  const std::string path = ::testing::TempDir() + "/fsdp_ds_old_names.json";
+  std::ofstream(path) << json;
+  EXPECT_EQ(fsdp::load_deepspeed_config(path, old_program).describe(), now.describe());
+  std::remove(path.c_str());
+}
+#pragma GCC diagnostic pop
 
 }  // namespace
 

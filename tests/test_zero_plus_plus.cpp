@@ -179,10 +179,10 @@ TEST(QuantizedCommunicationOptions, BadValuesNameTheFieldAndTheFix) {
 // DeepSpeed's three ZeRO++ keys become the options, with a note each; at stage 2 they are
 // noted as stage 3 only; a bad partition size names the value and the fix.
 TEST(QuantizedCommunicationOptions, DeepSpeedKeysMapToTheOptions) {
-  DeepSpeedProgramValues p;
+  deepspeed::ProgramValues p;
   p.world_size = 4;
   p.micro_batch_per_rank = 2;
-  const auto ds = parse_deepspeed_config(
+  const auto ds = deepspeed::parse_config(
       R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
           "zero_quantized_weights": true, "zero_quantized_gradients": true,
           "zero_hpz_partition_size": 2}})",
@@ -194,22 +194,22 @@ TEST(QuantizedCommunicationOptions, DeepSpeedKeysMapToTheOptions) {
   EXPECT_NE(text.find("ShardingOptions::quantized_communication.weights = true"), std::string::npos)
       << text;
   EXPECT_NE(text.find("ShardingOptions::reshard_after_forward_group_size = 2"), std::string::npos);
-  const auto stage2 = parse_deepspeed_config(
+  const auto stage2 = deepspeed::parse_config(
       R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
           "zero_quantized_weights": true, "zero_hpz_partition_size": 2}})",
       p);
   EXPECT_FALSE(stage2.sharding.quantized_communication.weights);
   EXPECT_EQ(stage2.sharding.reshard_after_forward_group_size, 0);
   EXPECT_NE(stage2.describe().find("stage 3 only"), std::string::npos);
-  const auto one = parse_deepspeed_config(
+  const auto one = deepspeed::parse_config(
       R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
           "zero_hpz_partition_size": 1}})",
       p);
   EXPECT_EQ(one.sharding.reshard_after_forward_group_size, 0);
   try {
-    parse_deepspeed_config(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization":
+    deepspeed::parse_config(R"({"train_micro_batch_size_per_gpu": 2, "zero_optimization":
                               {"stage": 3, "zero_hpz_partition_size": 3}})",
-                           p);
+                            p);
     ADD_FAILURE() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())

@@ -2,9 +2,9 @@
 // DeepSpeed's ds_config.json, taken as it is: read into this library's options, each key
 // applied or accepted with the reason it has no effect here (docs/guide/deepspeed.md).
 //
-//   fsdp::DeepSpeedProgramValues program;  // what "auto" means: the program's own values
+//   fsdp::deepspeed::ProgramValues program;  // what "auto" means: the program's own values
 //   program.world_size = pg.size();
-//   auto ds = fsdp::load_deepspeed_config("ds_config.json", program);
+//   auto ds = fsdp::deepspeed::load_config("ds_config.json", program);
 //   std::cout << ds.describe();            // the options, and one line per key
 //   fsdp::ShardingOptions so = ds.sharding;  // strategy, offload, precision, prefetch bound
 
@@ -17,10 +17,12 @@
 #include <vector>
 
 namespace fsdp {
+/// DeepSpeed's configuration file, read into this library's options.
+namespace deepspeed {
 
 /// The program's values, which fill a config's "auto" entries (as Hugging Face's Trainer
 /// fills them from its TrainingArguments), and the world size of the batch rule.
-struct DeepSpeedProgramValues {
+struct ProgramValues {
   int world_size = 1;                       ///< ranks of the job (train_batch_size's rule)
   int64_t micro_batch_per_rank = 0;         ///< sequences per rank per micro-batch; 0: unknown
   int64_t gradient_accumulation_steps = 1;  ///< micro-batches per optimizer step
@@ -41,7 +43,7 @@ struct DeepSpeedProgramValues {
 };
 
 /// What a config's `optimizer` section asked for (DeepSpeed's Adam and AdamW).
-struct DeepSpeedOptimizer {
+struct Optimizer {
   bool present = false;     ///< the config had an optimizer section
   std::string type;         ///< as written: Adam or AdamW (any case)
   double lr = 1e-3;         ///< params.lr (DeepSpeed's FusedAdam default)
@@ -55,7 +57,7 @@ struct DeepSpeedOptimizer {
 };
 
 /// One key of the config and what became of it.
-struct DeepSpeedNote {
+struct Note {
   std::string key;      ///< its path, e.g. zero_optimization.offload_param.device
   std::string value;    ///< as read (an "auto" shows what it was filled with)
   bool applied = true;  ///< false: accepted with no effect here
@@ -63,7 +65,7 @@ struct DeepSpeedNote {
 };
 
 /// A config read into options. Keys the config leaves out take DeepSpeed's defaults.
-struct DeepSpeedConfig {
+struct Config {
   /// strategy (zero_optimization.stage: 0 kNoShard, 1 kZero1, 2 kZero2, 3 kFullShard),
   /// offload_optimizer/offload_param, mixed_precision (fp16/bf16) and
   /// max_gathered_units (the stage-3 prefetch bounds). Device, wrap policy and process
@@ -71,10 +73,10 @@ struct DeepSpeedConfig {
   ShardingOptions sharding;
   Precision precision = Precision::kFp32;  ///< fp16.enabled, bf16.enabled
   LossScalerOptions loss_scaler;           ///< fp16's loss_scale, initial_scale_power, ...
-  DeepSpeedOptimizer optimizer;
+  Optimizer optimizer;
   bool has_scheduler = false;  ///< the config had a scheduler section
   WarmupSchedule scheduler;
-  int world_size = 1;                       ///< DeepSpeedProgramValues::world_size
+  int world_size = 1;                       ///< ProgramValues::world_size
   int64_t train_batch_size = 0;             ///< global, in samples
   int64_t micro_batch_per_rank = 0;         ///< train_micro_batch_size_per_gpu
   int64_t gradient_accumulation_steps = 0;  ///< micro-batches per step
@@ -86,7 +88,7 @@ struct DeepSpeedConfig {
   int pipeline_stages = 1;
   std::string pipeline_partition = "parameters";
   bool wall_clock_breakdown = false;
-  std::vector<DeepSpeedNote> notes;  ///< one per key of the config, section by section
+  std::vector<Note> notes;  ///< one per key of the config, section by section
 
   /// The options it became and one line per note, for a program to print at start.
   std::string describe() const;
@@ -99,10 +101,27 @@ struct DeepSpeedConfig {
 /// the keys supported there (the closest first). Trailing commas and comments (// /* */ #,
 /// as DeepSpeed's hjson reader accepts) are accepted; other syntax errors name the line
 /// and column. Duplicate keys throw, as in DeepSpeed.
-DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
-                                       const DeepSpeedProgramValues& program = {});
+Config parse_config(const std::string& json_text, const ProgramValues& program = {});
 /// The same from a file.
-DeepSpeedConfig load_deepspeed_config(const std::string& path,
-                                      const DeepSpeedProgramValues& program = {});
+Config load_config(const std::string& path, const ProgramValues& program = {});
+
+}  // namespace deepspeed
+
+// The names before they moved into fsdp::deepspeed (issue 54: concepts in nested
+// namespaces, as torch::optim). They stay one release, deprecated.
+using DeepSpeedProgramValues [[deprecated("renamed fsdp::deepspeed::ProgramValues")]] =
+    deepspeed::ProgramValues;
+using DeepSpeedOptimizer [[deprecated("renamed fsdp::deepspeed::Optimizer")]] =
+    deepspeed::Optimizer;
+using DeepSpeedNote [[deprecated("renamed fsdp::deepspeed::Note")]] = deepspeed::Note;
+using DeepSpeedConfig [[deprecated("renamed fsdp::deepspeed::Config")]] = deepspeed::Config;
+[[deprecated("renamed fsdp::deepspeed::parse_config")]] inline deepspeed::Config
+parse_deepspeed_config(const std::string& json_text, const deepspeed::ProgramValues& program = {}) {
+  return deepspeed::parse_config(json_text, program);
+}
+[[deprecated("renamed fsdp::deepspeed::load_config")]] inline deepspeed::Config
+load_deepspeed_config(const std::string& path, const deepspeed::ProgramValues& program = {}) {
+  return deepspeed::load_config(path, program);
+}
 
 }  // namespace fsdp

@@ -63,7 +63,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 /// The config being read: the program's values, the result, and the notes.
 class ConfigReader {
  public:
-  ConfigReader(const DeepSpeedProgramValues& program, DeepSpeedConfig& out)
+  ConfigReader(const deepspeed::ProgramValues& program, deepspeed::Config& out)
       : p_(program), out_(out) {}
 
   [[noreturn]] static void fail(const std::string& path, const json& v, const std::string& want) {
@@ -205,8 +205,8 @@ class ConfigReader {
   void prefetch(const json& z, int stage);
   void zero_plus_plus(const json& z, int stage);
 
-  const DeepSpeedProgramValues& p_;
-  DeepSpeedConfig& out_;
+  const deepspeed::ProgramValues& p_;
+  deepspeed::Config& out_;
   std::vector<std::string> problems_;  ///< Note [Every problem at once]
 };
 
@@ -246,7 +246,7 @@ void ConfigReader::batch(const json& j) {
     // program's batch, as Lightning's DeepSpeed strategy fills it, with a note.
     TORCH_CHECK(auto_micro > 0,
                 "ds_config: Either train_batch_size or train_micro_batch_size_per_gpu needs to be "
-                "provided (or the program's batch size: DeepSpeedProgramValues::"
+                "provided (or the program's batch size: deepspeed::ProgramValues::"
                 "micro_batch_per_rank, train_gpt's --batch-size divisible by the data-parallel "
                 "ranks x --grad-accum)");
     micro = auto_micro;
@@ -278,15 +278,15 @@ void ConfigReader::batch(const json& j) {
   };
   if (j.contains("train_batch_size"))
     note("train_batch_size", j["train_batch_size"], true,
-         "DeepSpeedConfig::train_batch_size, the global batch" + rule,
+         "deepspeed::Config::train_batch_size, the global batch" + rule,
          filled("train_batch_size", *train));
   if (j.contains("train_micro_batch_size_per_gpu"))
     note("train_micro_batch_size_per_gpu", j["train_micro_batch_size_per_gpu"], true,
-         "DeepSpeedConfig::micro_batch_per_rank" + rule,
+         "deepspeed::Config::micro_batch_per_rank" + rule,
          filled("train_micro_batch_size_per_gpu", *micro));
   if (j.contains("gradient_accumulation_steps"))
     note("gradient_accumulation_steps", j["gradient_accumulation_steps"], true,
-         "DeepSpeedConfig::gradient_accumulation_steps" + rule,
+         "deepspeed::Config::gradient_accumulation_steps" + rule,
          filled("gradient_accumulation_steps", *accum));
 }
 
@@ -466,7 +466,7 @@ void ConfigReader::precision(const json& j) {
 void ConfigReader::optimizer(const json& o) {
   check_keys(o, "optimizer", {"type", "params"});
   TORCH_CHECK(o.contains("type"), "ds_config: optimizer has no type; write \"type\": \"AdamW\"");
-  DeepSpeedOptimizer& r = out_.optimizer;
+  deepspeed::Optimizer& r = out_.optimizer;
   r.present = true;
   r.type = string("optimizer.type", o["type"], "Adam or AdamW");
   std::string lower = r.type;
@@ -526,7 +526,7 @@ void ConfigReader::optimizer(const json& o) {
     note("optimizer.params.adam_w_mode", p["adam_w_mode"], true,
          r.decoupled_weight_decay ? "decoupled weight decay (AdamW)"
                                   : "L2 weight decay (classic Adam): "
-                                    "DeepSpeedOptimizer::decoupled_weight_decay = false");
+                                    "deepspeed::Optimizer::decoupled_weight_decay = false");
   }
   if (p.contains("bias_correction"))
     default_only("optimizer.params.bias_correction", p["bias_correction"], true,
@@ -925,12 +925,12 @@ void ConfigReader::prefetch(const json& z, int stage) {
 
 }  // namespace
 
-DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
-                                       const DeepSpeedProgramValues& program) {
-  TORCH_CHECK(program.world_size >= 1, "DeepSpeedProgramValues::world_size ", program.world_size,
+deepspeed::Config deepspeed::parse_config(const std::string& json_text,
+                                          const deepspeed::ProgramValues& program) {
+  TORCH_CHECK(program.world_size >= 1, "deepspeed::ProgramValues::world_size ", program.world_size,
               " must be at least 1");
   const json j = detail::parse_relaxed_json(json_text, "ds_config");
-  DeepSpeedConfig out;
+  deepspeed::Config out;
   out.world_size = program.world_size;
   out.sharding.strategy = ShardingStrategy::kNoShard;  // stage 0 when zero_optimization is absent
   ConfigReader r(program, out);
@@ -956,7 +956,7 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
       out.gradient_clipping =
           r.number("gradient_clipping", j["gradient_clipping"], program.gradient_clipping);
       r.note("gradient_clipping", j["gradient_clipping"], true,
-             "DeepSpeedConfig::gradient_clipping: the global gradient norm's bound (0: off)",
+             "deepspeed::Config::gradient_clipping: the global gradient norm's bound (0: off)",
              is_auto(j["gradient_clipping"]) ? number_text(out.gradient_clipping) : "");
     });
   }
@@ -968,7 +968,7 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
     r.attempt([&] {
       out.steps_per_print = r.integer("steps_per_print", j["steps_per_print"], {}, 1);
       r.note("steps_per_print", j["steps_per_print"], true,
-             "DeepSpeedConfig::steps_per_print: a progress line every this many steps");
+             "deepspeed::Config::steps_per_print: a progress line every this many steps");
     });
   }
   if (j.contains("wall_clock_breakdown")) {
@@ -983,20 +983,20 @@ DeepSpeedConfig parse_deepspeed_config(const std::string& json_text,
   return out;
 }
 
-DeepSpeedConfig load_deepspeed_config(const std::string& path,
-                                      const DeepSpeedProgramValues& program) {
+deepspeed::Config deepspeed::load_config(const std::string& path,
+                                         const deepspeed::ProgramValues& program) {
   std::ifstream f(path);
   TORCH_CHECK(f.good(), "ds_config: cannot open ", path);
   std::stringstream text;
   text << f.rdbuf();
-  return parse_deepspeed_config(text.str(), program);
+  return deepspeed::parse_config(text.str(), program);
 }
 
-bool DeepSpeedConfig::has(const std::string& key) const {
+bool deepspeed::Config::has(const std::string& key) const {
   return std::any_of(notes.begin(), notes.end(), [&](const auto& n) { return n.key == key; });
 }
 
-std::string DeepSpeedConfig::describe() const {
+std::string deepspeed::Config::describe() const {
   std::ostringstream s;
   const ShardingOptions& so = sharding;
   s << "DeepSpeed config: strategy " << ds_strategy_name(so.strategy) << ", offload_optimizer "

@@ -67,7 +67,7 @@ DECL = re.compile(
     r"(?:template\s*<[^;{]*?>\s*)?"
     r"(?P<deprecated>\[\[deprecated[^\]]*\]\]\s*)?"
     r"(?:(?:class|struct|enum class|enum|union)\s+(?:\[\[[^\]]*\]\]\s*)?(?P<type>[A-Za-z_]\w*)"
-    r"|using\s+(?P<alias>[A-Za-z_]\w*)\s*="
+    r"|using\s+(?P<alias>[A-Za-z_]\w*)\s*(?:\[\[[^\]]*\]\]\s*)?="
     r"|(?P<ret>[\w:<>,*&\s]+?)\b(?P<func>[A-Za-z_]\w*)\s*\("
     r"|(?:inline\s+)?(?:constexpr|const)\s+[\w:<>]+\s+(?P<var>[A-Za-z_]\w*)\s*[=;{])",
     re.S)

@@ -58,7 +58,7 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   fsdp::ShardingOptions& so = s.options;
 
   // "auto" means the flags' values.
-  fsdp::DeepSpeedProgramValues p;
+  fsdp::deepspeed::ProgramValues p;
   p.world_size = world;
   // Under pipeline stages the micro-batches are the accumulation, over data-parallel ranks.
   PipelineFlags& pl = f.pipeline;
@@ -77,9 +77,9 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   p.warmup_steps = t.warmup_steps;
   p.total_steps = t.steps;
   p.hidden_size = f.model.d_model;
-  fsdp::DeepSpeedConfig ds;
+  fsdp::deepspeed::Config ds;
   try {
-    ds = fsdp::load_deepspeed_config(path, p);
+    ds = fsdp::deepspeed::load_config(path, p);
   } catch (const c10::Error& e) {
     throw UsageError("--deepspeed-config " + path + ": " + e.what_without_backtrace());
   }
@@ -118,7 +118,7 @@ std::string apply_deepspeed_config(Flags& f, int world) {
   if (ds.has("fp16.min_loss_scale"))
     set("min-loss-scale", "fp16.min_loss_scale", s.loss_scaler.min_loss_scale, ls.min_loss_scale);
 
-  const fsdp::DeepSpeedOptimizer& o = ds.optimizer;
+  const fsdp::deepspeed::Optimizer& o = ds.optimizer;
   if (o.present) {
     if (!o.decoupled_weight_decay && o.weight_decay != 0) {
       throw UsageError("--deepspeed-config " + path +

@@ -1,6 +1,6 @@
 #pragma once
 // train_gpt --deepspeed-config FILE: a DeepSpeed ds_config.json over train_gpt's flags
-// (fsdp::load_deepspeed_config reads it).
+// (fsdp::deepspeed::load_config reads it).
 //
 // Note [DeepSpeed config over flags]: a key the config has sets its flags (DeepSpeed has
 // the config decide); "auto", and a key the config leaves out, keep the flag's value, as
