@@ -43,16 +43,18 @@ namespace {
 
 // The payload bytes a TCP socket has been given to send: tcp_info's bytes sent, less those
 // sent again (retransmissions), plus those written but not sent yet (a loaded machine may
-// not have sent them when the collective's wait returned). Linux 4.19 and newer. -1 when
-// `fd` is no TCP socket or the kernel lacks the fields.
+// not have sent them when the collective's wait returned). Linux 4.19 and newer.
+// kNotTcp when `fd` is no TCP socket; kNoCounters when the kernel lacks the fields.
+constexpr int64_t kNotTcp = -1, kNoCounters = -2;
 int64_t socket_bytes(int fd) {
   int type = 0;
   socklen_t len = sizeof type;
-  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) return -1;
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) return kNotTcp;
   tcp_info info{};
   len = sizeof info;
-  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return -1;
-  if (len < offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans) return -1;
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return kNotTcp;
+  if (len < offsetof(tcp_info, tcpi_bytes_retrans) + sizeof info.tcpi_bytes_retrans)
+    return kNoCounters;
   return static_cast<int64_t>(info.tcpi_bytes_sent) -
          static_cast<int64_t>(info.tcpi_bytes_retrans) +
          static_cast<int64_t>(info.tcpi_notsent_bytes);
@@ -84,8 +86,10 @@ class SocketBytes {
     }
     closedir(d);
     for (int fd : fds) {
+      const int64_t b = socket_bytes(fd);
+      if (b == kNoCounters) return -1;
       struct stat st {};
-      if (socket_bytes(fd) < 0 || fstat(fd, &st) != 0 || held_.count(st.st_ino) != 0) continue;
+      if (b == kNotTcp || fstat(fd, &st) != 0 || held_.count(st.st_ino) != 0) continue;
       const int copy = fcntl(fd, F_DUPFD_CLOEXEC, 3);
       if (copy >= 0) held_[st.st_ino] = copy;
     }
