@@ -9,7 +9,9 @@
 #                            (add_subdirectory, FetchContent) and the comparisons with
 #                            PyTorch FSDP and DeepSpeed (tests/CMakeLists.txt, "Tiers")
 #
-# Other arguments go to ctest (e.g. -R Parity, -L interop). FSDP_CMAKE_ARGS adds CMake options.
+# Other arguments go to ctest (e.g. -R parity, -L interop): each test file is one entry, its
+# cases run in one process (tests/CMakeLists.txt, FSDP_TEST_EACH_CASE). FSDP_CMAKE_ARGS adds
+# CMake options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TIER=(-LE '^long$')

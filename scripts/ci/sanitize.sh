@@ -7,7 +7,8 @@
 #   scripts/ci/sanitize.sh --engine-and-checkpoint  # what CI runs: the engine's, the
 #                                                # checkpoints', the pipeline's and the
 #                                                # quantization's test binaries only
-#   scripts/ci/sanitize.sh -R Desync                # extra arguments go to ctest
+#   scripts/ci/sanitize.sh -R desync                # extra arguments go to ctest (a test
+#                                                # file is an entry: test_desync)
 #
 # Not run here: the Consumer.* tests, which build separate projects against the
 # installed package with their own (unsanitized) flags and so cannot link an

@@ -31,7 +31,7 @@
 #                                    (OUT_DIR default: gpu-check-out/ in the current folder)
 #
 # OUT_DIR/results.json  phases (ok, failed, timeout, skipped; seconds), each test's result
-#                       (from ctest --output-junit), "metrics" (gpu_mfu: the large model's,
+#                       (GoogleTest's JUnit files), "metrics" (gpu_mfu: the large model's,
 #                       bf16; ours_over_fsdp2.tokens_per_s_bf16: the median over the rounds),
 #                       large_model (every round, medians and spreads), two_ranks_one_gpu
 #                       (each mode's losses at world 1 and 2), bench_gpu's metrics of the
@@ -170,13 +170,6 @@ run_phase() {
     124|137) status=timeout ;;
     *) status=failed ;;
   esac
-  # ctest's --stop-time (ctest_phase) ends the tests itself, with a failing exit status.
-  if [ "$status" = failed ] && grep -q 'The stop time has been passed' "$OUT/logs/$name.log"; then status=timeout; fi
-  # Tests still running at the stop time end as ***Timeout: the phase ran out of time
-  # unless some test failed on its own.
-  if [ "$status" = failed ] && [ $((SECONDS - t0)) -ge $((limit - 10)) ] &&
-    grep -q '\*\*\*Timeout' "$OUT/logs/$name.log" &&
-    ! grep -qE '\*\*\*(Failed|Exception)' "$OUT/logs/$name.log"; then status=timeout; fi
   printf '%s\t%s\t%s\t%s\t%s\t\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" >>"$PHASES"
   if [ "$status" = ok ]; then
     say "$name: ok ($((SECONDS - t0)) s)"
@@ -201,7 +194,7 @@ write_results() {
   if [ -n "$writer" ] && timeout 30 "$writer" - "$OUT" "$STARTED" "$((SECONDS - START))" "$BUDGET" "$JOBS" "$BUILT" \
        "$TESTS_OK" "${NVCC:-}" "$NVCC_VERSION" "$manifest" "$BENCH_ARGS" "$(cmake --version 2>/dev/null | head -1)" \
        "$(c++ --version 2>/dev/null | head -1)" "${REHEARSE:-}" <<'EOF'; then
-import json, os, platform, re, sys, datetime
+import datetime, glob, json, os, platform, re, sys
 import xml.etree.ElementTree as ET
 (out, started, wall, budget, jobs, built, tests_ok, nvcc, nvcc_version, manifest, bench_args,
  cmake_v, cxx_v, rehearse) = sys.argv[1:]
@@ -225,30 +218,29 @@ for line in (read(os.path.join(out, "phases.tsv")) or "").splitlines():
         del ph["log"]
     phases.append(ph)
 def junit(name):
-    p = os.path.join(out, "junit-%s.xml" % name)
-    if not os.path.exists(p):
+    # One JUnit file per test binary (gtest_phase): junit-NAME-BINARY.xml.
+    paths = sorted(glob.glob(os.path.join(out, "junit-%s-test_*.xml" % name)))
+    if not paths:
         return None
-    try:
-        root = ET.parse(p).getroot()
-    except ET.ParseError as e:
-        return {"error": "unreadable %s: %s" % (p, e)}
-    # ctest's JUnit file calls a test it stopped at its timeout a failure; its log says so.
-    timed_out = set(re.findall(r"Test +#\d+: (.+?) \.+\*\*\*Timeout", read(os.path.join(out, "logs", name + ".log")) or ""))
+    testcases = []
+    for p in paths:
+        try:
+            testcases += list(ET.parse(p).getroot().iter("testcase"))
+        except ET.ParseError as e:
+            return {"error": "unreadable %s: %s" % (p, e)}
     cases, count = [], {"passed": 0, "failed": 0, "timeout": 0, "skipped": 0}
-    for tc in root.iter("testcase"):
-        c = {"name": tc.get("name"), "seconds": float(tc.get("time") or 0)}
+    for tc in testcases:
+        c = {"name": "%s.%s" % (tc.get("classname"), tc.get("name")), "seconds": float(tc.get("time") or 0)}
         f, s = tc.find("failure"), tc.find("skipped")
         text = (tc.findtext("system-out") or "").splitlines()
-        if f is not None and c["name"] in timed_out:
-            c["status"] = "timeout"
-        elif f is not None:
+        if f is not None:
             c["status"] = "failed"
             # GoogleTest's failures (file:line: Failure and what follows), without backtraces.
             lines = [l for l in text if not l.startswith("frame #") and not l.startswith("Exception raised from")]
             first = next((i for i, l in enumerate(lines) if "Failure" in l or "rank " in l), 0)
             c["message"] = (f.get("message") or "").strip()
             c["output"] = lines[first:first + 40]
-        elif s is not None or tc.get("status") in ("notrun", "disabled"):
+        elif s is not None or tc.get("status") in ("notrun", "disabled") or tc.get("result") == "skipped":
             c["status"] = "skipped"
             # GTEST_SKIP prints "file:line: Skipped" and its message on the next line.
             why = [text[i + 1] for i, l in enumerate(text[:-1]) if l.endswith(": Skipped")]
@@ -258,7 +250,7 @@ def junit(name):
             c["status"] = "passed"
         count[c["status"]] += 1
         cases.append(c)
-    return {"junit": os.path.basename(p), **count, "cases": cases}
+    return {"junit": [os.path.basename(p) for p in paths], **count, "cases": cases}
 env = None
 if read(os.path.join(out, "env.json")):
     env = json.loads(read(os.path.join(out, "env.json")))
@@ -464,7 +456,7 @@ DEP_FLAGS=()
 [ -z "$ABI" ] || DEP_FLAGS=(-DCMAKE_CXX_FLAGS="-D_GLIBCXX_USE_CXX11_ABI=$ABI")
 export JOBS
 
-# The targets the build makes: the tests the ctest phases run and every program a phase
+# The targets the build makes: the test binaries the test phases run and every program a phase
 # runs from BIN (bench_gpu is added where this LibTorch has CUDA).
 read -ra TARGETS <<<"${FSDP_GPU_CHECK_TARGETS:-test_tools test_programs test_engine test_training train_gpt fsdp-run fsdp-estimate}"
 if [ -n "$REHEARSE" ]; then
@@ -564,15 +556,30 @@ else
 fi
 
 # 4. The phases, ordered by value (see the top): each records its outcome and keeps its
-# output; a failure does not stop the later ones. ctest stops its tests at the phase's end
-# (--stop-time), so its JUnit file is still written. The rehearsal runs each at a small size.
-ctest_phase() {  # ctest_phase NAME CAP ctest-args...
-  local name="$1" limit stop
-  limit="$(limit_for "$2")"
-  shift 2
-  stop="$(date -d "@$(($(date +%s) + limit - 5))" +%H:%M:%S)"
-  run_phase "$name" "=$limit" ctest --test-dir "$BUILD" --output-on-failure --no-tests=error \
-    --output-junit "$OUT/junit-$name.xml" --stop-time "$stop" "$@"
+# output; a failure does not stop the later ones. A test binary stopped at the phase's end
+# writes no JUnit file (the phase is then "timeout"). The rehearsal runs each at a small size.
+gtest_phase() {  # gtest_phase NAME CAP FILTER: FILTER's cases (GoogleTest's --gtest_filter) in each test binary
+  # The binaries run the cases themselves (ctest has one entry per test file, not per case:
+  # tests/CMakeLists.txt), each writing its JUnit file (junit-NAME-BINARY.xml); no case run
+  # at all is a failure, as ctest's --no-tests=error was.
+  local name="$1" cap="$2" filter="$3" bins=() t
+  for t in "${TARGETS[@]}"; do
+    case "$t" in test_*) [ ! -x "$BUILD/bin/$t" ] || bins+=("$BUILD/bin/$t") ;; esac
+  done
+  run_phase "$name" "$cap" bash -c '
+    out="$1" name="$2" filter="$3" rc=0 ran=0 n=0
+    shift 3
+    for bin in "$@"; do
+      echo "== $(basename "$bin") --gtest_filter=$filter"
+      "$bin" --gtest_filter="$filter" --gtest_output="xml:$out/junit-$name-$(basename "$bin").xml" >"$out/logs/$name.$$" 2>&1 || rc=1
+      cat "$out/logs/$name.$$"
+      n="$(sed -nE "s/^\[==========\] ([0-9]+) tests? from .* ran\..*/\1/p" "$out/logs/$name.$$" | tail -1)"
+      ran=$((ran + ${n:-0}))
+    done
+    rm -f "$out/logs/$name.$$"
+    echo "== $ran cases ran"
+    [ "$ran" -gt 0 ] || { echo "no case matched --gtest_filter=$filter" >&2; exit 1; }
+    exit $rc' _ "$OUT" "$name" "$filter" "${bins[@]}"
 }
 # keep NAME: the phase's log as OUT/NAME.txt, its JSON lines echoed with a prefix.
 keep() {
@@ -585,7 +592,7 @@ if [ -n "$REHEARSE" ]; then
   MODES_SIZE=(--steps 4 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 8 --only "fp32 zero3,bf16 zero2")
   SMALL_SIZE=(--reps 2 --small-layers 2 --small-d-model 64 --small-heads 4 --small-block-size 32 --small-batch 4)
   FSDP2_SIZE=(--reps 2 --n-layer 2 --d-model 64 --n-head 4 --block-size 32 --batch-size 4)
-  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-^FusedAdamW\\.}"
+  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-FusedAdamW.*}"
   # As on the GPU but without a cgroup on the CPU: device and host are one memory here.
   MAX_SIZE=(--no-cgroup --budget-mib 3072 --world 2 --d-model 64 --n-head 4 --block-size 32 --max-layers 4)
 else
@@ -594,7 +601,7 @@ else
   MODES_SIZE=()
   read -ra SMALL_SIZE <<<"$BENCH_ARGS"
   FSDP2_SIZE=(--reps 10)
-  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-Parity|FusedAdamW|Offload}"
+  CPU_TESTS="${FSDP_GPU_CHECK_CPU_TESTS:-*Parity*:*FusedAdamW*:*Offload*}"
   MAX_SIZE=(--world 1 --d-model 2048 --n-head 16 --block-size 256)
 fi
 if [ "$BUILT" = 1 ]; then
@@ -618,7 +625,7 @@ if [ "$BUILT" = 1 ]; then
   fi
   # The GPU tests: suite Cuda (test_cuda.cpp) and every test named *_CUDA (test_examples'
   # train_gpt --device cuda runs among them); on the CPU they skip, saying why.
-  ctest_phase test-cuda 60 -R '^Cuda\.|_CUDA$' -E '_NOT_BUILT$' -j1 || TESTS_OK=0
+  gtest_phase test-cuda 60 'Cuda.*:*_CUDA' || TESTS_OK=0
   # Every memory mode of train_gpt (ZeRO stages, offloads, pure bf16, activation offload).
   if [ -n "$PY" ] && [ -x "$BIN/train_gpt" ]; then
     run_phase modes 80 stdbuf -oL "$PY" "$SRC/tests/bench/memory_modes.py" \
@@ -640,8 +647,7 @@ if [ "$BUILT" = 1 ]; then
     cp "$OUT/logs/fsdp2.log" "$OUT/fsdp2.txt" 2>/dev/null || true
     grep '^{' "$OUT/fsdp2.txt" | sed 's/^/[gpu-check] fsdp2: /' || true
   fi
-  CPU_J=$((JOBS / 4)); [ "$CPU_J" -ge 2 ] || CPU_J=2
-  ctest_phase test-cpu 60 -R "$CPU_TESTS" -E '^Cuda\.|_CUDA$|_NOT_BUILT$' -j"$CPU_J" || TESTS_OK=0
+  gtest_phase test-cpu 60 "$CPU_TESTS-Cuda.*:*_CUDA" || TESTS_OK=0
   # The largest model, by memory: plain LibTorch against everything offloaded to the host
   # (issue: bigger than memory, >= 4x on a GPU), one run each at the estimate's size.
   if [ -n "$PY" ] && [ -x "$BIN/train_gpt" ] && [ -x "$BIN/fsdp-estimate" ]; then

@@ -9,7 +9,8 @@ Fails (exit 1) unless results.json says: the rehearsal mode; the phases large_mo
 two_ranks_one_gpu, test-cuda, modes, bench-gpu, fsdp2, test-cpu and max_model in that order,
 each ok;
 a second call with FSDP_GPU_CHECK_PHASES=max_model running that phase alone;
-metrics.gpu_mfu and metrics.ours_over_fsdp2.tokens_per_s_bf16 positive numbers; two ranks
+metrics.gpu_mfu and metrics.ours_over_fsdp2.tokens_per_s_bf16 positive numbers; the test phases'
+cases read (test-cuda's skipped on the CPU, test-cpu's passed, none failed); two ranks
 equal to one in every mode run; every large-model round with ours, plain LibTorch and
 FSDP2; and gpu-check-DATE.json beside it with the same content.
 """
@@ -90,6 +91,14 @@ def main():
     if len(maxm) != 2:
         problems.append(f"max_model modes {(r.get('max_model') or {}).get('modes')!r}: expected plain and "
                         "offload_param=cpu, each with the parameters it trained")
+    # The test phases' cases, from the binaries' JUnit files: every case of test-cuda skips on
+    # the CPU, saying why; test-cpu's pass.
+    tests = r.get("tests") or {}
+    for key, want in (("cuda", "skipped"), ("cpu", "passed")):
+        t = tests.get(key) or {}
+        if not t.get("cases") or t.get(want, 0) == 0 or t.get("failed", 0) != 0:
+            problems.append(f"tests.{key}: {dict((k, t.get(k)) for k in ('passed', 'failed', 'skipped'))}: "
+                            f"expected cases, some {want} and none failed")
     dated = os.path.join(out, f"gpu-check-{r.get('started', '')[:10]}.json")
     try:
         with open(dated) as f:
