@@ -10,51 +10,61 @@ namespace {
 }
 }  // namespace
 
-std::string save_sharded_checkpoint(const std::string&, const ShardedModel&,
-                                    torch::optim::Optimizer*, const TrainingState&,
-                                    const SaveOptions&) {
+std::string ckpt::save_sharded_checkpoint(const std::string&, const ShardedModel&,
+                                          torch::optim::Optimizer*, const ckpt::TrainingState&,
+                                          const ckpt::SaveOptions&) {
   no_hdf5();
 }
-LoadReport load_sharded_checkpoint(const std::string&, ShardedModel&, torch::optim::Optimizer*,
-                                   TrainingState*, const LoadOptions&) {
+ckpt::LoadReport ckpt::load_sharded_checkpoint(const std::string&, ShardedModel&,
+                                               torch::optim::Optimizer*, ckpt::TrainingState*,
+                                               const ckpt::LoadOptions&) {
   no_hdf5();
 }
-std::string save_sharded_checkpoint(const std::string&, const PipelinedModel&,
-                                    torch::optim::Optimizer*, const TrainingState&,
-                                    const SaveOptions&) {
+std::string ckpt::save_sharded_checkpoint(const std::string&, const PipelinedModel&,
+                                          torch::optim::Optimizer*, const ckpt::TrainingState&,
+                                          const ckpt::SaveOptions&) {
   no_hdf5();
 }
-LoadReport load_sharded_checkpoint(const std::string&, PipelinedModel&, torch::optim::Optimizer*,
-                                   TrainingState*, const LoadOptions&) {
+ckpt::LoadReport ckpt::load_sharded_checkpoint(const std::string&, PipelinedModel&,
+                                               torch::optim::Optimizer*, ckpt::TrainingState*,
+                                               const ckpt::LoadOptions&) {
   no_hdf5();
 }
-std::optional<std::string> latest_checkpoint(const std::string&) { no_hdf5(); }
-void export_consolidated(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
-                         const TrainingState&, const ExportOptions&) {
+std::optional<std::string> ckpt::latest_checkpoint(const std::string&) { no_hdf5(); }
+void ckpt::export_consolidated(const std::string&, const ShardedModel&, torch::optim::Optimizer*,
+                               const ckpt::TrainingState&, const ckpt::ExportOptions&) {
   no_hdf5();
 }
-void export_safetensors(const std::string&, const ShardedModel&, const TrainingState&,
-                        const SafetensorsOptions&) {
+void ckpt::export_safetensors(const std::string&, const ShardedModel&, const ckpt::TrainingState&,
+                              const ckpt::SafetensorsOptions&) {
   no_hdf5();
 }
-LoadReport import_consolidated(const std::string&, ShardedModel&, const LoadOptions&) { no_hdf5(); }
-void export_consolidated(const std::string&, const PipelinedModel&, torch::optim::Optimizer*,
-                         const TrainingState&, const ExportOptions&) {
+ckpt::LoadReport ckpt::import_consolidated(const std::string&, ShardedModel&,
+                                           const ckpt::LoadOptions&) {
   no_hdf5();
 }
-void export_safetensors(const std::string&, const PipelinedModel&, const TrainingState&,
-                        const SafetensorsOptions&) {
+void ckpt::export_consolidated(const std::string&, const PipelinedModel&, torch::optim::Optimizer*,
+                               const ckpt::TrainingState&, const ckpt::ExportOptions&) {
   no_hdf5();
 }
-LoadReport import_consolidated(const std::string&, PipelinedModel&, const LoadOptions&) {
+void ckpt::export_safetensors(const std::string&, const PipelinedModel&, const ckpt::TrainingState&,
+                              const ckpt::SafetensorsOptions&) {
   no_hdf5();
 }
-LoadReport load_consolidated(const std::string&, torch::nn::Module&, const LoadOptions&) {
+ckpt::LoadReport ckpt::import_consolidated(const std::string&, PipelinedModel&,
+                                           const ckpt::LoadOptions&) {
   no_hdf5();
 }
-std::map<std::string, AttrValue> consolidated_attributes(const std::string&) { no_hdf5(); }
-void consolidate_checkpoint(const std::string&, const std::string&, const ConsolidateOptions&) {
+ckpt::LoadReport ckpt::load_consolidated(const std::string&, torch::nn::Module&,
+                                         const ckpt::LoadOptions&) {
   no_hdf5();
 }
-std::string inspect_checkpoint(const std::string&, bool) { no_hdf5(); }
+std::map<std::string, ckpt::AttrValue> ckpt::consolidated_attributes(const std::string&) {
+  no_hdf5();
+}
+void ckpt::consolidate_checkpoint(const std::string&, const std::string&,
+                                  const ckpt::ConsolidateOptions&) {
+  no_hdf5();
+}
+std::string ckpt::inspect_checkpoint(const std::string&, bool) { no_hdf5(); }
 }  // namespace fsdp

@@ -182,7 +182,7 @@ namespace {
 
 struct ShardedRun {
   std::vector<torch::Tensor> grads;
-  CommStats comm;
+  stats::CommStats comm;
 };
 
 // One training step of the GPT at dropout 0.1, sharded over `pg`, with or without
@@ -198,7 +198,7 @@ ShardedRun sharded_step(const ProcessGroup& pg, bool ckpt, torch::Dtype dtype,
   o.mixed_precision.output_dtype = torch::kFloat32;
   o.strategy = strategy;
   o.hybrid_group_size = 2;
-  if (ckpt) o.checkpoint_policy = module_type_policy<gpt::Block>();
+  if (ckpt) o.checkpoint_policy = wrap::module_type_policy<gpt::Block>();
   auto model = fully_shard(gpt::GPT(cfg), o);
   for (auto& b : model->module()->blocks) EXPECT_EQ(b->checkpointed(), ckpt);
   torch::manual_seed(500 + pg.rank());  // the same dropout masks in both runs
@@ -249,13 +249,13 @@ TEST(ShardedCheckpoint, EveryKthPolicyPicksEveryKthWrapPoint) {
   auto cfg = small_gpt_config();
   cfg.n_layer = 5;
   ShardingOptions o;
-  o.checkpoint_policy = every_kth_policy(2);
+  o.checkpoint_policy = wrap::every_kth_policy(2);
   auto model = fully_shard(gpt::GPT(cfg), o);
   std::vector<bool> picked;
   for (auto& b : model->module()->blocks) picked.push_back(b->checkpointed());
   EXPECT_EQ(picked, (std::vector<bool>{true, false, true, false, true}));
   try {
-    every_kth_policy(0);
+    wrap::every_kth_policy(0);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
@@ -290,7 +290,7 @@ TORCH_MODULE(TwoCounting);
 
 TEST(ShardedCheckpoint, CheckpointedWrapPointsRecomputeInBackwardAndOthersDoNot) {
   ShardingOptions o;
-  o.checkpoint_policy = predicate_policy(
+  o.checkpoint_policy = wrap::predicate_policy(
       [](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "a"; });
   auto model = fully_shard(TwoCounting(), o);
   model(torch::randn({2, 4})).sum().backward();
@@ -311,7 +311,7 @@ int64_t held_after_forward(bool ckpt, const gpt::Config& cfg, int64_t batch) {
   auto& counter = CountingCpuAllocator::install();
   torch::manual_seed(91);
   ShardingOptions o;
-  if (ckpt) o.checkpoint_policy = module_type_policy<gpt::Block>();
+  if (ckpt) o.checkpoint_policy = wrap::module_type_policy<gpt::Block>();
   auto model = fully_shard(gpt::GPT(cfg), o);
   auto rows = gpt_batch(0, batch, cfg.block_size);
   auto x = rows.narrow(1, 0, cfg.block_size).contiguous();
@@ -368,7 +368,7 @@ TEST(ShardedCheckpoint, ShardSequentialEntriesFollowTheCheckpointPolicy) {
     torch::nn::Sequential seq(torch::nn::Linear(4, 4), counting, torch::nn::Linear(4, 2));
     ShardingOptions o;
     if (ckpt) {
-      o.checkpoint_policy = predicate_policy(
+      o.checkpoint_policy = wrap::predicate_policy(
           [](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "1"; });
     }
     auto model = shard_sequential(seq, o);
@@ -401,7 +401,7 @@ TORCH_MODULE(TwoNet);
 
 TEST(ShardedCheckpoint, APolicyPickingAForwardOfTwoInputsIsAnErrorNamingIt) {
   ShardingOptions o;
-  o.checkpoint_policy = always_wrap_policy();
+  o.checkpoint_policy = wrap::always_wrap_policy();
   auto model = fully_shard(TwoNet(), o);
   try {
     model(torch::randn({2, 4}));
@@ -440,7 +440,7 @@ TEST(ActivationOffload, TrainsBitIdenticallyAndHoldsEachBlockInputOnTheHost) {
     for (int offload = 0; offload < 2; ++offload) {
       ShardingOptions o;
       o.process_group = pg;
-      o.checkpoint_policy = module_type_policy<gpt::Block>();
+      o.checkpoint_policy = wrap::module_type_policy<gpt::Block>();
       o.offload_activations = offload == 1;
       torch::manual_seed(4);
       auto model = fully_shard(gpt::GPT(cfg), o);
@@ -475,7 +475,7 @@ TEST(ActivationOffload, WithoutACheckpointPolicyIsAnErrorNamingTheFix) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
               "ShardingOptions::offload_activations keeps the inputs that activation "
               "checkpointing saves in host memory, and no block is checkpointed; set "
-              "ShardingOptions::checkpoint_policy (e.g. fsdp::module_type_policy<Block>()) too");
+              "ShardingOptions::checkpoint_policy (e.g. fsdp::wrap::module_type_policy<Block>()) too");
   }
 }
 
@@ -486,7 +486,7 @@ TEST(ActivationOffload, RetainGraphBringsTheInputsBackForASecondBackward) {
   auto x = torch::randn({4, 8}, torch::requires_grad());
   ActivationCheckpointOptions co;
   co.offload_inputs = true;
-  MemoryCounter counter;
+  stats::MemoryCounter counter;
   co.host_counter = &counter;
   auto y =
       activation_checkpoint([&](const torch::Tensor& t) { return torch::tanh(lin(t)); }, x, co);

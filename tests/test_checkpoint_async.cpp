@@ -34,7 +34,7 @@ namespace {
 // of step 2, checked to name that save.
 std::string next_save_error(const std::string& dir, const ShardedModel& model) {
   const std::string next =
-      error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+      error_of([&] { ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
   EXPECT_NE(next.find("the asynchronous save of " + dir + "/step_00000002 failed"),
             std::string::npos)
       << next;
@@ -63,9 +63,10 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir,
       expected_staging += static_cast<int64_t>(b.nbytes());
   }
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
-  SaveOptions so;
+  ckpt::SaveOptions so;
   so.background_staging = background_staging;
-  AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(3), so);
+  ckpt::AsyncSave pending =
+      ckpt::save_sharded_checkpoint_async(dir, model, &opt, sample_state(3), so);
   EXPECT_EQ(pending.path(), dir + "/step_00000003");
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging);
   const auto rng_after_save = torch::rand({4});
@@ -77,11 +78,11 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir,
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, expected_staging)
       << "kept for the next save";
   EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, expected_staging);
-  release_checkpoint_staging(model);
+  ckpt::release_checkpoint_staging(model);
   EXPECT_EQ(model.memory_stats().checkpoint_staging.current, 0);
   EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
   pg.barrier();  // rank 0's wait() returns once published; the others' once written
-  EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+  EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000003");
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir + "/step_00000003"))
     names.push_back(e.path().filename().string());
@@ -90,9 +91,9 @@ void async_save_and_resume(const ProcessGroup& pg, const std::string& dir,
   torch::manual_seed(7);
   auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
   torch::optim::AdamW opt2(model2.sharded_parameters(), torch::optim::AdamWOptions(1.0).eps(1e-6));
-  TrainingState st;
+  ckpt::TrainingState st;
   torch::manual_seed(999);
-  load_sharded_checkpoint(dir, model2, &opt2, &st);
+  ckpt::load_sharded_checkpoint(dir, model2, &opt2, &st);
   EXPECT_TRUE(torch::equal(torch::rand({4}), rng_after_save))
       << "the RNG state of the call was not saved";
   EXPECT_EQ(st.step, 3);
@@ -139,9 +140,10 @@ TEST(AsyncCheckpoint, TheEndOfABackwardWaitsForTheBackgroundCopy) {
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       }
     });
-    SaveOptions so;
+    ckpt::SaveOptions so;
     so.background_staging = true;
-    AsyncSave pending = save_sharded_checkpoint_async(dir, model, &opt, sample_state(1), so);
+    ckpt::AsyncSave pending =
+        ckpt::save_sharded_checkpoint_async(dir, model, &opt, sample_state(1), so);
     auto batch = gpt_batch(1, kRows, small_gpt_config().block_size);
     opt.zero_grad();
     auto loss = gpt::loss_on(model, my_rows(batch, pg));
@@ -160,7 +162,7 @@ TEST(AsyncCheckpoint, TheEndOfABackwardWaitsForTheBackgroundCopy) {
     torch::manual_seed(7);
     auto model2 = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
     auto opt2 = make_adamw(model2);
-    load_sharded_checkpoint(dir, model2, &opt2);
+    ckpt::load_sharded_checkpoint(dir, model2, &opt2);
     const auto loaded = fsdp::detail::local_shards(model2);
     const auto stepped = fsdp::detail::local_shards(model);
     ASSERT_EQ(loaded.size(), at_call.size());
@@ -180,11 +182,12 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
   const std::string dir = scratch_dir("async_bg_change");
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-    SaveOptions so;
+    ckpt::SaveOptions so;
     so.background_staging = true;
     const at::Tensor shard = fsdp::detail::local_shards(model).at(0).shard;
     const at::Tensor at_call = shard.clone();
-    AsyncSave first = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
+    ckpt::AsyncSave first =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
     first.wait_staged();
     {
       at::NoGradGuard no_grad;
@@ -194,7 +197,7 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
     pg.barrier();
     {
       auto again = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-      load_sharded_checkpoint(dir, again);
+      ckpt::load_sharded_checkpoint(dir, again);
       EXPECT_TRUE(torch::equal(fsdp::detail::local_shards(again).at(0).shard, at_call));
     }
 
@@ -203,7 +206,8 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
       while (step == "background stage" && pg.rank() == 1 && !changed)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     });
-    AsyncSave second = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2), so);
+    ckpt::AsyncSave second =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2), so);
     if (pg.rank() == 1) {
       at::NoGradGuard no_grad;
       shard.mul_(2.0);
@@ -222,11 +226,11 @@ TEST(AsyncCheckpoint, AChangeBeforeTheBackgroundCopyFailsTheSaveNamingTheTensor)
         << waited;
     EXPECT_NE(waited.find("call it before an optimizer step"), std::string::npos) << waited;
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
     next_save_error(dir, model);
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
-    EXPECT_EQ(save_sharded_checkpoint(dir, model, nullptr, sample_state(3)),
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(3)),
               dir + "/step_00000003");
   });
 }
@@ -246,14 +250,15 @@ TEST(AsyncCheckpoint, AFusedAdamWStepWaitsForTheBackgroundCopyWithoutABackward) 
     fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string&) {
       if (step == "background stage") std::this_thread::sleep_for(std::chrono::milliseconds(200));
     });
-    SaveOptions so;
+    ckpt::SaveOptions so;
     so.background_staging = true;
-    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
+    ckpt::AsyncSave pending =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1), so);
     opt.step();
     EXPECT_EQ(pending.wait(), dir + "/step_00000001");
     fsdp::detail::set_save_hook(model, {});
     auto again = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-    load_sharded_checkpoint(dir, again);
+    ckpt::load_sharded_checkpoint(dir, again);
     const auto loaded = fsdp::detail::local_shards(again);
     const auto stepped = fsdp::detail::local_shards(model);
     for (size_t i = 0; i < loaded.size(); ++i) {
@@ -294,7 +299,8 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
     };
 
     // Without the optimizer: parameters (and rank 0's buffers) only.
-    AsyncSave first = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1));
+    ckpt::AsyncSave first =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1));
     first.wait();
     EXPECT_EQ(stats().current, param_bytes);
     const auto kept = addresses();
@@ -305,7 +311,7 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
     std::vector<torch::Tensor> expected;
     for (const auto& ls : fsdp::detail::local_shards(model))
       expected.push_back(ls.shard.narrow(0, 0, ls.length).clone());
-    AsyncSave second = save_sharded_checkpoint_async(dir, model, &opt, sample_state(2));
+    ckpt::AsyncSave second = ckpt::save_sharded_checkpoint_async(dir, model, &opt, sample_state(2));
     EXPECT_EQ(stats().current, param_bytes + optim_bytes);
     EXPECT_EQ(stats().peak, param_bytes + optim_bytes)
         << "the first save's buffers were not reused";
@@ -322,7 +328,7 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
     pg.barrier();
     torch::manual_seed(5);
     auto model2 = fully_shard(gpt::GPT(cfg), options_for(pg));
-    load_sharded_checkpoint(dir, model2, nullptr, nullptr);
+    ckpt::load_sharded_checkpoint(dir, model2, nullptr, nullptr);
     const auto loaded = fsdp::detail::local_shards(model2);
     ASSERT_EQ(loaded.size(), expected.size());
     for (size_t k = 0; k < expected.size(); ++k) {
@@ -330,29 +336,31 @@ TEST(AsyncCheckpoint, StagingBuffersAreReusedByTheNextSaveAndReleasedOnRequest) 
     }
 
     // Without the optimizer again: its moments' buffers are freed.
-    AsyncSave third = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    ckpt::AsyncSave third =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
     third.wait();
     EXPECT_EQ(stats().current, param_bytes);
 
-    SaveOptions no_keep;
+    ckpt::SaveOptions no_keep;
     no_keep.keep_staging = false;
-    AsyncSave fourth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(4), no_keep);
+    ckpt::AsyncSave fourth =
+        ckpt::save_sharded_checkpoint_async(dir, model, &opt, sample_state(4), no_keep);
     EXPECT_EQ(stats().current, param_bytes + optim_bytes);
     fourth.wait();
     EXPECT_EQ(stats().current, 0);
     EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
 
-    AsyncSave fifth = save_sharded_checkpoint_async(dir, model, &opt, sample_state(5));
+    ckpt::AsyncSave fifth = ckpt::save_sharded_checkpoint_async(dir, model, &opt, sample_state(5));
     fifth.wait();
     EXPECT_EQ(stats().current, param_bytes + optim_bytes);
-    release_checkpoint_staging(model);
+    ckpt::release_checkpoint_staging(model);
     EXPECT_EQ(stats().current, 0);
     EXPECT_TRUE(fsdp::detail::checkpoint_staging_pool(model).empty());
   });
 }
 
 TEST(AsyncCheckpoint, AnEmptyHandleHoldsNoSave) {
-  AsyncSave none;
+  ckpt::AsyncSave none;
   EXPECT_TRUE(none.done());
   EXPECT_EQ(none.path(), "");
   const std::string msg = error_of([&] { none.wait(); });
@@ -371,13 +379,14 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
   const std::string dir = scratch_dir("async_fail");
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
     fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& file) {
       if (step == "write" && pg.rank() == 1)
         throw std::runtime_error("No space left on device (injected)");
       (void)file;
     });
-    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    ckpt::AsyncSave pending =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
     const std::string waited = error_of([&] { pending.wait(); });
     const std::string file1 = dir + "/.tmp-step_00000002/rank_00001.h5";
     EXPECT_NE(waited.find("the asynchronous save of " + dir + "/step_00000002 failed"),
@@ -389,14 +398,14 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     if (pg.rank() == 0) EXPECT_NE(waited.find("rank 1: "), std::string::npos) << waited;
     fsdp::detail::set_save_hook(model, {});
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
     EXPECT_GT(model.memory_stats().checkpoint_staging.current, 0);
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current,
               model.memory_stats().checkpoint_staging.peak);
 
     const std::string next =
-        error_of([&] { save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
+        error_of([&] { ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(3)); });
     EXPECT_NE(next.find("save_sharded_checkpoint: the asynchronous save of " + dir +
                         "/step_00000002 failed"),
               std::string::npos)
@@ -404,12 +413,13 @@ TEST(AsyncCheckpoint, ABackgroundFailureIsReportedByTheNextSaveOnEveryRank) {
     EXPECT_NE(next.find("this call saved nothing"), std::string::npos) << next;
     pg.barrier();
     EXPECT_FALSE(fs::exists(dir + "/step_00000003"));
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
 
-    AsyncSave again = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
+    ckpt::AsyncSave again =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(3));
     EXPECT_EQ(again.wait(), dir + "/step_00000003");
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000003");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000003");
     std::vector<std::string> left;
     for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
     std::sort(left.begin(), left.end());
@@ -429,7 +439,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
       [&](const ProcessGroup& pg) {
         ASSERT_EQ(pg.timeout_s(), 3.0);
         auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-        save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+        ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
         fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& file) {
           if (step != "write" || pg.rank() != 1) return;
           const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
@@ -439,7 +449,8 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
           (void)file;
         });
         const auto t0 = std::chrono::steady_clock::now();
-        AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+        ckpt::AsyncSave pending =
+            ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
         const std::string waited = error_of([&] { pending.wait(); });
         const double waited_s =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -459,7 +470,7 @@ TEST(AsyncCheckpoint, RankZeroGivesUpOnAStalledRankAfterTheTimeout) {
         fsdp::detail::set_save_hook(model, {});
         next_save_error(dir, model);
         pg.barrier();
-        EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+        EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
         EXPECT_FALSE(fs::exists(dir + "/step_00000002"));
       },
       300, {"FSDP_TIMEOUT_S=3"});
@@ -473,7 +484,7 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
   const std::string dir = scratch_dir("async_stage");
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-    save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1)).wait();
+    ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(1)).wait();
     const int64_t snapshot_bytes = model.memory_stats().checkpoint_staging.current;
     ASSERT_GT(snapshot_bytes, 0);
     int staged = 0;
@@ -482,7 +493,7 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
         throw std::runtime_error("out of host memory (injected)");
     });
     const std::string msg = error_of(
-        [&] { (void)save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
+        [&] { (void)ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)); });
     fsdp::detail::set_save_hook(model, {});
     EXPECT_NE(msg.find("save_sharded_checkpoint_async to " + dir + " failed"), std::string::npos)
         << msg;
@@ -493,10 +504,10 @@ TEST(AsyncCheckpoint, AFailureWhileStagingFailsTheCallEverywhere) {
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current, pg.rank() == 1 ? 0 : snapshot_bytes);
     EXPECT_EQ(model.memory_stats().checkpoint_staging.peak, snapshot_bytes);
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
     EXPECT_FALSE(fs::exists(dir + "/.tmp-step_00000002"));
     pg.barrier();  // both have looked before the next save makes that directory again
-    EXPECT_EQ(save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(),
+    EXPECT_EQ(ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2)).wait(),
               dir + "/step_00000002");
     EXPECT_EQ(model.memory_stats().checkpoint_staging.current, snapshot_bytes);
   });
@@ -509,12 +520,13 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
   const std::string dir = scratch_dir("async_publish");
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto model = fully_shard(MlpNet(16, 64, 2, 16), options_for(pg));
-    save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
+    ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(1));
     fsdp::detail::set_save_hook(model, [&](const std::string& step, const std::string& what) {
       if (step == "publish" && what == dir + "/step_00000002")
         throw std::runtime_error("rename: Input/output error (injected)");
     });
-    AsyncSave pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
+    ckpt::AsyncSave pending =
+        ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(2));
     if (pg.rank() == 0) {
       const std::string waited = error_of([&] { pending.wait(); });
       EXPECT_NE(waited.find("publishing " + dir +
@@ -530,7 +542,7 @@ TEST(AsyncCheckpoint, AFailedPublishLeavesLatestAndIsReportedEverywhere) {
     if (pg.rank() == 1)
       EXPECT_NE(next.find("on another rank (see its error)"), std::string::npos) << next;
     pg.barrier();
-    EXPECT_EQ(*latest_checkpoint(dir), dir + "/step_00000001");
+    EXPECT_EQ(*ckpt::latest_checkpoint(dir), dir + "/step_00000001");
     std::vector<std::string> left;
     for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
     std::sort(left.begin(), left.end());

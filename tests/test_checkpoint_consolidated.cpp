@@ -41,9 +41,9 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
     for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
     model.reset_peak_memory();
     ASSERT_EQ(model.memory_stats().checkpoint_buffers.current, 0);
-    ExportOptions eo;
+    ckpt::ExportOptions eo;
     eo.with_optimizer = true;
-    export_consolidated(dir + "/full.h5", model, &opt, sample_state(2), eo);
+    ckpt::export_consolidated(dir + "/full.h5", model, &opt, sample_state(2), eo);
     const auto mem = model.memory_stats();
     // One flat parameter gathered at a time: the peak is the largest one, and all is freed.
     int64_t largest = 0;
@@ -53,22 +53,22 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
     EXPECT_EQ(mem.checkpoint_buffers.current, 0);
     eo.with_optimizer = false;
     eo.dtype = torch::kBFloat16;
-    export_consolidated(dir + "/full_bf16.h5", model, nullptr, sample_state(2), eo);
+    ckpt::export_consolidated(dir + "/full_bf16.h5", model, nullptr, sample_state(2), eo);
     auto full = full_state_dict(model);
     if (pg.rank() == 0) {
       gpt::GPT plain(small_gpt_config());
-      auto r = load_consolidated(dir + "/full.h5", *plain);
+      auto r = ckpt::load_consolidated(dir + "/full.h5", *plain);
       EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
       for (const auto& [name, p] : named_parameters_clean(*plain)) {
         EXPECT_TRUE(torch::equal(as_map(full).at(name), p)) << name;
       }
       gpt::GPT plain16(small_gpt_config());
-      load_consolidated(dir + "/full_bf16.h5", *plain16);
+      ckpt::load_consolidated(dir + "/full_bf16.h5", *plain16);
       for (const auto& [name, p] : named_parameters_clean(*plain16)) {
         EXPECT_TRUE(torch::equal(as_map(full).at(name).to(torch::kBFloat16).to(torch::kFloat32), p))
             << name << ": bf16 export differs from torch's rounding";
       }
-      auto attrs = consolidated_attributes(dir + "/full_bf16.h5");
+      auto attrs = ckpt::consolidated_attributes(dir + "/full_bf16.h5");
       EXPECT_EQ(std::get<std::string>(attrs.at("format")), "fsdp.consolidated");
       EXPECT_EQ(std::get<std::string>(attrs.at("dtype")), "bfloat16");
       EXPECT_EQ(std::get<int64_t>(attrs.at("step")), 2);
@@ -78,14 +78,15 @@ TEST(ConsolidatedCheckpoint, ExportImportRoundTripAndRankZeroMemoryBound) {
   // Import into a sharded model at another world size: the same values.
   run_ranks(3, [&](const ProcessGroup& pg) {
     torch::manual_seed(11);
-    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, every_kth_policy(2)));
+    auto model =
+        fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, wrap::every_kth_policy(2)));
     const int64_t before = model.comm_stats().total.total_bytes();  // fully_shard's broadcast
-    auto r = import_consolidated(dir + "/full.h5", model);
+    auto r = ckpt::import_consolidated(dir + "/full.h5", model);
     EXPECT_TRUE(r.missing.empty() && r.unexpected.empty());
     EXPECT_EQ(model.comm_stats().total.total_bytes(), before) << "import must not communicate";
     auto full = as_map(full_state_dict(model));
     gpt::GPT plain(small_gpt_config());
-    load_consolidated(dir + "/full.h5", *plain);
+    ckpt::load_consolidated(dir + "/full.h5", *plain);
     for (const auto& [name, p] : named_parameters_clean(*plain)) {
       EXPECT_TRUE(torch::equal(full.at(name), p)) << name;
     }
@@ -100,9 +101,9 @@ TEST(ConsolidatedCheckpoint, AFileWithoutChecksumsLoadsAndInspectSaysSo) {
   torch::manual_seed(5);
   gpt::GPT source(small_gpt_config());
   auto model = fully_shard(source);
-  ExportOptions eo;
+  ckpt::ExportOptions eo;
   eo.dtype = torch::kBFloat16;
-  export_consolidated(dir + "/bf16.h5", model, nullptr, sample_state(1), eo);
+  ckpt::export_consolidated(dir + "/bf16.h5", model, nullptr, sample_state(1), eo);
   auto full = as_map(full_state_dict(model));
   // Strip every dataset's checksum attributes.
   const std::string p = dir + "/bf16.h5";
@@ -119,7 +120,7 @@ TEST(ConsolidatedCheckpoint, AFileWithoutChecksumsLoadsAndInspectSaysSo) {
   }
   H5Fclose(f);
   gpt::GPT plain(small_gpt_config());
-  load_consolidated(p, *plain);
+  ckpt::load_consolidated(p, *plain);
   for (const auto& [name, t] : named_parameters_clean(*plain)) {
     EXPECT_TRUE(torch::equal(full.at(name).to(torch::kBFloat16).to(torch::kFloat32), t)) << name;
   }
@@ -135,25 +136,26 @@ TEST(ConsolidatedCheckpoint, StrictLoadListsEveryMismatchAndNonStrictReportsThem
   const std::string dir = scratch_dir("strict");
   torch::manual_seed(0);
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
-  export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(0));
+  ckpt::export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(0));
   // An MLP has none of the GPT's names.
   MlpNet mlp;
-  const std::string msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *mlp); });
+  const std::string msg = error_of([&] { ckpt::load_consolidated(dir + "/gpt.h5", *mlp); });
   EXPECT_NE(msg.find("does not match this model"), std::string::npos) << msg;
   EXPECT_NE(msg.find("inp.weight"), std::string::npos) << msg;
   EXPECT_NE(msg.find("out.bias"), std::string::npos) << msg;  // every name is listed
   EXPECT_NE(msg.find("wte.weight"), std::string::npos) << msg;
   EXPECT_NE(msg.find("lm_head.weight"), std::string::npos) << msg;
-  LoadOptions lo;
+  ckpt::LoadOptions lo;
   lo.strict = false;
-  auto r = load_consolidated(dir + "/gpt.h5", *mlp, lo);
+  auto r = ckpt::load_consolidated(dir + "/gpt.h5", *mlp, lo);
   EXPECT_EQ(r.missing.size(), named_parameters_clean(*mlp).size());
   EXPECT_EQ(r.unexpected.size(), named_parameters_clean(*model).size());
   // Same names, other shapes: always an error, naming the shapes.
   auto cfg = small_gpt_config();
   cfg.d_model = 64;
   gpt::GPT wide(cfg);
-  const std::string shape_msg = error_of([&] { load_consolidated(dir + "/gpt.h5", *wide, lo); });
+  const std::string shape_msg =
+      error_of([&] { ckpt::load_consolidated(dir + "/gpt.h5", *wide, lo); });
   EXPECT_NE(shape_msg.find("has shape [256, 32] in the file but [256, 64]"), std::string::npos)
       << shape_msg;
 }
@@ -168,12 +170,12 @@ TEST(OfflineConsolidation, FsdpConsolidateOutputIsIdenticalToLiveExport) {
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
     auto opt = make_adamw(model);
     for (int64_t s = 0; s < 2; ++s) train_step(model, opt, s, pg);
-    save_sharded_checkpoint(dir, model, &opt, sample_state(2));
-    ExportOptions eo;
-    export_consolidated(dir + "/live_fp32.h5", model, &opt, sample_state(2), eo);
+    ckpt::save_sharded_checkpoint(dir, model, &opt, sample_state(2));
+    ckpt::ExportOptions eo;
+    ckpt::export_consolidated(dir + "/live_fp32.h5", model, &opt, sample_state(2), eo);
     eo.with_optimizer = true;
     eo.dtype = torch::kFloat16;
-    export_consolidated(dir + "/live_fp16_opt.h5", model, &opt, sample_state(2), eo);
+    ckpt::export_consolidated(dir + "/live_fp16_opt.h5", model, &opt, sample_state(2), eo);
   });
   const std::string tool = bin_dir() + "/fsdp-consolidate";
   auto a = run_command({tool, dir, dir + "/off_fp32.h5"});
@@ -223,14 +225,14 @@ std::vector<Word> raw_words(const std::string& file, const std::string& name) {
 TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndNaN) {
   const std::string dir = scratch_dir("ties");
   run_ranks(2, [&](const ProcessGroup& pg) {
-    auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
-    save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(0));
-    ExportOptions eo;
+    auto model = fully_shard(HardValues(), options_for(pg, wrap::never_wrap_policy()));
+    ckpt::save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(0));
+    ckpt::ExportOptions eo;
     for (auto [dtype, tag] :
          {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
           std::pair{torch::kFloat32, "fp32"}}) {
       eo.dtype = dtype;
-      export_consolidated(dir + "/live_" + tag + ".h5", model, nullptr, sample_state(0), eo);
+      ckpt::export_consolidated(dir + "/live_" + tag + ".h5", model, nullptr, sample_state(0), eo);
     }
   });
   HardValues fresh;
@@ -267,7 +269,7 @@ TEST(ConsolidatedCheckpoint, ExportsRoundLikeTorchOnTiesSubnormalsInfinitiesAndN
                               std::string("fsdp-consolidate --dtype ") + tag);
     // Reading back widens exactly: the model gets torch's rounded values (NaN stays NaN).
     HardValues back;
-    load_consolidated(dir + "/off_" + std::string(tag) + ".h5", *back);
+    ckpt::load_consolidated(dir + "/off_" + std::string(tag) + ".h5", *back);
     auto want = w.to(dtype).to(torch::kFloat);
     EXPECT_TRUE(torch::equal(back->w.detach().isnan(), want.isnan())) << tag;
     EXPECT_TRUE(
@@ -283,7 +285,7 @@ TEST(ConsolidatedCheckpoint, H5pyReadsNamesShapesAndValues) {
   const std::string dir = scratch_dir("h5py");
   torch::manual_seed(3);
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
-  export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(9));
+  ckpt::export_consolidated(dir + "/gpt.h5", model, nullptr, sample_state(9));
   // What the C++ side wrote, as text: name, shape, then every value (exact float text).
   {
     std::ofstream out(dir + "/expected.txt");

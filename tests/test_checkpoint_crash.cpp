@@ -38,9 +38,9 @@ namespace {
 void crash_saver(const char* dir) {
   auto model = fully_shard(MlpNet(64, 512, 8, 64));
   int64_t step = 0;
-  if (latest_checkpoint(dir)) {
-    TrainingState st;
-    load_sharded_checkpoint(dir, model, nullptr, &st);
+  if (ckpt::latest_checkpoint(dir)) {
+    ckpt::TrainingState st;
+    ckpt::load_sharded_checkpoint(dir, model, nullptr, &st);
     step = st.step;
   }
   const int64_t stop = std::getenv("FSDP_CRASH_SAVER_ONCE") ? step + 1 : INT64_MAX;
@@ -55,19 +55,19 @@ void crash_saver(const char* dir) {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
     });
   }
-  SaveOptions so;
+  ckpt::SaveOptions so;
   so.keep_last = 2;
-  AsyncSave pending;
+  ckpt::AsyncSave pending;
   const char* progress = std::getenv("FSDP_CRASH_SAVER_PROGRESS");
   int64_t returned = 0;
   while (step < stop) {
     ++step;
     fill_with(model, step);
     if (async) {
-      pending = save_sharded_checkpoint_async(dir, model, nullptr, sample_state(step), so);
+      pending = ckpt::save_sharded_checkpoint_async(dir, model, nullptr, sample_state(step), so);
       fill_with(model, -step);  // training goes on: the save must hold `step` regardless
     } else {
-      save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
+      ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(step), so);
     }
     std::cout << "saved " << step << std::endl;
     // How many save calls have returned (an asynchronous one returns before its write).
@@ -168,8 +168,8 @@ TEST_P(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
       tmp_left |= e.path().filename().string().rfind(".tmp-", 0) == 0;
     killed_writing += aim && tmp_left ? 1 : 0;
     // The previous complete checkpoint loads, whole and consistent.
-    TrainingState st;
-    ASSERT_NO_THROW(load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
+    ckpt::TrainingState st;
+    ASSERT_NO_THROW(ckpt::load_sharded_checkpoint(dir, model, nullptr, &st)) << "round " << round;
     EXPECT_GE(st.step, last_step) << "latest went backwards";
     last_step = st.step;
     for (auto& p : model.sharded_parameters()) {
@@ -177,7 +177,7 @@ TEST_P(CrashSafety, KilledSavesNeverBreakThePreviousCheckpoint) {
           << "round " << round << ": checkpoint " << st.step
           << " does not hold its own step's values (files of two checkpoints mixed?)";
     }
-    EXPECT_NE(inspect_checkpoint(dir).find("verified"), std::string::npos);
+    EXPECT_NE(ckpt::inspect_checkpoint(dir).find("verified"), std::string::npos);
   }
   EXPECT_EQ(killed_writing, aimed) << "an aimed kill missed the " << c.write;
   EXPECT_GT(last_step, 1)

@@ -157,7 +157,7 @@ TEST(DirectIo, ShardedSavesBypassThePageCacheAndLoadBack) {
   // Units of about 4 MB each: every flat parameter is a direct dataset.
   auto model = fully_shard(MlpNet(1024, 1024, 3));
   const auto saved = full_state_dict(model);
-  const std::string step = save_sharded_checkpoint(dir, model);
+  const std::string step = ckpt::save_sharded_checkpoint(dir, model);
   const std::string file = step + "/rank_00000.h5";
   const int64_t pages = resident_pages(file, 0, fs::file_size(file));
   const int64_t total = static_cast<int64_t>((fs::file_size(file) + 4095) / 4096);
@@ -192,7 +192,7 @@ TEST(DirectIo, ShardedSavesBypassThePageCacheAndLoadBack) {
   }
   torch::manual_seed(1);
   auto other = fully_shard(MlpNet(1024, 1024, 3));
-  load_sharded_checkpoint(step, other);
+  ckpt::load_sharded_checkpoint(step, other);
   const auto loaded = full_state_dict(other);
   ASSERT_EQ(loaded.size(), saved.size());
   for (size_t i = 0; i < saved.size(); ++i)
@@ -240,10 +240,10 @@ TEST(DirectIo, OptimizerStateInPartsIsWrittenAsOneDataset) {
       opt.step();
       opt.zero_grad();
     }
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = 2;
-    const std::string sync = save_sharded_checkpoint(dir, model, &opt, st);
-    const std::string async = save_sharded_checkpoint_async(dir, model, &opt, st).wait();
+    const std::string sync = ckpt::save_sharded_checkpoint(dir, model, &opt, st);
+    const std::string async = ckpt::save_sharded_checkpoint_async(dir, model, &opt, st).wait();
     const std::string file = "/rank_0000" + std::to_string(pg.rank()) + ".h5";
     const auto a = float_datasets(sync + file), b = float_datasets(async + file);
     EXPECT_EQ(a.size(), b.size());
@@ -251,7 +251,7 @@ TEST(DirectIo, OptimizerStateInPartsIsWrittenAsOneDataset) {
     for (const auto& [name, v] : a) EXPECT_EQ(v, b.at(name)) << name << " differs";
     // Loaded into another optimizer over the same groups: the same state, view by view.
     torch::optim::AdamW opt2(groups.param_groups(torch::optim::AdamWOptions(1.0)));
-    load_sharded_checkpoint(sync, model, &opt2);
+    ckpt::load_sharded_checkpoint(sync, model, &opt2);
     for (size_t g = 0; g < opt.param_groups().size(); ++g) {
       for (size_t i = 0; i < opt.param_groups()[g].params().size(); ++i) {
         const auto& p1 = opt.param_groups()[g].params()[i];

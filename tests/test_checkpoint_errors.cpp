@@ -30,7 +30,7 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
   const std::string dir = scratch_dir("api");
   auto model = fully_shard(gpt::GPT(small_gpt_config()));
   auto opt = make_adamw(model);
-  save_sharded_checkpoint(dir + "/noopt", model, nullptr, sample_state(1));
+  ckpt::save_sharded_checkpoint(dir + "/noopt", model, nullptr, sample_state(1));
   struct Case {
     std::function<void()> call;
     std::string message;
@@ -43,29 +43,33 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
   groups.emplace_back(std::vector<torch::Tensor>(shards.begin() + 1, shards.end()));
   torch::optim::AdamW two_groups(std::move(groups));
   torch::optim::RMSprop rms(model.sharded_parameters());
-  ExportOptions with_opt;
+  ckpt::ExportOptions with_opt;
   with_opt.with_optimizer = true;
-  ExportOptions int_dtype;
+  ckpt::ExportOptions int_dtype;
   int_dtype.dtype = torch::kInt32;
-  TrainingState reserved = sample_state(1);
+  ckpt::TrainingState reserved = sample_state(1);
   reserved.model_attrs["step"] = int64_t{3};
-  SaveOptions negative;
+  ckpt::SaveOptions negative;
   negative.keep_last = -1;
   const std::vector<Case> cases = {
-      {[&] { load_sharded_checkpoint(dir + "/noopt", model, &opt, nullptr); },
+      {[&] { ckpt::load_sharded_checkpoint(dir + "/noopt", model, &opt, nullptr); },
        "holds no optimizer state; pass nullptr as the optimizer to load only the model"},
-      {[&] { save_sharded_checkpoint(dir + "/x", model, &foreign, sample_state(1)); },
+      {[&] { ckpt::save_sharded_checkpoint(dir + "/x", model, &foreign, sample_state(1)); },
        "the optimizer does not hold the shard of unit ''. Build it from "
        "model.sharded_parameters() or fsdp::ShardParamGroups."},
-      {[&] { save_sharded_checkpoint(dir + "/x", model, &rms, sample_state(1)); },
+      {[&] { ckpt::save_sharded_checkpoint(dir + "/x", model, &rms, sample_state(1)); },
        "this optimizer is none of them (pass nullptr to save or load without optimizer state)"},
-      {[&] { save_sharded_checkpoint(dir + "/x", model, nullptr, sample_state(1), negative); },
+      {[&] {
+         ckpt::save_sharded_checkpoint(dir + "/x", model, nullptr, sample_state(1), negative);
+       },
        "keep_last -1 is negative; use 0 to keep every checkpoint"},
-      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), with_opt); },
+      {[&] { ckpt::export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), with_opt); },
        "export_consolidated: with_optimizer needs the optimizer"},
-      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), int_dtype); },
+      {[&] {
+         ckpt::export_consolidated(dir + "/e.h5", model, nullptr, sample_state(1), int_dtype);
+       },
        "is not supported; use float32, bfloat16 or float16"},
-      {[&] { export_consolidated(dir + "/e.h5", model, nullptr, reserved); },
+      {[&] { ckpt::export_consolidated(dir + "/e.h5", model, nullptr, reserved); },
        "model attribute 'step' collides with a reserved root attribute"},
   };
   for (const auto& c : cases) {
@@ -73,9 +77,9 @@ TEST(CheckpointApi, MisuseGetsAMessageNamingTheFix) {
     EXPECT_NE(msg.find(c.message), std::string::npos) << "want: " << c.message << "\ngot: " << msg;
   }
   // A checkpoint with optimizer state, loaded into an optimizer with other param groups.
-  save_sharded_checkpoint(dir + "/opt", model, &opt, sample_state(1));
+  ckpt::save_sharded_checkpoint(dir + "/opt", model, &opt, sample_state(1));
   const std::string msg =
-      error_of([&] { load_sharded_checkpoint(dir + "/opt", model, &two_groups, nullptr); });
+      error_of([&] { ckpt::load_sharded_checkpoint(dir + "/opt", model, &two_groups, nullptr); });
   EXPECT_NE(msg.find("holds 1 optimizer param groups but the optimizer has 2"), std::string::npos)
       << msg;
   auto r = run_command(
@@ -97,13 +101,13 @@ struct BadCheckpoint : ::testing::Test {
     run_ranks(2, [&](const ProcessGroup& pg) {
       auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
       fill_with(model, 3);  // 3.0f everywhere: easy to find in the file
-      save_sharded_checkpoint(dir, model, nullptr, sample_state(5));
+      ckpt::save_sharded_checkpoint(dir, model, nullptr, sample_state(5));
     });
     ckpt = dir + "/step_00000005";
   }
   std::string load_error() {
     auto model = fully_shard(gpt::GPT(small_gpt_config()));
-    return error_of([&] { load_sharded_checkpoint(dir, model, nullptr, nullptr); });
+    return error_of([&] { ckpt::load_sharded_checkpoint(dir, model, nullptr, nullptr); });
   }
 };
 
@@ -144,7 +148,8 @@ TEST_F(BadCheckpoint, MissingRankFile) {
 
 TEST_F(BadCheckpoint, CheckpointOfAnotherModel) {
   auto mlp = fully_shard(MlpNet());
-  const std::string msg = error_of([&] { load_sharded_checkpoint(dir, mlp, nullptr, nullptr); });
+  const std::string msg =
+      error_of([&] { ckpt::load_sharded_checkpoint(dir, mlp, nullptr, nullptr); });
   EXPECT_NE(msg.find(ckpt), std::string::npos) << msg;
   EXPECT_NE(msg.find("does not match this model"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Missing from the checkpoint: inp.weight"), std::string::npos) << msg;

@@ -51,8 +51,8 @@ std::pair<std::vector<double>, std::vector<std::pair<std::string, torch::Tensor>
   torch::manual_seed(7);  // another initialisation: the load must overwrite it
   auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
   FusedAdamW opt(model, adamw());
-  TrainingState st;
-  load_sharded_checkpoint(ckpt, model, &opt, &st);
+  ckpt::TrainingState st;
+  ckpt::load_sharded_checkpoint(ckpt, model, &opt, &st);
   EXPECT_EQ(st.step, 3);
   std::vector<double> losses;
   for (int64_t s = 3; s < 5; ++s) losses.push_back(train_step(model, opt, s, o.process_group));
@@ -65,9 +65,9 @@ void train_and_save(const ShardingOptions& o, const std::string& dir) {
   auto model = fully_shard(gpt::GPT(small_gpt_config()), o);
   FusedAdamW opt(model, adamw());
   for (int64_t s = 0; s < 3; ++s) train_step(model, opt, s, o.process_group);
-  TrainingState st;
+  ckpt::TrainingState st;
   st.step = 3;
-  save_sharded_checkpoint(dir, model, &opt, st);
+  ckpt::save_sharded_checkpoint(dir, model, &opt, st);
 }
 
 void expect_same(

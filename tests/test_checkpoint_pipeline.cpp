@@ -76,9 +76,9 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
   }
   torch::optim::AdamW opt(pm ? pm->sharded_parameters() : whole->sharded_parameters(), kAdamW);
   if (first > 0) {
-    TrainingState st;
-    const LoadReport r = pm ? load_sharded_checkpoint(dir, *pm, &opt, &st)
-                            : load_sharded_checkpoint(dir, *whole, &opt, &st);
+    ckpt::TrainingState st;
+    const ckpt::LoadReport r = pm ? ckpt::load_sharded_checkpoint(dir, *pm, &opt, &st)
+                                  : ckpt::load_sharded_checkpoint(dir, *whole, &opt, &st);
     EXPECT_EQ(st.step, first);
     EXPECT_TRUE(r.missing.empty());
   }
@@ -106,10 +106,10 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
         << "step " << step << " at " << stages << " stage(s): " << loss << ", whole " << want;
   }
   if (save) {
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = last;
     if (pm && async) {
-      AsyncSave pending = save_sharded_checkpoint_async(dir, *pm, &opt, st);
+      ckpt::AsyncSave pending = ckpt::save_sharded_checkpoint_async(dir, *pm, &opt, st);
       // Training may go on: the background save holds a copy.
       auto [x, y] = pipeline_batch(99, kRows);
       pm->train_step(x.narrow(0, 0, kRows / pm->data_parallel_size()),
@@ -118,9 +118,9 @@ void train_span(const ProcessGroup& pg, int stages, int64_t first, int64_t last,
       const std::string path = pending.path();
       EXPECT_EQ(pending.wait(), path);
     } else if (pm) {
-      save_sharded_checkpoint(dir, *pm, &opt, st);
+      ckpt::save_sharded_checkpoint(dir, *pm, &opt, st);
     } else {
-      save_sharded_checkpoint(dir, *whole, &opt, st);
+      ckpt::save_sharded_checkpoint(dir, *whole, &opt, st);
     }
   }
 }
@@ -150,7 +150,7 @@ TEST(PipelineCheckpoint, TwoStagesTimesFullShardTwoSavedInTheBackgroundResumeAtF
 TEST(PipelineCheckpoint, FilesAreOnePartPerStageThatInspectVerifies) {
   const std::string dir = scratch_dir("pipeline_files");
   run_ranks(4, [&](const ProcessGroup& pg) { train_span(pg, 2, 0, 1, dir, true); });
-  const std::string report = inspect_checkpoint(dir, /*verify=*/true);
+  const std::string report = ckpt::inspect_checkpoint(dir, /*verify=*/true);
   EXPECT_NE(report.find("format_version = 2"), std::string::npos) << report;
   EXPECT_NE(report.find("world_size = 4, shard_group_size = 2"), std::string::npos) << report;
   EXPECT_NE(report.find("pipeline_stages = 2: rank files of 2 ranks each"), std::string::npos)
@@ -184,7 +184,7 @@ TEST(PipelineCheckpoint, ParameterNamesRenameTheStageAndRefuseCollisions) {
 TEST(PipelineCheckpoint, FilesThatDisagreeOnTheStagesAreRefused) {
   const std::string dir = scratch_dir("pipeline_bad");
   run_ranks(2, [&](const ProcessGroup& pg) { train_span(pg, 2, 0, 1, dir, true); });
-  const std::string ckpt = *latest_checkpoint(dir);
+  const std::string ckpt = *ckpt::latest_checkpoint(dir);
   auto set = [&](int rank, const char* attr, int64_t v) {
     const std::string p = ckpt + "/rank_0000" + std::to_string(rank) + ".h5";
     hid_t f = H5Fopen(p.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
@@ -194,7 +194,7 @@ TEST(PipelineCheckpoint, FilesThatDisagreeOnTheStagesAreRefused) {
     H5Aclose(a);
     H5Fclose(f);
   };
-  auto error = [&] { return error_of([&] { inspect_checkpoint(ckpt, false); }); };
+  auto error = [&] { return error_of([&] { ckpt::inspect_checkpoint(ckpt, false); }); };
   const std::string f0 = ckpt + "/rank_00000.h5", f1 = ckpt + "/rank_00001.h5";
   set(0, "pipeline_stages", 3);
   EXPECT_EQ(error(), f0 + ": pipeline_stages 3 does not divide world_size 2");
@@ -265,22 +265,22 @@ TEST(PipelineCheckpoint, ExportsWriteWhatTheModelWritesUnpipelined) {
   const std::string dir = scratch_dir("pipeline_export");
   run_ranks(2, [&](const ProcessGroup& pg) {
     BothWays m(pg, 7);
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = 3;
     st.model_attrs["hf_config"] = std::string("{\"model_type\": \"test\"}\n");
-    SafetensorsOptions o;
+    ckpt::SafetensorsOptions o;
     o.dtype = torch::kBFloat16;
     o.max_shard_size = 1500;  // several files and an index
     o.name_for = [](const std::string& n) { return n == "3.bias" ? "" : "net." + n; };
     o.transpose = [](const std::string& n) { return n == "5.weight"; };
-    export_safetensors(dir + "/whole", m.whole, st, o);
-    export_safetensors(dir + "/stages/", m.pm, st, o);
-    export_consolidated(dir + "/whole.h5", m.whole, nullptr, st);
-    export_consolidated(dir + "/stages.h5", m.pm, nullptr, st);
+    ckpt::export_safetensors(dir + "/whole", m.whole, st, o);
+    ckpt::export_safetensors(dir + "/stages/", m.pm, st, o);
+    ckpt::export_consolidated(dir + "/whole.h5", m.whole, nullptr, st);
+    ckpt::export_consolidated(dir + "/stages.h5", m.pm, nullptr, st);
     // A layout that transposes a 1-D tensor fails on every rank, naming it, and leaves no
     // temporary checkpoint behind.
     o.transpose = [](const std::string& n) { return n == "0.bias"; };
-    EXPECT_NE(error_of([&] { export_safetensors(dir + "/bad", m.pm, st, o); })
+    EXPECT_NE(error_of([&] { ckpt::export_safetensors(dir + "/bad", m.pm, st, o); })
                   .find("export_safetensors to " + dir + "/bad failed" +
                         (pg.rank() == 0 ? ": consolidate_checkpoint: the layout transposes "
                                           "'0.bias', which has 1 dimensions; only 2-D tensors "
@@ -298,8 +298,8 @@ TEST(PipelineCheckpoint, ExportsWriteWhatTheModelWritesUnpipelined) {
   }
   EXPECT_EQ(whole.count("config.json"), 1u);
   auto a = pipeline_layers(), b = pipeline_layers();
-  load_consolidated(dir + "/whole.h5", *a);
-  load_consolidated(dir + "/stages.h5", *b);
+  ckpt::load_consolidated(dir + "/whole.h5", *a);
+  ckpt::load_consolidated(dir + "/stages.h5", *b);
   torch::manual_seed(7);
   auto seeded = pipeline_layers();
   for (const auto& p : seeded->named_parameters()) {
@@ -316,22 +316,22 @@ TEST(PipelineCheckpoint, ImportConsolidatedFillsEachStageAndRefusesNamesNoStageT
   const std::string dir = scratch_dir("pipeline_import");
   const std::string file = dir + "/w.h5", more = dir + "/more.h5", less = dir + "/less.h5";
   run_ranks(2, [&](const ProcessGroup& pg) {
-    TrainingState st;
+    ckpt::TrainingState st;
     ShardingOptions so;
     so.process_group = pg;
     torch::manual_seed(5);
-    export_consolidated(file, shard_sequential(pipeline_layers(), so), nullptr, st);
+    ckpt::export_consolidated(file, shard_sequential(pipeline_layers(), so), nullptr, st);
     auto longer = pipeline_layers();
     longer->push_back(torch::nn::Linear(kPipeOut, kPipeOut));
-    export_consolidated(more, shard_sequential(longer, so), nullptr, st);
+    ckpt::export_consolidated(more, shard_sequential(longer, so), nullptr, st);
     auto all = pipeline_layers();  // without its last layer
     torch::nn::Sequential shorter;
     for (size_t i = 0; i + 1 < all->size(); ++i)
       shorter->push_back(std::to_string(i), *(all->begin() + static_cast<int64_t>(i)));
-    export_consolidated(less, shard_sequential(shorter, so), nullptr, st);
+    ckpt::export_consolidated(less, shard_sequential(shorter, so), nullptr, st);
 
     BothWays m(pg, 11, 2);
-    const LoadReport r = import_consolidated(file, m.pm);
+    const ckpt::LoadReport r = ckpt::import_consolidated(file, m.pm);
     EXPECT_TRUE(r.missing.empty());
     EXPECT_TRUE(r.unexpected.empty());
     torch::manual_seed(5);
@@ -342,16 +342,16 @@ TEST(PipelineCheckpoint, ImportConsolidatedFillsEachStageAndRefusesNamesNoStageT
       ++n;
     }
     EXPECT_GT(n, 0);
-    const std::string extra = error_of([&] { import_consolidated(more, m.pm); });
+    const std::string extra = error_of([&] { ckpt::import_consolidated(more, m.pm); });
     EXPECT_NE(extra.find("checkpoint " + more +
                          " does not match this model. Not in the model: 8.bias, 8.weight (2)."),
               std::string::npos)
         << extra;
-    LoadOptions lenient;
+    ckpt::LoadOptions lenient;
     lenient.strict = false;
-    EXPECT_EQ(import_consolidated(more, m.pm, lenient).unexpected,
+    EXPECT_EQ(ckpt::import_consolidated(more, m.pm, lenient).unexpected,
               (std::vector<std::string>{"8.bias", "8.weight"}));
-    const std::string lacking = error_of([&] { import_consolidated(less, m.pm); });
+    const std::string lacking = error_of([&] { ckpt::import_consolidated(less, m.pm); });
     EXPECT_NE(
         lacking.find("import_consolidated of " + less + " into a pipeline of 2 stages failed"),
         std::string::npos)

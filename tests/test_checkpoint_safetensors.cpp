@@ -50,16 +50,16 @@ std::vector<Word> st_words(const std::string& path, const std::string& name) {
 TEST(SafetensorsExport, LiveAndOfflineAreByteIdenticalAndRoundLikeTorch) {
   const std::string dir = scratch_dir("st_hard");
   run_ranks(2, [&](const ProcessGroup& pg) {
-    auto model = fully_shard(HardValues(), options_for(pg, never_wrap_policy()));
-    save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(4));
+    auto model = fully_shard(HardValues(), options_for(pg, wrap::never_wrap_policy()));
+    ckpt::save_sharded_checkpoint(dir + "/sharded", model, nullptr, sample_state(4));
     for (auto [dtype, tag] :
          {std::pair{torch::kBFloat16, "bf16"}, std::pair{torch::kFloat16, "fp16"},
           std::pair{torch::kFloat32, "fp32"}}) {
-      SafetensorsOptions so;
+      ckpt::SafetensorsOptions so;
       so.dtype = dtype;
-      export_safetensors(dir + "/live_" + tag, model, sample_state(4), so);
+      ckpt::export_safetensors(dir + "/live_" + tag, model, sample_state(4), so);
       so.max_shard_size = 64;  // w (128 or 256 bytes) and b in files of their own
-      export_safetensors(dir + "/live_split_" + tag, model, sample_state(4), so);
+      ckpt::export_safetensors(dir + "/live_split_" + tag, model, sample_state(4), so);
     }
   });
   HardValues fresh;
@@ -104,9 +104,9 @@ TEST(SafetensorsExport, AGptSplitOverFilesHoldsExactlyItsFullStateDict) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     torch::manual_seed(8);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    SafetensorsOptions so;
+    ckpt::SafetensorsOptions so;
     so.max_shard_size = 40000;
-    export_safetensors(dir + "/st", model, sample_state(2), so);
+    ckpt::export_safetensors(dir + "/st", model, sample_state(2), so);
     const auto full = full_state_dict(model);
     if (pg.rank() != 0) return;
     fsdp::st::Reader r(dir + "/st");
@@ -132,22 +132,23 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
   run_ranks(2, [&](const ProcessGroup& pg) {
     torch::manual_seed(8);
     auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg));
-    SafetensorsOptions so;
+    ckpt::SafetensorsOptions so;
     so.max_shard_size = 40000;  // several files and an index
-    export_safetensors(dir + "/fp32", model, sample_state(2), so);
+    ckpt::export_safetensors(dir + "/fp32", model, sample_state(2), so);
     so.dtype = torch::kBFloat16;
-    export_safetensors(dir + "/bf16", model, sample_state(2), so);
-    export_consolidated(dir + "/ref.h5", model, nullptr, sample_state(2));
+    ckpt::export_safetensors(dir + "/bf16", model, sample_state(2), so);
+    ckpt::export_consolidated(dir + "/ref.h5", model, nullptr, sample_state(2));
   });
   gpt::GPT reference(small_gpt_config());
-  load_consolidated(dir + "/ref.h5", *reference);
+  ckpt::load_consolidated(dir + "/ref.h5", *reference);
   run_ranks(3, [&](const ProcessGroup& pg) {
     torch::manual_seed(99);  // other initial weights: all of them must be replaced
-    auto model = fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, never_wrap_policy()));
-    auto report = import_consolidated(dir + "/fp32", model);
+    auto model =
+        fully_shard(gpt::GPT(small_gpt_config()), options_for(pg, wrap::never_wrap_policy()));
+    auto report = ckpt::import_consolidated(dir + "/fp32", model);
     EXPECT_TRUE(report.missing.empty() && report.unexpected.empty());
     expect_params_match(full_state_dict(model), *reference, 0.0);
-    import_consolidated(dir + "/bf16/model.safetensors.index.json", model);
+    ckpt::import_consolidated(dir + "/bf16/model.safetensors.index.json", model);
     for (const auto& [name, t] : full_state_dict(model)) {
       const auto want = named_parameters_clean(*reference);
       for (const auto& [n, r] : want) {
@@ -158,13 +159,13 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
   });
   // Into a plain module, as inference does.
   gpt::GPT plain(small_gpt_config());
-  load_consolidated(dir + "/fp32", *plain);
+  ckpt::load_consolidated(dir + "/fp32", *plain);
   for (const auto& [n, t] : named_parameters_clean(*plain)) {
     for (const auto& [m, r] : named_parameters_clean(*reference)) {
       if (n == m) EXPECT_TRUE(torch::equal(t, r)) << n;
     }
   }
-  auto attrs = consolidated_attributes(dir + "/fp32");
+  auto attrs = ckpt::consolidated_attributes(dir + "/fp32");
   EXPECT_EQ(std::get<int64_t>(attrs.at("n_layer")), small_gpt_config().n_layer);
   EXPECT_EQ(std::get<std::string>(attrs.at("fsdp_format")), "fsdp.consolidated");
   // Integer data where a parameter needs floats: refused, naming the tensor and its dtype.
@@ -175,7 +176,7 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
     w.finish();
     auto hv = fully_shard(HardValues());
     try {
-      import_consolidated(dir + "/ints", hv, LoadOptions{true, false});
+      ckpt::import_consolidated(dir + "/ints", hv, ckpt::LoadOptions{true, false});
       FAIL() << "no error";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what_without_backtrace())
@@ -187,7 +188,7 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
   // Another model's weights: every missing and unexpected name, listed.
   MlpNet mlp;
   try {
-    load_consolidated(dir + "/fp32", *mlp);
+    ckpt::load_consolidated(dir + "/fp32", *mlp);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
@@ -200,10 +201,10 @@ TEST(SafetensorsImport, ExportedAtTwoRanksImportsAtThreeIntoTheSameFullStateDict
 TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
   const std::string dir = scratch_dir("st_bad");
   auto model = fully_shard(MlpNet());
-  SafetensorsOptions so;
+  ckpt::SafetensorsOptions so;
   so.dtype = torch::kInt64;
   try {
-    export_safetensors(dir + "/x", model, {}, so);
+    ckpt::export_safetensors(dir + "/x", model, {}, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("use float32, bfloat16 or float16"),
@@ -212,7 +213,7 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
   so.dtype = torch::kFloat32;
   so.max_shard_size = 0;
   try {
-    export_safetensors(dir + "/x", model, {}, so);
+    ckpt::export_safetensors(dir + "/x", model, {}, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("max_shard_size must be positive"),
@@ -224,7 +225,7 @@ TEST(SafetensorsExport, BadOptionsAreRefusedWithTheFix) {
   run_ranks(2, [&](const ProcessGroup& pg) {
     auto m = fully_shard(MlpNet(), options_for(pg));
     try {
-      export_safetensors(dir + "/y", m, {}, so);
+      ckpt::export_safetensors(dir + "/y", m, {}, so);
       FAIL() << "no error";
     } catch (const c10::Error& e) {
       const std::string msg = e.what_without_backtrace();
@@ -263,12 +264,12 @@ TEST(SafetensorsExport, AnotherLayoutRenamesTransposesAndWritesConfigJson) {
   auto model = fully_shard(MlpNet());  // inp.weight is [32, 16]
   std::map<std::string, torch::Tensor> full;
   for (auto& [name, t] : full_state_dict(model)) full[name] = t;
-  SafetensorsOptions so;
+  ckpt::SafetensorsOptions so;
   so.name_for = [](const std::string& fqn) { return fqn == "out.bias" ? "" : "x." + fqn; };
   so.transpose = [](const std::string& fqn) { return fqn == "inp.weight"; };
-  TrainingState state = sample_state(3);
+  ckpt::TrainingState state = sample_state(3);
   state.model_attrs["hf_config"] = std::string("{\"model_type\": \"mlp\"}\n");
-  export_safetensors(dir + "/a", model, state, so);
+  ckpt::export_safetensors(dir + "/a", model, state, so);
   std::ifstream config(dir + "/a/config.json");
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(config), {}), "{\"model_type\": \"mlp\"}\n");
   st::Reader r(dir + "/a");
@@ -282,7 +283,7 @@ TEST(SafetensorsExport, AnotherLayoutRenamesTransposesAndWritesConfigJson) {
 
   so.transpose = [](const std::string& fqn) { return fqn == "inp.bias"; };
   try {
-    export_safetensors(dir + "/b", model, state, so);
+    ckpt::export_safetensors(dir + "/b", model, state, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())
@@ -294,7 +295,7 @@ TEST(SafetensorsExport, AnotherLayoutRenamesTransposesAndWritesConfigJson) {
   so.transpose = nullptr;
   state.model_attrs["hf_config"] = int64_t{1};
   try {
-    export_safetensors(dir + "/c", model, state, so);
+    ckpt::export_safetensors(dir + "/c", model, state, so);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace())

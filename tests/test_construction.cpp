@@ -160,7 +160,7 @@ TEST(ShardedConstruction, PeakBytesAreTheShardsPlusTheUnitBeingBuilt) {
 TEST(ShardedConstruction, WrapPointsThePolicyDeclinesJoinTheirParentsUnit) {
   run_ranks(2, [](const ProcessGroup& pg) {
     ShardingOptions so = options_for(pg);
-    so.auto_wrap_policy = never_wrap_policy();
+    so.auto_wrap_policy = wrap::never_wrap_policy();
     torch::manual_seed(kSeed);
     auto model = make_sharded<gpt::GPT>(so, small_gpt_config());
     for (const auto& p : model.param_table()) EXPECT_EQ(p.unit_fqn, "") << p.fqn;

@@ -120,7 +120,7 @@ TEST(Cuda, NvmeParametersOnTheGpuTrainLikeParametersOnTheHost_CUDA) {
     cfg.n_layer = 4;  // beyond the two units prefetch gathers, a third reads ahead
     auto host = gpu_options(pg), files = gpu_options(pg);
     for (auto* o : {&host, &files}) {
-      o->auto_wrap_policy = module_type_policy<gpt::Block>();
+      o->auto_wrap_policy = wrap::module_type_policy<gpt::Block>();
       o->offload_optimizer.device = fsdp::OffloadDevice::kNvme;
       o->offload_optimizer.nvme_path = dir.path;
       o->mixed_precision.param_dtype = torch::kBFloat16;
@@ -149,7 +149,7 @@ TEST(Cuda, NvmeParametersOnTheGpuTrainLikeParametersOnTheHost_CUDA) {
     ASSERT_EQ(pa.size(), pb.size());
     for (size_t i = 0; i < pa.size(); ++i)
       EXPECT_TRUE(torch::equal(pa[i].second.cpu(), pb[i].second.cpu())) << pa[i].first;
-    const CommStats c = b.comm_stats().total;
+    const stats::CommStats c = b.comm_stats().total;
     EXPECT_GT(c.nvme_reads_ahead, 0);
     EXPECT_GT(c.nvme_read_bytes, 0);
     EXPECT_EQ(b.memory_stats().sharded_params.peak, 0);
@@ -168,15 +168,15 @@ TEST(Cuda, CheckpointRoundTripOnTheGpuRestoresParametersAndTheCudaRng_CUDA) {
     torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-3));
     gpt::loss_on(model, gpt_batch(0, 4, small_gpt_config().block_size).to(torch::kCUDA)).backward();
     opt.step();
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = 1;
-    save_sharded_checkpoint(dir, model, &opt, st);
+    ckpt::save_sharded_checkpoint(dir, model, &opt, st);
     const auto after_save = torch::rand({4}, torch::kCUDA);
     auto saved = full_state_dict(model, {false, true});
     torch::manual_seed(7);
     auto other = fully_shard(gpt::GPT(small_gpt_config()), gpu_options(pg));
     torch::optim::AdamW opt2(other.sharded_parameters(), torch::optim::AdamWOptions(1.0));
-    load_sharded_checkpoint(dir, other, &opt2, nullptr);
+    ckpt::load_sharded_checkpoint(dir, other, &opt2, nullptr);
     EXPECT_TRUE(torch::equal(torch::rand({4}, torch::kCUDA), after_save))
         << "CUDA RNG not restored";
     auto loaded = full_state_dict(other, {false, true});
@@ -234,7 +234,7 @@ namespace {
 // CPU-only build has no allocator at all: each says so.
 TEST(Cuda, DeviceMemoryOfTheCpuIsRefusedNamingTheDevice) {
   try {
-    fsdp::device_memory(torch::kCPU);
+    fsdp::stats::device_memory(torch::kCPU);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
@@ -257,7 +257,7 @@ TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
   SKIP_WITHOUT_CUDA();
   auto allocated = []() {
     torch::cuda::synchronize();
-    return fsdp::device_memory(torch::Device(torch::kCUDA, 0)).allocated;
+    return fsdp::stats::device_memory(torch::Device(torch::kCUDA, 0)).allocated;
   };
   auto cfg = small_gpt_config();
   cfg.n_layer = 4;
@@ -275,7 +275,7 @@ TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
   std::vector<float> losses[2];
   for (int off = 0; off < 2; ++off) {
     ShardingOptions o = gpu_options(ProcessGroup());
-    o.checkpoint_policy = module_type_policy<gpt::Block>();
+    o.checkpoint_policy = wrap::module_type_policy<gpt::Block>();
     o.offload_activations = off == 1;
     torch::manual_seed(0);
     auto model = fully_shard(gpt::GPT(cfg), o);
@@ -290,7 +290,7 @@ TEST(Cuda, ActivationOffloadDropsTheDeviceBytesOfTheBlockInputs_CUDA) {
   }
   EXPECT_EQ(held[0] - held[1], cfg.n_layer * rows * T * d * 4);
   EXPECT_EQ(losses[0], losses[1]);
-  const fsdp::DeviceMemory m = fsdp::device_memory(torch::Device(torch::kCUDA, 0));
+  const fsdp::stats::DeviceMemory m = fsdp::stats::device_memory(torch::Device(torch::kCUDA, 0));
   EXPECT_GE(m.peak_allocated, m.allocated);
   EXPECT_GE(m.reserved, m.allocated);
 }

@@ -68,21 +68,22 @@ INSTANTIATE_TEST_SUITE_P(
                   [] { activation_checkpoint(ActivationCheckpointFn(), {torch::ones({1})}); },
                   "activation_checkpoint: the function is empty"},
         ErrorCase{
-            "ModuleTypePolicyWithoutNames", [] { module_type_policy(std::vector<std::string>{}); },
+            "ModuleTypePolicyWithoutNames",
+            [] { wrap::module_type_policy(std::vector<std::string>{}); },
             "module_type_policy: no type names given; list module classes such as \"BlockImpl\""},
-        ErrorCase{"PredicatePolicyEmpty", [] { predicate_policy(nullptr); },
+        ErrorCase{"PredicatePolicyEmpty", [] { wrap::predicate_policy(nullptr); },
                   "predicate_policy: the predicate is empty"},
-        ErrorCase{"AnyPolicyWithAnEmptyPolicy", [] { any_policy({nullptr}); },
+        ErrorCase{"AnyPolicyWithAnEmptyPolicy", [] { wrap::any_policy({nullptr}); },
                   "any_policy: policy #0 is empty"},
         ErrorCase{"AllPolicyWithAnEmptyPolicy",
                   [] {
-                    all_policy({always_wrap_policy(), nullptr});
+                    wrap::all_policy({wrap::always_wrap_policy(), nullptr});
                   },
                   "all_policy: policy #1 is empty"},
         ErrorCase{
             "EmptyAutoWrapPolicy",
             [] { fully_shard(MlpNet(), with([](auto& o) { o.auto_wrap_policy = nullptr; })); },
-            "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to shard "
+            "ShardingOptions::auto_wrap_policy is empty; use fsdp::wrap::never_wrap_policy() to shard "
             "everything as one unit"},
         ErrorCase{"DoubleParamDtype",
                   [] {

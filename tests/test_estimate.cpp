@@ -482,7 +482,7 @@ TEST(Version, HeadersLibraryAndEveryToolAgree) {
     EXPECT_EQ(r.exit_code, 0) << tool << ": " << r.output;
     EXPECT_EQ(r.output, tool + " (fsdp-libtorch) " + FSDP_VERSION_STRING +
                             ", checkpoint format 1 " + "(reads 1 to " +
-                            std::to_string(fsdp::kCheckpointFormatVersion) + ")\n");
+                            std::to_string(fsdp::ckpt::kCheckpointFormatVersion) + ")\n");
   }
 }
 
@@ -1158,7 +1158,7 @@ TEST(EstimateStrategies, PipelineStagesMatchTheirCountersAtWorld4) {
       EXPECT_EQ(st.first_layer, pm.layer_range().first);
       EXPECT_EQ(st.last_layer, pm.layer_range().second);
       EXPECT_EQ(st.micro_batches_in_flight, pm.peak_micro_batches_in_flight());
-      const MemoryStats mem = pm.stage_model().memory_stats();
+      const stats::MemoryStats mem = pm.stage_model().memory_stats();
       const MemoryEstimate& est = st.memory;
       EXPECT_EQ(est.term("parameters").device_bytes, mem.sharded_params.current);
       EXPECT_EQ(est.term("gradients").device_bytes, mem.grad_shards.current);

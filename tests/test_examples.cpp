@@ -1470,7 +1470,7 @@ TEST(MinimalGpt, TrainsAtTwoRanksAndResumesWhereItStopped) {
   const std::string a = run(straight, 20);
   const std::string first = run(resumed, 10);
   const std::string second = run(resumed, 20);
-  // The newest checkpoint in the directory (fsdp::latest_checkpoint), named by its path.
+  // The newest checkpoint in the directory (fsdp::ckpt::latest_checkpoint), named by its path.
   const size_t said = second.find("resumed from " + resumed + "/");
   ASSERT_NE(said, std::string::npos) << second;
   EXPECT_NE(second.substr(said, second.find('\n', said) - said).find(" at step 10"),

@@ -98,7 +98,7 @@ TEST_P(ReshardAfterForwardGroupAtWorld4, EqualsFullShardAndGathersBackwardWithin
       EXPECT_EQ(loss_full.item<float>(), loss_hpz.item<float>()) << "step " << step;
 
       // Between forward and backward: the root gathered, every other unit a 1/2 slice.
-      const MemoryStats m = hpz.memory_stats();
+      const stats::MemoryStats m = hpz.memory_stats();
       int64_t root_padded = p.all - p.non_root;
       EXPECT_EQ(m.gathered_params.current, es * root_padded);
       EXPECT_EQ(m.post_forward_params.current, es * p.non_root / 2);
@@ -111,8 +111,8 @@ TEST_P(ReshardAfterForwardGroupAtWorld4, EqualsFullShardAndGathersBackwardWithin
       EXPECT_EQ(hpz.memory_stats().gathered_params.current, 0);
       expect_equal(grads_of(full), grads_of(hpz), "gradient shard, step " + std::to_string(step));
 
-      const CommStats& cf = full.comm_stats().step;
-      const CommStats& ch = hpz.comm_stats().step;
+      const stats::CommStats& cf = full.comm_stats().step;
+      const stats::CommStats& ch = hpz.comm_stats().step;
       // Forward gathers every unit over the world; backward gathers the non-root units,
       // over the world under FULL_SHARD, over the 2-rank group with k = 2.
       EXPECT_EQ(cf.all_gather_bytes, es * (p.all + p.non_root));
@@ -201,8 +201,8 @@ TEST(ReshardAfterForwardGroup, InsideHybridShardGroupsAtWorld8EqualsHybridShard)
       loss_hybrid.backward();
       loss_hpz.backward();
       expect_equal(grads_of(hybrid), grads_of(hpz), "gradient shard");
-      const CommStats& cf = hybrid.comm_stats().step;
-      const CommStats& ch = hpz.comm_stats().step;
+      const stats::CommStats& cf = hybrid.comm_stats().step;
+      const stats::CommStats& ch = hpz.comm_stats().step;
       EXPECT_EQ(ch.all_gather_bytes, 4 * (p.all + p.non_root));
       EXPECT_EQ(ch.reshard_group_all_gather_bytes, 4 * p.non_root);
       EXPECT_EQ(cf.reshard_group_all_gather_bytes, 0);

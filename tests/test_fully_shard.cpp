@@ -68,20 +68,20 @@ void expect_training_parity(Sharded& model, Plain& reference, const ProcessGroup
 
 TEST(WrapPolicies, AlwaysAndNeverDecideEveryWrapPoint) {
   Nested m;
-  EXPECT_TRUE(always_wrap_policy()(WrapContext{"x", *m, 10}));
-  EXPECT_FALSE(never_wrap_policy()(WrapContext{"x", *m, 10}));
+  EXPECT_TRUE(wrap::always_wrap_policy()(wrap::WrapContext{"x", *m, 10}));
+  EXPECT_FALSE(wrap::never_wrap_policy()(wrap::WrapContext{"x", *m, 10}));
 }
 
 TEST(WrapPolicies, SizeBasedPolicyComparesUnclaimedParameterCount) {
   Nested m;
-  auto p = size_based_policy(100);
-  EXPECT_FALSE(p(WrapContext{"x", *m, 99}));
-  EXPECT_TRUE(p(WrapContext{"x", *m, 100}));
+  auto p = wrap::size_based_policy(100);
+  EXPECT_FALSE(p(wrap::WrapContext{"x", *m, 99}));
+  EXPECT_TRUE(p(wrap::WrapContext{"x", *m, 100}));
 }
 
 TEST(WrapPolicies, SizeBasedPolicyRejectsNegativeMinimum) {
   try {
-    size_based_policy(-1);
+    wrap::size_based_policy(-1);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
     EXPECT_EQ(std::string(e.what_without_backtrace()),
@@ -93,35 +93,36 @@ TEST(WrapPolicies, SizeBasedPolicyRejectsNegativeMinimum) {
 TEST(WrapPolicies, ModuleTypePolicyMatchesClassesAndTypeNames) {
   torch::nn::Linear lin(2, 2);
   Inner inner;
-  auto by_type = module_type_policy<Inner, torch::nn::Conv1d>();
-  EXPECT_TRUE(by_type(WrapContext{"x", *inner, 0}));
-  EXPECT_FALSE(by_type(WrapContext{"x", *lin, 0}));
-  auto by_name = module_type_policy(std::vector<std::string>{"torch::nn::LinearImpl"});
-  EXPECT_TRUE(by_name(WrapContext{"x", *lin, 0}));
-  EXPECT_FALSE(by_name(WrapContext{"x", *inner, 0}));
+  auto by_type = wrap::module_type_policy<Inner, torch::nn::Conv1d>();
+  EXPECT_TRUE(by_type(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_FALSE(by_type(wrap::WrapContext{"x", *lin, 0}));
+  auto by_name = wrap::module_type_policy(std::vector<std::string>{"torch::nn::LinearImpl"});
+  EXPECT_TRUE(by_name(wrap::WrapContext{"x", *lin, 0}));
+  EXPECT_FALSE(by_name(wrap::WrapContext{"x", *inner, 0}));
 }
 
 TEST(WrapPolicies, PredicatePolicySeesFqnModuleAndCount) {
   Inner inner;
   std::string seen;
-  auto p = predicate_policy([&](const std::string& fqn, const torch::nn::Module& m, int64_t n) {
-    seen = fqn + "|" + std::to_string(n) + "|" +
-           std::to_string(dynamic_cast<const InnerImpl*>(&m) != nullptr);
-    return n > 5;
-  });
-  EXPECT_TRUE(p(WrapContext{"blocks.1", *inner, 6}));
+  auto p =
+      wrap::predicate_policy([&](const std::string& fqn, const torch::nn::Module& m, int64_t n) {
+        seen = fqn + "|" + std::to_string(n) + "|" +
+               std::to_string(dynamic_cast<const InnerImpl*>(&m) != nullptr);
+        return n > 5;
+      });
+  EXPECT_TRUE(p(wrap::WrapContext{"blocks.1", *inner, 6}));
   EXPECT_EQ(seen, "blocks.1|6|1");
 }
 
 TEST(WrapPolicies, AnyAndAllCompose) {
   Inner inner;
-  auto yes = always_wrap_policy(), no = never_wrap_policy();
-  EXPECT_TRUE(any_policy({no, yes})(WrapContext{"x", *inner, 0}));
-  EXPECT_FALSE(any_policy({no, no})(WrapContext{"x", *inner, 0}));
-  EXPECT_FALSE(any_policy({})(WrapContext{"x", *inner, 0}));
-  EXPECT_TRUE(all_policy({yes, yes})(WrapContext{"x", *inner, 0}));
-  EXPECT_FALSE(all_policy({yes, no})(WrapContext{"x", *inner, 0}));
-  EXPECT_TRUE(all_policy({})(WrapContext{"x", *inner, 0}));
+  auto yes = wrap::always_wrap_policy(), no = wrap::never_wrap_policy();
+  EXPECT_TRUE(wrap::any_policy({no, yes})(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_FALSE(wrap::any_policy({no, no})(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_FALSE(wrap::any_policy({})(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_TRUE(wrap::all_policy({yes, yes})(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_FALSE(wrap::all_policy({yes, no})(wrap::WrapContext{"x", *inner, 0}));
+  EXPECT_TRUE(wrap::all_policy({})(wrap::WrapContext{"x", *inner, 0}));
 }
 
 TEST(FullyShard, AlwaysPolicyMakesNestedUnitsAndRootTakesTheRest) {
@@ -134,7 +135,7 @@ TEST(FullyShard, AlwaysPolicyMakesNestedUnitsAndRootTakesTheRest) {
 
 TEST(FullyShard, NeverPolicyPutsEverythingInTheRoot) {
   ShardingOptions o;
-  o.auto_wrap_policy = never_wrap_policy();
+  o.auto_wrap_policy = wrap::never_wrap_policy();
   auto root = fully_shard(Nested(), o);
   EXPECT_EQ(unit_names(root), (std::set<std::string>{""}));
   // Registration order is kept: inner.a, inner.b, head.
@@ -148,7 +149,7 @@ TEST(FullyShard, NeverPolicyPutsEverythingInTheRoot) {
 
 TEST(FullyShard, SizePolicyMergesSmallInnerUnitIntoItsParent) {
   ShardingOptions o;
-  o.auto_wrap_policy = size_based_policy(100);  // inner.b owns 72 < 100; inner owns 144
+  o.auto_wrap_policy = wrap::size_based_policy(100);  // inner.b owns 72 < 100; inner owns 144
   auto root = fully_shard(Nested(), o);
   EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner"}));
   EXPECT_EQ(unit_of(root, "inner.b.weight"), "inner");
@@ -156,7 +157,7 @@ TEST(FullyShard, SizePolicyMergesSmallInnerUnitIntoItsParent) {
 
 TEST(FullyShard, ModuleTypePolicyPicksOnlyThatClass) {
   ShardingOptions o;
-  o.auto_wrap_policy = module_type_policy<Inner>();
+  o.auto_wrap_policy = wrap::module_type_policy<Inner>();
   auto root = fully_shard(Nested(), o);
   EXPECT_EQ(unit_names(root), (std::set<std::string>{"", "inner"}));
 }
@@ -187,7 +188,7 @@ TEST(FullyShard, ShardingTwiceIsAnError) {
 
 TEST(FullyShard, AnInnerUnitCalledAfterItsModelIsGoneSaysWhatToKeep) {
   ShardingOptions o;
-  o.auto_wrap_policy = always_wrap_policy();
+  o.auto_wrap_policy = wrap::always_wrap_policy();
   FullyShardedModule<Inner> inner{nullptr};
   {
     auto root = fully_shard(Nested(), o);
@@ -356,7 +357,7 @@ TEST(FullyShard, TiedParametersInOneUnitTrainAsOneTensor) {
     torch::manual_seed(8);
     ShardingOptions o;
     o.process_group = pg;
-    o.auto_wrap_policy = never_wrap_policy();  // a and b both in the root
+    o.auto_wrap_policy = wrap::never_wrap_policy();  // a and b both in the root
     auto model = fully_shard(Tied(w.clone()), o);
     expect_training_parity(model, reference, pg);
     auto table = model.param_table();

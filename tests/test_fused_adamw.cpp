@@ -192,25 +192,25 @@ TEST(FusedAdamW, TrainsAShardedModelLikeAdamWAndItsStateReshards) {
     auto fa = full_state_dict(a), fb = full_state_dict(b);
     for (size_t i = 0; i < fa.size(); ++i)
       EXPECT_LE(rel_diff(fb[i].second, fa[i].second), 1e-5) << fa[i].first;
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = 5;
-    save_sharded_checkpoint(dir, b, &fused, st);
-    export_consolidated(dir + "/full.h5", b, &fused, st,
-                        {torch::kFloat32, /*with_optimizer=*/true});
+    ckpt::save_sharded_checkpoint(dir, b, &fused, st);
+    ckpt::export_consolidated(dir + "/full.h5", b, &fused, st,
+                              {torch::kFloat32, /*with_optimizer=*/true});
   });
   run_ranks(1, [&](const ProcessGroup& pg) {
     ShardingOptions o;
     o.process_group = pg;
     auto m = fully_shard(gpt::GPT(small_gpt_config()), o);
     FusedAdamW fused(m.sharded_parameters(), torch::optim::AdamWOptions(1.0));
-    load_sharded_checkpoint(dir, m, &fused, nullptr);
+    ckpt::load_sharded_checkpoint(dir, m, &fused, nullptr);
     EXPECT_EQ(static_cast<torch::optim::AdamWOptions&>(fused.param_groups()[0].options()).lr(),
               1e-3);
     // The resharded state, exported again, equals the 2-rank export.
-    export_consolidated(dir + "/again.h5", m, &fused, {5}, {torch::kFloat32, true});
+    ckpt::export_consolidated(dir + "/again.h5", m, &fused, {5}, {torch::kFloat32, true});
     gpt::GPT x(small_gpt_config()), y(small_gpt_config());
-    load_consolidated(dir + "/full.h5", *x);
-    load_consolidated(dir + "/again.h5", *y);
+    ckpt::load_consolidated(dir + "/full.h5", *x);
+    ckpt::load_consolidated(dir + "/again.h5", *y);
     auto px = named_parameters_clean(*x), py = named_parameters_clean(*y);
     for (size_t i = 0; i < px.size(); ++i)
       EXPECT_TRUE(torch::equal(px[i].second, py[i].second)) << px[i].first;

@@ -265,7 +265,7 @@ TEST(TrainGptCheckpoint, InitFromStartsFromTheFileAndRejectsAnotherArchitecture)
   cfg.block_size = 16;
   auto load = [&](const std::string& f) {
     gpt::GPT m(cfg);
-    fsdp::load_consolidated(f, *m);
+    fsdp::ckpt::load_consolidated(f, *m);
     return m;
   };
   auto a_m = load(dir + "/a.h5"), b_m = load(dir + "/b.h5"), c_m = load(dir + "/c.h5");
@@ -298,7 +298,7 @@ TEST(TrainGptCheckpoint, InitFromStartsFromTheFileAndRejectsAnotherArchitecture)
   ASSERT_EQ(from_st.exit_code, 0) << from_st.output;
   EXPECT_NE(from_st.output.find("2 layers, d_model 32"), std::string::npos) << from_st.output;
   gpt::GPT dm(cfg);
-  fsdp::load_consolidated(dir + "/d.h5", *dm);
+  fsdp::ckpt::load_consolidated(dir + "/d.h5", *dm);
   for (const auto& p : dm->named_parameters()) {
     EXPECT_TRUE(torch::equal(p.value(), bp[p.key()])) << "from safetensors: " << p.key();
   }
@@ -342,7 +342,7 @@ std::string mlp_weights() {
   static std::string path = [] {
     const std::string dir = temp_dir("gen_mlp");
     auto model = fsdp::fully_shard(MlpNet());
-    fsdp::export_consolidated(dir + "/mlp.h5", model, nullptr, fsdp::TrainingState{});
+    fsdp::ckpt::export_consolidated(dir + "/mlp.h5", model, nullptr, fsdp::ckpt::TrainingState{});
     return dir + "/mlp.h5";
   }();
   return path;

@@ -19,7 +19,7 @@ constexpr int kMicro = 4;
 constexpr int64_t kMicroRows = 12;  // per micro-batch, divisible by the world size
 
 struct Outcome {
-  CommStats comm;         ///< last step
+  stats::CommStats comm;  ///< last step
   int64_t comm_peak = 0;  ///< peak bytes of unsharded gradient buffers
   int64_t padded = 0;     ///< sum of padded flat sizes, elements
 };

@@ -205,9 +205,9 @@ TEST(MixedPrecision, KeepFp32PolicyRunsNormLayersInTheirOwnFp32Units) {
   run_ranks(2, [](const ProcessGroup& pg) {
     ShardingOptions o;
     o.process_group = pg;
-    o.auto_wrap_policy = never_wrap_policy();  // the policy alone would make no units
+    o.auto_wrap_policy = wrap::never_wrap_policy();  // the policy alone would make no units
     o.mixed_precision.param_dtype = torch::kBFloat16;
-    o.mixed_precision.keep_fp32_policy = module_type_policy<torch::nn::LayerNorm>();
+    o.mixed_precision.keep_fp32_policy = wrap::module_type_policy<torch::nn::LayerNorm>();
     torch::manual_seed(61);
     auto model = fully_shard(NormNet(), o);
     std::map<std::string, torch::Dtype> dtypes;
@@ -241,10 +241,10 @@ TEST(MixedPrecision, ShardSequentialKeepsFp32EntriesAndCastsOutputsLikeWrapPoint
   run_ranks(2, [](const ProcessGroup& pg) {
     ShardingOptions o;
     o.process_group = pg;
-    o.auto_wrap_policy = never_wrap_policy();
+    o.auto_wrap_policy = wrap::never_wrap_policy();
     o.mixed_precision.param_dtype = torch::kBFloat16;
     o.mixed_precision.output_dtype = torch::kFloat32;
-    o.mixed_precision.keep_fp32_policy = module_type_policy<torch::nn::LayerNorm>();
+    o.mixed_precision.keep_fp32_policy = wrap::module_type_policy<torch::nn::LayerNorm>();
     torch::manual_seed(61);
     auto wrapped = fully_shard(NormNet(), o);
     torch::manual_seed(61);  // the same weights: Linear, LayerNorm, Linear made in that order

@@ -67,7 +67,7 @@ gpt::Config gpt_config(int64_t layers) {
 ShardingOptions options(const ProcessGroup& pg, const std::string& dir, bool bf16, bool files) {
   ShardingOptions o;
   o.process_group = pg;
-  o.auto_wrap_policy = module_type_policy<gpt::Block>();
+  o.auto_wrap_policy = wrap::module_type_policy<gpt::Block>();
   o.offload_optimizer.device = OffloadDevice::kNvme;
   o.offload_optimizer.nvme_path = dir;
   o.offload_optimizer.buffer_bytes =
@@ -152,11 +152,11 @@ void parity(const ProcessGroup& pg, bool bf16, const char* io, bool hybrid) {
   const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
   FusedAdamW opt_mem(mem, adamw), opt_files(files, adamw);
   train_side_by_side(pg, mem, files, opt_mem, opt_files, 4);
-  const MemoryStats m = files.memory_stats();
+  const stats::MemoryStats m = files.memory_stats();
   EXPECT_EQ(m.sharded_params.peak, 0);
   EXPECT_EQ(m.grad_shards.peak, 0);
   EXPECT_EQ(m.nvme_params.current, expected_file_bytes(files));
-  const CommStats c = files.comm_stats().total;
+  const stats::CommStats c = files.comm_stats().total;
   EXPECT_GT(c.nvme_read_bytes, 0);
   EXPECT_GT(c.nvme_write_bytes, 0);
   // Gathers found their inputs read ahead (queued while the unit before computed).
@@ -204,7 +204,7 @@ TEST(NvmeParams, HostMemoryDoesNotGrowWithTheModel) {
       for (const auto& p : model.sharded_parameters())
         EXPECT_EQ(resident_pages(p), 0) << "a master was read or written through its mapping";
     }
-    const MemoryStats m = model.memory_stats();
+    const stats::MemoryStats m = model.memory_stats();
     return std::vector<int64_t>{m.sharded_params.peak,  m.grad_shards.peak,
                                 m.gathered_params.peak, m.comm_buffers.peak,
                                 m.offload_buffers.peak, m.nvme_params.current};
@@ -278,7 +278,7 @@ TEST(NvmeParams, RanksSharingADiskAreCheckedTogetherBeforeReserving) {
   if (!is_rank_process()) {
     // A rank's files at world 2: half of each flat parameter (rounded up), as laid out.
     ShardingOptions whole;
-    whole.auto_wrap_policy = never_wrap_policy();
+    whole.auto_wrap_policy = wrap::never_wrap_policy();
     auto one = fully_shard(gpt::GPT(small_gpt_config()), whole);
     int64_t per_rank = 0;
     for (const auto& f : fsdp::detail::flat_params(one)) {
@@ -301,7 +301,7 @@ TEST(NvmeParams, RanksSharingADiskAreCheckedTogetherBeforeReserving) {
       [](const ProcessGroup& pg) {
         const std::string path = std::getenv("FSDP_TEST_SHARED_DISK");
         ShardingOptions o = options(pg, path, false, true);
-        o.auto_wrap_policy = never_wrap_policy();
+        o.auto_wrap_policy = wrap::never_wrap_policy();
         const std::string what = error_of([&] { fully_shard(gpt::GPT(small_gpt_config()), o); });
         EXPECT_EQ(what.rfind("not enough free space in ShardingOptions::offload_param."
                              "nvme_path='" +
@@ -322,7 +322,7 @@ TEST(NvmeParams, RanksSharingADiskAreCheckedTogetherBeforeReserving) {
         // Built sharded (make_sharded), each unit is checked as it is built: the
         // unit that no longer fits for both ranks is refused the same way on both,
         // not by ENOSPC on one.
-        o.auto_wrap_policy = module_type_policy<gpt::Block>();
+        o.auto_wrap_policy = wrap::module_type_policy<gpt::Block>();
         const std::string built = error_of([&] { make_sharded<gpt::GPT>(o, small_gpt_config()); });
         EXPECT_EQ(built.rfind("not enough free space in ShardingOptions::offload_param."
                               "nvme_path='" +

@@ -368,9 +368,9 @@ TEST_P(GroupResume, SavedAtTwoRanksResumesLikeTheUninterruptedRun) {
     FusedAdamW opt(groups, group_adamw());
     train(model, opt, pg, 0, kSaveAt);
     opt.param_groups()[2].options().set_lr(7e-3);
-    TrainingState st;
+    ckpt::TrainingState st;
     st.step = kSaveAt;
-    save_sharded_checkpoint(dir, model, &opt, st);
+    ckpt::save_sharded_checkpoint(dir, model, &opt, st);
     auto rest = train(model, opt, pg, kSaveAt, kTotal);
     if (pg.rank() == 0) {
       std::ofstream f(dir + "/losses.txt");
@@ -388,7 +388,7 @@ TEST_P(GroupResume, SavedAtTwoRanksResumesLikeTheUninterruptedRun) {
     std::unique_ptr<torch::optim::AdamW> opt =
         make_optimizer(pg.size() == 1 ? Opt::kTorch : Opt::kFused, groups,
                        torch::optim::AdamWOptions(1.0).weight_decay(0.9).eps(1e-3));
-    load_sharded_checkpoint(dir, model, opt.get(), nullptr);
+    ckpt::load_sharded_checkpoint(dir, model, opt.get(), nullptr);
     auto opts = [&](size_t g) {
       return static_cast<torch::optim::AdamWOptions&>(opt->param_groups()[g].options());
     };

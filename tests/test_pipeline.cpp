@@ -341,10 +341,10 @@ TEST(Pipeline, ReduceOnceReducesEachUnitOnceAStep) {
       for (const auto& f : fsdp::detail::flat_params(pm.stage_model())) units += f.requires_grad;
       auto [x, y] = pipeline_batch(0, 16);
       const int64_t per = 16 / pm.data_parallel_size();
-      const CommStats before = pm.stage_model().comm_stats().total;
+      const stats::CommStats before = pm.stage_model().comm_stats().total;
       pm.train_step(x.narrow(0, pm.data_parallel_rank() * per, per),
                     y.narrow(0, pm.data_parallel_rank() * per, per), pipeline_mse);
-      const CommStats after = pm.stage_model().comm_stats().total;
+      const stats::CommStats after = pm.stage_model().comm_stats().total;
       EXPECT_EQ(after.reduce_scatter_calls - before.reduce_scatter_calls, once ? units : 4 * units)
           << "reduce_once " << once << ", stage " << pm.stage();
       gathers[once] = after.all_gather_calls - before.all_gather_calls;

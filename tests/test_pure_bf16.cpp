@@ -362,7 +362,7 @@ TEST(PureBf16, BadCombinationsAreRefusedNamingTheFix) {
               "cannot be more precise than the shards");
   }
   o.mixed_precision.param_dtype = torch::kBFloat16;
-  o.mixed_precision.keep_fp32_policy = always_wrap_policy();
+  o.mixed_precision.keep_fp32_policy = wrap::always_wrap_policy();
   try {
     fully_shard(MlpNet(), o);
     FAIL() << "no error";
@@ -430,7 +430,7 @@ TEST(PureBf16, CheckpointsLoadIntoFp32MastersAtAnotherWorldSize) {
                 opt.step();
                 opt.zero_grad();
               }
-              save_sharded_checkpoint(dir, model, &opt, TrainingState{});
+              ckpt::save_sharded_checkpoint(dir, model, &opt, ckpt::TrainingState{});
             },
             300, {"FSDP_TEST_PURE_BF16_DIR=" + dir});
   // World 1, fp32 masters: the values are the bf16 ones, exactly.
@@ -440,8 +440,8 @@ TEST(PureBf16, CheckpointsLoadIntoFp32MastersAtAnotherWorldSize) {
   gpt::loss_on(model, gpt_batch(0, 4, cfg.block_size)).backward();
   opt.step();  // creates the state the load fills
   opt.zero_grad();
-  TrainingState st;
-  load_sharded_checkpoint(latest_checkpoint(dir).value(), model, &opt, &st);
+  ckpt::TrainingState st;
+  ckpt::load_sharded_checkpoint(ckpt::latest_checkpoint(dir).value(), model, &opt, &st);
   for (const auto& p : model.sharded_parameters()) {
     EXPECT_TRUE(torch::equal(p, p.to(torch::kBFloat16).to(torch::kFloat)))
         << "every loaded value is a bf16 value";

@@ -78,7 +78,7 @@ void train_two_steps(const ProcessGroup& pg, const std::string& dir, bool prefet
   o.process_group = pg;
   o.trace = dir;
   o.prefetch = prefetch;
-  o.checkpoint_policy = predicate_policy(
+  o.checkpoint_policy = wrap::predicate_policy(
       [](const std::string& fqn, const torch::nn::Module&, int64_t) { return fqn == "blocks.1"; });
   auto model = fully_shard(gpt::GPT(cfg), o);
   FusedAdamW opt(model);

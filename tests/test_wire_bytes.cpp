@@ -336,7 +336,7 @@ TEST_P(EngineWireBytes, TheStepSendsWhatEachCollectiveSays) {
       auto loss = torch::mse_loss(model(x).to(torch::kFloat), y);
       loss.backward();
     });
-    const fsdp::CommStats& s = model.comm_stats().step;
+    const fsdp::stats::CommStats& s = model.comm_stats().step;
     EXPECT_EQ(s.all_gather_wire_bytes, ag);
     EXPECT_EQ(s.reshard_group_all_gather_wire_bytes, in_group);
     EXPECT_EQ(s.reduce_scatter_wire_bytes, rs);

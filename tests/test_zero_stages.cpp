@@ -308,8 +308,8 @@ TEST(OffloadGranularity, OptimizerOnlyKeepsDeviceShardsAndCopiesOncePerStep) {
   run_ranks(2, [](const ProcessGroup& pg) {
     const auto cfg = small_gpt_config();
     std::vector<std::vector<double>> losses;
-    std::vector<CommStats> comm;
-    std::vector<MemoryStats> mem;
+    std::vector<stats::CommStats> comm;
+    std::vector<stats::MemoryStats> mem;
     for (int mode = 0; mode < 3; ++mode) {  // none, offload_optimizer, both
       auto o = options_for(pg, ShardingStrategy::kFullShard, true);
       if (mode >= 1) o.offload_optimizer.device = OffloadDevice::kCpu;
@@ -391,7 +391,7 @@ namespace {
 struct PrefetchRun {
   int64_t root = 0, block = 0;  ///< padded elements (fp32: 4 bytes each)
   int64_t gathered_peak = 0;    ///< bytes
-  CommStats step;
+  stats::CommStats step;
 };
 PrefetchRun run_prefetch(const ProcessGroup& pg, int64_t max_live, int64_t bucket,
                          int64_t persistence, int steps = 1) {

@@ -2,10 +2,10 @@
 #include <fsdp/wrap_policy.h>
 
 namespace fsdp {
-WrapPolicy always_wrap_policy() {
-  return [](const WrapContext&) { return true; };
+wrap::WrapPolicy wrap::always_wrap_policy() {
+  return [](const wrap::WrapContext&) { return true; };
 }
-WrapPolicy never_wrap_policy() {
-  return [](const WrapContext&) { return false; };
+wrap::WrapPolicy wrap::never_wrap_policy() {
+  return [](const wrap::WrapContext&) { return false; };
 }
 }  // namespace fsdp

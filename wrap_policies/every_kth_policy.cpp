@@ -6,9 +6,9 @@
 #include <memory>
 
 namespace fsdp {
-WrapPolicy every_kth_policy(int k) {
+wrap::WrapPolicy wrap::every_kth_policy(int k) {
   TORCH_CHECK(k >= 1, "every_kth_policy: k=", k, " must be at least 1 (1 picks every wrap point)");
   auto seen = std::make_shared<int64_t>(0);
-  return [k, seen](const WrapContext&) { return (*seen)++ % k == 0; };
+  return [k, seen](const wrap::WrapContext&) { return (*seen)++ % k == 0; };
 }
 }  // namespace fsdp

@@ -6,10 +6,10 @@
 #include <algorithm>
 
 namespace fsdp {
-WrapPolicy module_type_policy(std::vector<std::string> type_names) {
+wrap::WrapPolicy wrap::module_type_policy(std::vector<std::string> type_names) {
   TORCH_CHECK(!type_names.empty(),
               "module_type_policy: no type names given; list module classes such as \"BlockImpl\"");
-  return [names = std::move(type_names)](const WrapContext& ctx) {
+  return [names = std::move(type_names)](const wrap::WrapContext& ctx) {
     return std::find(names.begin(), names.end(), ctx.module.name()) != names.end();
   };
 }

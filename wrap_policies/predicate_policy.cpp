@@ -4,10 +4,10 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp {
-WrapPolicy predicate_policy(
+wrap::WrapPolicy wrap::predicate_policy(
     std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> predicate) {
   TORCH_CHECK(predicate != nullptr, "predicate_policy: the predicate is empty");
-  return [p = std::move(predicate)](const WrapContext& ctx) {
+  return [p = std::move(predicate)](const wrap::WrapContext& ctx) {
     return p(ctx.fqn, ctx.module, ctx.numel);
   };
 }

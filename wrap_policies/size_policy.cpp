@@ -4,9 +4,9 @@
 #include <c10/util/Exception.h>
 
 namespace fsdp {
-WrapPolicy size_based_policy(int64_t min_numel) {
+wrap::WrapPolicy wrap::size_based_policy(int64_t min_numel) {
   TORCH_CHECK(min_numel >= 0, "size_based_policy: min_numel=", min_numel,
               " must not be negative; pass the least number of parameters a unit should own");
-  return [min_numel](const WrapContext& ctx) { return ctx.numel >= min_numel; };
+  return [min_numel](const wrap::WrapContext& ctx) { return ctx.numel >= min_numel; };
 }
 }  // namespace fsdp

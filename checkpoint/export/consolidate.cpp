@@ -8,9 +8,9 @@
 
 namespace fsdp {
 
-void consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
-                            const ConsolidateOptions& options) {
-  if (options.format == WeightsFormat::kSafetensors) {
+void ckpt::consolidate_checkpoint(const std::string& sharded, const std::string& out_file,
+                                  const ckpt::ConsolidateOptions& options) {
+  if (options.format == ckpt::WeightsFormat::kSafetensors) {
     TORCH_CHECK(!options.with_optimizer,
                 "consolidate_checkpoint: safetensors holds weights only; "
                 "with_optimizer needs the HDF5 format");
@@ -23,7 +23,7 @@ void consolidate_checkpoint(const std::string& sharded, const std::string& out_f
                             options.with_optimizer, options.progress);
 }
 
-std::string inspect_checkpoint(const std::string& path, bool verify) {
+std::string ckpt::inspect_checkpoint(const std::string& path, bool verify) {
   return ckpt::inspect(path, verify);
 }
 

@@ -39,9 +39,9 @@ h5::Elem buffer_elem(const at::Tensor& b, h5::Elem dtype) {
 
 }  // namespace ckpt
 
-void export_consolidated(const std::string& file, const ShardedModel& root,
-                         torch::optim::Optimizer* optimizer, const TrainingState& state,
-                         const ExportOptions& options) {
+void ckpt::export_consolidated(const std::string& file, const ShardedModel& root,
+                               torch::optim::Optimizer* optimizer, const ckpt::TrainingState& state,
+                               const ckpt::ExportOptions& options) {
   detail::trace::Scope span("checkpoint", []() { return std::string("consolidated export"); });
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);

@@ -20,8 +20,9 @@
 
 namespace fsdp {
 
-void export_safetensors(const std::string& dir, const ShardedModel& model,
-                        const TrainingState& state, const SafetensorsOptions& options) {
+void ckpt::export_safetensors(const std::string& dir, const ShardedModel& model,
+                              const ckpt::TrainingState& state,
+                              const ckpt::SafetensorsOptions& options) {
   detail::trace::Scope span("checkpoint", []() { return std::string("safetensors export"); });
   using namespace ckpt;
   const h5::Elem elem = export_elem(options.dtype);

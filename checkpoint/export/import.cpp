@@ -158,12 +158,12 @@ namespace {
 // import_consolidated; `stage`: `root` is a pipeline stage, and the file's names it lacks
 // are the other stages' (reported as unexpected, never an error here). `apply` false:
 // only matches the names and shapes (throwing as the load would), and loads nothing.
-LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOptions& options,
-                       bool stage, bool apply = true) {
+ckpt::LoadReport import_into(const std::string& file, ShardedModel& root,
+                             const ckpt::LoadOptions& options, bool stage, bool apply = true) {
   detail::trace::Scope span("checkpoint", []() { return std::string("consolidated import"); });
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();
-  LoadReport report;
+  ckpt::LoadReport report;
   report.path = file;
   const auto shards = detail::local_shards(root);
   const auto buffers = named_buffers_clean(root.as_module());
@@ -232,14 +232,14 @@ LoadReport import_into(const std::string& file, ShardedModel& root, const LoadOp
 }  // namespace
 }  // namespace ckpt
 
-LoadReport import_consolidated(const std::string& file, ShardedModel& root,
-                               const LoadOptions& options) {
+ckpt::LoadReport ckpt::import_consolidated(const std::string& file, ShardedModel& root,
+                                           const ckpt::LoadOptions& options) {
   detail::shard_change_barrier_of(root)();  // Note [Background staging]
   return ckpt::import_into(file, root, options, /*stage=*/false);
 }
 
-LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
-                               const LoadOptions& options) {
+ckpt::LoadReport ckpt::import_consolidated(const std::string& file, PipelinedModel& model,
+                                           const ckpt::LoadOptions& options) {
   using namespace ckpt;
   const ProcessGroup& job = model.world();
   const bool staged = model.stages() > 1;
@@ -247,7 +247,7 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   const std::string what = "import_consolidated of " + file + " into a pipeline of " +
                            std::to_string(model.stages()) + " stages";
   // First the names, on every rank, so that nothing is loaded unless every stage matches.
-  LoadReport report;
+  ckpt::LoadReport report;
   std::string error;
   std::vector<std::string> names;
   try {
@@ -287,12 +287,12 @@ LoadReport import_consolidated(const std::string& file, PipelinedModel& model,
   return report;
 }
 
-LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
-                             const LoadOptions& options) {
+ckpt::LoadReport ckpt::load_consolidated(const std::string& file, torch::nn::Module& module,
+                                         const ckpt::LoadOptions& options) {
   using namespace ckpt;
   const auto src = open_weights(file);
   const std::set<std::string>& names = src->names();
-  LoadReport report;
+  ckpt::LoadReport report;
   report.path = file;
   auto tensors = named_parameters_clean(module);
   for (auto& b : named_buffers_clean(module)) tensors.push_back(b);
@@ -323,11 +323,11 @@ LoadReport load_consolidated(const std::string& file, torch::nn::Module& module,
   return report;
 }
 
-std::map<std::string, AttrValue> consolidated_attributes(const std::string& file) {
+std::map<std::string, ckpt::AttrValue> ckpt::consolidated_attributes(const std::string& file) {
   using namespace ckpt;
   if (st::is_safetensors(file)) {
     // __metadata__ holds strings; numbers come back as numbers.
-    std::map<std::string, AttrValue> out;
+    std::map<std::string, ckpt::AttrValue> out;
     const st::Reader reader(file);
     for (const auto& [k, v] : reader.metadata()) {
       size_t used = 0;
@@ -349,7 +349,7 @@ std::map<std::string, AttrValue> consolidated_attributes(const std::string& file
     return out;
   }
   h5::Obj f = open_consolidated(file);
-  std::map<std::string, AttrValue> out;
+  std::map<std::string, ckpt::AttrValue> out;
   for (const auto& n : h5::attr_names(f, file)) out[n] = h5::get_attr(f, n, file);
   return out;
 }

@@ -59,7 +59,7 @@ void remove_quietly(const std::string& dir) {
 }
 
 void through_checkpoint(const std::string& out, const PipelinedModel& model,
-                        torch::optim::Optimizer* optimizer, const TrainingState& state,
+                        torch::optim::Optimizer* optimizer, const ckpt::TrainingState& state,
                         const char* fn,
                         const std::function<void(const std::string&)>& consolidate) {
   const ProcessGroup& job = model.world();
@@ -67,7 +67,7 @@ void through_checkpoint(const std::string& out, const PipelinedModel& model,
   ckpt::rank0_tries(job, std::string(fn) + ": clearing " + tmp, [&] { fs::remove_all(tmp); });
   std::string saved;
   try {
-    saved = save_sharded_checkpoint(tmp, model, optimizer, state);
+    saved = ckpt::save_sharded_checkpoint(tmp, model, optimizer, state);
   } catch (...) {  // every rank throws alike
     if (job.rank() == 0) remove_quietly(tmp);
     throw;
@@ -83,11 +83,11 @@ void through_checkpoint(const std::string& out, const PipelinedModel& model,
 
 }  // namespace
 
-void export_consolidated(const std::string& file, const PipelinedModel& model,
-                         torch::optim::Optimizer* optimizer, const TrainingState& state,
-                         const ExportOptions& options) {
+void ckpt::export_consolidated(const std::string& file, const PipelinedModel& model,
+                               torch::optim::Optimizer* optimizer, const ckpt::TrainingState& state,
+                               const ckpt::ExportOptions& options) {
   detail::trace::Scope span("checkpoint", []() { return std::string("consolidated export"); });
-  ConsolidateOptions co;
+  ckpt::ConsolidateOptions co;
   co.dtype = options.dtype;
   co.with_optimizer = options.with_optimizer;
   if (options.verbose) {
@@ -96,17 +96,18 @@ void export_consolidated(const std::string& file, const PipelinedModel& model,
                 << std::endl;
     };
   }
-  through_checkpoint(file, model, options.with_optimizer ? optimizer : nullptr, state,
-                     "export_consolidated",
-                     [&](const std::string& saved) { consolidate_checkpoint(saved, file, co); });
+  through_checkpoint(
+      file, model, options.with_optimizer ? optimizer : nullptr, state, "export_consolidated",
+      [&](const std::string& saved) { ckpt::consolidate_checkpoint(saved, file, co); });
 }
 
-void export_safetensors(const std::string& dir, const PipelinedModel& model,
-                        const TrainingState& state, const SafetensorsOptions& options) {
+void ckpt::export_safetensors(const std::string& dir, const PipelinedModel& model,
+                              const ckpt::TrainingState& state,
+                              const ckpt::SafetensorsOptions& options) {
   detail::trace::Scope span("checkpoint", []() { return std::string("safetensors export"); });
-  ConsolidateOptions co;
+  ckpt::ConsolidateOptions co;
   co.dtype = options.dtype;
-  co.format = WeightsFormat::kSafetensors;
+  co.format = ckpt::WeightsFormat::kSafetensors;
   co.max_shard_size = options.max_shard_size;
   co.name_for = options.name_for;
   co.transpose = options.transpose;
@@ -115,8 +116,9 @@ void export_safetensors(const std::string& dir, const PipelinedModel& model,
       std::cout << "[fsdp] safetensors export: " << done << "/" << total << " " << fqn << std::endl;
     };
   }
-  through_checkpoint(dir, model, nullptr, state, "export_safetensors",
-                     [&](const std::string& saved) { consolidate_checkpoint(saved, dir, co); });
+  through_checkpoint(
+      dir, model, nullptr, state, "export_safetensors",
+      [&](const std::string& saved) { ckpt::consolidate_checkpoint(saved, dir, co); });
 }
 
 }  // namespace fsdp

@@ -77,9 +77,9 @@ void check_format(hid_t file, const std::string& format, const std::string& wher
   const std::string f = h5::get_string(file, "format", where);
   TORCH_CHECK(f == format, where, " holds format '", f, "', expected '", format, "'");
   const int64_t v = h5::get_int(file, "format_version", where);
-  TORCH_CHECK(v >= 1 && v <= kCheckpointFormatVersion, where, " has format_version ", v,
-              "; this build reads versions 1 to ", kCheckpointFormatVersion,
-              v > kCheckpointFormatVersion
+  TORCH_CHECK(v >= 1 && v <= ckpt::kCheckpointFormatVersion, where, " has format_version ", v,
+              "; this build reads versions 1 to ", ckpt::kCheckpointFormatVersion,
+              v > ckpt::kCheckpointFormatVersion
                   ? ". It was written by a newer fsdp: upgrade this build to read it."
                   : ". The file is damaged.");
 }

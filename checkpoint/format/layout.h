@@ -142,11 +142,11 @@ struct ConsolidatedWriter {
   h5::Obj optim;
 
   ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
-                     const std::map<std::string, AttrValue>& attrs,
+                     const std::map<std::string, ckpt::AttrValue>& attrs,
                      const std::string& optimizer_kind);
   /// /optimizer/<fqn> with its step and hyperparameters.
   void optim_group(const std::string& fqn, int64_t step,
-                   const std::map<std::string, AttrValue>& hp);
+                   const std::map<std::string, ckpt::AttrValue>& hp);
   void finish();
   /// Closes and deletes the temporary file (after an error).
   void abandon();
@@ -162,12 +162,12 @@ const char* safetensors_dtype(h5::Elem e);
 /// (what transformers checks), fsdp_format, fsdp_format_version, dtype, step and the
 /// model attributes, all as strings.
 std::map<std::string, std::string> safetensors_metadata(
-    h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs);
+    h5::Elem dtype, int64_t step, const std::map<std::string, ckpt::AttrValue>& attrs);
 
 /// The model attribute (TrainingState::model_attrs) whose string is a Hugging Face
 /// config.json: safetensors exports, live and offline, write it beside the weights (and
 /// not into __metadata__), so that transformers loads the directory as a model.
 inline constexpr const char* kHfConfigAttr = "hf_config";
 /// Writes `dir`/config.json from attrs[kHfConfigAttr], atomically; nothing without it.
-void write_hf_config(const std::string& dir, const std::map<std::string, AttrValue>& attrs);
+void write_hf_config(const std::string& dir, const std::map<std::string, ckpt::AttrValue>& attrs);
 }  // namespace fsdp::ckpt

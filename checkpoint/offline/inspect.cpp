@@ -26,7 +26,7 @@ std::string human(double bytes) {
   return os.str();
 }
 
-std::string attr_text(const AttrValue& v) {
+std::string attr_text(const ckpt::AttrValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return std::to_string(*i);
   if (const auto* d = std::get_if<double>(&v)) {
     std::ostringstream os;

@@ -16,22 +16,22 @@ namespace fsdp::ckpt {
 
 namespace {
 // The model description a sharded checkpoint carries (rank 0's /model_attrs).
-std::map<std::string, AttrValue> model_attrs(ShardedReader& src) {
+std::map<std::string, ckpt::AttrValue> model_attrs(ShardedReader& src) {
   const std::string p0 = src.file_path(0);
   h5::Obj ma = h5::open_group(src.file(0), "model_attrs", p0);
-  std::map<std::string, AttrValue> attrs;
+  std::map<std::string, ckpt::AttrValue> attrs;
   for (const auto& n : h5::attr_names(ma, p0)) attrs[n] = h5::get_attr(ma, n, p0);
   return attrs;
 }
 }  // namespace
 
 ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, int64_t step,
-                                       const std::map<std::string, AttrValue>& attrs,
+                                       const std::map<std::string, ckpt::AttrValue>& attrs,
                                        const std::string& optimizer_kind)
     : path(out), tmp(out + ".tmp") {
   file = h5::create_file(tmp);
   h5::set_attr(file, "format", std::string(kConsolidatedFormat));
-  h5::set_attr(file, "format_version", kCheckpointFormatBaseVersion);
+  h5::set_attr(file, "format_version", ckpt::kCheckpointFormatBaseVersion);
   h5::set_attr(file, "dtype", std::string(h5::elem_name(dtype)));
   h5::set_attr(file, "step", step);
   for (const auto& [k, v] : attrs) {
@@ -47,7 +47,7 @@ ConsolidatedWriter::ConsolidatedWriter(const std::string& out, h5::Elem dtype, i
 }
 
 void ConsolidatedWriter::optim_group(const std::string& fqn, int64_t step,
-                                     const std::map<std::string, AttrValue>& hp) {
+                                     const std::map<std::string, ckpt::AttrValue>& hp) {
   h5::Obj g = h5::create_group(optim, fqn, tmp + ":/optimizer");
   h5::set_attr(g, "step", step);
   for (const auto& [k, v] : hp) h5::set_attr(g, k, v);
@@ -84,9 +84,9 @@ h5::Elem elem_of(ExportDtype d) {
 namespace {
 
 // The optimizer's hyperparameters per group, from rank 0's file.
-std::map<int64_t, std::map<std::string, AttrValue>> optimizer_group_hyperparams(
+std::map<int64_t, std::map<std::string, ckpt::AttrValue>> optimizer_group_hyperparams(
     hid_t f0, const std::string& p0) {
-  std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
+  std::map<int64_t, std::map<std::string, ckpt::AttrValue>> group_hp;
   h5::Obj og = h5::open_group(f0, "optimizer", p0);
   const int64_t groups = h5::get_int(og, "num_groups", p0);
   for (int64_t g = 0; g < groups; ++g) {
@@ -97,15 +97,16 @@ std::map<int64_t, std::map<std::string, AttrValue>> optimizer_group_hyperparams(
 }
 
 // Flat `k`'s optimizer state, one dataset per parameter and state, in fp32.
-void write_flat_optim_state(ShardedReader& src, size_t k, ConsolidatedWriter& w,
-                            const std::map<int64_t, std::map<std::string, AttrValue>>& group_hp) {
+void write_flat_optim_state(
+    ShardedReader& src, size_t k, ConsolidatedWriter& w,
+    const std::map<int64_t, std::map<std::string, ckpt::AttrValue>>& group_hp) {
   const SourceFlat& sf = src.flats()[k];
   if (sf.optim_states.empty()) return;
   const int r = src.flat_file(k);  // the first file of its pipeline stage (rank 0's without)
   const std::string p0 = src.file_path(r);
   h5::Obj og = h5::open_group(src.file(r), src.flat_path(k) + "/optim", p0);
   const int64_t step = h5::get_int(og, "step", p0);
-  static const std::map<std::string, AttrValue> kNone;  // a group rank 0 does not list
+  static const std::map<std::string, ckpt::AttrValue> kNone;  // a group rank 0 does not list
   const auto it = group_hp.find(h5::get_int(og, "group", p0));
   const auto& hp = it == group_hp.end() ? kNone : it->second;
   for (const auto& e : sf.table) w.optim_group(e.fqn, step, hp);
@@ -151,7 +152,7 @@ void consolidate_offline(const std::string& sharded, const std::string& out_file
               " holds no optimizer state; drop --with-optimizer");
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
-  std::map<int64_t, std::map<std::string, AttrValue>> group_hp;
+  std::map<int64_t, std::map<std::string, ckpt::AttrValue>> group_hp;
   if (with_optimizer) group_hp = optimizer_group_hyperparams(f0, p0);
   size_t total = 0, done = 0;
   for (const auto& sf : src.flats()) total += sf.table.size();
@@ -202,7 +203,7 @@ const char* safetensors_dtype(h5::Elem e) {
 }
 
 std::map<std::string, std::string> safetensors_metadata(
-    h5::Elem dtype, int64_t step, const std::map<std::string, AttrValue>& attrs) {
+    h5::Elem dtype, int64_t step, const std::map<std::string, ckpt::AttrValue>& attrs) {
   std::map<std::string, std::string> m;
   for (const auto& [k, v] : attrs) {
     if (k == kHfConfigAttr) continue;  // config.json, beside the weights
@@ -220,13 +221,13 @@ std::map<std::string, std::string> safetensors_metadata(
   // Ours last, so that a model attribute of the same name cannot replace them.
   m["format"] = "pt";
   m["fsdp_format"] = kConsolidatedFormat;
-  m["fsdp_format_version"] = std::to_string(kCheckpointFormatBaseVersion);
+  m["fsdp_format_version"] = std::to_string(ckpt::kCheckpointFormatBaseVersion);
   m["dtype"] = h5::elem_name(dtype);
   m["step"] = std::to_string(step);
   return m;
 }
 
-void write_hf_config(const std::string& dir, const std::map<std::string, AttrValue>& attrs) {
+void write_hf_config(const std::string& dir, const std::map<std::string, ckpt::AttrValue>& attrs) {
   auto it = attrs.find(kHfConfigAttr);
   if (it == attrs.end()) return;
   const auto* text = std::get_if<std::string>(&it->second);
@@ -309,7 +310,7 @@ void consolidate_offline_safetensors(const std::string& sharded, const std::stri
                                      const Progress& progress, const Layout& layout) {
   const h5::Elem dtype = elem_of(export_dtype);
   ShardedReader src(sharded, 4u << 20);
-  const std::map<std::string, AttrValue> attrs = model_attrs(src);
+  const std::map<std::string, ckpt::AttrValue> attrs = model_attrs(src);
   const Layout& at = layout;
   // Every tensor, in the live export's order: each flat's table, then the buffers.
   std::vector<st::Spec> specs;

@@ -90,7 +90,7 @@ std::string failed_marker(int rank) { return ".failed-" + rank_file_name(rank); 
 class AsyncSaveJob {
  public:
   AsyncSaveJob(ShardedModel model, ckpt::SavePlan plan, ckpt::RankSnapshot snap, int rank,
-               int world, double stall_s, const SaveOptions& options)
+               int world, double stall_s, const ckpt::SaveOptions& options)
       : model_(std::move(model)),
         plan_(std::move(plan)),
         snap_(std::move(snap)),
@@ -155,7 +155,7 @@ class AsyncSaveJob {
   ckpt::RankSnapshot snap_;
   int rank_, world_;
   double stall_s_;  ///< rank 0 gives up on the others' files after this long without progress
-  SaveOptions options_;
+  ckpt::SaveOptions options_;
   std::chrono::steady_clock::time_point t0_;
   std::thread thread_;
   std::shared_future<std::string> outcome_;  ///< the thread's error ("": none), once it ends
@@ -298,7 +298,7 @@ std::shared_ptr<AsyncSaveJob>
 
 std::shared_ptr<AsyncSaveJob> start_async_save(const ShardedModel& model, SavePlan plan,
                                                RankSnapshot snap, int rank, int world,
-                                               double stall_s, const SaveOptions& options) {
+                                               double stall_s, const ckpt::SaveOptions& options) {
   auto job = std::make_shared<AsyncSaveJob>(model, std::move(plan), std::move(snap), rank, world,
                                             stall_s, options);
   job->start();
@@ -342,20 +342,20 @@ void wait_for_async_save() {
 
 }  // namespace ckpt
 
-AsyncSave::AsyncSave(std::shared_ptr<AsyncSaveJob> job) : job_(std::move(job)) {}
-AsyncSave::AsyncSave(AsyncSave&&) noexcept = default;
-AsyncSave& AsyncSave::operator=(AsyncSave&& other) noexcept {
+ckpt::AsyncSave::AsyncSave(std::shared_ptr<AsyncSaveJob> job) : job_(std::move(job)) {}
+ckpt::AsyncSave::AsyncSave(ckpt::AsyncSave&&) noexcept = default;
+ckpt::AsyncSave& ckpt::AsyncSave::operator=(ckpt::AsyncSave&& other) noexcept {
   if (this != &other) {
     if (job_) job_->join();
     job_ = std::move(other.job_);
   }
   return *this;
 }
-AsyncSave::~AsyncSave() {
+ckpt::AsyncSave::~AsyncSave() {
   if (job_) job_->join();
 }
 
-std::string AsyncSave::wait() {
+std::string ckpt::AsyncSave::wait() {
   TORCH_CHECK(job_, "AsyncSave::wait: this handle holds no save");
   const std::string& error = job_->join();
   TORCH_CHECK(error.empty(), "the asynchronous save of ", job_->path(), " failed: ", error,
@@ -363,17 +363,17 @@ std::string AsyncSave::wait() {
   return job_->path();
 }
 
-void AsyncSave::wait_staged() {
+void ckpt::AsyncSave::wait_staged() {
   if (job_) job_->wait_staged();
 }
 
-double AsyncSave::staging_wait_s() const { return job_ ? job_->staging_wait_s() : 0.0; }
+double ckpt::AsyncSave::staging_wait_s() const { return job_ ? job_->staging_wait_s() : 0.0; }
 
-bool AsyncSave::done() const { return !job_ || job_->finished(); }
+bool ckpt::AsyncSave::done() const { return !job_ || job_->finished(); }
 
-std::string AsyncSave::path() const { return job_ ? job_->path() : std::string(); }
+std::string ckpt::AsyncSave::path() const { return job_ ? job_->path() : std::string(); }
 
-void release_checkpoint_staging(const ShardedModel& model) {
+void ckpt::release_checkpoint_staging(const ShardedModel& model) {
   ckpt::wait_for_async_save();
   auto& pool = detail::checkpoint_staging_pool(model);
   detail::account_checkpoint_staging(model, -ckpt::staged_bytes(pool));

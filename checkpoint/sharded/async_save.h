@@ -19,7 +19,7 @@ namespace fsdp::ckpt {
 /// for the other ranks' files without progress before it gives up.
 std::shared_ptr<AsyncSaveJob> start_async_save(const ShardedModel& model, SavePlan plan,
                                                RankSnapshot snap, int rank, int world,
-                                               double stall_s, const SaveOptions& options);
+                                               double stall_s, const ckpt::SaveOptions& options);
 
 /// Joins the save in flight, if any, and has every rank agree whether it failed
 /// anywhere; throws on every rank alike if it did, naming `fn`. Collective when a save

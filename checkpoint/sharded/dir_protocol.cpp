@@ -28,7 +28,8 @@ std::optional<std::pair<int64_t, int64_t>> parse_checkpoint_name(const std::stri
 
 }  // namespace
 
-void check_save_args(const TrainingState& state, const SaveOptions& options, const char* fn) {
+void check_save_args(const ckpt::TrainingState& state, const ckpt::SaveOptions& options,
+                     const char* fn) {
   TORCH_CHECK(state.step >= 0, fn, ": step ", state.step, " is negative");
   TORCH_CHECK(options.keep_last >= 0, fn, ": keep_last ", options.keep_last,
               " is negative; use 0 to keep every checkpoint");

@@ -19,7 +19,8 @@ struct SavePlan {
 };
 
 /// Rejects a negative step or keep_last, naming `fn` and the value.
-void check_save_args(const TrainingState& state, const SaveOptions& options, const char* fn);
+void check_save_args(const ckpt::TrainingState& state, const ckpt::SaveOptions& options,
+                     const char* fn);
 
 /// Collective. Rank 0 picks the name (a new one if this step was saved before) and makes
 /// the temporary directory, removing one a killed save left; everyone learns the outcome

@@ -9,14 +9,14 @@
 namespace fsdp::ckpt {
 namespace {
 
-double as_double(const AttrValue& v) {
+double as_double(const ckpt::AttrValue& v) {
   if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
   if (const auto* d = std::get_if<double>(&v)) return *d;
   TORCH_CHECK(false, "optimizer hyperparameter should be a number, got a string");
 }
 
 template <class Opts>
-std::map<std::string, AttrValue> adam_like(const Opts& o) {
+std::map<std::string, ckpt::AttrValue> adam_like(const Opts& o) {
   return {{"lr", o.lr()},
           {"beta1", std::get<0>(o.betas())},
           {"beta2", std::get<1>(o.betas())},
@@ -26,7 +26,7 @@ std::map<std::string, AttrValue> adam_like(const Opts& o) {
 }
 
 template <class Opts>
-void set_adam_like(Opts& o, const std::map<std::string, AttrValue>& hp) {
+void set_adam_like(Opts& o, const std::map<std::string, ckpt::AttrValue>& hp) {
   auto get = [&](const char* k, double dflt) { return hp.count(k) ? as_double(hp.at(k)) : dflt; };
   o.lr(get("lr", o.lr()));
   o.betas(
@@ -211,7 +211,7 @@ void set_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard, Para
   }
 }
 
-std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g) {
+std::map<std::string, ckpt::AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g) {
   auto& o = opt.param_groups().at(g).options();
   if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return adam_like(*a);
   if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return adam_like(*a);
@@ -224,7 +224,7 @@ std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, siz
 }
 
 void set_group_hparams(torch::optim::Optimizer& opt, size_t g,
-                       const std::map<std::string, AttrValue>& hp) {
+                       const std::map<std::string, ckpt::AttrValue>& hp) {
   auto& o = opt.param_groups().at(g).options();
   if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return set_adam_like(*a, hp);
   if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return set_adam_like(*a, hp);

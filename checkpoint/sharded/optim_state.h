@@ -54,9 +54,9 @@ ParamState get_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard
 void set_shard_state(torch::optim::Optimizer& opt, const at::Tensor& shard, ParamState&& st);
 
 /// Hyperparameters of group `g` by name (lr, betas, eps, weight_decay, amsgrad, ...).
-std::map<std::string, AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g);
+std::map<std::string, ckpt::AttrValue> group_hparams(torch::optim::Optimizer& opt, size_t g);
 /// Sets the hyperparameters that `hp` names on group `g`.
 void set_group_hparams(torch::optim::Optimizer& opt, size_t g,
-                       const std::map<std::string, AttrValue>& hp);
+                       const std::map<std::string, ckpt::AttrValue>& hp);
 
 }  // namespace fsdp::ckpt

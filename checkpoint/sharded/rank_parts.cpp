@@ -16,7 +16,8 @@ namespace fsdp::ckpt {
 
 // ---- /optimizer ----------------------------------------------------------------------
 
-void write_optimizer_groups(hid_t file, const std::vector<std::map<std::string, AttrValue>>& groups,
+void write_optimizer_groups(hid_t file,
+                            const std::vector<std::map<std::string, ckpt::AttrValue>>& groups,
                             const std::string& path) {
   h5::Obj og = h5::create_group(file, "optimizer", path);
   h5::set_attr(og, "num_groups", static_cast<int64_t>(groups.size()));
@@ -34,7 +35,7 @@ void read_optimizer_groups(hid_t file, const std::string& path, torch::optim::Op
               " optimizer param groups but the optimizer has ", opt.param_groups().size());
   for (int64_t g = 0; g < groups; ++g) {
     h5::Obj gg = h5::open_group(og, "group_" + std::to_string(g), path);
-    std::map<std::string, AttrValue> hp;
+    std::map<std::string, ckpt::AttrValue> hp;
     for (const auto& n : h5::attr_names(gg, path)) hp[n] = h5::get_attr(gg, n, path);
     set_group_hparams(opt, static_cast<size_t>(g), hp);
   }
@@ -42,7 +43,7 @@ void read_optimizer_groups(hid_t file, const std::string& path, torch::optim::Op
 
 // ---- /state and /model_attrs ---------------------------------------------------------
 
-void write_training_state(hid_t file, const TrainingState& state, const std::string& path) {
+void write_training_state(hid_t file, const ckpt::TrainingState& state, const std::string& path) {
   h5::Obj sg = h5::create_group(file, "state", path);
   h5::set_attr(sg, "step", state.step);
   h5::Obj sched = h5::create_group(sg, "scheduler", path);
@@ -62,9 +63,9 @@ void write_training_state(hid_t file, const TrainingState& state, const std::str
   for (const auto& [k, v] : state.model_attrs) h5::set_attr(ma, k, v);
 }
 
-TrainingState read_training_state(hid_t file, const std::string& path) {
+ckpt::TrainingState read_training_state(hid_t file, const std::string& path) {
   const std::string where = path + ":/state";
-  TrainingState state;
+  ckpt::TrainingState state;
   h5::Obj sg = h5::open_group(file, "state", path);
   state.step = h5::get_int(sg, "step", where);
   h5::Obj sched = h5::open_group(sg, "scheduler", where);

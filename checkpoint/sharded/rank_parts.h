@@ -20,15 +20,16 @@ namespace fsdp::ckpt {
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 /// /optimizer/group_<g>: each optimizer param group's hyperparameters (lr, betas, ...).
-void write_optimizer_groups(hid_t file, const std::vector<std::map<std::string, AttrValue>>& groups,
+void write_optimizer_groups(hid_t file,
+                            const std::vector<std::map<std::string, ckpt::AttrValue>>& groups,
                             const std::string& path);
 /// Sets them on `opt`, whose param groups must be as many; `what` names the checkpoint.
 void read_optimizer_groups(hid_t file, const std::string& path, torch::optim::Optimizer& opt,
                            const std::string& what);
 
 /// /state (step; groups scheduler, extra, loss_scaler) and /model_attrs.
-void write_training_state(hid_t file, const TrainingState& state, const std::string& path);
-TrainingState read_training_state(hid_t file, const std::string& path);
+void write_training_state(hid_t file, const ckpt::TrainingState& state, const std::string& path);
+ckpt::TrainingState read_training_state(hid_t file, const std::string& path);
 
 /// /rng/cpu, /rng/cuda_<i>: this process's default generators, as copies.
 NamedTensors capture_rng();

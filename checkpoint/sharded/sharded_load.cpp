@@ -43,7 +43,7 @@ void check_optimizer_kind(const ShardedReader& src, torch::optim::Optimizer& opt
 // so that a wrong checkpoint fails first: a shape mismatch always throws; missing and
 // unexpected names go to `report` and throw under `strict`.
 void match_names(const ShardedReader& src, const std::vector<LocalShard>& shards,
-                 const std::string& what, bool strict, bool stage, LoadReport& report) {
+                 const std::string& what, bool strict, bool stage, ckpt::LoadReport& report) {
   std::set<std::string> model_names;
   std::vector<std::string> mismatched;
   for (const auto& ls : shards) {
@@ -135,9 +135,9 @@ void load_shard(ShardedReader& src, const LocalShard& ls, torch::optim::Optimize
 // copy, as it does the optimizer's groups and the training state. RNG streams belong to
 // ranks: they are restored only when the ranks are the same.
 void load_rank_parts(ShardedReader& src, const ShardedModel& root,
-                     torch::optim::Optimizer* optimizer, TrainingState* state,
-                     const LoadOptions& options, const ProcessGroup& job, bool stage,
-                     const std::string& what, LoadReport& report) {
+                     torch::optim::Optimizer* optimizer, ckpt::TrainingState* state,
+                     const ckpt::LoadOptions& options, const ProcessGroup& job, bool stage,
+                     const std::string& what, ckpt::LoadReport& report) {
   hid_t f0 = src.file(0);
   const std::string p0 = src.file_path(0);
   if (src.parts() == 1 && !stage) {
@@ -161,15 +161,15 @@ void load_rank_parts(ShardedReader& src, const ShardedModel& root,
     restore_rng(src.file(job.rank()), src.file_path(job.rank()));
 }
 
-LoadReport load(const std::string& path, ShardedModel& root, torch::optim::Optimizer* optimizer,
-                TrainingState* state, const LoadOptions& options, const ProcessGroup& job,
-                bool stage) {
+ckpt::LoadReport load(const std::string& path, ShardedModel& root,
+                      torch::optim::Optimizer* optimizer, ckpt::TrainingState* state,
+                      const ckpt::LoadOptions& options, const ProcessGroup& job, bool stage) {
   detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint load"); });
   wait_for_async_save();  // the save just made is complete before anything reads
   std::optional<detail::trace::Scope> opening;
   opening.emplace("checkpoint", []() { return std::string("checkpoint read metadata"); });
   ShardedReader src(path);
-  LoadReport report;
+  ckpt::LoadReport report;
   report.path = src.dir();
   const std::string what = "checkpoint " + src.dir();
   if (optimizer) check_optimizer_kind(src, *optimizer, what);
@@ -192,21 +192,23 @@ LoadReport load(const std::string& path, ShardedModel& root, torch::optim::Optim
 }  // namespace
 }  // namespace ckpt
 
-std::optional<std::string> latest_checkpoint(const std::string& dir) {
+std::optional<std::string> ckpt::latest_checkpoint(const std::string& dir) {
   if (!fs::exists(fs::path(dir) / "latest")) return std::nullopt;
   return ckpt::resolve_checkpoint_dir(dir);
 }
 
-LoadReport load_sharded_checkpoint(const std::string& path, ShardedModel& root,
-                                   torch::optim::Optimizer* optimizer, TrainingState* state,
-                                   const LoadOptions& options) {
+ckpt::LoadReport ckpt::load_sharded_checkpoint(const std::string& path, ShardedModel& root,
+                                               torch::optim::Optimizer* optimizer,
+                                               ckpt::TrainingState* state,
+                                               const ckpt::LoadOptions& options) {
   return ckpt::load(path, root, optimizer, state, options, root.sharding_options().process_group,
                     /*stage=*/false);
 }
 
-LoadReport load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
-                                   torch::optim::Optimizer* optimizer, TrainingState* state,
-                                   const LoadOptions& options) {
+ckpt::LoadReport ckpt::load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
+                                               torch::optim::Optimizer* optimizer,
+                                               ckpt::TrainingState* state,
+                                               const ckpt::LoadOptions& options) {
   // Note [Pipelined checkpoints] (sharded_save.cpp): each stage reads its own names.
   return ckpt::load(path, model.stage_model(), optimizer, state, options, model.world(),
                     /*stage=*/model.stages() > 1);

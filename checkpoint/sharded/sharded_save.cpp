@@ -44,8 +44,8 @@ struct Placement {
 };
 
 std::string save_sync(const std::string& dir, const ShardedModel& root,
-                      torch::optim::Optimizer* optimizer, const TrainingState& state,
-                      const SaveOptions& options, const Placement& at, const char* fn) {
+                      torch::optim::Optimizer* optimizer, const ckpt::TrainingState& state,
+                      const ckpt::SaveOptions& options, const Placement& at, const char* fn) {
   detail::trace::Scope span("checkpoint", []() { return std::string("checkpoint save"); });
   check_save_args(state, options, fn);
   const ProcessGroup& pg = *at.job;
@@ -91,17 +91,19 @@ std::string save_sync(const std::string& dir, const ShardedModel& root,
 }  // namespace
 }  // namespace ckpt
 
-std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
-                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
-                                    const SaveOptions& options) {
+std::string ckpt::save_sharded_checkpoint(const std::string& dir, const ShardedModel& root,
+                                          torch::optim::Optimizer* optimizer,
+                                          const ckpt::TrainingState& state,
+                                          const ckpt::SaveOptions& options) {
   const ProcessGroup& pg = root.sharding_options().process_group;
   return ckpt::save_sync(dir, root, optimizer, state, options, {&pg, pg.rank(), pg.size()},
                          "save_sharded_checkpoint");
 }
 
-std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
-                                    torch::optim::Optimizer* optimizer, const TrainingState& state,
-                                    const SaveOptions& options) {
+std::string ckpt::save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
+                                          torch::optim::Optimizer* optimizer,
+                                          const ckpt::TrainingState& state,
+                                          const ckpt::SaveOptions& options) {
   const ProcessGroup& stage = model.stage_group();
   return ckpt::save_sync(
       dir, model.stage_model(), optimizer, state, options,
@@ -114,8 +116,9 @@ namespace {
 
 std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedModel& root,
                                          torch::optim::Optimizer* optimizer,
-                                         const TrainingState& state, const SaveOptions& options,
-                                         const Placement& at, const char* fn) {
+                                         const ckpt::TrainingState& state,
+                                         const ckpt::SaveOptions& options, const Placement& at,
+                                         const char* fn) {
   detail::trace::Scope span("checkpoint",
                             []() { return std::string("checkpoint save (async: staging)"); });
   check_save_args(state, options, fn);
@@ -161,20 +164,25 @@ std::shared_ptr<AsyncSaveJob> save_async(const std::string& dir, const ShardedMo
 }  // namespace
 }  // namespace ckpt
 
-AsyncSave save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& root,
-                                        torch::optim::Optimizer* optimizer,
-                                        const TrainingState& state, const SaveOptions& options) {
+ckpt::AsyncSave ckpt::save_sharded_checkpoint_async(const std::string& dir,
+                                                    const ShardedModel& root,
+                                                    torch::optim::Optimizer* optimizer,
+                                                    const ckpt::TrainingState& state,
+                                                    const ckpt::SaveOptions& options) {
   const ProcessGroup& pg = root.sharding_options().process_group;
-  return AsyncSave(ckpt::save_async(dir, root, optimizer, state, options,
-                                    {&pg, pg.rank(), pg.size()}, "save_sharded_checkpoint_async"));
+  return ckpt::AsyncSave(ckpt::save_async(dir, root, optimizer, state, options,
+                                          {&pg, pg.rank(), pg.size()},
+                                          "save_sharded_checkpoint_async"));
 }
 
-AsyncSave save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
-                                        torch::optim::Optimizer* optimizer,
-                                        const TrainingState& state, const SaveOptions& options) {
+ckpt::AsyncSave ckpt::save_sharded_checkpoint_async(const std::string& dir,
+                                                    const PipelinedModel& model,
+                                                    torch::optim::Optimizer* optimizer,
+                                                    const ckpt::TrainingState& state,
+                                                    const ckpt::SaveOptions& options) {
   // Note [Pipelined checkpoints]: the files of the synchronous save, staged on every rank.
   const ProcessGroup& stage = model.stage_group();
-  return AsyncSave(
+  return ckpt::AsyncSave(
       ckpt::save_async(dir, model.stage_model(), optimizer, state, options,
                        {&model.world(), stage.rank(), stage.size(), model.stages(), model.stage()},
                        "save_sharded_checkpoint_async"));

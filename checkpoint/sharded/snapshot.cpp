@@ -170,7 +170,7 @@ void Stager::forget_used() {
 }
 
 RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt,
-                           const TrainingState& state, int rank, int world, Stager* stager) {
+                           const ckpt::TrainingState& state, int rank, int world, Stager* stager) {
   RankSnapshot snap;
   auto keep = [&](const std::string& what, const at::Tensor& t) {
     return stager ? stager->stage(what, t, snap) : t;
@@ -254,7 +254,8 @@ void write_snapshot(const std::string& path, const RankSnapshot& snap) {
   h5::Obj f = h5::create_file(path);
   h5::set_attr(f, "format", std::string(kShardedFormat));
   h5::set_attr(f, "format_version",
-               snap.stages > 1 ? kCheckpointFormatPipelinedVersion : kCheckpointFormatBaseVersion);
+               snap.stages > 1 ? ckpt::kCheckpointFormatPipelinedVersion
+                               : ckpt::kCheckpointFormatBaseVersion);
   h5::set_attr(f, "world_size", int64_t{snap.world});
   h5::set_attr(f, "rank", int64_t{snap.rank});
   if (snap.stages > 1) {

@@ -44,8 +44,8 @@ struct RankSnapshot {
   bool has_buffers = false;  ///< this file holds the buffers (its part's first rank)
   std::string optimizer_kind = "none";
   std::vector<Flat> flats;
-  std::vector<std::map<std::string, AttrValue>> groups;  ///< optimizer hyperparameters
-  TrainingState state;
+  std::vector<std::map<std::string, ckpt::AttrValue>> groups;  ///< optimizer hyperparameters
+  ckpt::TrainingState state;
   std::vector<std::pair<std::string, at::Tensor>> rng;      ///< "cpu", "cuda_<i>"
   std::vector<std::pair<std::string, at::Tensor>> buffers;  ///< has_buffers only
   int64_t staged_bytes = 0;                                 ///< host copies held (async)
@@ -112,7 +112,7 @@ std::string finish_staging(RankSnapshot& snap);
 /// This rank's snapshot of the model, `opt`'s state (may be null) and `state`. `stager`
 /// null: views of the live tensors (a synchronous save); else host copies.
 RankSnapshot take_snapshot(const ShardedModel& root, torch::optim::Optimizer* opt,
-                           const TrainingState& state, int rank, int world, Stager* stager);
+                           const ckpt::TrainingState& state, int rank, int world, Stager* stager);
 
 /// Writes `snap` as the rank file `path` and fsyncs it.
 void write_snapshot(const std::string& path, const RankSnapshot& snap);

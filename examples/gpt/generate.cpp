@@ -24,7 +24,7 @@ namespace {
 
 using examples::UsageError;
 
-int64_t int_attr(const std::map<std::string, fsdp::AttrValue>& attrs, const std::string& key,
+int64_t int_attr(const std::map<std::string, fsdp::ckpt::AttrValue>& attrs, const std::string& key,
                  const std::string& file) {
   auto it = attrs.find(key);
   if (it == attrs.end() || !std::holds_alternative<int64_t>(it->second)) {
@@ -58,7 +58,7 @@ cxxopts::Options make_options() {
 
 /// The model's shape, from the file's root attributes.
 gpt::Config read_architecture(const std::string& file) {
-  const auto attrs = fsdp::consolidated_attributes(file);
+  const auto attrs = fsdp::ckpt::consolidated_attributes(file);
   gpt::Config cfg;
   for (const auto& [key, field] : lm::architecture_fields(cfg)) *field = int_attr(attrs, key, file);
   return cfg;
@@ -129,7 +129,7 @@ int run(int argc, char** argv) {
                      std::to_string(cfg.vocab_size) + " (0: no limit)");
   }
   gpt::GPT model(cfg);
-  fsdp::load_consolidated(file, *model);
+  fsdp::ckpt::load_consolidated(file, *model);
   model->to(device);
   model->eval();
 

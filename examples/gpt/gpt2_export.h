@@ -49,7 +49,7 @@ inline bool gpt2_transposed(const std::string& fqn) {
   return std::regex_match(fqn, conv);
 }
 
-inline void gpt2_layout(fsdp::SafetensorsOptions& o) {
+inline void gpt2_layout(fsdp::ckpt::SafetensorsOptions& o) {
   o.name_for = gpt2_name;
   o.transpose = gpt2_transposed;
 }

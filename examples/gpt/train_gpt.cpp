@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   p.name = "train_gpt";
   p.arch = "gpt";
   p.description = "Train the GPT example, fully sharded over the job's ranks.";
-  p.block_policy = fsdp::module_type_policy<gpt::Block>();
+  p.block_policy = fsdp::wrap::module_type_policy<gpt::Block>();
   p.build = lm::build_sharded<gpt::GPT, lm::Config>;
   p.layers = [](const lm::Config& c) { return gpt::layer_factory(c); };
   p.layer_names = gpt::layer_param_name;

@@ -148,10 +148,10 @@ std::string join(const std::vector<std::string>& names) {
 /// lm_head.weight (it is model.embed_tokens.weight); anything else missing or unexpected
 /// is an error naming the keys.
 void load_weights(const std::string& dir, llama::Llama& model) {
-  fsdp::LoadOptions lo;
+  fsdp::ckpt::LoadOptions lo;
   lo.strict = false;
   lo.restore_rng = false;
-  const auto report = fsdp::load_consolidated(dir, *model, lo);
+  const auto report = fsdp::ckpt::load_consolidated(dir, *model, lo);
   std::vector<std::string> missing;
   for (const auto& k : report.missing) {
     if (!(model->config.tie_embeddings && k == "lm_head.weight")) missing.push_back(k);

@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   p.description =
       "Train the Llama example (transformers' LlamaForCausalLM), fully sharded over the job's "
       "ranks.";
-  p.block_policy = fsdp::module_type_policy<llama::DecoderLayer>();
+  p.block_policy = fsdp::wrap::module_type_policy<llama::DecoderLayer>();
   p.build = [](const lm::Config& c, const fsdp::ShardingOptions& so, bool sharded) {
     return lm::build_sharded<llama::Llama>(llama::from_lm(c), so, sharded);
   };

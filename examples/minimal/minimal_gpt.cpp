@@ -104,7 +104,7 @@ int main(int argc, char** argv) try {
   fsdp::ShardingOptions opts;
   opts.device = fsdp::choose_device(device, "--device");
   opts.process_group = fsdp::init_process_group();  // from fsdp-run, torchrun or Slurm
-  opts.auto_wrap_policy = fsdp::module_type_policy<Block>();
+  opts.auto_wrap_policy = fsdp::wrap::module_type_policy<Block>();
   if (opts.device.is_cuda()) {  // bf16 compute, fp32 shards and optimizer
     opts.mixed_precision.param_dtype = torch::kBFloat16;
     opts.mixed_precision.reduce_dtype = torch::kBFloat16;
@@ -117,9 +117,9 @@ int main(int argc, char** argv) try {
   fsdp::FusedAdamW opt(model, torch::optim::AdamWOptions(3e-3).weight_decay(0.1));
   const auto next = torch::randperm(c.vocab, at::make_generator<at::CPUGeneratorImpl>(7));
 
-  fsdp::TrainingState state;  // step 0, unless a checkpoint says otherwise
-  if (const auto latest = ckpt.empty() ? std::nullopt : fsdp::latest_checkpoint(ckpt)) {
-    fsdp::load_sharded_checkpoint(*latest, model, &opt, &state);
+  fsdp::ckpt::TrainingState state;  // step 0, unless a checkpoint says otherwise
+  if (const auto latest = ckpt.empty() ? std::nullopt : fsdp::ckpt::latest_checkpoint(ckpt)) {
+    fsdp::ckpt::load_sharded_checkpoint(*latest, model, &opt, &state);
     if (rank == 0) std::cout << "resumed from " << *latest << " at step " << state.step << "\n";
   }
   for (; state.step < steps; ++state.step) {
@@ -135,7 +135,7 @@ int main(int argc, char** argv) try {
       std::cout << "step " << state.step << " loss " << loss.item<double>() << "\n";
   }
   if (!ckpt.empty()) {
-    const std::string path = fsdp::save_sharded_checkpoint(ckpt, model, &opt, state);
+    const std::string path = fsdp::ckpt::save_sharded_checkpoint(ckpt, model, &opt, state);
     if (rank == 0) std::cout << "saved " << path << " at step " << state.step << "\n";
   }
   return 0;

@@ -40,7 +40,7 @@ int run(int argc, char** argv) {
   fsdp::ShardingOptions opts;
   opts.device = examples::parse_device_flag(r["device"].as<std::string>());
   opts.process_group = examples::init_process_group_for(opts.device);
-  opts.auto_wrap_policy = fsdp::size_based_policy(10000);
+  opts.auto_wrap_policy = fsdp::wrap::size_based_policy(10000);
   torch::manual_seed(0);
   auto model = fsdp::fully_shard(Net(), opts);
   // Host shards step with its SIMD kernels, device shards with ATen's fused kernel.

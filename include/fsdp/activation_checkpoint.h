@@ -22,7 +22,7 @@ struct ActivationCheckpointOptions {
   bool offload_inputs = false;
   /// If set, counts the host bytes of offloaded inputs, from forward until the graph that
   /// holds them is freed (ShardedModel's MemoryStats::offloaded_activations).
-  MemoryCounter* host_counter = nullptr;
+  stats::MemoryCounter* host_counter = nullptr;
 };
 
 /// A region to checkpoint: tensors in, tensors out. Non-tensor arguments are captured

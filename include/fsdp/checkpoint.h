@@ -28,6 +28,11 @@
 
 namespace fsdp {
 
+class PipelinedModel;  // fsdp/pipeline.h
+class AsyncSaveJob;    // the engine's (opaque)
+
+namespace ckpt {
+
 /// Everything besides parameters and optimizer state that a resume needs.
 struct TrainingState {
   int64_t step = 0;  ///< optimizer steps taken
@@ -94,8 +99,6 @@ std::string save_sharded_checkpoint(const std::string& dir, const ShardedModel& 
                                     const TrainingState& state = {},
                                     const SaveOptions& options = {});
 
-class PipelinedModel;  // fsdp/pipeline.h
-
 /// The same for a pipelined model (fsdp::pipeline): one checkpoint of every stage,
 /// collective over the whole job (PipelinedModel::world). Each rank writes its stage's
 /// shards under the names PipelineOptions::parameter_names gives them, so the checkpoint
@@ -104,8 +107,6 @@ std::string save_sharded_checkpoint(const std::string& dir, const PipelinedModel
                                     torch::optim::Optimizer* optimizer = nullptr,
                                     const TrainingState& state = {},
                                     const SaveOptions& options = {});
-
-class AsyncSaveJob;  // the engine's (opaque)
 
 /// The handle of a save_sharded_checkpoint_async: one save in flight per process.
 /// Destroying it (or assigning another to it) waits for the save; a failure is then
@@ -315,5 +316,121 @@ void consolidate_checkpoint(const std::string& sharded, const std::string& out_f
 /// consolidated file, verifying checksums and structure, and describes it. Throws a
 /// c10::Error naming the file and the problem.
 std::string inspect_checkpoint(const std::string& path, bool verify = true);
+
+}  // namespace ckpt
+
+// The names before they moved into fsdp::ckpt (issue 54: concepts in nested namespaces, as
+// torch.distributed.checkpoint). They stay one release, deprecated.
+using TrainingState [[deprecated("renamed fsdp::ckpt::TrainingState")]] = ckpt::TrainingState;
+using SaveOptions [[deprecated("renamed fsdp::ckpt::SaveOptions")]] = ckpt::SaveOptions;
+using LoadOptions [[deprecated("renamed fsdp::ckpt::LoadOptions")]] = ckpt::LoadOptions;
+using LoadReport [[deprecated("renamed fsdp::ckpt::LoadReport")]] = ckpt::LoadReport;
+using AsyncSave [[deprecated("renamed fsdp::ckpt::AsyncSave")]] = ckpt::AsyncSave;
+using ExportOptions [[deprecated("renamed fsdp::ckpt::ExportOptions")]] = ckpt::ExportOptions;
+using SafetensorsOptions [[deprecated("renamed fsdp::ckpt::SafetensorsOptions")]] =
+    ckpt::SafetensorsOptions;
+using WeightsFormat [[deprecated("renamed fsdp::ckpt::WeightsFormat")]] = ckpt::WeightsFormat;
+using ConsolidateOptions [[deprecated("renamed fsdp::ckpt::ConsolidateOptions")]] =
+    ckpt::ConsolidateOptions;
+[[deprecated("renamed fsdp::ckpt::save_sharded_checkpoint")]] inline std::string
+save_sharded_checkpoint(const std::string& dir, const ShardedModel& model,
+                        torch::optim::Optimizer* optimizer = nullptr,
+                        const ckpt::TrainingState& state = {},
+                        const ckpt::SaveOptions& options = {}) {
+  return ckpt::save_sharded_checkpoint(dir, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::save_sharded_checkpoint")]] inline std::string
+save_sharded_checkpoint(const std::string& dir, const PipelinedModel& model,
+                        torch::optim::Optimizer* optimizer = nullptr,
+                        const ckpt::TrainingState& state = {},
+                        const ckpt::SaveOptions& options = {}) {
+  return ckpt::save_sharded_checkpoint(dir, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::save_sharded_checkpoint_async")]] inline ckpt::AsyncSave
+save_sharded_checkpoint_async(const std::string& dir, const ShardedModel& model,
+                              torch::optim::Optimizer* optimizer = nullptr,
+                              const ckpt::TrainingState& state = {},
+                              const ckpt::SaveOptions& options = {}) {
+  return ckpt::save_sharded_checkpoint_async(dir, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::save_sharded_checkpoint_async")]] inline ckpt::AsyncSave
+save_sharded_checkpoint_async(const std::string& dir, const PipelinedModel& model,
+                              torch::optim::Optimizer* optimizer = nullptr,
+                              const ckpt::TrainingState& state = {},
+                              const ckpt::SaveOptions& options = {}) {
+  return ckpt::save_sharded_checkpoint_async(dir, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::release_checkpoint_staging")]] inline void
+release_checkpoint_staging(const ShardedModel& model) {
+  ckpt::release_checkpoint_staging(model);
+}
+[[deprecated("renamed fsdp::ckpt::load_sharded_checkpoint")]] inline ckpt::LoadReport
+load_sharded_checkpoint(const std::string& path, ShardedModel& model,
+                        torch::optim::Optimizer* optimizer = nullptr,
+                        ckpt::TrainingState* state = nullptr,
+                        const ckpt::LoadOptions& options = {}) {
+  return ckpt::load_sharded_checkpoint(path, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::load_sharded_checkpoint")]] inline ckpt::LoadReport
+load_sharded_checkpoint(const std::string& path, PipelinedModel& model,
+                        torch::optim::Optimizer* optimizer = nullptr,
+                        ckpt::TrainingState* state = nullptr,
+                        const ckpt::LoadOptions& options = {}) {
+  return ckpt::load_sharded_checkpoint(path, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::latest_checkpoint")]] inline std::optional<std::string>
+latest_checkpoint(const std::string& dir) {
+  return ckpt::latest_checkpoint(dir);
+}
+[[deprecated("renamed fsdp::ckpt::export_consolidated")]] inline void export_consolidated(
+    const std::string& file, const ShardedModel& model,
+    torch::optim::Optimizer* optimizer = nullptr, const ckpt::TrainingState& state = {},
+    const ckpt::ExportOptions& options = {}) {
+  ckpt::export_consolidated(file, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::export_consolidated")]] inline void export_consolidated(
+    const std::string& file, const PipelinedModel& model,
+    torch::optim::Optimizer* optimizer = nullptr, const ckpt::TrainingState& state = {},
+    const ckpt::ExportOptions& options = {}) {
+  ckpt::export_consolidated(file, model, optimizer, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::import_consolidated")]] inline ckpt::LoadReport
+import_consolidated(const std::string& file, ShardedModel& model,
+                    const ckpt::LoadOptions& options = {}) {
+  return ckpt::import_consolidated(file, model, options);
+}
+[[deprecated("renamed fsdp::ckpt::import_consolidated")]] inline ckpt::LoadReport
+import_consolidated(const std::string& file, PipelinedModel& model,
+                    const ckpt::LoadOptions& options = {}) {
+  return ckpt::import_consolidated(file, model, options);
+}
+[[deprecated("renamed fsdp::ckpt::load_consolidated")]] inline ckpt::LoadReport load_consolidated(
+    const std::string& file, torch::nn::Module& module, const ckpt::LoadOptions& options = {}) {
+  return ckpt::load_consolidated(file, module, options);
+}
+[[deprecated(
+    "renamed fsdp::ckpt::consolidated_attributes")]] inline std::map<std::string, ckpt::AttrValue>
+consolidated_attributes(const std::string& file) {
+  return ckpt::consolidated_attributes(file);
+}
+[[deprecated("renamed fsdp::ckpt::export_safetensors")]] inline void export_safetensors(
+    const std::string& dir, const ShardedModel& model, const ckpt::TrainingState& state = {},
+    const ckpt::SafetensorsOptions& options = {}) {
+  ckpt::export_safetensors(dir, model, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::export_safetensors")]] inline void export_safetensors(
+    const std::string& dir, const PipelinedModel& model, const ckpt::TrainingState& state = {},
+    const ckpt::SafetensorsOptions& options = {}) {
+  ckpt::export_safetensors(dir, model, state, options);
+}
+[[deprecated("renamed fsdp::ckpt::consolidate_checkpoint")]] inline void consolidate_checkpoint(
+    const std::string& sharded, const std::string& out_file,
+    const ckpt::ConsolidateOptions& options = {}) {
+  ckpt::consolidate_checkpoint(sharded, out_file, options);
+}
+[[deprecated("renamed fsdp::ckpt::inspect_checkpoint")]] inline std::string inspect_checkpoint(
+    const std::string& path, bool verify = true) {
+  return ckpt::inspect_checkpoint(path, verify);
+}
 
 }  // namespace fsdp

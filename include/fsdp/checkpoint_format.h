@@ -8,6 +8,9 @@
 #include <variant>
 
 namespace fsdp {
+/// Checkpoints: sharded saves and loads, consolidated and safetensors exports, the offline
+/// tools (as torch.distributed.checkpoint).
+namespace ckpt {
 
 /// The newest version of the file formats this build reads.
 constexpr int64_t kCheckpointFormatVersion = 2;
@@ -21,5 +24,18 @@ constexpr int64_t kCheckpointFormatPipelinedVersion = 2;
 
 /// A scalar attribute: model configuration values and the like.
 using AttrValue = std::variant<int64_t, double, std::string>;
+
+}  // namespace ckpt
+
+// The names before they moved into fsdp::ckpt (issue 54: concepts in nested namespaces).
+// They stay one release, deprecated.
+[[deprecated(
+    "renamed fsdp::ckpt::kCheckpointFormatVersion")]] constexpr int64_t kCheckpointFormatVersion =
+    ckpt::kCheckpointFormatVersion;
+[[deprecated("renamed fsdp::ckpt::kCheckpointFormatBaseVersion")]] constexpr int64_t
+    kCheckpointFormatBaseVersion = ckpt::kCheckpointFormatBaseVersion;
+[[deprecated("renamed fsdp::ckpt::kCheckpointFormatPipelinedVersion")]] constexpr int64_t
+    kCheckpointFormatPipelinedVersion = ckpt::kCheckpointFormatPipelinedVersion;
+using AttrValue [[deprecated("renamed fsdp::ckpt::AttrValue")]] = ckpt::AttrValue;
 
 }  // namespace fsdp

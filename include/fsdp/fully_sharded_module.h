@@ -229,11 +229,11 @@ class ShardedModel {
   /// The fp32 trainable shards, one per unit: give these to any torch::optim optimizer.
   std::vector<torch::Tensor> sharded_parameters() const;
   /// Engine-held bytes by class, this rank.
-  MemoryStats memory_stats() const;
+  stats::MemoryStats memory_stats() const;
   /// Resets every memory counter's peak to its current value.
   void reset_peak_memory();
   /// Bytes moved by collectives, this step and in total.
-  CommCounters comm_stats() const;
+  stats::CommCounters comm_stats() const;
   /// Every original parameter: FQN, owning unit, offset, numel, shape; in unit order.
   std::vector<ParamInfo> param_table() const;
   /// The options the model was sharded with.

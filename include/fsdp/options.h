@@ -38,7 +38,7 @@ struct MixedPrecision {
   /// Wrap points this picks (e.g. module_type_policy<torch::nn::LayerNorm>()) become
   /// their own units kept in fp32: their inputs are cast to fp32 and their floating
   /// outputs back to param_dtype. Empty: none.
-  WrapPolicy keep_fp32_policy = nullptr;
+  wrap::WrapPolicy keep_fp32_policy = nullptr;
 };
 
 /// One of DeepSpeed's offload sections (`offload_optimizer`, `offload_param`); OffloadDevice
@@ -86,7 +86,7 @@ struct QuantizedCommunication {
 /// Everything fully_shard needs to know.
 struct ShardingOptions {
   /// Which wrap points become units; the root is always a unit.
-  WrapPolicy auto_wrap_policy = always_wrap_policy();
+  wrap::WrapPolicy auto_wrap_policy = wrap::always_wrap_policy();
   /// See ShardingStrategy.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   /// Group size for kHybridShard (ranks that share one full copy); 0 = whole world.
@@ -130,7 +130,7 @@ struct ShardingOptions {
   /// Wrap points whose forward runs under activation checkpointing (Tensor -> Tensor
   /// forwards): e.g. always_wrap_policy(), every_kth_policy(2), module_type_policy<...>().
   /// Empty: none. A unit's gather for backward happens before its recompute.
-  WrapPolicy checkpoint_policy = nullptr;
+  wrap::WrapPolicy checkpoint_policy = nullptr;
   /// Activation offload: the inputs that checkpoint_policy's regions save for backward
   /// live in host memory (pinned on CUDA) instead of on `device`, and come back when
   /// their backward starts (ActivationCheckpointOptions::offload_inputs). Needs checkpoint_policy.

@@ -7,6 +7,8 @@
 #include <string>
 
 namespace fsdp {
+/// What a sharded model counts: memory by class, bytes communicated, the GPU's bytes.
+namespace stats {
 
 /// One tracked allocation class.
 struct MemoryCounter {
@@ -130,5 +132,23 @@ struct DeviceMemory {
 DeviceMemory device_memory(const c10::Device& device);
 /// Starts device_memory's peaks again from the current figures.
 void reset_device_peak_memory(const c10::Device& device);
+
+}  // namespace stats
+
+// The names before they moved into fsdp::stats (issue 54: concepts in nested namespaces).
+// They stay one release, deprecated.
+using MemoryCounter [[deprecated("renamed fsdp::stats::MemoryCounter")]] = stats::MemoryCounter;
+using MemoryStats [[deprecated("renamed fsdp::stats::MemoryStats")]] = stats::MemoryStats;
+using CommStats [[deprecated("renamed fsdp::stats::CommStats")]] = stats::CommStats;
+using CommCounters [[deprecated("renamed fsdp::stats::CommCounters")]] = stats::CommCounters;
+using DeviceMemory [[deprecated("renamed fsdp::stats::DeviceMemory")]] = stats::DeviceMemory;
+[[deprecated("renamed fsdp::stats::device_memory")]] inline stats::DeviceMemory device_memory(
+    const c10::Device& device) {
+  return stats::device_memory(device);
+}
+[[deprecated("renamed fsdp::stats::reset_device_peak_memory")]] inline void
+reset_device_peak_memory(const c10::Device& device) {
+  stats::reset_device_peak_memory(device);
+}
 
 }  // namespace fsdp

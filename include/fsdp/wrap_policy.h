@@ -8,9 +8,12 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace fsdp {
+/// Auto-wrap policies (as torch.distributed.fsdp.wrap): which wrap points become units.
+namespace wrap {
 
 /// What a policy sees about one wrap point. Policies are asked bottom-up, so `numel`
 /// already excludes parameters claimed by inner units.
@@ -60,6 +63,49 @@ WrapPolicy module_type_policy() {
   };
   return
       [is](const WrapContext& ctx) { return (... || is(static_cast<Ms*>(nullptr), ctx.module)); };
+}
+
+}  // namespace wrap
+
+// The names before they moved into fsdp::wrap (issue 54: concepts in nested namespaces,
+// as torch::nn). They stay one release, deprecated.
+using WrapContext [[deprecated("renamed fsdp::wrap::WrapContext")]] = wrap::WrapContext;
+using WrapPolicy [[deprecated("renamed fsdp::wrap::WrapPolicy")]] = wrap::WrapPolicy;
+[[deprecated("renamed fsdp::wrap::always_wrap_policy")]] inline wrap::WrapPolicy
+always_wrap_policy() {
+  return wrap::always_wrap_policy();
+}
+[[deprecated("renamed fsdp::wrap::never_wrap_policy")]] inline wrap::WrapPolicy
+never_wrap_policy() {
+  return wrap::never_wrap_policy();
+}
+[[deprecated("renamed fsdp::wrap::size_based_policy")]] inline wrap::WrapPolicy size_based_policy(
+    int64_t min_numel) {
+  return wrap::size_based_policy(min_numel);
+}
+[[deprecated("renamed fsdp::wrap::module_type_policy")]] inline wrap::WrapPolicy module_type_policy(
+    std::vector<std::string> type_names) {
+  return wrap::module_type_policy(std::move(type_names));
+}
+template <class... Ms>
+[[deprecated("renamed fsdp::wrap::module_type_policy")]] wrap::WrapPolicy module_type_policy() {
+  return wrap::module_type_policy<Ms...>();
+}
+[[deprecated("renamed fsdp::wrap::predicate_policy")]] inline wrap::WrapPolicy predicate_policy(
+    std::function<bool(const std::string&, const torch::nn::Module&, int64_t)> predicate) {
+  return wrap::predicate_policy(std::move(predicate));
+}
+[[deprecated("renamed fsdp::wrap::every_kth_policy")]] inline wrap::WrapPolicy every_kth_policy(
+    int k) {
+  return wrap::every_kth_policy(k);
+}
+[[deprecated("renamed fsdp::wrap::any_policy")]] inline wrap::WrapPolicy any_policy(
+    std::vector<wrap::WrapPolicy> policies) {
+  return wrap::any_policy(std::move(policies));
+}
+[[deprecated("renamed fsdp::wrap::all_policy")]] inline wrap::WrapPolicy all_policy(
+    std::vector<wrap::WrapPolicy> policies) {
+  return wrap::all_policy(std::move(policies));
 }
 
 }  // namespace fsdp

@@ -80,7 +80,7 @@ struct Offloaded : torch::CustomClassHolder {
   c10::weak_intrusive_ptr<torch::CustomClassHolder> previous{
       c10::intrusive_ptr<torch::CustomClassHolder>()};
   int64_t bytes = 0;
-  MemoryCounter* counter = nullptr;
+  stats::MemoryCounter* counter = nullptr;
   std::mutex mu;
 
   // When the last strong reference goes (the graph is freed): weak references (the
@@ -116,7 +116,7 @@ struct Offloaded : torch::CustomClassHolder {
 thread_local c10::weak_intrusive_ptr<torch::CustomClassHolder> newest_offloaded{
     c10::intrusive_ptr<torch::CustomClassHolder>()};
 
-c10::intrusive_ptr<Offloaded> offload(const variable_list& inputs, MemoryCounter* counter) {
+c10::intrusive_ptr<Offloaded> offload(const variable_list& inputs, stats::MemoryCounter* counter) {
   auto o = c10::make_intrusive<Offloaded>();
   for (const auto& t : inputs) {
     o->requires_grad.push_back(t.defined() && t.requires_grad());

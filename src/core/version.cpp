@@ -8,8 +8,8 @@ const char* version() { return FSDP_VERSION_STRING; }
 
 std::string version_line(const std::string& tool) {
   return tool + " (fsdp-libtorch) " + version() + ", checkpoint format " +
-         std::to_string(kCheckpointFormatBaseVersion) + " (reads 1 to " +
-         std::to_string(kCheckpointFormatVersion) + ")";
+         std::to_string(ckpt::kCheckpointFormatBaseVersion) + " (reads 1 to " +
+         std::to_string(ckpt::kCheckpointFormatVersion) + ")";
 }
 
 }  // namespace fsdp

@@ -884,7 +884,7 @@ void ConfigReader::zero_tuning(const json& z, int stage) {
     boolean(std::string("zero_optimization.") + k, z[k]);
     note(std::string("zero_optimization.") + k, z[k], false,
          "checkpoints are sharded; a consolidated file of the full weights is written by "
-         "fsdp::export_consolidated / fsdp-consolidate (train_gpt --consolidate-to)");
+         "fsdp::ckpt::export_consolidated / fsdp-consolidate (train_gpt --consolidate-to)");
   }
 }
 

@@ -85,7 +85,7 @@ std::shared_ptr<Work> CommContext::all_gather(FlatParam& flat) {
     return std::make_shared<ThenWork>(work, [join]() { join(); });
   }
   // The input is freed with this function object, once the work has run it.
-  MemoryCounter* counter = in.counter;
+  stats::MemoryCounter* counter = in.counter;
   const int64_t bytes = in.held_bytes;
   at::Tensor held = in.input;
   return std::make_shared<ThenWork>(work, [counter, join, bytes, held]() {

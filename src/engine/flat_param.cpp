@@ -177,7 +177,7 @@ FlatParam::GatherInput FlatParam::gather_input() {
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
   // host is the device; Note [Offload transfers]). The collective's work keeps it alive.
-  MemoryCounter* counter =
+  stats::MemoryCounter* counter =
       cfg_.offload ? &cfg_.acct->mem.offload_buffers : &cfg_.acct->mem.comm_buffers;
   if (cfg_.offload && cfg_.keep_device_params) {
     // Note [Offload granularity]: the device copy stays; it is copied again only once

@@ -117,7 +117,8 @@ class FlatParam {
     at::Tensor staging;
     /// keep_device_params: the device copy refreshed now (its transfer stream joins).
     at::Tensor copied;
-    MemoryCounter* counter = nullptr;  ///< where `held_bytes` of input are counted until done
+    stats::MemoryCounter* counter =
+        nullptr;  ///< where `held_bytes` of input are counted until done
     int64_t held_bytes = 0;
   };
   /// Restores the full buffer's storage and prepares the gather's input: the shard cast

@@ -80,8 +80,10 @@ void mark_built(WrapNode& node) {
 }
 
 // Bottom-up: decide units, and return the parameters this node passes to its parent.
-std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const WrapPolicy& policy,
-                                                       const WrapPolicy& keep_fp32, bool is_root) {
+std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node,
+                                                       const wrap::WrapPolicy& policy,
+                                                       const wrap::WrapPolicy& keep_fp32,
+                                                       bool is_root) {
   if (node.built) {
     mark_built(node);
     return {};
@@ -98,7 +100,7 @@ std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const Wra
   }
   int64_t numel = 0;
   for (const auto& p : owned) numel += p.second.numel();
-  WrapContext ctx{node.fqn, *node.wp->wrapped(), numel};
+  wrap::WrapContext ctx{node.fqn, *node.wp->wrapped(), numel};
   node.keep_fp32 = !is_root && keep_fp32 && keep_fp32(ctx);
   node.is_unit = is_root || node.keep_fp32 || policy(ctx);
   node.params = std::move(owned);
@@ -107,12 +109,13 @@ std::vector<std::pair<std::string, at::Tensor>> decide(WrapNode& node, const Wra
 }
 
 // Pre-order, so that every_kth_policy counts wrap points in module order.
-void mark_checkpointed(WrapNode& node, const WrapPolicy& policy,
+void mark_checkpointed(WrapNode& node, const wrap::WrapPolicy& policy,
                        std::vector<std::pair<WrapPointImpl*, std::string>>& out) {
   for (auto& c : node.children) {
     int64_t numel = 0;
     for (const auto& p : c->wp->wrapped()->parameters()) numel += p.numel();
-    if (policy(WrapContext{c->fqn, *c->wp->wrapped(), numel})) out.emplace_back(c->wp, c->fqn);
+    if (policy(wrap::WrapContext{c->fqn, *c->wp->wrapped(), numel}))
+      out.emplace_back(c->wp, c->fqn);
     mark_checkpointed(*c, policy, out);
   }
 }
@@ -461,7 +464,7 @@ void shard_at_construction(WrapPointImpl& wp, ConstructionState& scope) {
   construction_params(*wp.wrapped(), "", params);
   int64_t numel = 0;
   for (const auto& p : params) numel += p.second.numel();
-  const WrapContext ctx{"", *wp.wrapped(), numel};
+  const wrap::WrapContext ctx{"", *wp.wrapped(), numel};
   const auto& mp = o.mixed_precision;
   const bool keep_fp32 =
       mp.param_dtype != at::kFloat && mp.keep_fp32_policy && mp.keep_fp32_policy(ctx);

@@ -15,12 +15,12 @@ std::shared_ptr<Transfers> make_cuda_transfers(at::Device device) {
 }  // namespace fsdp::detail
 
 namespace fsdp {
-DeviceMemory device_memory(const c10::Device& device) {
+stats::DeviceMemory stats::device_memory(const c10::Device& device) {
   TORCH_CHECK(false, "device_memory(", device,
               "): fsdp was built against a CPU-only LibTorch, which has no CUDA caching "
               "allocator; rebuild against a CUDA LibTorch");
 }
-void reset_device_peak_memory(const c10::Device& device) {
+void stats::reset_device_peak_memory(const c10::Device& device) {
   TORCH_CHECK(false, "reset_device_peak_memory(", device,
               "): fsdp was built against a CPU-only LibTorch, which has no CUDA caching "
               "allocator; rebuild against a CUDA LibTorch");

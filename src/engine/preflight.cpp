@@ -102,7 +102,7 @@ ShardingOptions resolve_deprecated_options(const ShardingOptions& given) {
 
 void validate_sharding_options(const ShardingOptions& o) {
   TORCH_CHECK(o.auto_wrap_policy != nullptr,
-              "ShardingOptions::auto_wrap_policy is empty; use fsdp::never_wrap_policy() to "
+              "ShardingOptions::auto_wrap_policy is empty; use fsdp::wrap::never_wrap_policy() to "
               "shard everything as one unit");
   core_checked([&] { core::validate(core_options(o, false), core::Surface::kApi); });
   const QuantizedCommunication& q = o.quantized_communication;

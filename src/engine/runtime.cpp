@@ -272,7 +272,7 @@ void Runtime::reshard_changed() {
 void Runtime::pre_forward(Unit& u) {
   if (u.is_root() && at::GradMode::is_enabled() && phase_ == Phase::kIdle) {
     phase_ = Phase::kForward;  // a new iteration: its own step counters
-    acct_.comm.step = CommStats();
+    acct_.comm.step = stats::CommStats();
   }
   if (u.is_root() && phase_ != Phase::kBackward) {
     // Slices a forward left for a backward that never came (Note [Post-forward slices])

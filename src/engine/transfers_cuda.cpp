@@ -133,19 +133,19 @@ c10::DeviceIndex cuda_index_of(const c10::Device& device, const char* what) {
 
 }  // namespace
 
-DeviceMemory device_memory(const c10::Device& device) {
-  const auto stats =
+stats::DeviceMemory stats::device_memory(const c10::Device& device) {
+  const auto device_stats =
       c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index_of(device, "device_memory"));
   const auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   DeviceMemory m;
-  m.allocated = stats.allocated_bytes[all].current;
-  m.peak_allocated = stats.allocated_bytes[all].peak;
-  m.reserved = stats.reserved_bytes[all].current;
-  m.peak_reserved = stats.reserved_bytes[all].peak;
+  m.allocated = device_stats.allocated_bytes[all].current;
+  m.peak_allocated = device_stats.allocated_bytes[all].peak;
+  m.reserved = device_stats.reserved_bytes[all].current;
+  m.peak_reserved = device_stats.reserved_bytes[all].peak;
   return m;
 }
 
-void reset_device_peak_memory(const c10::Device& device) {
+void stats::reset_device_peak_memory(const c10::Device& device) {
   c10::cuda::CUDACachingAllocator::resetPeakStats(
       cuda_index_of(device, "reset_device_peak_memory"));
 }

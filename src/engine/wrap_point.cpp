@@ -96,7 +96,7 @@ namespace {
 detail::Runtime& runtime_of(const ShardedModel& m) { return detail::EngineAccess::runtime(m); }
 }  // namespace
 
-MemoryStats ShardedModel::memory_stats() const {
+stats::MemoryStats ShardedModel::memory_stats() const {
   auto& rt = runtime_of(*this);
   rt.recount_grads();
   return rt.acct().mem;
@@ -104,14 +104,14 @@ MemoryStats ShardedModel::memory_stats() const {
 
 void ShardedModel::reset_peak_memory() {
   auto& m = runtime_of(*this).acct().mem;
-  for (MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params,
-                           &m.post_forward_params, &m.comm_buffers, &m.checkpoint_buffers,
-                           &m.offload_buffers, &m.checkpoint_staging, &m.nvme_params}) {
+  for (stats::MemoryCounter* c : {&m.sharded_params, &m.grad_shards, &m.gathered_params,
+                                  &m.post_forward_params, &m.comm_buffers, &m.checkpoint_buffers,
+                                  &m.offload_buffers, &m.checkpoint_staging, &m.nvme_params}) {
     c->peak = c->current;
   }
 }
 
-CommCounters ShardedModel::comm_stats() const { return runtime_of(*this).acct().comm; }
+stats::CommCounters ShardedModel::comm_stats() const { return runtime_of(*this).acct().comm; }
 
 const ShardingOptions& ShardedModel::sharding_options() const {
   return runtime_of(*this).options();

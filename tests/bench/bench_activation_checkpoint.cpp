@@ -39,7 +39,7 @@ int run_mode(bool ckpt) {
   cfg.block_size = 128;
   torch::manual_seed(0);
   fsdp::ShardingOptions o;
-  if (ckpt) o.checkpoint_policy = fsdp::module_type_policy<gpt::Block>();
+  if (ckpt) o.checkpoint_policy = fsdp::wrap::module_type_policy<gpt::Block>();
   auto model = fsdp::fully_shard(gpt::GPT(cfg), o);
   torch::optim::AdamW opt(model.sharded_parameters(), torch::optim::AdamWOptions(1e-4));
   auto rows = torch::randint(0, 256, {8, cfg.block_size + 1}, torch::kLong);

@@ -161,7 +161,7 @@ int main(int argc, char** argv) {
   std::cout << "checkpoint benchmark: " << layers << " units, " << mb
             << " MiB of fp32 parameters, dir " << dir << "\n";
 
-  fsdp::TrainingState st;
+  fsdp::ckpt::TrainingState st;
   st.step = 1;
   // Warm-up (file system metadata, page cache state), then measure alternately.
   const std::string raw = dir + "/raw.bin";
@@ -176,24 +176,24 @@ int main(int argc, char** argv) {
     // the save instead, the save needed pages the guest had never touched, and on a
     // virtual machine the first touch of those costs more than the write itself (a
     // plain write() of 1 GiB here: 0.23 s on reused pages, 2.0-2.7 s on fresh ones).
-    if (auto latest = fsdp::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
+    if (auto latest = fsdp::ckpt::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
     double t0 = now_s();
-    fsdp::SaveOptions so;
+    fsdp::ckpt::SaveOptions so;
     so.verbose = std::getenv("BENCH_VERBOSE") != nullptr;
     st.step = rep + 1;
-    fsdp::save_sharded_checkpoint(dir + "/sharded", model, nullptr, st, so);
+    fsdp::ckpt::save_sharded_checkpoint(dir + "/sharded", model, nullptr, st, so);
     t_save = std::min(t_save, now_s() - t0);
     // Warm: the files are in the page cache (read right after writing).
     t_raw_r = std::min(t_raw_r, raw_read(raw, shards));
     t0 = now_s();
-    fsdp::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
+    fsdp::ckpt::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
     t_load = std::min(t_load, now_s() - t0);
     // Cold: evicted from the page cache first (a resume after a restart).
     evict(raw);
     t_raw_rc = std::min(t_raw_rc, raw_read(raw, shards));
     evict(dir + "/sharded");
     t0 = now_s();
-    fsdp::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
+    fsdp::ckpt::load_sharded_checkpoint(dir + "/sharded", model, nullptr, nullptr);
     t_load_c = std::min(t_load_c, now_s() - t0);
   }
   // Asynchronous saves: how long training waits (the staging copy and the name agreement)
@@ -203,11 +203,11 @@ int main(int argc, char** argv) {
   // from its second save on, and what the metric reports.
   double t_blocked_first = 0, t_blocked = 1e30, t_async_total = 1e30;
   for (int rep = 0; rep < 4; ++rep) {
-    if (auto latest = fsdp::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
+    if (auto latest = fsdp::ckpt::latest_checkpoint(dir + "/sharded")) fs::remove_all(*latest);
     st.step = 100 + rep;
     const double t0 = now_s();
-    fsdp::AsyncSave pending =
-        fsdp::save_sharded_checkpoint_async(dir + "/sharded", model, nullptr, st);
+    fsdp::ckpt::AsyncSave pending =
+        fsdp::ckpt::save_sharded_checkpoint_async(dir + "/sharded", model, nullptr, st);
     const double blocked = now_s() - t0;
     pending.wait();
     if (rep == 0) {
@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
       t_async_total = std::min(t_async_total, now_s() - t0);
     }
   }
-  fsdp::release_checkpoint_staging(model);
+  fsdp::ckpt::release_checkpoint_staging(model);
   std::printf("%-40s %10s %10s\n", "", "seconds", "MiB/s");
   std::printf("%-40s %10.3f %10.0f\n", "raw write (write + fsync)", t_raw_w, mb / t_raw_w);
   std::printf("%-40s %10.3f %10.0f\n", "sharded save (HDF5, checksums, fsync)", t_save,
@@ -271,13 +271,13 @@ int main(int argc, char** argv) {
   // The live exports: rank 0 gathers one unit at a time, so it grows by about one unit's
   // full fp32 parameters (here one layer, the largest parameter too) plus a write buffer.
   model.reset_peak_memory();
-  const double live_h5 =
-      rss_growth_mib([&] { fsdp::export_consolidated(dir + "/live.h5", model, nullptr, st); });
+  const double live_h5 = rss_growth_mib(
+      [&] { fsdp::ckpt::export_consolidated(dir + "/live.h5", model, nullptr, st); });
   const double live_h5_counted =
       static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
   model.reset_peak_memory();
   const double live_st =
-      rss_growth_mib([&] { fsdp::export_safetensors(dir + "/live_st", model, st); });
+      rss_growth_mib([&] { fsdp::ckpt::export_safetensors(dir + "/live_st", model, st); });
   const double live_st_counted =
       static_cast<double>(model.memory_stats().checkpoint_buffers.peak) / 1048576.0;
   std::printf("export_consolidated (live): RSS +%.1f MiB (gathered flats counted: %.1f MiB)\n",

@@ -143,15 +143,15 @@ void empty_cache(const torch::Device& d) {
 }
 
 int64_t allocated(const torch::Device& d) {
-  return d.is_cuda() ? fsdp::device_memory(d).allocated : 0;
+  return d.is_cuda() ? fsdp::stats::device_memory(d).allocated : 0;
 }
 int64_t peak_allocated(const torch::Device& d) {
-  return d.is_cuda() ? fsdp::device_memory(d).peak_allocated : 0;
+  return d.is_cuda() ? fsdp::stats::device_memory(d).peak_allocated : 0;
 }
 void reset_peak(const torch::Device& d) {
   if (!d.is_cuda()) return;
   torch::cuda::synchronize();
-  fsdp::reset_device_peak_memory(d);
+  fsdp::stats::reset_device_peak_memory(d);
 }
 
 // Runs `steps` (which builds a model, trains and resets the peak where it wants) and

@@ -151,7 +151,7 @@ ParamRun param_run(const std::string& dir, int64_t params, int64_t buffer_bytes,
   c.block_size = 128;
   c.n_layer = std::max<int64_t>(1, params / (12 * 512 * 512));
   fsdp::ShardingOptions o;
-  o.auto_wrap_policy = fsdp::module_type_policy<gpt::Block>();
+  o.auto_wrap_policy = fsdp::wrap::module_type_policy<gpt::Block>();
   o.mixed_precision.param_dtype = torch::kBFloat16;
   o.mixed_precision.reduce_dtype = torch::kBFloat16;
   if (files) {

@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   fsdp::ProcessGroupOptions pgo;
   pgo.backend = fsdp::backend_for(opts.device);
   opts.process_group = fsdp::init_process_group(pgo);
-  opts.auto_wrap_policy = fsdp::module_type_policy<ResidualBlock>();
+  opts.auto_wrap_policy = fsdp::wrap::module_type_policy<ResidualBlock>();
   const int rank = opts.process_group.rank();
 
   // A fixed random teacher labels the data; every rank trains on its own rows.
@@ -106,18 +106,18 @@ int main(int argc, char** argv) {
   check(saved_stats.gathered_params.current == 0, "parameters stayed gathered after the step",
         rank);
 
-  fsdp::TrainingState state;
+  fsdp::ckpt::TrainingState state;
   state.step = steps;
   state.extra["app"] = "consumer";
-  const std::string path = fsdp::save_sharded_checkpoint(dir, model, &opt, state);
+  const std::string path = fsdp::ckpt::save_sharded_checkpoint(dir, model, &opt, state);
   const auto saved = fsdp::full_state_dict(model);
 
   // A fresh model (other initial weights) and optimizer, restored from the checkpoint.
   torch::manual_seed(1);
   auto restored = fsdp::fully_shard(Classifier(16, 32, 4, 3), opts);
   fsdp::FusedAdamW opt2(restored, torch::optim::AdamWOptions(3e-3));
-  fsdp::TrainingState got;
-  fsdp::load_sharded_checkpoint(dir, restored, &opt2, &got);
+  fsdp::ckpt::TrainingState got;
+  fsdp::ckpt::load_sharded_checkpoint(dir, restored, &opt2, &got);
   check(got.step == steps && got.extra["app"] == "consumer",
         "the training state did not round-trip", rank);
   const auto loaded = fsdp::full_state_dict(restored);

@@ -47,7 +47,7 @@ struct Given {
   torch::Tensor loss, x, y;
   torch::nn::Sequential layers;
   int64_t step = 0;
-  fsdp::TrainingState st;
+  fsdp::ckpt::TrainingState st;
   std::shared_ptr<torch::nn::Module> plain_module;
 };
 }  // namespace doc_blocks

@@ -2,7 +2,7 @@
 """The names the public API puts directly into namespace fsdp (issue 54: at most 60, as
 LibTorch keeps torch:: small and puts concepts in torch::nn, torch::optim).
 
-  tests/lint/public_names.py [--root DIR] [--max N] [--list]
+  tests/lint/public_names.py [--root DIR] [--max N] [--list] [--doc FILE]
 
 Reads the headers <fsdp/fsdp.h> includes (the whole public API; the tools' headers under
 include/fsdp/tools/ are not part of it) and lists each name declared at the top level of
@@ -10,7 +10,9 @@ include/fsdp/tools/ are not part of it) and lists each name declared at the top 
 once), variables and templates. Names in nested namespaces (fsdp::detail, fsdp::core, ...)
 and names marked [[deprecated]] (aliases kept for one release) do not count. The headers
 are clang-format'ed, which the parse relies on: comments and strings are blanked first,
-then braces are counted. --max N: exit 1 when there are more than N.
+then braces are counted. --max N: exit 1 when there are more than N. --doc FILE: exit 1
+unless FILE's table of public names (docs/guide/api.md, "Every public name": a row whose
+first cell names them in backticks) has a row for each name.
 """
 import argparse
 import os
@@ -123,6 +125,7 @@ def main():
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     ap.add_argument("--max", type=int)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--doc")
     args = ap.parse_args()
     current, deprecated = {}, set()
     for h in headers(args.root):
@@ -144,6 +147,16 @@ def main():
               "into detail or a concept's namespace (fsdp::ckpt, fsdp::pipeline, ...), keeping a "
               "[[deprecated]] alias where a user may have written it")
         return 1
+    if args.doc:
+        with open(args.doc, encoding="utf-8") as f:
+            rows = [line.split("|")[1] for line in f if line.startswith("| `")]
+        documented = {n for cell in rows for n in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", cell)}
+        missing = sorted(set(current) - documented)
+        if missing:
+            print(f"public_names: {args.doc} has no row for {', '.join(missing)}: add one, with a line "
+                  "on what it is for")
+            return 1
+        print(f"public_names: {args.doc} has a row for each of the {len(current)} names")
     return 0
 
 

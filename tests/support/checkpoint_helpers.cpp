@@ -25,7 +25,7 @@ std::string scratch_dir(const std::string& tag) {
   return d;
 }
 
-ShardingOptions options_for(const ProcessGroup& pg, WrapPolicy policy) {
+ShardingOptions options_for(const ProcessGroup& pg, wrap::WrapPolicy policy) {
   ShardingOptions o;
   o.process_group = pg;
   o.auto_wrap_policy = std::move(policy);
@@ -58,8 +58,8 @@ std::string file_bytes_of(const std::string& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-TrainingState sample_state(int64_t step) {
-  TrainingState st;
+ckpt::TrainingState sample_state(int64_t step) {
+  ckpt::TrainingState st;
   st.step = step;
   st.scheduler = {{"last_step", static_cast<double>(step)}, {"warmup", 10.0}};
   st.extra = {{"data_position", std::to_string(step * kRows)}, {"note", "resume me"}};

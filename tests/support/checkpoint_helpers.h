@@ -24,7 +24,8 @@ constexpr int64_t kRows = 12;  // divisible by 1, 2, 3 and 4 ranks
 /// (they inherit the environment variable that names it).
 std::string scratch_dir(const std::string& tag);
 
-ShardingOptions options_for(const ProcessGroup& pg, WrapPolicy policy = always_wrap_policy());
+ShardingOptions options_for(const ProcessGroup& pg,
+                            wrap::WrapPolicy policy = wrap::always_wrap_policy());
 
 torch::optim::AdamW make_adamw(const ShardedModel& model);
 
@@ -51,7 +52,7 @@ std::string error_of(const std::function<void()>& fn);
 std::string file_bytes_of(const std::string& p);
 
 /// A training state with every part set: scheduler, extra, loss scaler, model attributes.
-TrainingState sample_state(int64_t step);
+ckpt::TrainingState sample_state(int64_t step);
 
 /// Every shard element of checkpoint `step` holds the value `step`, so a load that mixed
 /// files of two checkpoints would show.

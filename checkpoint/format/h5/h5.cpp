@@ -265,7 +265,7 @@ std::vector<std::string> children(hid_t group, const std::string& where) {
   return out;
 }
 
-void set_attr(hid_t obj, const std::string& name, const AttrValue& v) {
+void set_attr(hid_t obj, const std::string& name, const ckpt::AttrValue& v) {
   quiet();
   if (H5Aexists(obj, name.c_str()) > 0) H5Adelete(obj, name.c_str());
   Obj space(H5Screate(H5S_SCALAR), H5Sclose);
@@ -296,7 +296,7 @@ bool has_attr(hid_t obj, const std::string& name) {
   return r > 0;
 }
 
-AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where) {
+ckpt::AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where) {
   quiet();
   TORCH_CHECK(has_attr(obj, name), where, ": attribute '", name, "' is missing");
   Obj a(H5Aopen(obj, name.c_str(), H5P_DEFAULT), H5Aclose);
@@ -347,14 +347,14 @@ AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where)
 }
 
 int64_t get_int(hid_t obj, const std::string& name, const std::string& where) {
-  AttrValue v = get_attr(obj, name, where);
+  ckpt::AttrValue v = get_attr(obj, name, where);
   TORCH_CHECK(std::holds_alternative<int64_t>(v), where, ": attribute '", name,
               "' should be an integer");
   return std::get<int64_t>(v);
 }
 
 double get_double(hid_t obj, const std::string& name, const std::string& where) {
-  AttrValue v = get_attr(obj, name, where);
+  ckpt::AttrValue v = get_attr(obj, name, where);
   if (const auto* i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
   TORCH_CHECK(std::holds_alternative<double>(v), where, ": attribute '", name,
               "' should be a number");
@@ -362,7 +362,7 @@ double get_double(hid_t obj, const std::string& name, const std::string& where) 
 }
 
 std::string get_string(hid_t obj, const std::string& name, const std::string& where) {
-  AttrValue v = get_attr(obj, name, where);
+  ckpt::AttrValue v = get_attr(obj, name, where);
   TORCH_CHECK(std::holds_alternative<std::string>(v), where, ": attribute '", name,
               "' should be a string");
   return std::get<std::string>(v);

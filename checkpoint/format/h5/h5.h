@@ -62,9 +62,9 @@ bool exists(hid_t loc, const std::string& name);
 /// Names of the direct children of a group, in creation order when tracked, else name order.
 std::vector<std::string> children(hid_t group, const std::string& where);
 
-void set_attr(hid_t obj, const std::string& name, const AttrValue& v);
+void set_attr(hid_t obj, const std::string& name, const ckpt::AttrValue& v);
 bool has_attr(hid_t obj, const std::string& name);
-AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where);
+ckpt::AttrValue get_attr(hid_t obj, const std::string& name, const std::string& where);
 int64_t get_int(hid_t obj, const std::string& name, const std::string& where);
 double get_double(hid_t obj, const std::string& name, const std::string& where);
 std::string get_string(hid_t obj, const std::string& name, const std::string& where);

@@ -34,10 +34,10 @@ inline std::array<std::pair<const char*, double*>, 2> llama_real_fields(Config& 
   return {{{"rope_theta", &cfg.rope_theta}, {"rms_norm_eps", &cfg.rms_norm_eps}}};
 }
 
-/// The attributes of `cfg` (a checkpoint's fsdp::TrainingState::model_attrs). A Llama's
+/// The attributes of `cfg` (a checkpoint's fsdp::ckpt::TrainingState::model_attrs). A Llama's
 /// also name its arch and its further fields.
-inline std::map<std::string, fsdp::AttrValue> architecture_attrs(Config cfg) {
-  std::map<std::string, fsdp::AttrValue> attrs;
+inline std::map<std::string, fsdp::ckpt::AttrValue> architecture_attrs(Config cfg) {
+  std::map<std::string, fsdp::ckpt::AttrValue> attrs;
   for (const auto& [key, field] : architecture_fields(cfg)) attrs.emplace(key, *field);
   if (cfg.arch == "llama") {
     if (cfg.max_positions == 0) cfg.max_positions = cfg.block_size;

@@ -32,8 +32,8 @@ CheckpointPolicy::CheckpointPolicy(const Flags& flags, fsdp::PipelinedModel& pip
 
 // Enough for generate (the architecture) and for an exact resume (the step; batches are
 // a function of the step and the seed).
-fsdp::TrainingState CheckpointPolicy::training_state(int64_t step) const {
-  fsdp::TrainingState st;
+fsdp::ckpt::TrainingState CheckpointPolicy::training_state(int64_t step) const {
+  fsdp::ckpt::TrainingState st;
   st.step = step;
   st.model_attrs = architecture_attrs(flags_.model);
   // A Hugging Face family under its own names: config.json rides along, so that
@@ -49,7 +49,7 @@ fsdp::TrainingState CheckpointPolicy::training_state(int64_t step) const {
 int64_t CheckpointPolicy::resume() {
   if (!ckpt_.resume) return 0;
   const std::string& dir = ckpt_.save_dir;
-  auto latest = fsdp::latest_checkpoint(dir);
+  auto latest = fsdp::ckpt::latest_checkpoint(dir);
   if (!latest) {
     if (main_rank_) {
       std::cout << program() << ": --resume: no checkpoint in " << dir
@@ -57,10 +57,10 @@ int64_t CheckpointPolicy::resume() {
     }
     return 0;
   }
-  fsdp::TrainingState st;
+  fsdp::ckpt::TrainingState st;
   io_log_.timed("load", [&] {
-    return pipeline_ ? fsdp::load_sharded_checkpoint(dir, *pipeline_, &opt_, &st).path
-                     : fsdp::load_sharded_checkpoint(dir, model_, &opt_, &st).path;
+    return pipeline_ ? fsdp::ckpt::load_sharded_checkpoint(dir, *pipeline_, &opt_, &st).path
+                     : fsdp::ckpt::load_sharded_checkpoint(dir, model_, &opt_, &st).path;
   });
   const std::string seed = std::to_string(flags_.training.seed);
   if (st.extra.count("seed") && st.extra.at("seed") != seed && main_rank_) {
@@ -85,16 +85,17 @@ bool CheckpointPolicy::due(int64_t steps_done) const {
 void CheckpointPolicy::save(int64_t steps_done) {
   if (ckpt_.async_save) log_staging_wait();  // the save before, its staging long done
   io_log_.timed("save", [&] {
-    const fsdp::TrainingState st = training_state(steps_done);
+    const fsdp::ckpt::TrainingState st = training_state(steps_done);
     if (!ckpt_.async_save) {
-      return pipeline_
-                 ? fsdp::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
-                 : fsdp::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_, st, save_opts_);
+      return pipeline_ ? fsdp::ckpt::save_sharded_checkpoint(ckpt_.save_dir, *pipeline_, &opt_, st,
+                                                             save_opts_)
+                       : fsdp::ckpt::save_sharded_checkpoint(ckpt_.save_dir, model_, &opt_, st,
+                                                             save_opts_);
     }
-    pending_ =
-        pipeline_
-            ? fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, *pipeline_, &opt_, st, save_opts_)
-            : fsdp::save_sharded_checkpoint_async(ckpt_.save_dir, model_, &opt_, st, save_opts_);
+    pending_ = pipeline_ ? fsdp::ckpt::save_sharded_checkpoint_async(ckpt_.save_dir, *pipeline_,
+                                                                     &opt_, st, save_opts_)
+                         : fsdp::ckpt::save_sharded_checkpoint_async(ckpt_.save_dir, model_, &opt_,
+                                                                     st, save_opts_);
     return pending_.path();
   });
   last_saved_ = steps_done;
@@ -117,14 +118,14 @@ void CheckpointPolicy::finish(int64_t final_step) {
               << std::endl;
   }
   if (!ckpt_.consolidate_to.empty()) {
-    fsdp::ExportOptions eo;
+    fsdp::ckpt::ExportOptions eo;
     io_log_.timed("export", [&] {
       if (pipeline_) {  // Note [Pipelined exports]: through a sharded checkpoint
-        fsdp::export_consolidated(ckpt_.consolidate_to, *pipeline_, nullptr,
-                                  training_state(final_step), eo);
+        fsdp::ckpt::export_consolidated(ckpt_.consolidate_to, *pipeline_, nullptr,
+                                        training_state(final_step), eo);
       } else {
-        fsdp::export_consolidated(ckpt_.consolidate_to, model_, nullptr, training_state(final_step),
-                                  eo);
+        fsdp::ckpt::export_consolidated(ckpt_.consolidate_to, model_, nullptr,
+                                        training_state(final_step), eo);
       }
       return ckpt_.consolidate_to;
     });

@@ -40,7 +40,7 @@ class CheckpointPolicy {
 
  private:
   /// What a checkpoint carries besides weights and optimizer state.
-  fsdp::TrainingState training_state(int64_t step) const;
+  fsdp::ckpt::TrainingState training_state(int64_t step) const;
   /// --io-log: how long training waited for the save in flight's background staging.
   void log_staging_wait();
 
@@ -52,11 +52,11 @@ class CheckpointPolicy {
   fsdp::PipelinedModel* pipeline_ = nullptr;  ///< a pipelined run's model; null otherwise
   bool main_rank_;
   IoLog io_log_;
-  fsdp::SaveOptions save_opts_;
+  fsdp::ckpt::SaveOptions save_opts_;
   /// The step of the newest checkpoint (or the resumed one); -1 before any, so that a
   /// fresh run of --steps 0 with --save-dir saves step 0 (a conversion).
   int64_t last_saved_ = -1;
-  fsdp::AsyncSave pending_;  ///< --async-save: the save in flight
+  fsdp::ckpt::AsyncSave pending_;  ///< --async-save: the save in flight
 };
 
 }  // namespace lm

@@ -343,9 +343,9 @@ void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseR
     apply_hf_dir(file, cfg, r);
     return;
   }
-  std::map<std::string, fsdp::AttrValue> attrs;
+  std::map<std::string, fsdp::ckpt::AttrValue> attrs;
   try {
-    attrs = fsdp::consolidated_attributes(file);
+    attrs = fsdp::ckpt::consolidated_attributes(file);
   } catch (const c10::Error& e) {
     throw UsageError("--init-from " + file + ": not a consolidated checkpoint (" +
                      e.what_without_backtrace() + ")");
@@ -386,7 +386,7 @@ void apply_init_file(const std::string& file, Config& cfg, const cxxopts::ParseR
                      theirs + " for it");
   }
   if (cfg.arch != "llama") return;
-  auto number = [&](const char* key) -> const fsdp::AttrValue& {
+  auto number = [&](const char* key) -> const fsdp::ckpt::AttrValue& {
     auto it = attrs.find(key);
     if (it == attrs.end())
       throw UsageError("--init-from " + file + " has no attribute " + key +

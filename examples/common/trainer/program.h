@@ -33,7 +33,7 @@ struct Program {
   std::string arch;         ///< the model family (Config::arch): "gpt" or "llama"
   std::string description;  ///< --help's first line
   /// The family's repeated block: what --wrap block and --activation-checkpointing pick.
-  fsdp::WrapPolicy block_policy;
+  fsdp::wrap::WrapPolicy block_policy;
   std::function<BuiltModel(const Config&, const fsdp::ShardingOptions&, bool sharded)> build;
   /// The model's layers for pipeline stages (--pipeline-stages), made one at a time so
   /// that a rank builds only its stage, with the weights `build` would give from the same
@@ -52,7 +52,7 @@ struct Program {
   /// are not the model's own (SafetensorsOptions::name_for and ::transpose). Empty: they
   /// are, and then checkpoints carry config.json too (model attribute "hf_config"), so
   /// that fsdp-consolidate --format safetensors writes a Hugging Face directory offline.
-  std::function<void(fsdp::SafetensorsOptions&)> hf_layout;
+  std::function<void(fsdp::ckpt::SafetensorsOptions&)> hf_layout;
 };
 
 }  // namespace lm

@@ -34,14 +34,14 @@ fsdp::ShardingStrategy parse_sharding(const std::string& s) {
   return usage_checked([&] { return fsdp::core::parse_strategy(s, "--sharding"); });
 }
 
-fsdp::WrapPolicy parse_wrap(const std::string& s, const fsdp::WrapPolicy& block) {
+fsdp::wrap::WrapPolicy parse_wrap(const std::string& s, const fsdp::wrap::WrapPolicy& block) {
   if (s == "block") return block;
-  if (s == "none") return fsdp::never_wrap_policy();
+  if (s == "none") return fsdp::wrap::never_wrap_policy();
   if (s.rfind("size:", 0) == 0) {
     try {
       size_t used = 0;
       long long n = std::stoll(s.substr(5), &used);
-      if (used == s.size() - 5 && n >= 0) return fsdp::size_based_policy(n);
+      if (used == s.size() - 5 && n >= 0) return fsdp::wrap::size_based_policy(n);
     } catch (const std::exception&) {
     }
   }
@@ -49,7 +49,8 @@ fsdp::WrapPolicy parse_wrap(const std::string& s, const fsdp::WrapPolicy& block)
                    " is unknown; use block, none or size:N (N = least parameters per unit)");
 }
 
-fsdp::WrapPolicy parse_checkpointing(const std::string& s, const fsdp::WrapPolicy& block) {
+fsdp::wrap::WrapPolicy parse_checkpointing(const std::string& s,
+                                           const fsdp::wrap::WrapPolicy& block) {
   if (s == "none") return nullptr;
   if (s == "all") return block;
   if (s.rfind("every:", 0) == 0) {
@@ -57,7 +58,7 @@ fsdp::WrapPolicy parse_checkpointing(const std::string& s, const fsdp::WrapPolic
       size_t used = 0;
       int k = std::stoi(s.substr(6), &used);
       if (used == s.size() - 6 && k >= 1) {
-        return fsdp::all_policy({block, fsdp::every_kth_policy(k)});
+        return fsdp::wrap::all_policy({block, fsdp::wrap::every_kth_policy(k)});
       }
     } catch (const std::exception&) {
     }
@@ -71,7 +72,7 @@ fsdp::WrapPolicy parse_checkpointing(const std::string& s, const fsdp::WrapPolic
 fsdp::ShardingOptions sharding_options(const std::string& precision, const std::string& sharding,
                                        int hybrid_group_size, const std::string& wrap,
                                        const std::string& activation_checkpointing,
-                                       const fsdp::WrapPolicy& block) {
+                                       const fsdp::wrap::WrapPolicy& block) {
   fsdp::ShardingOptions so;
   set_precision(precision, so.mixed_precision);
   so.strategy = parse_sharding(sharding);

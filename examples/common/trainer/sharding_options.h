@@ -15,6 +15,6 @@ namespace lm {
 fsdp::ShardingOptions sharding_options(const std::string& precision, const std::string& sharding,
                                        int hybrid_group_size, const std::string& wrap,
                                        const std::string& activation_checkpointing,
-                                       const fsdp::WrapPolicy& block);
+                                       const fsdp::wrap::WrapPolicy& block);
 
 }  // namespace lm

@@ -25,7 +25,7 @@ struct StepRecord {
   double step_s = 0;               ///< the step's wall time, in seconds
   double tokens_per_s = 0;         ///< the global batch's tokens over step_s
   int64_t peak_bytes = 0;          ///< the engine's peak: shards, gradients, gathers, buffers
-  fsdp::CommStats comm;            ///< this step's communication and offload copies
+  fsdp::stats::CommStats comm;     ///< this step's communication and offload copies
   int64_t recomputes = 0;          ///< regions recomputed so far (this rank)
   /// --offload-activations: the most bytes of checkpointed inputs held on the host at once
   int64_t offloaded_activation_bytes = 0;

@@ -103,7 +103,7 @@ Training make_training(const Flags& f, fsdp::ProcessGroup pg) {
   // program, fsdp-consolidate or another framework with h5py). Loaded before the
   // optimizer exists, so it starts fresh; a --resume that finds a checkpoint replaces them.
   if (!f.checkpoint.init_from.empty()) {
-    fsdp::import_consolidated(f.checkpoint.init_from, t.model);
+    fsdp::ckpt::import_consolidated(f.checkpoint.init_from, t.model);
     if (pg.rank() == 0)
       std::cout << program() << ": initial weights from " << f.checkpoint.init_from << std::endl;
   }
@@ -307,7 +307,7 @@ template <class Model>
 void export_hf(const Model& model, const Flags& f, const fsdp::ProcessGroup& pg, int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const std::string& d = f.checkpoint.export_dtype;
-  fsdp::TrainingState st;
+  fsdp::ckpt::TrainingState st;
   st.step = step;
   st.model_attrs = architecture_attrs(f.model);
   // export_safetensors writes it as config.json beside the weights, with their dtype.
@@ -316,10 +316,10 @@ void export_hf(const Model& model, const Flags& f, const fsdp::ProcessGroup& pg,
                                             : d == "fp16" ? "float16"
                                                           : "float32";
   st.model_attrs["hf_config"] = config.dump(2) + "\n";
-  fsdp::SafetensorsOptions o;
+  fsdp::ckpt::SafetensorsOptions o;
   o.dtype = d == "bf16" ? torch::kBFloat16 : d == "fp16" ? torch::kHalf : torch::kFloat;
   if (program_info().hf_layout) program_info().hf_layout(o);
-  fsdp::export_safetensors(f.checkpoint.export_hf, model, st, o);
+  fsdp::ckpt::export_safetensors(f.checkpoint.export_hf, model, st, o);
   if (pg.rank() == 0) {
     std::cout << program() << ": wrote a Hugging Face model (" << d << ") to "
               << f.checkpoint.export_hf << " in " << seconds_since(start) << " s" << std::endl;
@@ -402,7 +402,7 @@ fsdp::PipelinedModel build_pipeline(const Flags& f, const fsdp::ProcessGroup& pg
   torch::manual_seed(f.training.seed);
   fsdp::PipelinedModel pm = fsdp::pipeline(program_info().layers(f.model), po);
   if (!f.checkpoint.init_from.empty()) {  // each stage reads its own names
-    fsdp::import_consolidated(f.checkpoint.init_from, pm);
+    fsdp::ckpt::import_consolidated(f.checkpoint.init_from, pm);
     if (pg.rank() == 0)
       std::cout << program() << ": initial weights from " << f.checkpoint.init_from << std::endl;
   }
@@ -507,7 +507,7 @@ int run(const Program& prog, int argc, char** argv) {
   if (main_rank) {
     std::cout << program() << ": peak RSS of rank 0: " << peak_rss_mib() << " MiB\n";
     if (f.sharding.options.device.is_cuda()) {
-      const fsdp::DeviceMemory m = fsdp::device_memory(f.sharding.options.device);
+      const fsdp::stats::DeviceMemory m = fsdp::stats::device_memory(f.sharding.options.device);
       std::cout << program() << ": peak GPU memory of rank 0: " << m.peak_allocated / 1048576
                 << " MiB allocated, " << m.peak_reserved / 1048576 << " MiB reserved\n";
     }
