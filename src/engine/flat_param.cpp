@@ -1,15 +1,11 @@
 #include "flat_param.h"
 
 #include "comm/collective_ring.h"
-#include "host_heap.h"
-#include "nvme/io_engine.h"
-#include "nvme/state_file.h"
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 namespace fsdp::detail {
@@ -70,18 +66,10 @@ FlatParam::FlatParam(std::vector<ParamSlot> slots, bool trainable, const FlatCon
   }
   if (!cfg_.nvme_path.empty()) {
     // Note [NVMe parameters]: master, gradient and (16-bit compute) the optimizer's copy,
-    // each region aligned for O_DIRECT.
-    const FileLayout layout =
-        file_layout(shard_numel_, trainable_, cfg_.master_dtype, cfg_.param_dtype);
-    grad_offset_ = layout.grad;
-    copy_offset_ = layout.copy;
-    file_ = std::make_unique<nvme::StateFile>(
-        cfg_.nvme_path, layout.bytes, "ShardingOptions::offload_param.nvme_path", "parameters");
-    at::Tensor host = host_buffer(shard_numel_, cfg_.master_dtype);
-    host.copy_(shard_);
-    write_file(host, 0);
-    shard_ = file_->view(0, {shard_numel_}, cfg_.master_dtype);
-    Accounting::alloc(cfg_.acct->mem.nvme_params, file_->bytes());
+    // each region aligned for O_DIRECT, in a file of this flat parameter's.
+    file_ = std::make_unique<ShardFile>(cfg_.nvme_path, shard_, trainable_, cfg_.param_dtype,
+                                        cfg_.device, cfg_.nvme_io, cfg_.acct);
+    shard_ = file_->master_view();
   } else if (cfg_.offload) {
     // Host memory, pinned when the device is a GPU so copies can run asynchronously.
     at::Tensor host =
@@ -118,22 +106,10 @@ void FlatParam::set_names(const std::string& prefix, const std::string& label) {
 }
 
 FlatParam::~FlatParam() {
-  try {
-    drop_read();
-  } catch (const std::exception&) {
-    // A failed read leaves nothing in flight.
-  }
-  try {
-    settle_grad_write();
-  } catch (const std::exception&) {
-    // Nor does a failed write.
-  }
   release();
-  if (file_) {
-    Accounting::release(cfg_.acct->mem.nvme_params, file_->bytes());
-  } else {
+  // file_ (ShardFile) waits for its transfers in flight and releases its own count.
+  if (!file_)
     Accounting::release(cfg_.acct->mem.sharded_params, bytes_of(shard_numel_, cfg_.master_dtype));
-  }
   Accounting::release(cfg_.acct->mem.grad_shards, counted_grad_bytes_);
   if (device_params_.defined())
     Accounting::release(cfg_.acct->mem.device_param_shards,
@@ -172,7 +148,7 @@ FlatParam::GatherInput FlatParam::gather_input() {
   if (file_) {
     // Note [NVMe parameters]: the gather's input is read from the file (the optimizer's
     // copy while fresh, else the master), never through the mapping.
-    input = take_read(fresh);
+    input = file_->take_read(fresh, shard_._version());
   }
   // The gather's input in param_dtype on the device: a cast (mixed precision) or, with
   // offload, the host-to-device copy on the transfer stream (an explicit copy even when
@@ -263,7 +239,7 @@ void FlatParam::drop_slice() {
 std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out_target() {
   if (!trainable_ || cfg_.param_dtype == cfg_.master_dtype || !shard_.is_cpu()) return {};
   if (!lowp_.defined() && file_) {
-    lowp_ = file_->view(copy_offset_, {shard_numel_}, cfg_.param_dtype);  // Note [NVMe parameters]
+    lowp_ = file_->copy_view();  // Note [NVMe parameters]
     lowp_version_ = std::make_shared<std::atomic<int64_t>>(-1);
   } else if (!lowp_.defined()) {
     // Pinned on a GPU build's offload, like the shard: it is the source of the gathers' copies.
@@ -318,136 +294,26 @@ std::pair<at::Tensor, std::shared_ptr<std::atomic<int64_t>>> FlatParam::copy_out
 // and the activations. MemoryStats::sharded_params and grad_shards stay 0; nvme_params counts the
 // files (docs/design.md, "Bigger than memory").
 void FlatParam::read_ahead() {
-  if (!file_ || ahead_.ticket >= 0 || full_allocated() || slice_.defined() || shard_numel_ == 0)
-    return;
+  if (!file_ || full_allocated() || slice_.defined() || shard_numel_ == 0) return;
   const bool fresh = lowp_.defined() && lowp_version_->load() == shard_._version();
-  const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
-  ahead_.buf = host_buffer(shard_numel_, dtype);
-  ahead_.fresh = fresh;
-  ahead_.version = shard_._version();
-  ahead_.ticket = cfg_.nvme_io->submit(nvme::IoOp::kRead, file_->fd(), ahead_.buf.data_ptr(),
-                                       nvme::io_round_up(static_cast<int64_t>(ahead_.buf.nbytes())),
-                                       fresh ? copy_offset_ : 0, &file_->path());
-}
-
-void FlatParam::drop_read() {
-  if (ahead_.ticket < 0) return;
-  const int64_t ticket = ahead_.ticket;
-  ahead_.ticket = -1;
-  at::Tensor buf = std::move(ahead_.buf);  // freed only once the read is over
-  cfg_.nvme_io->wait(ticket);
-}
-
-at::Tensor FlatParam::take_read(bool fresh) {
-  const at::ScalarType dtype = fresh ? cfg_.param_dtype : cfg_.master_dtype;
-  if (ahead_.ticket >= 0 && ahead_.fresh == fresh && ahead_.version == shard_._version()) {
-    at::Tensor buf = ahead_.buf;
-    drop_read();  // waits for the read
-    cfg_.acct->count_nvme(/*read=*/true, nvme::io_round_up(static_cast<int64_t>(buf.nbytes())));
-    for (CommStats* c : {&cfg_.acct->comm.step, &cfg_.acct->comm.total}) ++c->nvme_reads_ahead;
-    return buf;
-  }
-  drop_read();  // read before the shard or its copy changed: not what is current
-  return read_file(fresh ? copy_offset_ : 0, shard_numel_, dtype);
-}
-
-FlatParam::FileLayout FlatParam::file_layout(int64_t shard_numel, bool trainable,
-                                             at::ScalarType master_dtype,
-                                             at::ScalarType param_dtype) {
-  FileLayout l;
-  const int64_t region = nvme::io_round_up(bytes_of(shard_numel, master_dtype));
-  l.grad = region;
-  l.copy = region + (trainable ? region : 0);
-  const bool copy = trainable && param_dtype != master_dtype;
-  l.bytes = l.copy + (copy ? nvme::io_round_up(bytes_of(shard_numel, param_dtype)) : 0);
-  return l;
-}
-
-at::Tensor FlatParam::host_buffer(int64_t numel, at::ScalarType dtype) const {
-  const int64_t bytes = bytes_of(numel, dtype);
-  Accounting* acct = cfg_.acct;
-  // Note [NVMe parameters]: the buffer comes from LibTorch's host allocator when that
-  // hands out blocks aligned for O_DIRECT: on a GPU the pinned one (ATen's host allocator,
-  // so disk -> host -> device and back run as DMA without a staging copy in the driver), on
-  // the CPU fsdp's block allocator (Note [Host heap]: whole pages, reused by the next read
-  // of the same size instead of mapped and faulted in afresh). Otherwise (a small buffer,
-  // another host allocator: LibTorch's default aligns to 64 bytes) an aligned buffer of its own.
-  const int64_t padded = nvme::io_round_up(std::max<int64_t>(bytes, 1));
-  const bool pinned = cfg_.device.is_cuda();
-  at::Tensor block;
-  if (pinned || (host_blocks_installed() && padded >= kLargeBlock))
-    block = at::empty({padded}, at::TensorOptions(at::kByte).pinned_memory(pinned));
-  if (block.defined() && reinterpret_cast<uintptr_t>(block.data_ptr()) % nvme::kIoAlign == 0) {
-    auto* base = static_cast<char*>(block.data_ptr());
-    std::memset(base + bytes, 0, static_cast<size_t>(padded - bytes));
-    Accounting::alloc(acct->mem.offload_buffers, padded);
-    // The deleter holds the block: it returns to its allocator with this tensor
-    // (Transfers::to_device keeps a tensor it copies from alive until the copy is done).
-    return at::from_blob(
-        base, {numel},
-        [block, acct, padded](void*) { Accounting::release(acct->mem.offload_buffers, padded); },
-        at::TensorOptions(dtype));
-  }
-  block = at::Tensor();  // an unaligned pinned block: back to its cache
-  auto buf = std::make_shared<nvme::AlignedBuffer>(bytes);
-  if (buf->bytes() > bytes)
-    std::memset(buf->data() + bytes, 0, static_cast<size_t>(buf->bytes() - bytes));
-  Accounting::alloc(acct->mem.offload_buffers, buf->bytes());
-  return at::from_blob(
-      buf->data(), {numel},
-      [buf, acct](void*) { Accounting::release(acct->mem.offload_buffers, buf->bytes()); },
-      at::TensorOptions(dtype));
-}
-
-at::Tensor FlatParam::read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const {
-  at::Tensor host = host_buffer(numel, dtype);
-  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
-  if (bytes > 0)
-    nvme::transfer_sync(nvme::IoOp::kRead, file_->fd(), host.data_ptr(), bytes, offset,
-                        file_->path());
-  cfg_.acct->count_nvme(/*read=*/true, bytes);
-  return host;
-}
-
-void FlatParam::write_file(const at::Tensor& host, int64_t offset) const {
-  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
-  if (bytes == 0) return;
-  nvme::transfer_sync(nvme::IoOp::kWrite, file_->fd(), host.data_ptr(), bytes, offset,
-                      file_->path());
-  cfg_.acct->count_nvme(/*read=*/false, bytes);
+  file_->read_ahead(fresh, shard_._version());
 }
 
 void FlatParam::store_grad(const at::Tensor& grad) {
   TORCH_INTERNAL_ASSERT(file_ && grad.numel() == shard_numel_);
   at::NoGradGuard no_grad;
-  settle_grad_write();  // an earlier gradient of this shard, to add to
+  file_->settle_grad_write();  // an earlier gradient of this shard, to add to
   const bool first = !shard_.grad().defined();
-  at::Tensor host = first ? host_buffer(shard_numel_, cfg_.master_dtype)
-                          : read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
+  file_->store_grad(grad, first);
   if (first) {
-    host.copy_(grad);  // the gradient as it is, as CommContext keeps it in memory
-  } else {
-    host.add_(grad.to(at::kCPU));  // as CommContext adds in memory
-  }
-  const int64_t bytes = nvme::io_round_up(static_cast<int64_t>(host.nbytes()));
-  if (bytes > 0) {
-    grad_write_.ticket = cfg_.nvme_io->submit(nvme::IoOp::kWrite, file_->fd(), host.data_ptr(),
-                                              bytes, grad_offset_, &file_->path());
-    grad_write_.buf = host;
-    cfg_.acct->count_nvme(/*read=*/false, bytes);
-  }
-  if (first) {
-    shard_.mutable_grad() = file_->view(grad_offset_, {shard_numel_}, cfg_.master_dtype);
+    shard_.mutable_grad() = file_->grad_view();
   } else {
     shard_.mutable_grad().unsafeGetTensorImpl()->bump_version();
   }
 }
 
 void FlatParam::settle_grad_write() {
-  if (grad_write_.ticket < 0) return;
-  const int64_t ticket = std::exchange(grad_write_.ticket, -1);
-  at::Tensor buf = std::move(grad_write_.buf);  // freed only once the write is over
-  cfg_.nvme_io->wait(ticket);
+  if (file_) file_->settle_grad_write();
 }
 
 void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& fn) {
@@ -456,11 +322,11 @@ void FlatParam::visit_grad(bool write, const std::function<void(at::Tensor&)>& f
     fn(g);
     return;
   }
-  settle_grad_write();
-  at::Tensor host = read_file(grad_offset_, shard_numel_, cfg_.master_dtype);
+  file_->settle_grad_write();
+  at::Tensor host = file_->read_grad();
   fn(host);
   if (!write) return;
-  write_file(host, grad_offset_);
+  file_->write_grad(host);
   g.unsafeGetTensorImpl()->bump_version();
 }
 

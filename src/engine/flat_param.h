@@ -6,12 +6,8 @@
 #include "accounting.h"
 #include "comm/backend.h"
 #include "comm/quantize.h"
+#include "shard_file.h"
 #include "transfers.h"
-
-namespace fsdp::detail::nvme {
-class StateFile;
-class IoEngine;
-}  // namespace fsdp::detail::nvme
 
 #include <torch/torch.h>
 
@@ -174,16 +170,8 @@ class FlatParam {
   int64_t copy_out_gathers() const { return copy_out_gathers_; }
 
   /// Note [NVMe parameters]: the shard, its gradient and its param_dtype copy are views of
-  /// a file of this flat parameter.
+  /// a file of this flat parameter (ShardFile).
   bool in_file() const { return file_ != nullptr; }
-  /// Where a file of a flat parameter keeps its parts (byte offsets; the master at 0) and
-  /// its size: each region padded to 4096 bytes; a gradient for a trainable one, and a
-  /// param_dtype copy when it computes in another dtype than its master's.
-  struct FileLayout {
-    int64_t grad = 0, copy = 0, bytes = 0;
-  };
-  static FileLayout file_layout(int64_t shard_numel, bool trainable, at::ScalarType master_dtype,
-                                at::ScalarType param_dtype);
   /// With in_file() and while sharded: queues the read of the next gather's input (the
   /// copy, or the master when the copy is stale), which gather_input() then waits for instead
   /// of reading. No-op otherwise, or when one is queued.
@@ -203,19 +191,6 @@ class FlatParam {
  private:
   /// Frees the post-forward slice, if any.
   void drop_slice();
-  /// A host tensor of `numel` `dtype` elements over a new page-aligned buffer of whole
-  /// pages (the tail zeroed), counted in offload_buffers while it lives: what the file's
-  /// O_DIRECT transfers move.
-  at::Tensor host_buffer(int64_t numel, at::ScalarType dtype) const;
-  /// With in_file(): a host_buffer() read from byte `offset` of the file.
-  at::Tensor read_file(int64_t offset, int64_t numel, at::ScalarType dtype) const;
-  /// gather_input()'s input with in_file(): the read-ahead's buffer when it read what is current
-  /// (`fresh`: the copy), else a read now.
-  at::Tensor take_read(bool fresh);
-  /// Waits for a queued read-ahead and drops it.
-  void drop_read();
-  /// With in_file(): writes a host_buffer() tensor (its whole pages) at byte `offset`.
-  void write_file(const at::Tensor& host, int64_t offset) const;
   /// Whether the full buffer currently has its storage (always, when aliased).
   bool full_allocated() const { return alias_ || full_.storage().nbytes() != 0; }
 
@@ -238,21 +213,7 @@ class FlatParam {
       -1;  ///< the shard's version device_params_ was copied at  ///< the shard's version when the
            ///< full buffer was last gathered
   int64_t counted_grad_bytes_ = 0;  ///< this shard's gradient as MemoryStats::grad_shards counts it
-  std::unique_ptr<nvme::StateFile> file_;  ///< Note [NVMe parameters]; null: in memory
-  int64_t grad_offset_ = 0;                ///< of the gradient in file_, bytes
-  int64_t copy_offset_ = 0;                ///< of the param_dtype copy in file_, bytes
-  /// A gather's input read ahead (read_ahead()), until gather_input() takes it.
-  struct ReadAhead {
-    int64_t ticket = -1;   ///< the queued read; -1: none
-    at::Tensor buf;        ///< a host_buffer() the read fills
-    bool fresh = false;    ///< of the copy (else the master)
-    int64_t version = -1;  ///< the shard's version when queued
-  } ahead_;
-  /// store_grad()'s write in flight: its ticket (-1: none) and the host_buffer() it writes.
-  struct GradWrite {
-    int64_t ticket = -1;
-    at::Tensor buf;
-  } grad_write_;
+  std::unique_ptr<ShardFile> file_;  ///< Note [NVMe parameters]; null: in memory
   std::vector<GradAccumulator> grad_accs_;
 };
 

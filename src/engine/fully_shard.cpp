@@ -326,8 +326,7 @@ int64_t unit_file_bytes(const std::vector<std::pair<std::string, at::Tensor>>& p
   int64_t bytes = 0;
   for (const auto& [n, is_trainable] : {std::pair{trainable, true}, std::pair{frozen, false}}) {
     if (n > 0)
-      bytes +=
-          FlatParam::file_layout((n + g - 1) / g, is_trainable, cfg.master_dtype, compute).bytes;
+      bytes += ShardFile::layout((n + g - 1) / g, is_trainable, cfg.master_dtype, compute).bytes;
   }
   return bytes;
 }
