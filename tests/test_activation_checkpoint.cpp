@@ -472,10 +472,11 @@ TEST(ActivationOffload, WithoutACheckpointPolicyIsAnErrorNamingTheFix) {
     fully_shard(MlpNet(), o);
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_EQ(std::string(e.what_without_backtrace()),
-              "ShardingOptions::offload_activations keeps the inputs that activation "
-              "checkpointing saves in host memory, and no block is checkpointed; set "
-              "ShardingOptions::checkpoint_policy (e.g. fsdp::wrap::module_type_policy<Block>()) too");
+    EXPECT_EQ(
+        std::string(e.what_without_backtrace()),
+        "ShardingOptions::offload_activations keeps the inputs that activation "
+        "checkpointing saves in host memory, and no block is checkpointed; set "
+        "ShardingOptions::checkpoint_policy (e.g. fsdp::wrap::module_type_policy<Block>()) too");
   }
 }
 

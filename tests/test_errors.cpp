@@ -83,7 +83,8 @@ INSTANTIATE_TEST_SUITE_P(
         ErrorCase{
             "EmptyAutoWrapPolicy",
             [] { fully_shard(MlpNet(), with([](auto& o) { o.auto_wrap_policy = nullptr; })); },
-            "ShardingOptions::auto_wrap_policy is empty; use fsdp::wrap::never_wrap_policy() to shard "
+            "ShardingOptions::auto_wrap_policy is empty; use fsdp::wrap::never_wrap_policy() to "
+            "shard "
             "everything as one unit"},
         ErrorCase{"DoubleParamDtype",
                   [] {

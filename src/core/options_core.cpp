@@ -259,7 +259,8 @@ void check_precision(const Options& o, Surface s) {
         " keeps the inputs that activation checkpointing saves in host memory, and no block is "
         "checkpointed; set " +
         name(Option::kActivationCheckpointing, s) +
-        (s == Surface::kApi ? " (e.g. fsdp::wrap::module_type_policy<Block>())" : " (all or every:K)") +
+        (s == Surface::kApi ? " (e.g. fsdp::wrap::module_type_policy<Block>())"
+                            : " (all or every:K)") +
         " too");
   }
 }
