@@ -302,9 +302,8 @@ void FlatParam::read_ahead() {
 void FlatParam::store_grad(const at::Tensor& grad) {
   TORCH_INTERNAL_ASSERT(file_ && grad.numel() == shard_numel_);
   at::NoGradGuard no_grad;
-  file_->settle_grad_write();  // an earlier gradient of this shard, to add to
   const bool first = !shard_.grad().defined();
-  file_->store_grad(grad, first);
+  file_->store_grad(grad, first);  // waits first for an earlier gradient's write, to add to
   if (first) {
     shard_.mutable_grad() = file_->grad_view();
   } else {
